@@ -1,0 +1,101 @@
+// The blocked, flash-style host attention kernels (hand-written; the JIT-generated host
+// kernels in jit/ have the same contract and use this one as their yardstick).
+//
+// Forward: online softmax over the key tiles listed by a WorkList, fp32 accumulation; the
+// partial (out, lse) of the listed keys is merged into the caller's (out, lse), so calls
+// over disjoint key sets compose (initialise with InitPartial first).
+// Backward (FlashAttention-2 style): recomputes probabilities from the final lse and adds
+// the gradients of the listed pairs into fp32 accumulators. Both are deterministic: the
+// result does not depend on the number of threads, and is bitwise the same from run to run.
+#ifndef HSAP_ATTENTION_KERNEL_H_
+#define HSAP_ATTENTION_KERNEL_H_
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "attention/dtype.h"
+#include "attention/worklist.h"
+
+namespace hsap {
+
+// Head geometry. Query head h reads key/value head kv_head_of_q[h] when that vector is
+// non-empty, else h / (heads_q / heads_kv).
+struct AttentionDims {
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+  float scale = 0.0f;  // softmax scale; must be set (no default here)
+  std::vector<int> kv_head_of_q;
+
+  int KvHead(int h) const {
+    return kv_head_of_q.empty() ? h / (heads_q / heads_kv) : kv_head_of_q[h];
+  }
+};
+
+// Checks heads (heads_q a multiple of heads_kv unless kv_head_of_q is given, entries in
+// range), head_dim in [32, 256] and a multiple of 8, scale finite and positive.
+absl::Status ValidateDims(const AttentionDims& dims);
+
+struct ForwardArgs {
+  AttentionDims dims;
+  DType dtype = DType::kF32;  // storage type of q, k, v
+  const void* q = nullptr;    // [q_rows, heads_q, head_dim]
+  int64_t q_rows = 0;
+  const void* k = nullptr;  // [k_rows, heads_kv, head_dim]
+  const void* v = nullptr;  // [k_rows, heads_kv, head_dim]
+  int64_t k_rows = 0;
+  float* out = nullptr;  // fp32 [q_rows, heads_q, head_dim], merged into
+  float* lse = nullptr;  // fp32 [heads_q, q_rows], merged into
+};
+
+struct BackwardArgs {
+  AttentionDims dims;
+  DType dtype = DType::kF32;  // storage type of q, k, v, dout
+  const void* q = nullptr;     // [q_rows, heads_q, head_dim]
+  const void* dout = nullptr;  // [q_rows, heads_q, head_dim]
+  const float* lse = nullptr;    // final lse, [heads_q, q_rows]
+  const float* delta = nullptr;  // rowsum(dout * out), [heads_q, q_rows] (ComputeDelta)
+  int64_t q_rows = 0;
+  const void* k = nullptr;  // [k_rows, heads_kv, head_dim]
+  const void* v = nullptr;
+  int64_t k_rows = 0;
+  float* dq = nullptr;  // fp32 [q_rows, heads_q, head_dim], added into
+  float* dk = nullptr;  // fp32 [k_rows, heads_kv, head_dim], added into
+  float* dv = nullptr;  // fp32 [k_rows, heads_kv, head_dim], added into
+};
+
+// Sets out to 0 and lse to -inf: the partial result of attending to no key.
+void InitPartial(float* out, float* lse, int64_t rows, int heads, int head_dim);
+
+// Tile shape of the hand-written kernel; BuildWorkList should use kKernelBlockQ.
+inline constexpr int64_t kKernelBlockQ = 64;
+inline constexpr int64_t kKernelBlockK = 64;
+
+// num_threads <= 0: all hardware threads.
+absl::Status KernelForward(const ForwardArgs& args, const WorkList& work, int num_threads);
+absl::Status KernelBackward(const BackwardArgs& args, const WorkList& work, int num_threads);
+
+// A forward/backward pair with the contract above. The executor runs whichever set it is
+// given: the hand-written kernels, or a set compiled by the JIT for one configuration.
+class KernelSet {
+ public:
+  virtual ~KernelSet() = default;
+  virtual absl::Status Forward(const ForwardArgs& args, const WorkList& work,
+                               int num_threads) const = 0;
+  virtual absl::Status Backward(const BackwardArgs& args, const WorkList& work,
+                                int num_threads) const = 0;
+  virtual std::string_view name() const = 0;
+};
+
+// KernelForward/KernelBackward as a KernelSet.
+const KernelSet& HandWrittenKernels();
+
+// delta[h, r] = sum_d dout[r, h, d] * out[r, h, d] (fp32), out and dout in `dtype`.
+void ComputeDelta(DType dtype, const void* dout, const void* out, int64_t rows, int heads,
+                  int head_dim, float* delta);
+
+}  // namespace hsap
+
+#endif  // HSAP_ATTENTION_KERNEL_H_

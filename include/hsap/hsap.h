@@ -1,0 +1,154 @@
+/*
+ * hsap — sequence-aware distributed attention for long-context LLM training.
+ *
+ * The only public header of libhsap.so. C99; every call returns hsapResult_t and never
+ * throws. On failure, hsapGetLastError() returns a message (per thread) that names the
+ * argument at fault and what to do about it.
+ *
+ * Conventions
+ *  - Tensors are packed rows in "THD" order, contiguous: [numTokens, numHeads, headDim],
+ *    like flash_attn_varlen_func. Log-sum-exp tensors are float32 [numHeadsQ, numTokens].
+ *  - Token positions and cu_seqlens are int64.
+ *  - Config structs start with size/magic/version and must be filled by their
+ *    HSAP_*_INITIALIZER macro before fields are set, so that fields can be added later
+ *    without breaking callers.
+ *  - Handles are opaque. A handle is used by one thread at a time unless stated otherwise.
+ */
+#ifndef HSAP_HSAP_H_
+#define HSAP_HSAP_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define HSAP_MAJOR 0
+#define HSAP_MINOR 1
+#define HSAP_PATCH 0
+#define HSAP_SUFFIX ""
+#define HSAP_VERSION_CODE (HSAP_MAJOR * 10000 + HSAP_MINOR * 100 + HSAP_PATCH)
+#define HSAP_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+
+/* Tag placed in the `magic` field of every config struct by its initializer. */
+#define HSAP_CONFIG_MAGIC 0x48534150u /* "HSAP" */
+
+typedef enum {
+  hsapSuccess = 0,
+  hsapInvalidArgument = 1, /* an argument is null, out of range or inconsistent */
+  hsapInvalidUsage = 2,    /* calls made in the wrong order, or ranks disagree */
+  hsapSystemError = 3,     /* the OS or a loaded library failed */
+  hsapInternalError = 4,   /* a bug in hsap: please report it */
+  hsapUnsupported = 5,     /* valid, but not supported by this build or machine */
+  hsapTimeout = 6,         /* a wait on a peer ran past the communicator's timeout */
+  hsapAborted = 7,         /* the communicator was aborted */
+  hsapCompileError = 8,    /* a JIT compile failed; the log is in hsapGetLastError() */
+  hsapOutOfMemory = 9,
+  hsapNumResults = 10
+} hsapResult_t;
+
+typedef enum { hsapFloat32 = 0, hsapBFloat16 = 1, hsapFloat16 = 2 } hsapDataType_t;
+
+/* Mask kind of one document of a packed row. */
+typedef enum {
+  hsapMaskCausal = 0,        /* token i sees tokens 0..i of its document */
+  hsapMaskFull = 1,          /* bidirectional inside the document */
+  hsapMaskPrefixLM = 2,      /* bidirectional over the first `param` tokens, causal after */
+  hsapMaskSlidingWindow = 3  /* causal, restricted to the last `param` tokens (i-param, i] */
+} hsapMaskKind_t;
+
+/* A rectangle of the (query, key) plane with a mask. Ranges are half-open token positions
+ * of the packed row. Key k is visible to query q when q is in [qBegin, qEnd), k is in
+ * [kBegin, kEnd) and:
+ *   hsapSliceFull:   always;
+ *   hsapSliceCausal: (k - kBegin) <= (q - qBegin), and, when window > 0, also
+ *                    (k - kBegin) > (q - qBegin) - window.
+ * Slices of one layout must not overlap (no (q, k) pair may be covered twice). */
+typedef enum { hsapSliceFull = 0, hsapSliceCausal = 1 } hsapSliceKind_t;
+
+typedef struct {
+  int64_t qBegin, qEnd;
+  int64_t kBegin, kEnd;
+  hsapSliceKind_t kind;
+  int64_t window; /* 0: unlimited; only with hsapSliceCausal */
+} hsapMaskSlice_t;
+
+/* A dense tensor [numTokens, numHeads, headDim], contiguous, in host memory for the host
+ * backend (device memory for the CUDA backend). */
+typedef struct {
+  void* data;
+  hsapDataType_t dtype;
+  int64_t numTokens;
+  int32_t numHeads;
+  int32_t headDim;
+} hsapTensor_t;
+
+/* ---- Version and errors -------------------------------------------------------------- */
+
+/* Writes HSAP_VERSION_CODE of the library actually loaded. */
+hsapResult_t hsapGetVersion(int* version);
+const char* hsapGetErrorString(hsapResult_t result);
+/* Detail of the last failure on the calling thread; "" when none. Valid until the next
+ * hsap call on this thread. */
+const char* hsapGetLastError(void);
+
+/* ---- Layouts: the mask of one packed row --------------------------------------------- */
+
+typedef struct hsapLayout_st* hsapLayout_t;
+
+/* Documents from cu_seqlens[0..numDocs] (cu_seqlens[0] == 0, non-decreasing; empty
+ * documents allowed). `kinds` may be NULL (all causal). `params` holds the prefix length
+ * (prefix-LM) or the window (sliding window) per document; NULL when no document needs one.
+ * The row has cu_seqlens[numDocs] tokens. */
+hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, int64_t numDocs,
+                              const hsapMaskKind_t* kinds, const int64_t* params);
+/* A row of numTokens tokens with an arbitrary block-sparse mask given as slices. */
+hsapResult_t hsapLayoutCreateFromSlices(hsapLayout_t* layout, int64_t numTokens,
+                                        const hsapMaskSlice_t* slices, int64_t numSlices);
+hsapResult_t hsapLayoutDestroy(hsapLayout_t layout);
+hsapResult_t hsapLayoutGetNumTokens(hsapLayout_t layout, int64_t* numTokens);
+/* Number of visible (query, key) pairs: the work of one head of attention. */
+hsapResult_t hsapLayoutGetVisiblePairs(hsapLayout_t layout, int64_t* pairs);
+/* The mask slices the layout compiles to. With slices == NULL only *numSlices is written;
+ * otherwise up to *numSlices are copied and *numSlices is set to the count. */
+hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices,
+                                 int64_t* numSlices);
+
+/* ---- Single-device attention on the host (the CPU analogue of flash_attn_varlen) ------- */
+
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  float softmaxScale; /* 0: 1/sqrt(headDim) */
+  int numThreads;     /* 0: every hardware thread */
+} hsapAttentionConfig_t;
+
+#define HSAP_ATTENTION_CONFIG_INITIALIZER \
+  { sizeof(hsapAttentionConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0.0f, 0 }
+
+/* out = softmax(q k^T * scale, masked by layout) v, per query head; lse receives the
+ * natural-log log-sum-exp of the scaled scores, float32 [numHeadsQ, numTokens], -inf for a
+ * query that sees no key (its output is 0). q/out: [T, Hq, D]; k/v: [T, Hkv, D] with Hq a
+ * multiple of Hkv (GQA/MQA); one dtype for all; 32 <= D <= 256, D a multiple of 8.
+ * config may be NULL (defaults). */
+hsapResult_t hsapAttentionForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,
+                                       const hsapTensor_t* q, const hsapTensor_t* k,
+                                       const hsapTensor_t* v, hsapTensor_t* out, float* lse);
+
+/* Gradients of the forward above. out and lse are the forward's outputs; dq/dk/dv are
+ * overwritten. */
+hsapResult_t hsapAttentionBackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,
+                                        const hsapTensor_t* dout, const hsapTensor_t* q,
+                                        const hsapTensor_t* k, const hsapTensor_t* v,
+                                        const hsapTensor_t* out, const float* lse,
+                                        hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv);
+
+/* @@ Later sections (communicators, batches, plans) go below this line. @@ */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* HSAP_HSAP_H_ */
