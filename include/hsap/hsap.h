@@ -145,6 +145,104 @@ hsapResult_t hsapAttentionBackwardLocal(const hsapAttentionConfig_t* config, hsa
                                         const hsapTensor_t* out, const float* lse,
                                         hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv);
 
+/* ---- Communicators ------------------------------------------------------------------ */
+
+typedef struct hsapComm_st* hsapComm_t;
+
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int timeoutMs;  /* every wait on a peer; 0: $HSAP_TIMEOUT_MS, else 300000 (5 minutes) */
+  int numThreads; /* compute threads per rank; 0: hardware threads / ranks (at least 1) */
+} hsapCommConfig_t;
+
+#define HSAP_COMM_CONFIG_INITIALIZER \
+  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0 }
+
+/* Creates nranks ranks of the host backend in this process (comms[0..nranks-1]), like
+ * ncclCommInitAll. Each rank's later calls are made from its own thread. config may be
+ * NULL. */
+hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
+/* Frees one rank. Not collective; a rank must not be destroyed while a peer still waits on
+ * it (abort first if unsure). */
+hsapResult_t hsapCommDestroy(hsapComm_t comm);
+/* Releases every rank of the communicator from its current and future waits with
+ * hsapAborted. Any thread may call it. */
+hsapResult_t hsapCommAbort(hsapComm_t comm);
+hsapResult_t hsapCommCount(hsapComm_t comm, int* count);
+hsapResult_t hsapCommUserRank(hsapComm_t comm, int* rank);
+
+/* ---- Partitions: which tokens of a packed row each rank holds ------------------------ */
+
+typedef struct hsapPartition_st* hsapPartition_t;
+
+/* Splits the row of `layout` over nranks so that each rank's attention work (visible
+ * pairs) is proportional to weights[r] (NULL: equal). Causal documents are cut head to tail
+ * (zigzag). Deterministic: the same inputs give the same partition on every rank. */
+hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout, int nranks,
+                                 const double* weights);
+hsapResult_t hsapPartitionDestroy(hsapPartition_t partition);
+/* Token ranges [begin, end) of the packed row held by `rank`, in the order of the rank's
+ * local shard. ranges holds 2 * *numRanges int64 (begin, end pairs). With ranges == NULL
+ * only *numRanges is written; *numTokens (may be NULL) receives the shard's token count. */
+hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t* ranges,
+                                    int64_t* numRanges, int64_t* numTokens);
+/* Copies a packed row [T, bytesPerToken] into per-rank shards (shards[r] holds rank r's
+ * tokens), and back. */
+hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row,
+                                  size_t bytesPerToken, void* const* shards);
+hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* shards,
+                                 size_t bytesPerToken, void* row);
+
+/* ---- Batches: distributed attention over one packed row ------------------------------ */
+
+typedef struct hsapBatch_st* hsapBatch_t;
+
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  hsapDataType_t dtype;
+  int numHeadsQ;
+  int numHeadsKV;
+  int headDim;
+  float softmaxScale; /* 0: 1/sqrt(headDim) */
+} hsapBatchConfig_t;
+
+#define HSAP_BATCH_CONFIG_INITIALIZER \
+  { sizeof(hsapBatchConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, hsapBFloat16, 0, 0, 0, 0.0f }
+
+/* Collective: every rank of comm calls it with the same layout, weights and config (checked:
+ * a mismatch returns hsapInvalidUsage on every rank). Partitions the row and builds this
+ * rank's schedule. weights: one per rank, NULL for equal. */
+hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                             const double* weights, const hsapBatchConfig_t* config);
+hsapResult_t hsapBatchDestroy(hsapBatch_t batch);
+/* The partition the batch uses (owned by the batch; do not destroy). */
+hsapResult_t hsapBatchGetPartition(hsapBatch_t batch, hsapPartition_t* partition);
+/* Tokens held by this rank: the numTokens of its local q/k/v/out shards. */
+hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens);
+
+/* Collective. q/k/v/out are this rank's shards [localTokens, H, D]; lse is float32
+ * [numHeadsQ, localTokens]. */
+hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q,
+                                  const hsapTensor_t* k, const hsapTensor_t* v,
+                                  hsapTensor_t* out, float* lse);
+/* Collective. Gradients for this rank's shards; dq/dk/dv are overwritten. */
+hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
+                                   const hsapTensor_t* q, const hsapTensor_t* k,
+                                   const hsapTensor_t* v, const hsapTensor_t* out,
+                                   const float* lse, hsapTensor_t* dq, hsapTensor_t* dk,
+                                   hsapTensor_t* dv);
+
+/* Bytes this rank moved in the last forward and the last backward of the batch. */
+typedef struct {
+  uint64_t forwardBytesSent, forwardBytesReceived;
+  uint64_t backwardBytesSent, backwardBytesReceived;
+} hsapTraffic_t;
+hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic);
+
 /* @@ Later sections (communicators, batches, plans) go below this line. @@ */
 
 #ifdef __cplusplus

@@ -1,0 +1,85 @@
+// Point-to-point transport between the ranks of a communicator, with grouped semantics.
+//
+// A stage posts all its sends and receives together (as ncclGroupStart ... ncclGroupEnd)
+// and completes when every one of them has completed. A send to peer p with tag t matches
+// the receive posted by p from this rank with the same tag; sizes must agree (a mismatch is
+// an error on both sides, never a silent truncation). Matching is per (peer, tag), so the
+// order in which ranks post within a stage does not matter, and stages never deadlock as
+// long as every rank posts the matching operations eventually.
+//
+// Every wait has a deadline (the communicator's timeout): a peer that never posts yields
+// DeadlineExceeded naming the peer, the tag and the stage. Abort() on any rank of the
+// world makes every pending and future wait on every rank return Aborted.
+#ifndef HSAP_LIB_TRANSPORT_H_
+#define HSAP_LIB_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace hsap {
+
+struct SendOp {
+  int peer = -1;
+  const void* data = nullptr;  // must stay valid and unchanged until the stage completes
+  size_t bytes = 0;
+  uint64_t tag = 0;
+};
+
+struct RecvOp {
+  int peer = -1;
+  void* data = nullptr;  // must stay valid until the stage completes
+  size_t bytes = 0;
+  uint64_t tag = 0;
+};
+
+// Bytes moved by this rank since creation (or the last ResetCounters()).
+struct TrafficCounters {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t messages_sent = 0;
+  uint64_t messages_received = 0;
+};
+
+class Transport {
+ public:
+  // A posted stage; Wait() completes it. Destroying an unwaited handle waits for it.
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual absl::Status Wait() = 0;
+  };
+
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Posts the operations of one stage and returns at once. `stage` names the stage in
+  // error messages. Zero-byte operations are allowed and still match.
+  virtual absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
+                                                        absl::Span<const RecvOp> recvs,
+                                                        std::string stage) = 0;
+  // Start + Wait.
+  absl::Status Exchange(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs,
+                        std::string stage);
+
+  // Every rank contributes `bytes` bytes; out receives size() * bytes, rank r's at r*bytes.
+  // Used to check that ranks agree (fingerprints) before a collective computation.
+  absl::Status AllGather(const void* in, void* out, size_t bytes, std::string stage);
+
+  // Releases every rank's pending and future waits with Aborted(reason).
+  virtual void Abort(absl::string_view reason) = 0;
+  virtual bool aborted() const = 0;
+
+  virtual TrafficCounters counters() const = 0;
+  virtual void ResetCounters() = 0;
+};
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_TRANSPORT_H_
