@@ -1,0 +1,43 @@
+// Argument checks shared by the C entry points.
+#ifndef HSAP_LIB_API_UTIL_H_
+#define HSAP_LIB_API_UTIL_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "attention/dtype.h"
+#include "attention/layout.h"
+#include "hsap/hsap.h"
+#include "lib/communicator.h"
+
+// The objects behind the opaque handles of hsap.h.
+struct hsapLayout_st {
+  hsap::Layout layout;
+};
+struct hsapComm_st {
+  std::unique_ptr<hsap::Communicator> comm;
+};
+
+namespace hsap {
+
+// InvalidArgument "<name> is null" when p is null.
+absl::Status CheckNotNull(const void* p, absl::string_view name);
+
+// Checks a config struct header: size at least `min_size` (the size of version 1 of the
+// struct), magic == HSAP_CONFIG_MAGIC (the struct was filled by its initializer macro).
+absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view name,
+                               size_t min_size, absl::string_view initializer);
+
+absl::StatusOr<DType> DTypeFromC(hsapDataType_t t, absl::string_view name);
+
+// Checks that `t` is non-null, has data, and has the given dtype and shape; the message
+// names the tensor, what it has and what was expected.
+absl::Status CheckTensor(const hsapTensor_t* t, absl::string_view name, DType dtype,
+                         int64_t num_tokens, int num_heads, int head_dim);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_API_UTIL_H_
