@@ -243,6 +243,49 @@ typedef struct {
 } hsapTraffic_t;
 hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic);
 
+/* ---- Plans: head-parallel groups x context parallelism (HexiSeq layouts) ------------ */
+
+/* A plan says how the ranks share attention: ranks form head-parallel groups; group g
+ * holds a share of the row's attention work proportional to its sequence weight; inside a
+ * group, rank i holds a token shard (before the all-to-all) proportional to its token
+ * weight and, after the all-to-all, all of the group's tokens for its own set of query
+ * heads (any subset, possibly non-contiguous). The heads of a group's ranks partition
+ * [0, numHeadsQ) exactly. K/V travels between groups along the ring order. One group is
+ * Ulysses; groups of one rank are ring attention. Plans are immutable once created. */
+typedef struct hsapPlan_st* hsapPlan_t;
+
+/* Builds a plan by hand. Flat arrays, groups one after another:
+ *   groupSizes[g]          ranks in group g (g < numGroups); their sum is numRanks;
+ *   groupRanks[]           the world ranks of group 0, then of group 1, ... (numRanks);
+ *   sequenceWeights[g]     > 0, relative; NULL: equal;
+ *   tokenWeights[]         >= 0 per entry of groupRanks, relative within the group; NULL:
+ *                          equal;
+ *   headCounts[]           number of query heads of each entry of groupRanks;
+ *   heads[]                the query heads of each entry of groupRanks, one list after
+ *                          another (sum of headCounts entries);
+ *   ringOrder[g]           a permutation of the groups; NULL: 0, 1, ..., numGroups - 1.
+ * Validated on creation: a rank in two groups or none, a head owned twice or not at all in
+ * a group, a group with zero sequence weight, ... give hsapInvalidArgument with the
+ * detail in hsapGetLastError(). */
+hsapResult_t hsapPlanCreate(hsapPlan_t* plan, int numRanks, int numHeadsQ, int numHeadsKV,
+                            int numGroups, const int* groupSizes, const int* groupRanks,
+                            const double* sequenceWeights, const double* tokenWeights,
+                            const int* headCounts, const int* heads, const int* ringOrder);
+/* From the JSON text written by hsapPlanToJson or the planner (bench/hsap_plan --json). */
+hsapResult_t hsapPlanCreateFromJson(hsapPlan_t* plan, const char* json);
+/* Writes the plan as NUL-terminated JSON. With buffer == NULL only *size is set (bytes
+ * needed, NUL included); otherwise *size is the buffer's capacity and, if too small,
+ * hsapInvalidArgument is returned with *size set to the bytes needed. */
+hsapResult_t hsapPlanToJson(hsapPlan_t plan, char* buffer, size_t* size);
+hsapResult_t hsapPlanDestroy(hsapPlan_t plan);
+/* Predicted wall time of one layer's attention, forward and backward, in seconds; 0 for a
+ * plan without predictions (built by hand). Either pointer may be NULL. */
+hsapResult_t hsapPlanGetPredictedTime(hsapPlan_t plan, double* forwardSeconds,
+                                      double* backwardSeconds);
+/* numRanks, numHeadsQ, numHeadsKV and numGroups of the plan; any pointer may be NULL. */
+hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ,
+                              int* numHeadsKV, int* numGroups);
+
 /* @@ Later sections (communicators, batches, plans) go below this line. @@ */
 
 #ifdef __cplusplus
