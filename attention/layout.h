@@ -55,6 +55,11 @@ struct MaskSlice {
   friend bool operator==(const MaskSlice&, const MaskSlice&) = default;
 };
 
+// #{(q, k) : q in [q_begin, q_end), k in [k_begin, k_end), lo <= k - q <= hi}, in O(1).
+// lo <= -kNoDiagLimit / hi >= kNoDiagLimit mean no bound on that side.
+int64_t CountPairsInBand(int64_t q_begin, int64_t q_end, int64_t k_begin, int64_t k_end, int64_t lo,
+                         int64_t hi);
+
 struct Document {
   int64_t begin = 0, end = 0;
   MaskKind kind = MaskKind::kCausal;
@@ -65,14 +70,21 @@ struct Document {
 
 class Layout {
  public:
-  // Documents from cu_seqlens (size num_docs + 1, starting at 0, non-decreasing). `kinds`
-  // empty means all causal; `params` may be empty when no document needs one. Errors name
-  // the offending argument and index.
+  // Documents from cu_seqlens (size num_docs + 1, starting at 0, non-decreasing, at most
+  // 2^40 tokens). `kinds` empty means all causal; `params` may be empty when no document
+  // needs one. A prefix length must be in [0, doc length], a window in [1, doc length]
+  // (longer is an error); empty documents are allowed and their params ignored. Errors
+  // name the offending argument and index. Compilation: causal -> Causal(b, e, b, e);
+  // full -> Full(b, e, b, e); prefix-LM n -> Full(b, e, b, b + n) + Causal(b + n, e, b + n,
+  // e); sliding window w -> Causal(b, e, b, e, w); empty slices are skipped.
   static absl::StatusOr<Layout> FromDocuments(absl::Span<const int64_t> cu_seqlens,
                                               absl::Span<const MaskKind> kinds = {},
                                               absl::Span<const int64_t> params = {});
   // Arbitrary block-sparse mask. Slices must lie inside [0, num_tokens)^2, be non-empty
-  // rectangles with diag_lo <= diag_hi, and not overlap one another (checked).
+  // rectangles with diag_lo <= diag_hi whose band meets the rectangle, and not overlap one
+  // another (checked in O(n log n + overlapping rectangles * log n); rectangles may overlap
+  // when their bands are disjoint there). Diagonal bounds beyond +-kNoDiagLimit are
+  // clamped to it.
   static absl::StatusOr<Layout> FromSlices(int64_t num_tokens, std::vector<MaskSlice> slices);
 
   int64_t num_tokens() const { return num_tokens_; }
