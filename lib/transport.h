@@ -10,6 +10,15 @@
 // Every wait has a deadline (the communicator's timeout): a peer that never posts yields
 // DeadlineExceeded naming the peer, the tag and the stage. Abort() on any rank of the
 // world makes every pending and future wait on every rank return Aborted.
+//
+// Tag layout (64 bits):
+//   bit 63 == 0   point-to-point tags chosen by the caller (the executor's stages): any
+//                 value below kCollectiveTagBit.
+//   bit 63 == 1   reserved for collectives built on Start(): bits 56..62 hold the
+//                 CollectiveKind, bits 0..55 a per-kind sequence or caller tag. Callers of
+//                 Start() must not use these tags directly; use CollectiveTag().
+// Because matching is per (src, dst, tag) and first-posted-first-matched, a collective
+// never consumes a point-to-point message and vice versa.
 #ifndef HSAP_LIB_TRANSPORT_H_
 #define HSAP_LIB_TRANSPORT_H_
 
@@ -23,6 +32,19 @@
 #include "absl/types/span.h"
 
 namespace hsap {
+
+inline constexpr uint64_t kCollectiveTagBit = uint64_t{1} << 63;
+inline constexpr int kCollectiveKindShift = 56;
+inline constexpr uint64_t kCollectiveSequenceMask = (uint64_t{1} << kCollectiveKindShift) - 1;
+
+enum class CollectiveKind : uint8_t { kAllGather = 1, kAllToAllV = 2 };
+
+// The reserved tag of collective `kind` with sequence number (or caller tag) `sequence`;
+// bits of `sequence` above 55 are dropped.
+constexpr uint64_t CollectiveTag(CollectiveKind kind, uint64_t sequence) {
+  return kCollectiveTagBit | (uint64_t{static_cast<uint8_t>(kind)} << kCollectiveKindShift) |
+         (sequence & kCollectiveSequenceMask);
+}
 
 struct SendOp {
   int peer = -1;
@@ -62,14 +84,16 @@ class Transport {
   // Posts the operations of one stage and returns at once. `stage` names the stage in
   // error messages. Zero-byte operations are allowed and still match.
   virtual absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
-                                                        absl::Span<const RecvOp> recvs,
-                                                        std::string stage) = 0;
+                                                         absl::Span<const RecvOp> recvs,
+                                                         std::string stage) = 0;
   // Start + Wait.
   absl::Status Exchange(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs,
                         std::string stage);
 
   // Every rank contributes `bytes` bytes; out receives size() * bytes, rank r's at r*bytes.
   // Used to check that ranks agree (fingerprints) before a collective computation.
+  // `in` may be out + rank() * bytes (in place); otherwise in and out must not overlap.
+  // Uses the reserved tags CollectiveTag(kAllGather, n) for the n-th call on this rank.
   absl::Status AllGather(const void* in, void* out, size_t bytes, std::string stage);
 
   // Releases every rank's pending and future waits with Aborted(reason).
@@ -78,6 +102,12 @@ class Transport {
 
   virtual TrafficCounters counters() const = 0;
   virtual void ResetCounters() = 0;
+
+ private:
+  // Sequence number of the next AllGather (all ranks call collectives in the same order,
+  // so equal sequence numbers meet; a rank one call ahead shows up as a timeout naming
+  // the sequence number in its tag).
+  uint64_t all_gather_calls_ = 0;
 };
 
 }  // namespace hsap
