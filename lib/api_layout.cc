@@ -146,17 +146,6 @@ hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, in
         if (!kind.ok()) return kind.status();
         doc_kinds.push_back(*kind);
       }
-      if (params == nullptr) {
-        for (int64_t d = 0; d < numDocs; ++d) {
-          if (kinds[d] == hsapMaskPrefixLM || kinds[d] == hsapMaskSlidingWindow) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "params is null, but kinds[", d, "] is ",
-                kinds[d] == hsapMaskPrefixLM ? "hsapMaskPrefixLM" : "hsapMaskSlidingWindow",
-                ", which needs its ", kinds[d] == hsapMaskPrefixLM ? "prefix length" : "window",
-                " in params[", d, "]"));
-          }
-        }
-      }
     }
     absl::Span<const int64_t> param_span;
     if (params != nullptr) param_span = absl::MakeConstSpan(params, static_cast<size_t>(numDocs));
