@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages hsap builds with, when any is missing.
 set -euo pipefail
-pkgs=(cmake ninja-build g++ clang libabsl-dev libgtest-dev libgmock-dev nlohmann-json3-dev)
+pkgs=(cmake ninja-build g++ clang libabsl-dev libgtest-dev libgmock-dev nlohmann-json3-dev pkg-config)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,14 @@
+# Packaging tests: the installed tree is usable from CMake and pkg-config, and the shared
+# library exports only the C ABI.
+set(HSAP_CONSUMER_FLAGS "")
+if(HSAP_SANITIZE)
+  set(HSAP_CONSUMER_FLAGS "-fsanitize=address,undefined")
+endif()
+add_test(NAME packaging_install
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/packaging/install_test.sh ${PROJECT_BINARY_DIR}
+                 ${CMAKE_CURRENT_SOURCE_DIR}/consumer ${CMAKE_COMMAND} ${CMAKE_C_COMPILER}
+                 "${HSAP_CONSUMER_FLAGS}")
+set_tests_properties(packaging_install PROPERTIES TIMEOUT 300)
+add_test(NAME packaging_exports
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/packaging/exports_test.sh $<TARGET_FILE:hsap>
+                 libhsap.so.${PROJECT_VERSION_MAJOR})
