@@ -1,0 +1,290 @@
+// hsap_plan: plans attention for a model on a (heterogeneous) cluster and compares the plan
+// with the symmetric baselines in the simulator.
+//
+//   hsap_plan --cluster clusters/testbed_8h100_8a100.json [--model llama-7b]
+//             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
+//             [--json PLAN.json] [--svg PICTURE.svg] [--brief]
+//   hsap_plan --brief clusters/mix32_*.json ...    one table row per cluster + summary
+//
+// tokens/s counts the row's tokens through the attention of every layer, forward and
+// backward: seq / (layers x (t_fwd + t_bwd)) with the simulator's per-layer times.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_format.h"
+#include "lib/baselines.h"
+#include "lib/cluster.h"
+#include "lib/cost_model.h"
+#include "lib/plan.h"
+#include "lib/planner.h"
+#include "lib/simulator.h"
+
+namespace {
+
+using namespace hsap;
+
+struct Args {
+  std::vector<std::string> clusters;
+  std::string model = "llama-7b";
+  int64_t seq = 131072;
+  bool full = false;
+  double margin = 0.10;
+  bool checkpointing = true;
+  std::string json_path, svg_path;
+  bool brief = false;
+};
+
+[[noreturn]] void Usage(const char* msg) {
+  std::fprintf(stderr,
+               "hsap_plan: %s\nusage: hsap_plan --cluster FILE [--model NAME] [--seq N] "
+               "[--full] [--margin F] [--no-checkpointing] [--json FILE] [--svg FILE] "
+               "[--brief] [FILE...]\n",
+               msg);
+  std::exit(2);
+}
+
+Args Parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) Usage(("missing value after " + arg).c_str());
+      return argv[++i];
+    };
+    if (arg == "--cluster") {
+      a.clusters.push_back(value());
+    } else if (arg == "--model") {
+      a.model = value();
+    } else if (arg == "--seq") {
+      if (!absl::SimpleAtoi(value(), &a.seq) || a.seq < 1) Usage("--seq needs a positive integer");
+    } else if (arg == "--full") {
+      a.full = true;
+    } else if (arg == "--margin") {
+      if (!absl::SimpleAtod(value(), &a.margin)) Usage("--margin needs a number in [0, 1)");
+    } else if (arg == "--no-checkpointing") {
+      a.checkpointing = false;
+    } else if (arg == "--json") {
+      a.json_path = value();
+    } else if (arg == "--svg") {
+      a.svg_path = value();
+    } else if (arg == "--brief") {
+      a.brief = true;
+    } else if (!arg.empty() && arg[0] != '-') {
+      a.clusters.push_back(arg);
+    } else {
+      Usage(("unknown option " + arg).c_str());
+    }
+  }
+  if (a.clusters.empty()) Usage("give a cluster file");
+  return a;
+}
+
+const char* Color(SimEventKind kind, bool backward) {
+  switch (kind) {
+    case SimEventKind::kCompute:
+      return backward ? "#1f4e9c" : "#4f8fe0";
+    case SimEventKind::kAllToAll:
+      return backward ? "#c0611a" : "#f29a4a";
+    case SimEventKind::kRing:
+      return backward ? "#2c8a3e" : "#66c17a";
+  }
+  return "#999";
+}
+
+void WriteSvg(const std::string& path, const Cluster& cluster, const Workload& workload,
+              const Plan& plan, const SimResult& sim) {
+  std::ofstream out(path);
+  const int n = plan.num_ranks;
+  const int lanes = std::min(n, 128);
+  const double width = 1000, left = 150, lane_h = 14, top = 40;
+  const double timeline_h = top + lanes * lane_h + 30;
+  const double height = timeline_h + 40 + lanes * lane_h + 40;
+  const double total = sim.Seconds();
+  out << absl::StrFormat(
+      "<svg xmlns='http://www.w3.org/2000/svg' width='%.0f' height='%.0f' "
+      "font-family='monospace' font-size='10'>\n<rect width='100%%' height='100%%' "
+      "fill='white'/>\n",
+      left + width + 20, height);
+  out << absl::StrFormat(
+      "<text x='10' y='16' font-size='13'>%s on %s: %s, %d tokens — simulated layer %.3f ms "
+      "(fwd %.3f + bwd %.3f)</text>\n",
+      workload.model.name, cluster.Summary(), plan.description, workload.seq_len, total * 1e3,
+      sim.forward_seconds * 1e3, sim.backward_seconds * 1e3);
+  out << "<text x='10' y='30'>timeline: compute (blue), all-to-all (orange), ring K/V "
+         "(green); light = forward, dark = backward; transfers drawn on the receiver</text>\n";
+  for (int r = 0; r < lanes; ++r) {
+    const double y = top + r * lane_h;
+    out << absl::StrFormat("<text x='10' y='%.1f'>%4d %s</text>\n", y + 10, r,
+                           cluster.kind_of(r).name);
+  }
+  for (const SimEvent& e : sim.events) {
+    if (e.device >= lanes || e.end <= e.start) continue;
+    const double y =
+        top + e.device * lane_h + (e.kind == SimEventKind::kCompute ? 0 : lane_h * 0.55);
+    const double h = e.kind == SimEventKind::kCompute ? lane_h * 0.5 : lane_h * 0.35;
+    out << absl::StrFormat("<rect x='%.2f' y='%.1f' width='%.2f' height='%.1f' fill='%s'/>\n",
+                           left + e.start / total * width, y,
+                           std::max(0.3, (e.end - e.start) / total * width), h,
+                           Color(e.kind, e.backward));
+  }
+  // Assignment: token share (bar) and heads (text) per device.
+  const double y0 = timeline_h + 20;
+  out << absl::StrFormat(
+      "<text x='10' y='%.1f' font-size='12'>assignment: bar = share of the row's tokens held "
+      "before the all-to-all (scaled to the largest); group and query heads after it</text>\n",
+      y0);
+  const std::vector<double> shares = plan.RankShares();
+  const double max_share = *std::max_element(shares.begin(), shares.end());
+  const std::vector<int> group_of = plan.GroupOfRank(), index = plan.IndexInGroup();
+  for (int r = 0; r < lanes; ++r) {
+    const double y = y0 + 10 + r * lane_h;
+    const int g = group_of[r];
+    out << absl::StrFormat("<text x='10' y='%.1f'>%4d %s</text>\n", y + 10, r,
+                           cluster.kind_of(r).name);
+    out << absl::StrFormat(
+        "<rect x='%.1f' y='%.1f' width='%.2f' height='%.1f' fill='hsl(%d,60%%,60%%)'/>\n", left,
+        y + 1, shares[r] / max_share * width * 0.5, lane_h - 3, (g * 47) % 360);
+    out << absl::StrFormat("<text x='%.1f' y='%.1f'>%.3f%%  group %d  heads %s</text>\n",
+                           left + width * 0.5 + 10, y + 10, 100 * shares[r], g,
+                           FormatHeads(plan.groups[g].heads[index[r]]));
+  }
+  out << "</svg>\n";
+}
+
+struct Row {
+  std::string name, config;
+  bool available;
+  double fwd, bwd, tokens_per_s;
+};
+
+int RunOne(const Args& args, const std::string& path, bool print_plan,
+           std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
+  auto cluster = LoadCluster(path);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "hsap_plan: %s\n", std::string(cluster.status().message()).c_str());
+    return 1;
+  }
+  auto model = ModelPreset(args.model);
+  if (!model.ok()) {
+    std::fprintf(stderr, "hsap_plan: %s\n", std::string(model.status().message()).c_str());
+    return 2;
+  }
+  Workload workload;
+  workload.model = *model;
+  workload.seq_len = args.seq;
+  workload.causal = !args.full;
+  workload.budget.margin_fraction = args.margin;
+  workload.budget.activation_checkpointing = args.checkpointing;
+  auto result = PlanAttention(*cluster, workload);
+  if (!result.ok()) {
+    std::fprintf(stderr, "hsap_plan: %s: %s\n", path.c_str(),
+                 std::string(result.status().message()).c_str());
+    return 1;
+  }
+  const double ideal_tps =
+      static_cast<double>(workload.seq_len) / (model->layers * IdealSeconds(*cluster, workload));
+  std::vector<Row> rows;
+  rows.push_back({"hsap", result->family, true, result->sim.forward_seconds,
+                  result->sim.backward_seconds, result->sim.TokensPerSecond(workload)});
+  double best_baseline = 0;
+  std::string best_name = "none";
+  for (const Baseline& b : result->baselines) {
+    Row row{b.name, b.config, b.available, 0, 0, 0};
+    if (b.available) {
+      row.fwd = b.sim.forward_seconds;
+      row.bwd = b.sim.backward_seconds;
+      row.tokens_per_s = b.sim.TokensPerSecond(workload);
+      if (row.tokens_per_s > best_baseline) {
+        best_baseline = row.tokens_per_s;
+        best_name = b.name;
+      }
+    }
+    rows.push_back(row);
+  }
+  const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
+  const double of_ideal = rows[0].tokens_per_s / ideal_tps;
+  if (speedups && speedup > 0) speedups->push_back(speedup);
+  if (ideal_fractions) ideal_fractions->push_back(of_ideal);
+
+  if (print_plan) {
+    std::printf("# hsap_plan: %s (%s), %s, %ld tokens, %s mask\n", cluster->name.c_str(),
+                cluster->Summary().c_str(), model->name.c_str(), static_cast<long>(args.seq),
+                args.full ? "full" : "causal");
+    std::printf(
+        "# attention per layer: %.3g TFLOP forward, %.3g TFLOP backward; ideal bound "
+        "%.3f ms/layer\n#\n",
+        workload.ForwardFlops() / 1e12, workload.BackwardFlops() / 1e12,
+        IdealSeconds(*cluster, workload) * 1e3);
+    std::string described = DescribePlan(result->plan);
+    std::printf("%s#\n", described.c_str());
+    std::printf("# %-12s %-36s %10s %10s %12s %8s %8s\n", "layout", "config", "fwd_ms", "bwd_ms",
+                "tokens/s", "vs_best", "of_ideal");
+    for (const Row& r : rows) {
+      if (!r.available) {
+        std::printf("  %-12s %-36s %10s %10s %12s %8s %8s\n", r.name.c_str(),
+                    r.config.substr(0, 36).c_str(), "-", "-", "-", "-", "-");
+        if (r.config.size() > 36) std::printf("  %12s   (%s)\n", "", r.config.c_str());
+        continue;
+      }
+      std::printf("  %-12s %-36s %10.3f %10.3f %12.0f %7.3fx %7.1f%%\n", r.name.c_str(),
+                  r.config.substr(0, 36).c_str(), r.fwd * 1e3, r.bwd * 1e3, r.tokens_per_s,
+                  best_baseline > 0 ? r.tokens_per_s / best_baseline : 0.0,
+                  100 * r.tokens_per_s / ideal_tps);
+    }
+    std::printf(
+        "# strongest baseline: %s; hsap speedup %.3fx; %.1f%% of the ideal bound; "
+        "planning %.1f ms wall, %.1f ms CPU (%d cost-model evaluations)\n",
+        best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
+        result->candidates);
+  } else {
+    std::printf("  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.1f%% %9.1f\n", cluster->name.c_str(),
+                cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s, best_baseline,
+                best_name.c_str(), speedup, 100 * of_ideal, result->planning_cpu_seconds * 1e3);
+  }
+  if (!args.json_path.empty()) {
+    std::ofstream(args.json_path) << PlanToJsonText(result->plan) << "\n";
+  }
+  if (!args.svg_path.empty()) {
+    SimOptions options;
+    options.record_events = true;
+    auto sim = Simulate(*cluster, workload, result->plan, options);
+    if (sim.ok()) WriteSvg(args.svg_path, *cluster, workload, result->plan, *sim);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = Parse(argc, argv);
+  if (args.clusters.size() == 1 && !args.brief) {
+    return RunOne(args, args.clusters[0], /*print_plan=*/true, nullptr, nullptr);
+  }
+  std::printf(
+      "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
+      "attention (fwd + bwd), simulated\n",
+      args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
+  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %9s\n", "cluster", "devices", "hsap_tok/s",
+              "base_tok/s", "baseline", "speedup", "of_ideal", "plan_cpu_ms");
+  std::vector<double> speedups, ideal;
+  int rc = 0;
+  for (const std::string& path : args.clusters) {
+    rc |= RunOne(args, path, /*print_plan=*/false, &speedups, &ideal);
+  }
+  if (!speedups.empty()) {
+    double sum = 0, max = 0;
+    for (double s : speedups) {
+      sum += s;
+      max = std::max(max, s);
+    }
+    std::printf(
+        "# speedup over the strongest symmetric baseline: mean %.3fx, max %.3fx over %zu "
+        "clusters\n",
+        sum / speedups.size(), max, speedups.size());
+  }
+  return rc;
+}
