@@ -1,0 +1,194 @@
+#include "lib/batch.h"
+
+#include <bit>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsap {
+namespace {
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h *= 0xff51afd7ed558ccdull;
+  return h ^ (h >> 33);
+}
+
+// What every rank must agree on before a batch exists. Plain words, so that it travels
+// through AllGather as bytes.
+struct CreateRecord {
+  uint64_t ok = 0;
+  uint64_t num_ranks = 0;
+  uint64_t layout = 0;
+  uint64_t weights = 0;
+  uint64_t dtype = 0;
+  uint64_t heads_q = 0;
+  uint64_t heads_kv = 0;
+  uint64_t head_dim = 0;
+  uint64_t scale = 0;
+};
+
+struct CallRecord {
+  uint64_t ok = 0;
+  uint64_t call = 0;
+  uint64_t kind = 0;
+  uint64_t batch = 0;
+};
+
+const char* KindName(uint64_t kind) { return kind == 1 ? "forward" : "backward"; }
+
+absl::Status ValidateOptions(const BatchOptions& o, AttentionDims& dims) {
+  if (o.heads_q <= 0 || o.heads_kv <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "numHeadsQ = ", o.heads_q, ", numHeadsKV = ", o.heads_kv, "; both must be positive"));
+  }
+  if (o.heads_q % o.heads_kv != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("numHeadsQ = ", o.heads_q, " is not a multiple of numHeadsKV = ", o.heads_kv,
+                     " (GQA needs whole groups of query heads per K/V head)"));
+  }
+  if (!std::isfinite(o.scale) || o.scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softmaxScale = ", o.scale, "; it must be finite and positive, or 0 for 1/sqrt(headDim)"));
+  }
+  dims.heads_q = o.heads_q;
+  dims.heads_kv = o.heads_kv;
+  dims.head_dim = o.head_dim;
+  dims.scale = o.scale != 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+  return ValidateDims(dims);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
+                                                     absl::Span<const double> weights,
+                                                     const BatchOptions& options,
+                                                     const KernelSet& kernels,
+                                                     absl::Status local_check) {
+  std::unique_ptr<Batch> batch(new Batch());
+  batch->comm_ = &comm;
+  batch->kernels_ = &kernels;
+  batch->options_ = options;
+  absl::Status local = local_check;
+  if (local.ok()) local = ValidateOptions(options, batch->dims_);
+  if (local.ok()) {
+    absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
+    if (p.ok()) {
+      batch->partition_ = std::make_shared<const Partition>(*std::move(p));
+    } else {
+      local = p.status();
+    }
+  }
+
+  CreateRecord mine;
+  mine.ok = local.ok();
+  mine.num_ranks = static_cast<uint64_t>(comm.size());
+  mine.layout = layout.Fingerprint();
+  if (batch->partition_ != nullptr) {
+    uint64_t h = 0x77656967u;  // "weig"
+    for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
+    mine.weights = h;
+  }
+  mine.dtype = static_cast<uint64_t>(options.dtype);
+  mine.heads_q = static_cast<uint64_t>(options.heads_q);
+  mine.heads_kv = static_cast<uint64_t>(options.heads_kv);
+  mine.head_dim = static_cast<uint64_t>(options.head_dim);
+  mine.scale = std::bit_cast<uint32_t>(batch->dims_.scale);
+  std::vector<CreateRecord> all(comm.size());
+  if (absl::Status s = comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
+                                                  "batch creation (agreement on the inputs)");
+      !s.ok()) {
+    return s;
+  }
+  if (!local.ok()) return local;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (!all[r].ok) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r,
+                       " rejected its arguments to batch creation (its own error says "
+                       "why); no rank created the batch"));
+    }
+  }
+  const CreateRecord& ref = all[0];
+  for (int r = 1; r < comm.size(); ++r) {
+    const CreateRecord& o = all[r];
+    const char* what = o.layout != ref.layout       ? "layout"
+                       : o.weights != ref.weights   ? "weights"
+                       : o.dtype != ref.dtype       ? "dtype"
+                       : o.heads_q != ref.heads_q   ? "numHeadsQ"
+                       : o.heads_kv != ref.heads_kv ? "numHeadsKV"
+                       : o.head_dim != ref.head_dim ? "headDim"
+                       : o.scale != ref.scale       ? "softmaxScale"
+                                                    : nullptr;
+    if (what != nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, "'s ", what,
+                       " differs from rank 0's; every rank of the "
+                       "communicator must create the batch with the same layout, weights and "
+                       "config"));
+    }
+  }
+
+  absl::StatusOr<Schedule> schedule =
+      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
+  if (!schedule.ok()) return schedule.status();
+  batch->schedule_ = *std::move(schedule);
+  uint64_t h = Mix(ref.layout, ref.weights);
+  for (uint64_t v : {ref.dtype, ref.heads_q, ref.heads_kv, ref.head_dim, ref.scale}) h = Mix(h, v);
+  batch->fingerprint_ = h;
+  return batch;
+}
+
+absl::Status Batch::AgreeOnCall(uint64_t kind, const absl::Status& local_check) {
+  const uint64_t call = calls_++;
+  CallRecord mine{local_check.ok() ? 1u : 0u, call, kind, fingerprint_};
+  std::vector<CallRecord> all(comm_->size());
+  if (absl::Status s = comm_->transport().AllGather(
+          &mine, all.data(), sizeof(CallRecord),
+          absl::StrCat(KindName(kind), " (call ", call, " of the batch: agreement)"));
+      !s.ok()) {
+    return s;
+  }
+  if (!local_check.ok()) return local_check;
+  for (int r = 0; r < comm_->size(); ++r) {
+    const CallRecord& o = all[r];
+    if (!o.ok) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " rejected its arguments to this ", KindName(kind),
+                       " (its own error says why); no rank computed it"));
+    }
+    if (o.batch != fingerprint_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " called ", KindName(o.kind), " on a different batch than rank ",
+                       comm_->rank(), "; all ranks must make the same calls in the same order"));
+    }
+    if (o.kind != kind || o.call != call) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r, " called ", KindName(o.kind), " as call ", o.call,
+          " of this batch while rank ", comm_->rank(), " called ", KindName(kind), " as call ",
+          call, "; all ranks must make the same calls in the same order"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                            absl::Status local_check) {
+  const uint64_t call = calls_;
+  if (absl::Status s = AgreeOnCall(1, local_check); !s.ok()) return s;
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  return ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+}
+
+absl::Status Batch::Backward(const void* dout, const void* q, const void* k, const void* v,
+                             const void* out, const float* lse, void* dq, void* dk, void* dv,
+                             absl::Status local_check) {
+  const uint64_t call = calls_;
+  if (absl::Status s = AgreeOnCall(2, local_check); !s.ok()) return s;
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  return ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+}
+
+}  // namespace hsap

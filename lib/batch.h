@@ -1,0 +1,90 @@
+// A batch: distributed attention over one packed row on one rank of a communicator.
+//
+// Creation is collective: every rank partitions the row (deterministically, so all get the
+// same partition) and builds its own schedule, after an AllGather of a fingerprint of its
+// inputs (layout, weights, dtype, heads, head dim, scale) has shown that all ranks agree; a
+// rank whose inputs differ makes every rank fail with FailedPrecondition naming it ("rank
+// 2's layout differs from rank 0's").
+//
+// Forward and Backward are collective too. Each call first exchanges (call number, kind,
+// batch, argument check) with every rank, so that mismatched calls (one rank calling
+// backward while another calls forward, a rank on another batch, a rank whose arguments
+// were rejected) are reported on every rank instead of computed; a rank that never calls
+// makes the others fail with DeadlineExceeded once the communicator's timeout passes.
+#ifndef HSAP_LIB_BATCH_H_
+#define HSAP_LIB_BATCH_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "attention/layout.h"
+#include "lib/communicator.h"
+#include "lib/executor.h"
+#include "lib/partition.h"
+#include "lib/schedule.h"
+
+namespace hsap {
+
+struct BatchOptions {
+  DType dtype = DType::kBF16;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+  float scale = 0.0f;  // 0: 1/sqrt(head_dim)
+};
+
+struct BatchTraffic {
+  ExecTraffic forward;   // of the last forward
+  ExecTraffic backward;  // of the last backward
+};
+
+class Batch {
+ public:
+  // `comm` and `kernels` must outlive the batch. weights: one per rank or empty (equal).
+  // `local_check`: the caller's verdict on its other arguments; when it is not OK the
+  // rank still takes part in the agreement (so that its peers fail at once rather than
+  // time out) and returns it.
+  static absl::StatusOr<std::unique_ptr<Batch>> Create(
+      Communicator& comm, const Layout& layout, absl::Span<const double> weights,
+      const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
+      absl::Status local_check = absl::OkStatus());
+
+  // Tensors as in executor.h, sized by local_tokens(). local_check as above.
+  absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                       absl::Status local_check = absl::OkStatus());
+  absl::Status Backward(const void* dout, const void* q, const void* k, const void* v,
+                        const void* out, const float* lse, void* dq, void* dk, void* dv,
+                        absl::Status local_check = absl::OkStatus());
+
+  const std::shared_ptr<const Partition>& partition() const { return partition_; }
+  const Schedule& schedule() const { return schedule_; }
+  int64_t local_tokens() const { return schedule_.local_rows; }
+  const AttentionDims& dims() const { return dims_; }
+  DType dtype() const { return options_.dtype; }
+  const BatchTraffic& traffic() const { return traffic_; }
+  int rank() const { return comm_->rank(); }
+
+ private:
+  Batch() = default;
+  // The per-call agreement; kind: 1 forward, 2 backward.
+  absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
+
+  Communicator* comm_ = nullptr;
+  const KernelSet* kernels_ = nullptr;
+  BatchOptions options_;
+  AttentionDims dims_;
+  std::shared_ptr<const Partition> partition_;
+  Schedule schedule_;
+  uint64_t fingerprint_ = 0;
+  uint64_t calls_ = 0;
+  BatchTraffic traffic_;
+};
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_BATCH_H_

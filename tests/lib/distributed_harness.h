@@ -1,0 +1,264 @@
+// Runs distributed attention through the C API with one thread per rank, for the
+// distributed, traffic and faults tests.
+#ifndef HSAP_TESTS_LIB_DISTRIBUTED_HARNESS_H_
+#define HSAP_TESTS_LIB_DISTRIBUTED_HARNESS_H_
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/dtype.h"
+#include "attention/layout.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+
+namespace hsap::testing {
+
+inline hsapDataType_t ToC(DType t) {
+  return t == DType::kF32 ? hsapFloat32 : t == DType::kBF16 ? hsapBFloat16 : hsapFloat16;
+}
+
+struct HostTensor {
+  DType dtype = DType::kF32;
+  int64_t tokens = 0;
+  int heads = 0, head_dim = 0;
+  std::vector<uint8_t> bytes;
+
+  HostTensor() = default;
+  HostTensor(DType t, int64_t n, int h, int d) : dtype(t), tokens(n), heads(h), head_dim(d) {
+    bytes.assign(size() * DTypeSize(t), 0);
+  }
+  size_t size() const { return static_cast<size_t>(tokens) * heads * head_dim; }
+  size_t bytes_per_token() const {
+    return static_cast<size_t>(heads) * head_dim * DTypeSize(dtype);
+  }
+  void Randomize(std::mt19937_64& rng) {
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (size_t i = 0; i < size(); ++i) StoreFromFloat(dtype, bytes.data(), i, n(rng));
+  }
+  float At(size_t i) const { return LoadAsFloat(dtype, bytes.data(), i); }
+  hsapTensor_t C() { return hsapTensor_t{bytes.data(), ToC(dtype), tokens, heads, head_dim}; }
+};
+
+// The same mask as a C layout handle: documents through hsapLayoutCreate, slices through
+// hsapLayoutCreateFromSlices (full and causal-with-window slices only).
+inline hsapLayout_t ToCLayout(const Layout& layout) {
+  hsapLayout_t handle = nullptr;
+  if (!layout.documents().empty()) {
+    std::vector<int64_t> cu{0};
+    std::vector<hsapMaskKind_t> kinds;
+    std::vector<int64_t> params;
+    for (const Document& d : layout.documents()) {
+      cu.push_back(d.end);
+      kinds.push_back(static_cast<hsapMaskKind_t>(d.kind));
+      params.push_back(d.param);
+    }
+    EXPECT_EQ(hsapLayoutCreate(&handle, cu.data(), static_cast<int64_t>(kinds.size()), kinds.data(),
+                               params.data()),
+              hsapSuccess)
+        << hsapGetLastError();
+    return handle;
+  }
+  std::vector<hsapMaskSlice_t> slices;
+  for (const MaskSlice& s : layout.slices()) {
+    hsapMaskSlice_t c{s.q_begin, s.q_end, s.k_begin, s.k_end, hsapSliceFull, 0};
+    if (!s.IsFull()) {
+      c.kind = hsapSliceCausal;
+      c.window = s.diag_lo <= -kNoDiagLimit ? 0 : 1 - s.diag_lo;
+    }
+    slices.push_back(c);
+  }
+  EXPECT_EQ(hsapLayoutCreateFromSlices(&handle, layout.num_tokens(), slices.data(),
+                                       static_cast<int64_t>(slices.size())),
+            hsapSuccess)
+      << hsapGetLastError();
+  return handle;
+}
+
+// Runs fn(rank) on one thread per rank and joins them.
+inline void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back(fn, r);
+  for (std::thread& t : threads) t.join();
+}
+
+struct DistCase {
+  int ranks = 1;
+  std::vector<double> weights;  // empty: equal
+  DType dtype = DType::kF32;
+  int heads_q = 2, heads_kv = 1, head_dim = 32;
+  bool backward = true;
+  int timeout_ms = 60000;
+};
+
+// Full-row inputs.
+struct RowInputs {
+  HostTensor q, k, v, dout;
+  RowInputs(const DistCase& c, int64_t tokens, uint64_t seed)
+      : q(c.dtype, tokens, c.heads_q, c.head_dim),
+        k(c.dtype, tokens, c.heads_kv, c.head_dim),
+        v(c.dtype, tokens, c.heads_kv, c.head_dim),
+        dout(c.dtype, tokens, c.heads_q, c.head_dim) {
+    std::mt19937_64 rng(seed);
+    q.Randomize(rng);
+    k.Randomize(rng);
+    v.Randomize(rng);
+    dout.Randomize(rng);
+  }
+};
+
+// Full-row outputs gathered from the ranks.
+struct RowOutputs {
+  HostTensor out, dq, dk, dv;
+  std::vector<float> lse;  // [heads_q, tokens]
+  std::vector<hsapTraffic_t> traffic;
+  std::vector<int64_t> local_tokens;
+  std::vector<std::vector<int64_t>> ranges;  // per rank, begin/end pairs
+  std::vector<hsapResult_t> results;         // per rank: the first failing call's result
+  std::vector<std::string> errors;
+  bool ok() const {
+    for (hsapResult_t r : results) {
+      if (r != hsapSuccess) return false;
+    }
+    return true;
+  }
+};
+
+inline std::vector<std::vector<uint8_t>> ScatterRow(hsapPartition_t part, int ranks,
+                                                    HostTensor& row) {
+  std::vector<std::vector<uint8_t>> shards(ranks);
+  std::vector<void*> ptrs(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    int64_t n = 0, num_ranges = 0;
+    EXPECT_EQ(hsapPartitionGetRanges(part, r, nullptr, &num_ranges, &n), hsapSuccess);
+    shards[r].assign(n * row.bytes_per_token() + 1, 0);
+    ptrs[r] = shards[r].data();
+  }
+  EXPECT_EQ(hsapPartitionScatter(part, row.bytes.data(), row.bytes_per_token(), ptrs.data()),
+            hsapSuccess)
+      << hsapGetLastError();
+  return shards;
+}
+
+inline void GatherRow(hsapPartition_t part, std::vector<std::vector<uint8_t>>& shards,
+                      HostTensor& row) {
+  std::vector<const void*> ptrs;
+  for (auto& s : shards) ptrs.push_back(s.data());
+  EXPECT_EQ(hsapPartitionGather(part, ptrs.data(), row.bytes_per_token(), row.bytes.data()),
+            hsapSuccess)
+      << hsapGetLastError();
+}
+
+// Forward (and backward) of `in` over `layout` on c.ranks host ranks via the C API.
+inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInputs& in) {
+  const int R = c.ranks;
+  const int64_t T = in.q.tokens;
+  const double* weights = c.weights.empty() ? nullptr : c.weights.data();
+  RowOutputs res;
+  res.out = HostTensor(c.dtype, T, c.heads_q, c.head_dim);
+  res.dq = HostTensor(c.dtype, T, c.heads_q, c.head_dim);
+  res.dk = HostTensor(c.dtype, T, c.heads_kv, c.head_dim);
+  res.dv = HostTensor(c.dtype, T, c.heads_kv, c.head_dim);
+  res.lse.assign(static_cast<size_t>(T) * c.heads_q, 0.0f);
+  res.traffic.assign(R, hsapTraffic_t{});
+  res.local_tokens.assign(R, -1);
+  res.ranges.assign(R, {});
+  res.results.assign(R, hsapSuccess);
+  res.errors.assign(R, "");
+
+  // The data loader's view: a partition made from the same inputs, used to scatter.
+  hsapPartition_t part = nullptr;
+  EXPECT_EQ(hsapPartitionCreate(&part, layout, R, weights), hsapSuccess) << hsapGetLastError();
+  if (part == nullptr) return res;
+  auto q = ScatterRow(part, R, in.q), k = ScatterRow(part, R, in.k), v = ScatterRow(part, R, in.v),
+       dout = ScatterRow(part, R, in.dout);
+  auto out = ScatterRow(part, R, res.out), dq = ScatterRow(part, R, res.dq),
+       dk = ScatterRow(part, R, res.dk), dv = ScatterRow(part, R, res.dv);
+  std::vector<std::vector<float>> lse(R);  // per rank [heads_q, local]
+
+  std::vector<hsapComm_t> comms(R, nullptr);
+  hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
+  config.timeoutMs = c.timeout_ms;
+  config.numThreads = 1;
+  EXPECT_EQ(hsapCommInitAll(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
+
+  OnEveryRank(R, [&](int r) {
+    auto fail = [&](hsapResult_t result) {
+      res.results[r] = result;
+      res.errors[r] = hsapGetLastError();
+    };
+    hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+    bc.dtype = ToC(c.dtype);
+    bc.numHeadsQ = c.heads_q;
+    bc.numHeadsKV = c.heads_kv;
+    bc.headDim = c.head_dim;
+    hsapBatch_t batch = nullptr;
+    if (hsapResult_t e = hsapBatchCreate(&batch, comms[r], layout, weights, &bc); e) {
+      return fail(e);
+    }
+    int64_t n = -1;
+    hsapBatchGetLocalTokens(batch, &n);
+    res.local_tokens[r] = n;
+    hsapPartition_t own = nullptr;
+    int64_t num_ranges = 0;
+    hsapBatchGetPartition(batch, &own);
+    hsapPartitionGetRanges(own, r, nullptr, &num_ranges, nullptr);
+    res.ranges[r].resize(2 * num_ranges);
+    hsapPartitionGetRanges(own, r, res.ranges[r].data(), &num_ranges, nullptr);
+
+    hsapTensor_t tq{q[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tk{k[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tv{v[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tout{out[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdout{dout[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdq{dq[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdk{dk[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tdv{dv[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    lse[r].assign(static_cast<size_t>(n) * c.heads_q + 1, 0.0f);
+    if (hsapResult_t e = hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse[r].data()); e) {
+      fail(e);
+    } else if (c.backward) {
+      if (hsapResult_t e2 = hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout,
+                                                  lse[r].data(), &tdq, &tdk, &tdv);
+          e2) {
+        fail(e2);
+      }
+    }
+    hsapBatchGetTraffic(batch, &res.traffic[r]);
+    hsapBatchDestroy(batch);
+  });
+  for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+
+  GatherRow(part, out, res.out);
+  GatherRow(part, dq, res.dq);
+  GatherRow(part, dk, res.dk);
+  GatherRow(part, dv, res.dv);
+  // lse is [heads, local]: transpose to token-major rows to gather, then back.
+  std::vector<std::vector<uint8_t>> lse_rows(R);
+  for (int r = 0; r < R; ++r) {
+    const int64_t n = std::max<int64_t>(res.local_tokens[r], 0);
+    lse_rows[r].assign(n * c.heads_q * sizeof(float) + 1, 0);
+    float* rows = reinterpret_cast<float*>(lse_rows[r].data());
+    for (int h = 0; h < c.heads_q; ++h) {
+      for (int64_t t = 0; t < n; ++t) rows[t * c.heads_q + h] = lse[r][h * n + t];
+    }
+  }
+  std::vector<float> token_major(static_cast<size_t>(T) * c.heads_q);
+  std::vector<const void*> ptrs;
+  for (auto& s : lse_rows) ptrs.push_back(s.data());
+  EXPECT_EQ(hsapPartitionGather(part, ptrs.data(), c.heads_q * sizeof(float), token_major.data()),
+            hsapSuccess);
+  for (int h = 0; h < c.heads_q; ++h) {
+    for (int64_t t = 0; t < T; ++t) res.lse[h * T + t] = token_major[t * c.heads_q + h];
+  }
+  hsapPartitionDestroy(part);
+  return res;
+}
+
+}  // namespace hsap::testing
+
+#endif  // HSAP_TESTS_LIB_DISTRIBUTED_HARNESS_H_

@@ -1,0 +1,215 @@
+// Distributed attention through the C API (one thread per rank) against the single-device
+// fp64 reference, under the foundation's rule: error <= 2 x the error of the naive
+// computation in the storage precision (NaiveForward/NaiveBackward) + a small floor.
+#include <cmath>
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "attention/reference.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+#include "lib/distributed_harness.h"
+#include "lib/random_layouts.h"
+
+namespace hsap {
+namespace {
+
+using ::hsap::testing::DistCase;
+using ::hsap::testing::DocMix;
+using ::hsap::testing::HostTensor;
+using ::hsap::testing::RandomLayout;
+using ::hsap::testing::RandomSliceLayout;
+using ::hsap::testing::RowInputs;
+using ::hsap::testing::RowOutputs;
+
+double MaxAbsError(const HostTensor& got, const std::vector<double>& want) {
+  double err = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = std::abs(static_cast<double>(got.At(i)) - want[i]);
+    if (!(e <= err)) err = e;  // NaN wins
+  }
+  return err;
+}
+double MaxAbsError(const std::vector<double>& got, const std::vector<double>& want) {
+  double err = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) && got[i] == want[i]) continue;
+    const double e = std::abs(got[i] - want[i]);
+    if (!(e <= err)) err = e;
+  }
+  return err;
+}
+double MaxAbs(const std::vector<double>& x) {
+  double m = 0.0;
+  for (double v : x) {
+    if (std::isfinite(v)) m = std::max(m, std::abs(v));
+  }
+  return m;
+}
+double Unit(DType t) {
+  return t == DType::kF32    ? std::ldexp(1.0, -24)
+         : t == DType::kBF16 ? std::ldexp(1.0, -8)
+                             : std::ldexp(1.0, -11);
+}
+void ExpectWithinRule(const std::string& what, double err, double naive_err, double magnitude,
+                      DType dtype) {
+  const double floor = 4.0 * Unit(dtype) * std::max(1.0, magnitude);
+  EXPECT_LE(err, 2.0 * naive_err + floor) << what << " (" << DTypeName(dtype) << "): error " << err
+                                          << ", naive error " << naive_err << ", floor " << floor;
+}
+
+// Runs the case and checks every output against the references.
+RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64_t seed) {
+  hsapLayout_t handle = testing::ToCLayout(layout);
+  RowInputs in(c, layout.num_tokens(), seed);
+  RowOutputs got = testing::RunDistributed(handle, c, in);
+  hsapLayoutDestroy(handle);
+  for (int r = 0; r < c.ranks; ++r) {
+    EXPECT_EQ(got.results[r], hsapSuccess) << "rank " << r << ": " << got.errors[r];
+  }
+  if (!got.ok()) return got;
+
+  ReferenceInputs ri;
+  ri.dims.heads_q = c.heads_q;
+  ri.dims.heads_kv = c.heads_kv;
+  ri.dims.head_dim = c.head_dim;
+  ri.dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  ri.dtype = c.dtype;
+  ri.q = in.q.bytes.data();
+  ri.k = in.k.bytes.data();
+  ri.v = in.v.bytes.data();
+  const ReferenceForwardResult ref = ReferenceForward(layout, ri);
+  const ReferenceForwardResult naive = NaiveForward(layout, ri);
+  ExpectWithinRule("out", MaxAbsError(got.out, ref.out), MaxAbsError(naive.out, ref.out),
+                   MaxAbs(ref.out), c.dtype);
+  const std::vector<double> lse(got.lse.begin(), got.lse.end());
+  ExpectWithinRule("lse", MaxAbsError(lse, ref.lse), MaxAbsError(naive.lse, ref.lse),
+                   MaxAbs(ref.lse), DType::kF32);
+  if (!c.backward) return got;
+  const ReferenceGradients gref = ReferenceBackward(layout, ri, in.dout.bytes.data());
+  const ReferenceGradients gnaive = NaiveBackward(layout, ri, in.dout.bytes.data());
+  ExpectWithinRule("dq", MaxAbsError(got.dq, gref.dq), MaxAbsError(gnaive.dq, gref.dq),
+                   MaxAbs(gref.dq), c.dtype);
+  ExpectWithinRule("dk", MaxAbsError(got.dk, gref.dk), MaxAbsError(gnaive.dk, gref.dk),
+                   MaxAbs(gref.dk), c.dtype);
+  ExpectWithinRule("dv", MaxAbsError(got.dv, gref.dv), MaxAbsError(gnaive.dv, gref.dv),
+                   MaxAbs(gref.dv), c.dtype);
+  return got;
+}
+
+struct Scenario {
+  std::string name;
+  DocMix mix;
+  bool causal_only;
+  int64_t tokens;
+  DistCase c;
+};
+
+void PrintTo(const Scenario& s, std::ostream* os) { *os << s.name; }
+
+class DistributedTest : public ::testing::TestWithParam<Scenario> {};
+
+TEST_P(DistributedTest, MatchesSingleDeviceReference) {
+  const Scenario& s = GetParam();
+  const Layout layout = RandomLayout(s.tokens, s.mix, 1000 + s.c.ranks, s.causal_only);
+  CheckAgainstReference(layout, s.c, 77);
+}
+
+DistCase Make(int ranks, std::vector<double> weights, DType dtype, int hq, int hkv, int d) {
+  DistCase c;
+  c.ranks = ranks;
+  c.weights = std::move(weights);
+  c.dtype = dtype;
+  c.heads_q = hq;
+  c.heads_kv = hkv;
+  c.head_dim = d;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, DistributedTest,
+    ::testing::Values(Scenario{"r1_longtail_fp32", DocMix::kLongTail, false, 300,
+                               Make(1, {}, DType::kF32, 2, 1, 32)},
+                      Scenario{"r2_onehuge_causal_bf16", DocMix::kOneHuge, true, 500,
+                               Make(2, {}, DType::kBF16, 2, 2, 32)},
+                      Scenario{"r3_tiny_uneven_fp32", DocMix::kTiny, false, 200,
+                               Make(3, {1, 2, 1}, DType::kF32, 1, 1, 32)},
+                      Scenario{"r4_longtail_3113_bf16_gqa", DocMix::kLongTail, false, 700,
+                               Make(4, {3, 1, 1, 3}, DType::kBF16, 4, 2, 32)},
+                      Scenario{"r4_uniform_fp32", DocMix::kUniform, false, 600,
+                               Make(4, {}, DType::kF32, 2, 1, 64)},
+                      Scenario{"r5_single_causal_fp16", DocMix::kSingle, true, 401,
+                               Make(5, {}, DType::kF16, 2, 1, 32)},
+                      Scenario{"r5_onehuge_mixed_uneven_fp32", DocMix::kOneHuge, false, 600,
+                               Make(5, {2, 1, 1, 1, 2}, DType::kF32, 2, 1, 32)},
+                      Scenario{"r8_uniform_mqa_fp32", DocMix::kUniform, false, 640,
+                               Make(8, {}, DType::kF32, 4, 1, 32)},
+                      Scenario{"r8_longtail_uneven_bf16", DocMix::kLongTail, false, 800,
+                               Make(8, {5, 1, 1, 1, 1, 1, 1, 5}, DType::kBF16, 2, 1, 32)}),
+    [](const ::testing::TestParamInfo<Scenario>& info) { return info.param.name; });
+
+TEST(DistributedSlicesTest, UserSlicesMatchReference) {
+  for (int R : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << R << " ranks");
+    CheckAgainstReference(RandomSliceLayout(500, 60 + R), Make(R, {}, DType::kF32, 2, 1, 32), 5);
+  }
+}
+
+TEST(DistributedMaskKindsTest, EveryKindAsOneDocumentSpanningRanks) {
+  // Each kind as a single long document, so that its cuts cross ranks.
+  const MaskKind kinds[] = {MaskKind::kCausal, MaskKind::kFull, MaskKind::kPrefixLM,
+                            MaskKind::kSlidingWindow};
+  for (MaskKind kind : kinds) {
+    const int64_t L = 333;
+    const int64_t param = kind == MaskKind::kPrefixLM        ? 100
+                          : kind == MaskKind::kSlidingWindow ? 45
+                                                             : 0;
+    absl::StatusOr<Layout> layout = Layout::FromDocuments(
+        std::vector<int64_t>{0, L}, std::vector<MaskKind>{kind}, std::vector<int64_t>{param});
+    ASSERT_TRUE(layout.ok());
+    SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(kind));
+    CheckAgainstReference(*layout, Make(3, {}, DType::kF32, 2, 1, 32), 9);
+  }
+}
+
+TEST(DistributedDeterminismTest, BackwardIsBitwiseIdenticalAcrossRuns) {
+  const Layout layout = RandomLayout(600, DocMix::kOneHuge, 31, /*causal_only=*/false);
+  const DistCase c = Make(4, {3, 1, 1, 3}, DType::kBF16, 2, 1, 32);
+  hsapLayout_t handle = testing::ToCLayout(layout);
+  RowInputs in(c, layout.num_tokens(), 3);
+  RowOutputs a = testing::RunDistributed(handle, c, in);
+  RowOutputs b = testing::RunDistributed(handle, c, in);
+  hsapLayoutDestroy(handle);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.errors[0] << b.errors[0];
+  EXPECT_EQ(a.out.bytes, b.out.bytes);
+  EXPECT_EQ(a.lse, b.lse);
+  EXPECT_EQ(a.dq.bytes, b.dq.bytes);
+  EXPECT_EQ(a.dk.bytes, b.dk.bytes);
+  EXPECT_EQ(a.dv.bytes, b.dv.bytes);
+}
+
+TEST(DistributedPartitionTest, BatchPartitionMatchesTheDataLoadersPartition) {
+  const Layout layout = RandomLayout(400, DocMix::kLongTail, 8, false);
+  const DistCase c = Make(3, {2, 1, 1}, DType::kF32, 1, 1, 32);
+  hsapLayout_t handle = testing::ToCLayout(layout);
+  RowInputs in(c, layout.num_tokens(), 1);
+  RowOutputs got = testing::RunDistributed(handle, c, in);
+  ASSERT_TRUE(got.ok());
+  hsapPartition_t part = nullptr;
+  ASSERT_EQ(hsapPartitionCreate(&part, handle, 3, c.weights.data()), hsapSuccess);
+  for (int r = 0; r < 3; ++r) {
+    int64_t n = 0, tokens = 0;
+    ASSERT_EQ(hsapPartitionGetRanges(part, r, nullptr, &n, &tokens), hsapSuccess);
+    std::vector<int64_t> ranges(2 * n);
+    ASSERT_EQ(hsapPartitionGetRanges(part, r, ranges.data(), &n, nullptr), hsapSuccess);
+    EXPECT_EQ(ranges, got.ranges[r]);
+    EXPECT_EQ(tokens, got.local_tokens[r]);
+  }
+  hsapPartitionDestroy(part);
+  hsapLayoutDestroy(handle);
+}
+
+}  // namespace
+}  // namespace hsap
