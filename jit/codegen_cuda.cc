@@ -1,0 +1,283 @@
+#include "jit/codegen_cuda.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "jit/nvrtc.h"
+
+// Included for the build's dependency tracking only: the .cuh bodies are visible to CUDA
+// compilers alone (hsap_params.cuh is plain C++). Their text is embedded below.
+#include "jit/device/hsap_attention.cuh"
+#include "jit/device/hsap_device.cuh"
+#include "jit/device/hsap_params.cuh"
+#include "jit/device/hsap_sync.cuh"
+
+// The device headers' text, embedded at build time with the assembler's .incbin (no build
+// step, no copy of the text in a C++ string that could drift from the files).
+#define HSAP_EMBED_FILE(symbol, file)                  \
+  __asm__(                                             \
+      ".pushsection .rodata\n"                         \
+      ".balign 16\n"                                   \
+      ".global " #symbol                               \
+      "\n"                                             \
+      ".hidden " #symbol "\n" #symbol                  \
+      ":\n"                                            \
+      ".incbin \"" HSAP_SOURCE_DIR "/jit/device/" file \
+      "\"\n"                                           \
+      ".global " #symbol                               \
+      "_end\n"                                         \
+      ".hidden " #symbol "_end\n" #symbol              \
+      "_end:\n"                                        \
+      ".byte 0\n"                                      \
+      ".popsection\n");                                \
+  extern "C" const char symbol[];                      \
+  extern "C" const char symbol##_end[]
+
+HSAP_EMBED_FILE(hsap_embedded_params_cuh, "hsap_params.cuh");
+HSAP_EMBED_FILE(hsap_embedded_device_cuh, "hsap_device.cuh");
+HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "hsap_sync.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "hsap_attention.cuh");
+
+namespace hsap::jit {
+namespace {
+
+constexpr int kMaxPeers = 15;
+
+// Threads per query row: head dims above 128 split a row over 4 lanes to keep the
+// per-thread accumulator at <= 64 floats.
+int ThreadsPerRow(int head_dim) { return head_dim <= 128 ? 2 : 4; }
+
+int Padded(int n) { return n + 1; }
+
+int FwdSmemBytes(int d, int bm, int bn) {
+  return 4 * ((bm + 2 * bn) * Padded(d) + bm * Padded(bn));
+}
+int BwdSmemBytes(int d, int bm, int bn) {
+  return 4 * ((2 * bm + 2 * bn) * Padded(d) + 2 * bm * Padded(bn));
+}
+
+const char* CudaTypeName(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return "float";
+    case DType::kBF16:
+      return "hsap_dev::bf16";
+    case DType::kF16:
+      return "hsap_dev::f16";
+  }
+  return "float";
+}
+
+}  // namespace
+
+std::string CudaKernelConfig::Name() const {
+  std::string arch_digits = arch;
+  if (arch_digits.rfind("sm_", 0) == 0) arch_digits = "sm" + arch_digits.substr(3);
+  const std::string_view dtype_name = DTypeName(dtype);
+  std::string name =
+      absl::StrCat(arch_digits, "_", absl::string_view(dtype_name.data(), dtype_name.size()), "_d",
+                   head_dim, "_g", gqa, has_band ? "_band" : "_full");
+  if (role.num_peers > 0)
+    absl::StrAppend(&name, "_p", role.num_peers, "_nv", role.nvlink_peer_mask);
+  if (block_m || block_n || threads || bwd_block_m || bwd_block_n || bwd_threads) {
+    absl::StrAppend(&name, "_t", block_m, "x", block_n, "x", threads, "_b", bwd_block_m, "x",
+                    bwd_block_n, "x", bwd_threads);
+  }
+  return name;
+}
+
+int CudaMaxSharedMemory(int arch) {
+  switch (arch) {
+    case 70:
+    case 72:
+      return 98304;
+    case 75:
+      return 65536;
+    case 80:
+    case 87:
+      return 166912;
+    case 90:
+    case 100:
+    case 101:
+    case 103:
+    case 110:
+      return 232448;
+    default:
+      return arch >= 80 ? 101376 : 49152;  // sm_86/89/120 class; conservative otherwise
+  }
+}
+
+absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& c) {
+  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
+  if (!arch.ok()) return arch.status();
+  if (c.arch.rfind("sm_", 0) != 0 || *arch < 70) {
+    return absl::InvalidArgumentError(absl::StrCat("CudaKernelConfig.arch = ", c.arch,
+                                                   ": the kernels need sm_70 or newer, as sm_XX"));
+  }
+  if (c.head_dim < 32 || c.head_dim > 256 || c.head_dim % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaKernelConfig.head_dim = ", c.head_dim,
+                     ": the CUDA kernels support multiples of 8 in [32, 256]"));
+  }
+  if (c.gqa < 1 || c.gqa > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaKernelConfig.gqa = ", c.gqa, ": must be in [1, 64]"));
+  }
+  if (c.role.num_peers < 0 || c.role.num_peers > kMaxPeers ||
+      (c.role.nvlink_peer_mask >> c.role.num_peers) != 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "CudaKernelConfig.role: num_peers = %d (must be in [0, %d]) with nvlink_peer_mask = "
+        "0x%x (bits only below num_peers)",
+        c.role.num_peers, kMaxPeers, c.role.nvlink_peer_mask));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
+  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
+  if (!arch.ok()) return arch.status();
+  const int limit = CudaMaxSharedMemory(*arch);
+  const int tpr = ThreadsPerRow(c.head_dim);
+  CudaTiles t;
+
+  // Forward: the largest of these tiles whose shared memory fits.
+  constexpr int kFwdCandidates[][2] = {{64, 64}, {64, 32}, {32, 32}, {16, 32}, {16, 16}};
+  if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
+    if (c.block_m <= 0 || c.block_n <= 0 || c.threads <= 0) {
+      return absl::InvalidArgumentError(
+          "CudaKernelConfig: block_m, block_n and threads must be set together");
+    }
+    t.block_m = c.block_m;
+    t.block_n = c.block_n;
+    t.threads = c.threads;
+  } else {
+    for (const auto& [bm, bn] : kFwdCandidates) {
+      if (FwdSmemBytes(c.head_dim, bm, bn) <= limit) {
+        t.block_m = bm;
+        t.block_n = bn;
+        t.threads = bm * tpr;
+        break;
+      }
+    }
+  }
+  constexpr int kBwdCandidates[][2] = {{64, 32}, {32, 32}, {16, 32}, {16, 16}, {8, 16}};
+  if (c.bwd_block_m > 0 || c.bwd_block_n > 0 || c.bwd_threads > 0) {
+    if (c.bwd_block_m <= 0 || c.bwd_block_n <= 0 || c.bwd_threads <= 0) {
+      return absl::InvalidArgumentError(
+          "CudaKernelConfig: bwd_block_m, bwd_block_n and bwd_threads must be set together");
+    }
+    t.bwd_block_m = c.bwd_block_m;
+    t.bwd_block_n = c.bwd_block_n;
+    t.bwd_threads = c.bwd_threads;
+  } else {
+    for (const auto& [bm, bn] : kBwdCandidates) {
+      if (BwdSmemBytes(c.head_dim, bm, bn) <= limit) {
+        t.bwd_block_m = bm;
+        t.bwd_block_n = bn;
+        t.bwd_threads = bm * tpr;
+        break;
+      }
+    }
+  }
+  if (t.block_m == 0 || t.bwd_block_m == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no tile of head dim ", c.head_dim, " fits the shared memory of ", c.arch));
+  }
+  t.fwd_smem_bytes = FwdSmemBytes(c.head_dim, t.block_m, t.block_n);
+  t.bwd_smem_bytes = BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
+  if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaKernelConfig tiles need ", t.fwd_smem_bytes, "/", t.bwd_smem_bytes,
+                     " bytes of shared memory (fwd/bwd); ", c.arch, " allows ", limit));
+  }
+  return t;
+}
+
+std::vector<std::string> CudaKernelSource::NameExpressions() const {
+  std::vector<std::string> out;
+  for (const CudaKernelEntry& k : kernels) out.push_back(k.name_expression);
+  return out;
+}
+
+absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& config) {
+  if (!config.skip_validation) {
+    if (absl::Status s = ValidateCudaKernelConfig(config); !s.ok()) return s;
+  } else if (absl::StatusOr<int> arch = ParseCudaArch(config.arch); !arch.ok()) {
+    return arch.status();
+  }
+  absl::StatusOr<CudaTiles> tiles = ChooseCudaTiles(config);
+  if (!tiles.ok()) return tiles.status();
+  const CudaTiles& t = *tiles;
+  const int max_steps = config.role.num_peers > 0 ? config.role.num_peers + 1 : 0;
+
+  CudaKernelSource out;
+  out.config = config;
+  out.tiles = t;
+  out.program_name = absl::StrCat("hsap_", config.Name(), ".cu");
+  out.headers = CudaDeviceHeaders();
+
+  std::string& s = out.source;
+  absl::StrAppend(&s, "// Generated by hsap jit/codegen_cuda for ", config.Name(), ".\n",
+                  "// Kernel contracts: hsap_params.cuh. Kernel bodies: hsap_attention.cuh.\n",
+                  "#include \"hsap_attention.cuh\"\n\n");
+  absl::StrAppend(&s, "struct HsapCfg {\n");
+  absl::StrAppend(&s, "  using T = ", CudaTypeName(config.dtype), ";\n");
+  absl::StrAppend(&s, "  static constexpr int kHeadDim = ", config.head_dim, ";\n");
+  absl::StrAppend(&s, "  static constexpr int kGqa = ", config.gqa, ";\n");
+  absl::StrAppend(&s, "  static constexpr int kBlockM = ", t.block_m, ", kBlockN = ", t.block_n,
+                  ", kThreads = ", t.threads, ";\n");
+  absl::StrAppend(&s, "  static constexpr int kBwdBlockM = ", t.bwd_block_m,
+                  ", kBwdBlockN = ", t.bwd_block_n, ", kBwdThreads = ", t.bwd_threads, ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kHasBand = ", config.has_band ? "true" : "false",
+                  ";\n");
+  absl::StrAppend(&s, "  static constexpr int kNumPeers = ", config.role.num_peers, ";\n");
+  absl::StrAppend(&s, "  static constexpr unsigned int kNvlinkPeerMask = ",
+                  config.role.nvlink_peer_mask, "u;\n");
+  absl::StrAppend(&s, "  static constexpr int kMaxSteps = ", max_steps, ";\n");
+  absl::StrAppend(&s, "  static constexpr int kFwdSmemBytes = ", t.fwd_smem_bytes, ";\n");
+  absl::StrAppend(&s, "  static constexpr int kBwdSmemBytes = ", t.bwd_smem_bytes, ";\n");
+  absl::StrAppend(&s, "};\n\n");
+
+  struct Kernel {
+    const char* role;
+    const char* name;
+    const char* params;
+    int threads, smem;
+  };
+  std::vector<Kernel> kernels = {
+      {"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads, t.fwd_smem_bytes},
+      {"bwd", "attn_bwd_kernel", "hsap_dev::BwdParams", t.bwd_threads, t.bwd_smem_bytes},
+      {"delta", "attn_delta_kernel", "hsap_dev::DeltaParams", 256, 0},
+      {"merge", "lse_merge_kernel", "hsap_dev::MergeParams", 256, 0},
+      {"init", "init_partial_kernel", "hsap_dev::InitParams", 256, 0},
+      {"convert", "convert_out_kernel", "hsap_dev::ConvertParams", 256, 0},
+  };
+  std::string fused_params;
+  if (max_steps > 0) {
+    fused_params = absl::StrCat("hsap_dev::FusedFwdParamsT<", max_steps, ">");
+    kernels.push_back(
+        {"fused_fwd", "fused_fwd_kernel", fused_params.c_str(), t.threads, t.fwd_smem_bytes});
+  }
+  absl::StrAppend(&s,
+                  "// Explicit instantiations (NVRTC also instantiates them through the name\n"
+                  "// expressions; nvcc needs these).\n");
+  for (const Kernel& k : kernels) {
+    absl::StrAppend(&s, "template __global__ void hsap_dev::", k.name, "<HsapCfg>(const ", k.params,
+                    ");\n");
+    out.kernels.push_back(
+        {k.role, absl::StrCat("hsap_dev::", k.name, "<HsapCfg>"), k.threads, k.smem});
+  }
+  return out;
+}
+
+const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
+  static const auto* headers = new std::vector<std::pair<std::string, std::string>>{
+      {"hsap_params.cuh", std::string(hsap_embedded_params_cuh, hsap_embedded_params_cuh_end)},
+      {"hsap_device.cuh", std::string(hsap_embedded_device_cuh, hsap_embedded_device_cuh_end)},
+      {"hsap_sync.cuh", std::string(hsap_embedded_sync_cuh, hsap_embedded_sync_cuh_end)},
+      {"hsap_attention.cuh",
+       std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
+  };
+  return *headers;
+}
+
+}  // namespace hsap::jit

@@ -1,0 +1,97 @@
+// The CUDA kernel generator: one CUDA C++ translation unit per kernel configuration.
+//
+// A configuration fixes what changes code: architecture, storage dtype, head dim, GQA ratio,
+// tile shapes, whether banded (causal / sliding-window / prefix-LM) segments can occur, and
+// the topology role (number of peers and which are NVLink peers, which sizes the fused
+// kernel's step array). Sequence lengths, offsets and work lists stay runtime arguments (the
+// Params structs of jit/device/hsap_params.cuh), so a new packed layout never recompiles.
+//
+// The generated source is short: a `HsapCfg` struct of compile-time constants, the includes
+// of our device headers (jit/device/*.cuh, embedded in the library, given to NVRTC as
+// in-memory headers) and explicit instantiations of the kernel templates of
+// hsap_attention.cuh. Each kernel is named by a name expression (e.g.
+// "hsap_dev::attn_fwd_kernel<HsapCfg>") whose lowered name the runtime looks up in the cubin.
+#ifndef HSAP_JIT_CODEGEN_CUDA_H_
+#define HSAP_JIT_CODEGEN_CUDA_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/dtype.h"
+
+namespace hsap::jit {
+
+// The group-topology role of a rank for the fused kernels.
+struct CudaTopologyRole {
+  int num_peers = 0;              // other ranks this rank receives K/V from (0..15)
+  uint32_t nvlink_peer_mask = 0;  // bit i: peer i is reached through NVLink peer pointers
+
+  friend bool operator==(const CudaTopologyRole&, const CudaTopologyRole&) = default;
+};
+
+struct CudaKernelConfig {
+  std::string arch = "sm_90";  // sm_XX
+  DType dtype = DType::kBF16;
+  int head_dim = 128;
+  int gqa = 1;           // heads_q / heads_kv (a runtime kv_head_of_q map may override)
+  bool has_band = true;  // false: work lists hold only full segments
+  CudaTopologyRole role;
+  // Tile shapes; 0 = chosen by ChooseCudaTiles.
+  int block_m = 0, block_n = 0, threads = 0;
+  int bwd_block_m = 0, bwd_block_n = 0, bwd_threads = 0;
+  // Emit the source even if the configuration is unsupported (tests: the device code's
+  // static_asserts must then fail the compile with a clear log).
+  bool skip_validation = false;
+
+  // A short identifier, e.g. "sm90_bf16_d128_g8_band_p3_nv5".
+  std::string Name() const;
+};
+
+struct CudaTiles {
+  int block_m = 0, block_n = 0, threads = 0;
+  int bwd_block_m = 0, bwd_block_n = 0, bwd_threads = 0;
+  int fwd_smem_bytes = 0, bwd_smem_bytes = 0;  // dynamic shared memory per CTA
+};
+
+// Dynamic shared memory a CTA may use on `arch` (opt-in maximum), e.g. 232448 on sm_90.
+int CudaMaxSharedMemory(int arch);
+
+// Checks the configuration: arch sm_XX >= sm_70, head dim a multiple of 8 in [32, 256],
+// gqa in [1, 64], 0 <= num_peers <= 15 and the mask within them, explicit tiles consistent.
+absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& config);
+
+// The tile shapes used for `config`: explicit ones kept, the others the largest that fit
+// the architecture's shared memory (see codegen_cuda.cc).
+absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
+
+// One kernel of a generated program.
+struct CudaKernelEntry {
+  std::string role;             // "fwd", "bwd", "delta", "merge", "init", "convert", "fused_fwd"
+  std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
+  int threads = 0;              // blockDim.x
+  int dynamic_smem_bytes = 0;
+};
+
+struct CudaKernelSource {
+  CudaKernelConfig config;
+  CudaTiles tiles;
+  std::string program_name;  // "<Name()>.cu"
+  std::string source;
+  std::vector<std::pair<std::string, std::string>> headers;  // CudaDeviceHeaders()
+  std::vector<CudaKernelEntry> kernels;
+
+  std::vector<std::string> NameExpressions() const;
+};
+
+absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& config);
+
+// Our device headers, (include name, content), embedded in the library at build time from
+// jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_attention.cuh.
+const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
+
+}  // namespace hsap::jit
+
+#endif  // HSAP_JIT_CODEGEN_CUDA_H_

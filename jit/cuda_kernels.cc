@@ -1,0 +1,138 @@
+#include "jit/cuda_kernels.h"
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "jit/cache.h"
+
+namespace hsap::jit {
+
+const std::vector<std::string>& ShippedCudaArchs() {
+  static const auto* archs = new std::vector<std::string>{"sm_80", "sm_90"};
+  return *archs;
+}
+
+std::vector<CudaKernelConfig> ShippedCudaConfigs(absl::string_view arch) {
+  std::vector<CudaKernelConfig> out;
+  auto add = [&](DType dtype, int head_dim, int gqa, bool has_band, CudaTopologyRole role = {}) {
+    CudaKernelConfig c;
+    c.arch = std::string(arch);
+    c.dtype = dtype;
+    c.head_dim = head_dim;
+    c.gqa = gqa;
+    c.has_band = has_band;
+    c.role = role;
+    out.push_back(c);
+  };
+  // bf16: the training dtype. Every head dim, MHA and GQA-8 (Llama-style), with causal
+  // bands; full-only variants (bidirectional encoders, prefix-free packs) at head dim 128.
+  for (int d : {64, 128, 256}) {
+    for (int gqa : {1, 8}) add(DType::kBF16, d, gqa, true);
+  }
+  for (int gqa : {1, 8}) add(DType::kBF16, 128, gqa, false);
+  // fp16: MHA with bands at every head dim.
+  for (int d : {64, 128, 256}) add(DType::kF16, d, 1, true);
+  // fp32: the GPU tests' reference precision.
+  for (int d : {64, 128}) add(DType::kF32, d, 1, true);
+  // Topology roles with peers (fused kernels): a pair, a node of 4 and a node of 8 over
+  // NVLink, and a ring of 4 whose last peer is across the network.
+  add(DType::kBF16, 128, 1, true, {1, 0x1});
+  add(DType::kBF16, 128, 8, true, {3, 0x7});
+  add(DType::kBF16, 128, 8, true, {7, 0x7f});
+  add(DType::kBF16, 128, 1, true, {3, 0x3});
+  return out;
+}
+
+absl::StatusOr<CudaKernelEntry> CompiledCudaKernels::Entry(absl::string_view role) const {
+  for (const CudaKernelEntry& e : source.kernels) {
+    if (e.role == role) return e;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("no kernel \"", role, "\" in CUDA program ", source.program_name));
+}
+
+absl::StatusOr<std::string> CompiledCudaKernels::LoweredName(absl::string_view role) const {
+  absl::StatusOr<CudaKernelEntry> e = Entry(role);
+  if (!e.ok()) return e.status();
+  return binary.LoweredName(e->name_expression);
+}
+
+absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& config,
+                                                       CompileCache* cache, bool force_ptx) {
+  absl::StatusOr<CudaKernelSource> source = GenerateCudaKernels(config);
+  if (!source.ok()) return source.status();
+  CudaCompileRequest request;
+  request.program_name = source->program_name;
+  request.source = source->source;
+  request.headers = source->headers;
+  request.arch = config.arch;
+  request.force_ptx = force_ptx;
+  request.name_expressions = source->NameExpressions();
+  absl::StatusOr<CudaBinary> binary = CompileCuda(request, cache);
+  if (!binary.ok()) return binary.status();
+  return CompiledCudaKernels{*std::move(source), *std::move(binary)};
+}
+
+absl::Status VerifyCubinSymbols(const CompiledCudaKernels& compiled) {
+  if (compiled.binary.kind != CudaBinary::Kind::kCubin) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(compiled.source.program_name, " was compiled to PTX, not a cubin"));
+  }
+  absl::StatusOr<std::vector<ElfSymbol>> symbols = ReadElfSymbols(compiled.binary.image);
+  if (!symbols.ok()) return symbols.status();
+  for (const CudaKernelEntry& e : compiled.source.kernels) {
+    absl::StatusOr<std::string> lowered = compiled.binary.LoweredName(e.name_expression);
+    if (!lowered.ok()) return lowered.status();
+    bool found = false;
+    for (const ElfSymbol& s : *symbols) {
+      // STT_FUNC, STB_GLOBAL or STB_WEAK (template instantiations), defined in a section.
+      found = found || (s.name == *lowered && s.type == 2 && (s.binding == 1 || s.binding == 2) &&
+                        s.section != 0);
+    }
+    if (!found) {
+      return absl::NotFoundError(absl::StrCat("cubin of ", compiled.source.program_name,
+                                              " defines no global or weak function ", *lowered,
+                                              " (", e.name_expression, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<CudaVariantTiming>> CompileShippedCudaKernels(
+    const std::vector<std::string>& archs, CompileCache* cache, int threads) {
+  std::vector<CudaKernelConfig> configs;
+  for (const std::string& arch : archs) {
+    std::vector<CudaKernelConfig> c = ShippedCudaConfigs(arch);
+    configs.insert(configs.end(), c.begin(), c.end());
+  }
+  std::vector<CudaVariantTiming> timings(configs.size());
+  std::vector<absl::Status> statuses(configs.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < configs.size(); i = next++) {
+      absl::StatusOr<CompiledCudaKernels> compiled = CompileCudaKernels(configs[i], cache);
+      if (!compiled.ok()) {
+        statuses[i] = compiled.status();
+        continue;
+      }
+      statuses[i] = compiled->binary.kind == CudaBinary::Kind::kCubin
+                        ? VerifyCubinSymbols(*compiled)
+                        : absl::OkStatus();
+      timings[i] = {configs[i].Name(), compiled->binary.target, compiled->binary.compile_seconds,
+                    compiled->binary.from_cache, compiled->binary.image.size()};
+    }
+  };
+  const int n = std::max(1, threads);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  for (const absl::Status& s : statuses) {
+    if (!s.ok()) return s;
+  }
+  return timings;
+}
+
+}  // namespace hsap::jit

@@ -1,0 +1,67 @@
+// The CUDA kernel variants hsap ships, and compiling them.
+//
+// ShippedCudaConfigs() lists the configurations the CUDA runtime (issue 7) requests: the
+// dtypes, head dims, GQA ratios, mask kinds and topology roles of the supported models. Each
+// configuration is one NVRTC program holding all its kernels (forward, backward, delta,
+// merge, init, convert, and the fused forward for roles with peers); the test suite
+// compiles every one of them for sm_80 and sm_90 and checks that the cubin defines the
+// kernels by their lowered names.
+//
+// Compiles go through the compile cache (jit/cache.h); CompileShippedCudaKernels also
+// reports the NVRTC time of each variant, for the JIT bench.
+#ifndef HSAP_JIT_CUDA_KERNELS_H_
+#define HSAP_JIT_CUDA_KERNELS_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "jit/codegen_cuda.h"
+#include "jit/nvrtc.h"
+
+namespace hsap::jit {
+
+class CompileCache;
+
+// The architectures with shipped cubins (others get PTX through CompileCudaKernels).
+const std::vector<std::string>& ShippedCudaArchs();
+
+// The shipped configurations for one architecture ("sm_80", "sm_90", ...).
+std::vector<CudaKernelConfig> ShippedCudaConfigs(absl::string_view arch);
+
+struct CompiledCudaKernels {
+  CudaKernelSource source;
+  CudaBinary binary;
+
+  // The entry of kernel `role` ("fwd", "bwd", ...) and its lowered name in the binary.
+  absl::StatusOr<CudaKernelEntry> Entry(absl::string_view role) const;
+  absl::StatusOr<std::string> LoweredName(absl::string_view role) const;
+};
+
+// Generates and compiles `config` (cubin, or PTX when `force_ptx` or when NVRTC has no cubin
+// target for the arch). `cache` may be null (no caching).
+absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& config,
+                                                       CompileCache* cache, bool force_ptx = false);
+
+// Checks that a cubin's ELF symbol table defines every kernel of `compiled` as a global
+// function under its lowered name.
+absl::Status VerifyCubinSymbols(const CompiledCudaKernels& compiled);
+
+struct CudaVariantTiming {
+  std::string name;    // CudaKernelConfig::Name()
+  std::string target;  // "sm_90"
+  double seconds = 0;  // NVRTC wall time; 0 when served by the cache
+  bool from_cache = false;
+  size_t image_bytes = 0;
+};
+
+// Compiles every shipped configuration of `archs` with `threads` compile threads (>= 1),
+// verifying each cubin's symbols. Returns the timings in the order of the configurations,
+// or the first error.
+absl::StatusOr<std::vector<CudaVariantTiming>> CompileShippedCudaKernels(
+    const std::vector<std::string>& archs, CompileCache* cache, int threads);
+
+}  // namespace hsap::jit
+
+#endif  // HSAP_JIT_CUDA_KERNELS_H_

@@ -1,0 +1,531 @@
+// The attention kernels, as templates over a configuration struct emitted by
+// jit/codegen_cuda (compile-time tile shapes, dtype, head dim, GQA ratio, mask kinds and
+// topology role); sequence lengths, offsets and work lists arrive at run time in the Params
+// of hsap_params.cuh, passed by value.
+//
+// The arithmetic is deliberately plain (fp32 FMA loops over fp32 shared-memory tiles, one
+// query row per group of kTPR adjacent lanes), so that it can be checked by reading:
+//   - a CTA holds kBM query rows; thread t owns row r = t / kTPR and the head-dim columns
+//     d = t % kTPR + j * kTPR of that row's accumulator, and the key columns
+//     c = t % kTPR + j * kTPR of that row's score tile;
+//   - row reductions (max, sum) are shuffles within the kTPR lanes of a row (same warp);
+//   - shared-memory rows are padded by one float (kLd = D + 1) so the 32/kTPR distinct
+//     rows read by a warp fall into distinct banks.
+//
+// Required members of Cfg:
+//   using T;                       float, hsap_dev::bf16 or hsap_dev::f16
+//   kHeadDim, kGqa                 head dim (multiple of 8 in [32, 256]), heads_q / heads_kv
+//   kBlockM, kBlockN, kThreads     forward tile (query rows, key rows) and CTA size
+//   kBwdBlockM, kBwdBlockN, kBwdThreads   backward tile and CTA size
+//   kHasBand                       false: only full segments (no causal/window band)
+//   kMaxSteps                      fused forward: steps per launch (0: not generated)
+//   kFwdSmemBytes, kBwdSmemBytes   dynamic shared memory (checked against the formulas)
+#ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
+#define HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+
+#include "hsap_device.cuh"
+#include "hsap_params.cuh"
+#include "hsap_sync.cuh"
+
+namespace hsap_dev {
+
+constexpr long long kNoDiagLimit = 1LL << 60;  // attention/layout.h
+
+HSAP_DEV long long min64(long long a, long long b) { return a < b ? a : b; }
+HSAP_DEV long long max64(long long a, long long b) { return a > b ? a : b; }
+
+HSAP_DEV void report(unsigned int* error_flag, unsigned int bits) {
+  if (error_flag != nullptr && threadIdx.x == 0) atomicOr(error_flag, bits);
+}
+
+template <int kD_, int kBM_, int kBN_, int kThreads_>
+struct TileShape {
+  static constexpr int kD = kD_, kBM = kBM_, kBN = kBN_, kThreads = kThreads_;
+  static constexpr int kTPR = kThreads / kBM;  // threads per query row
+  static constexpr int kLd = kD + 1;           // padded K/V/Q row (floats)
+  static constexpr int kPLd = kBN + 1;         // padded P row (floats)
+  static constexpr int kDT = kD / kTPR;        // accumulator columns per thread
+  static constexpr int kNT = kBN / kTPR;       // score columns per thread
+  // Dynamic shared memory: forward Q, K, V tiles and the P tile; backward Q, dO, K, V tiles
+  // and the P and dS tiles (jit/codegen_cuda.cc computes the same numbers).
+  static constexpr int kFwdSmemBytes = 4 * ((kBM + 2 * kBN) * kLd + kBM * kPLd);
+  static constexpr int kBwdSmemBytes = 4 * ((2 * kBM + 2 * kBN) * kLd + 2 * kBM * kPLd);
+  static_assert(kD >= 32 && kD <= 256 && kD % 8 == 0,
+                "hsap: unsupported head dim (must be a multiple of 8 in [32, 256])");
+  static_assert(kThreads % kBM == 0 && kTPR >= 1 && kTPR <= 32 && (kTPR & (kTPR - 1)) == 0,
+                "hsap: threads per row must be a power of two <= 32");
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "hsap: CTA size");
+  static_assert(kD % kTPR == 0 && kBN % kTPR == 0, "hsap: tile not divisible among row threads");
+};
+
+template <class Cfg>
+using FwdShape = TileShape<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads>;
+template <class Cfg>
+using BwdShape = TileShape<Cfg::kHeadDim, Cfg::kBwdBlockM, Cfg::kBwdBlockN, Cfg::kBwdThreads>;
+
+// rows x kD elements of head `head` of a [rows, heads, kD] tensor starting at row `row0`
+// into dst (kLd-strided floats); rows [valid, kRows) are zero-filled.
+template <typename T, int kRows, int kD, int kLd, int kThreads, bool kCoherent>
+HSAP_DEV void load_tile(float* dst, const void* src, long long row0, int valid, int heads,
+                        int head) {
+  for (int i = threadIdx.x; i < kRows * kD; i += kThreads) {
+    const int rr = i / kD, d = i % kD;
+    float x = 0.0f;
+    if (rr < valid) {
+      const long long idx = ((row0 + rr) * heads + head) * static_cast<long long>(kD) + d;
+      x = kCoherent ? load_float_cg<T>(src, idx) : load_float<T>(src, idx);
+    }
+    dst[rr * kLd + d] = x;
+  }
+}
+
+// The visible key range [k_lo, k_hi) of `seg` for query rows [q0, q0 + rows).
+HSAP_DEV void visible_keys(const KeySegment& seg, long long q0, int rows, long long* k_lo,
+                           long long* k_hi) {
+  *k_lo = max64(seg.k_begin, q0 + seg.diag_lo);
+  *k_hi = min64(seg.k_end, q0 + rows + seg.diag_hi);  // last visible: q0 + rows - 1 + diag_hi
+}
+
+HSAP_DEV bool segment_is_full(const KeySegment& seg) {
+  return seg.diag_lo <= -kNoDiagLimit && seg.diag_hi >= kNoDiagLimit;
+}
+
+// Every (row, col) of the tile is inside the band.
+HSAP_DEV bool tile_inside_band(const KeySegment& seg, long long q0, int rows, long long k0,
+                               int cols) {
+  return k0 - (q0 + rows - 1) >= seg.diag_lo && (k0 + cols - 1) - q0 <= seg.diag_hi;
+}
+
+// ---------------------------------------------------------------------------------------
+// Forward over one query block of one head: online softmax over the block's segments, then
+// the merge of the partial (o, lse) into out/lse. kStaged: K/V were written by other CTAs of
+// this kernel (fused path), so they are read with ld.global.cg.
+template <class Cfg, bool kStaged>
+__device__ void attend_block_fwd(float* smem, const void* q, const void* k, const void* v,
+                                 float* out, float* lse, long long q_rows, long long k_rows,
+                                 int heads_q, int heads_kv, int h, int kvh, float scale,
+                                 const QueryBlock qb, const KeySegment* segments,
+                                 unsigned int* error_flag) {
+  using S = FwdShape<Cfg>;
+  using T = typename Cfg::T;
+  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
+                kPLd = S::kPLd;
+  float* Qs = smem;
+  float* Ks = Qs + kBM * kLd;
+  float* Vs = Ks + kBN * kLd;
+  float* Ps = Vs + kBN * kLd;
+  const int r = threadIdx.x / kTPR;
+  const int tc = threadIdx.x % kTPR;
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  if (qb.q_begin < 0 || qb.q_end > q_rows || qb.q_begin > qb.q_end) {
+    report(error_flag, kErrorRowsOutOfRange);
+    return;  // uniform over the CTA
+  }
+  for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {
+    const int rows = static_cast<int>(min64(kBM, qb.q_end - q0));
+    __syncthreads();  // the previous chunk is done with Qs
+    load_tile<T, kBM, kD, kLd, S::kThreads, false>(Qs, q, q0, rows, heads_q, h);
+
+    OnlineSoftmax sm;
+    sm.init();
+    float acc[S::kDT];
+#pragma unroll
+    for (int j = 0; j < S::kDT; ++j) acc[j] = 0.0f;
+
+    for (long long si = qb.seg_begin; si < qb.seg_end; ++si) {
+      const KeySegment seg = segments[si];
+      const bool full = segment_is_full(seg);
+      if (!Cfg::kHasBand && !full) {
+        report(error_flag, kErrorBandInFullOnlyVariant);
+        continue;
+      }
+      if (seg.k_begin < 0 || seg.k_end > k_rows) {
+        report(error_flag, kErrorRowsOutOfRange);
+        continue;
+      }
+      long long k_lo, k_hi;
+      visible_keys(seg, q0, rows, &k_lo, &k_hi);
+      for (long long k0 = k_lo; k0 < k_hi; k0 += kBN) {
+        const int cols = static_cast<int>(min64(kBN, k_hi - k0));
+        __syncthreads();  // everyone is done with the previous Ks/Vs/Ps (and Qs is written)
+        load_tile<T, kBN, kD, kLd, S::kThreads, kStaged>(Ks, k, k0, cols, heads_kv, kvh);
+        load_tile<T, kBN, kD, kLd, S::kThreads, kStaged>(Vs, v, k0, cols, heads_kv, kvh);
+        __syncthreads();
+        const bool masked = Cfg::kHasBand && !full && !tile_inside_band(seg, q0, rows, k0, cols);
+
+        // Scores of row r against key columns c_j = tc + j * kTPR.
+        float x[S::kNT];
+#pragma unroll
+        for (int j = 0; j < S::kNT; ++j) x[j] = 0.0f;
+#pragma unroll 4
+        for (int kk = 0; kk < kD; ++kk) {
+          const float qv = Qs[r * kLd + kk];
+#pragma unroll
+          for (int j = 0; j < S::kNT; ++j) x[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
+        }
+        float tile_max = neg_inf();
+#pragma unroll
+        for (int j = 0; j < S::kNT; ++j) {
+          const int c = tc + j * kTPR;
+          bool visible = r < rows && c < cols;
+          if (masked && visible) {
+            const long long diag = (k0 + c) - (q0 + r);
+            visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+          }
+          x[j] = visible ? x[j] * scale_log2 : neg_inf();
+          tile_max = fmaxf(tile_max, x[j]);
+        }
+        tile_max = group_max<kTPR>(tile_max);
+        const float rescale = sm.begin_tile(tile_max);
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < S::kNT; ++j) {
+          const float p = sm.weight(x[j]);
+          tile_sum += p;
+          Ps[r * kPLd + tc + j * kTPR] = p;
+        }
+        sm.end_tile(group_sum<kTPR>(tile_sum));
+        __syncwarp();  // the row's P entries come from the kTPR lanes of this warp
+
+#pragma unroll
+        for (int j = 0; j < S::kDT; ++j) acc[j] *= rescale;
+        for (int c = 0; c < kBN; ++c) {  // P and V are 0 beyond `cols`
+          const float p = Ps[r * kPLd + c];
+#pragma unroll
+          for (int j = 0; j < S::kDT; ++j) acc[j] += p * Vs[c * kLd + tc + j * kTPR];
+        }
+      }
+    }
+
+    // Merge the partial result of this chunk into out/lse.
+    const float lse2 = sm.lse();
+    const float inv_l = sm.inv_l();
+    float* lse_ptr = lse + static_cast<long long>(h) * q_rows + (q0 + r);
+    LseMerge merged{0.0f, 1.0f, 0.0f};
+    if (r < rows) {
+      merged = merge_lse(*lse_ptr, lse2);
+      if (lse2 != neg_inf()) {
+        float* o = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
+#pragma unroll
+        for (int j = 0; j < S::kDT; ++j) {
+          const int d = tc + j * kTPR;
+          o[d] = merged.w1 * o[d] + merged.w2 * (acc[j] * inv_l);
+        }
+      }
+    }
+    __syncwarp();  // every lane of the row has read the old lse
+    if (r < rows && tc == 0 && lse2 != neg_inf()) *lse_ptr = merged.lse;
+  }
+}
+
+// The kv head of query head h, or -1 (reported) when the head geometry breaks the contract.
+template <class Cfg>
+HSAP_DEV int kv_head(const int* kv_head_of_q, int heads_q, int heads_kv, int h,
+                     unsigned int* error_flag) {
+  int kvh = -1;
+  if (kv_head_of_q != nullptr) {
+    kvh = kv_head_of_q[h];
+  } else if (heads_q == heads_kv * Cfg::kGqa) {
+    kvh = h / Cfg::kGqa;
+  }
+  if (kvh < 0 || kvh >= heads_kv) {
+    report(error_flag, kErrorHeads);
+    return -1;
+  }
+  return kvh;
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attn_fwd_kernel(const FwdParams p) {
+  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+                "hsap: generator and device disagree on the forward shared memory size");
+  extern __shared__ float4 hsap_smem_f4[];
+  float* smem = reinterpret_cast<float*>(hsap_smem_f4);
+  if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
+    return;
+  const int h = blockIdx.y;
+  const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
+  if (kvh < 0) return;
+  attend_block_fwd<Cfg, false>(smem, p.q, p.k, p.v, p.out, p.lse, p.q_rows, p.k_rows, p.heads_q,
+                               p.heads_kv, h, kvh, p.scale, p.blocks[blockIdx.x], p.segments,
+                               p.error_flag);
+}
+
+// ---------------------------------------------------------------------------------------
+// Backward over one query block of one head (see BwdParams).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdParams p) {
+  using S = BwdShape<Cfg>;
+  using T = typename Cfg::T;
+  static_assert(Cfg::kBwdSmemBytes == S::kBwdSmemBytes,
+                "hsap: generator and device disagree on the backward shared memory size");
+  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
+                kPLd = S::kPLd;
+  extern __shared__ float4 hsap_smem_f4[];
+  float* Qs = reinterpret_cast<float*>(hsap_smem_f4);
+  float* dOs = Qs + kBM * kLd;
+  float* Ks = dOs + kBM * kLd;
+  float* Vs = Ks + kBN * kLd;
+  float* Ps = Vs + kBN * kLd;
+  float* dSs = Ps + kBM * kPLd;
+
+  if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
+    return;
+  const int h = blockIdx.y;
+  const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
+  if (kvh < 0) return;
+  const QueryBlock qb = p.blocks[blockIdx.x];
+  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
+    report(p.error_flag, kErrorRowsOutOfRange);
+    return;
+  }
+  const int r = threadIdx.x / kTPR;
+  const int tc = threadIdx.x % kTPR;
+
+  for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {
+    const int rows = static_cast<int>(min64(kBM, qb.q_end - q0));
+    __syncthreads();
+    load_tile<T, kBM, kD, kLd, S::kThreads, false>(Qs, p.q, q0, rows, p.heads_q, h);
+    load_tile<T, kBM, kD, kLd, S::kThreads, false>(dOs, p.dout, q0, rows, p.heads_q, h);
+    const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
+    const float row_lse = r < rows ? p.lse[stat] : neg_inf();
+    const float row_delta = r < rows ? p.delta[stat] : 0.0f;
+    float dq[S::kDT];
+#pragma unroll
+    for (int j = 0; j < S::kDT; ++j) dq[j] = 0.0f;
+
+    for (long long si = qb.seg_begin; si < qb.seg_end; ++si) {
+      const KeySegment seg = p.segments[si];
+      const bool full = segment_is_full(seg);
+      if (!Cfg::kHasBand && !full) {
+        report(p.error_flag, kErrorBandInFullOnlyVariant);
+        continue;
+      }
+      if (seg.k_begin < 0 || seg.k_end > p.k_rows) {
+        report(p.error_flag, kErrorRowsOutOfRange);
+        continue;
+      }
+      long long k_lo, k_hi;
+      visible_keys(seg, q0, rows, &k_lo, &k_hi);
+      for (long long k0 = k_lo; k0 < k_hi; k0 += kBN) {
+        const int cols = static_cast<int>(min64(kBN, k_hi - k0));
+        __syncthreads();  // everyone is done with the previous K/V/P/dS tiles
+        load_tile<T, kBN, kD, kLd, S::kThreads, false>(Ks, p.k, k0, cols, p.heads_kv, kvh);
+        load_tile<T, kBN, kD, kLd, S::kThreads, false>(Vs, p.v, k0, cols, p.heads_kv, kvh);
+        __syncthreads();
+        const bool masked = Cfg::kHasBand && !full && !tile_inside_band(seg, q0, rows, k0, cols);
+
+        float s[S::kNT], dp[S::kNT];
+#pragma unroll
+        for (int j = 0; j < S::kNT; ++j) s[j] = dp[j] = 0.0f;
+#pragma unroll 2
+        for (int kk = 0; kk < kD; ++kk) {
+          const float qv = Qs[r * kLd + kk];
+          const float gv = dOs[r * kLd + kk];
+#pragma unroll
+          for (int j = 0; j < S::kNT; ++j) {
+            s[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
+            dp[j] += gv * Vs[(tc + j * kTPR) * kLd + kk];
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < S::kNT; ++j) {
+          const int c = tc + j * kTPR;
+          bool visible = r < rows && c < cols && row_lse != neg_inf();
+          if (masked && visible) {
+            const long long diag = (k0 + c) - (q0 + r);
+            visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+          }
+          const float prob = visible ? expf(s[j] * p.scale - row_lse) : 0.0f;
+          Ps[r * kPLd + c] = prob;
+          dSs[r * kPLd + c] = prob * (dp[j] - row_delta);
+        }
+        __syncthreads();  // P and dS of all rows are needed below
+
+        // dq (row r, own columns): sum_c dS[r, c] K[c, d].
+        for (int c = 0; c < kBN; ++c) {
+          const float ds = dSs[r * kPLd + c];
+#pragma unroll
+          for (int j = 0; j < S::kDT; ++j) dq[j] += ds * Ks[c * kLd + tc + j * kTPR];
+        }
+        // dk, dv (key column c, dim d): sums over the tile's rows, then one atomic each.
+        for (int i = threadIdx.x; i < kBN * kD; i += S::kThreads) {
+          const int c = i / kD, d = i % kD;
+          if (c >= cols) continue;
+          float dk = 0.0f, dv = 0.0f;
+          for (int rr = 0; rr < kBM; ++rr) {  // rows beyond `rows` have P = dS = 0
+            dk += dSs[rr * kPLd + c] * Qs[rr * kLd + d];
+            dv += Ps[rr * kPLd + c] * dOs[rr * kLd + d];
+          }
+          const long long idx = ((k0 + c) * p.heads_kv + kvh) * static_cast<long long>(kD) + d;
+          if (dk != 0.0f) atomicAdd(p.dk + idx, dk * p.scale);
+          if (dv != 0.0f) atomicAdd(p.dv + idx, dv);
+        }
+      }
+    }
+    if (r < rows) {
+      float* g = p.dq + ((q0 + r) * p.heads_q + h) * static_cast<long long>(kD);
+#pragma unroll
+      for (int j = 0; j < S::kDT; ++j) g[tc + j * kTPR] += dq[j] * p.scale;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Row-wise helper kernels: one warp per (row, head), 256 threads per CTA.
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) attn_delta_kernel(const DeltaParams p) {
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kHeadDim;
+  const long long item = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= p.rows * p.heads) return;  // whole warps leave together
+  const long long base = item * kD;      // item = row * heads + head
+  float sum = 0.0f;
+  for (int d = lane; d < kD; d += 32)
+    sum += load_float<T>(p.dout, base + d) * load_float<T>(p.out, base + d);
+  sum = warp_sum(sum);
+  if (lane == 0) {
+    const long long row = item / p.heads;
+    const int head = static_cast<int>(item % p.heads);
+    p.delta[head * p.rows + row] = sum;
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) lse_merge_kernel(const MergeParams p) {
+  constexpr int kD = Cfg::kHeadDim;
+  const long long item = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= p.rows * p.heads) return;
+  const long long row = item / p.heads;
+  const int head = static_cast<int>(item % p.heads);
+  float* lse1 = p.lse1 + head * p.lse_stride1 + row;
+  const float lse2 = p.lse2[head * p.lse_stride2 + row];
+  const LseMerge m = merge_lse(*lse1, lse2);
+  if (lse2 != neg_inf()) {
+    float* o1 = p.o1 + item * kD;
+    const float* o2 = p.o2 + item * kD;
+    for (int d = lane; d < kD; d += 32) o1[d] = m.w1 * o1[d] + m.w2 * o2[d];
+  }
+  __syncwarp();  // all lanes have read *lse1
+  if (lane == 0) *lse1 = m.lse;
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) init_partial_kernel(const InitParams p) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long n_out = p.rows * p.heads * Cfg::kHeadDim;
+  for (long long i = first; i < n_out; i += stride) p.out[i] = 0.0f;
+  for (long long i = first; i < p.rows * p.heads; i += stride) p.lse[i] = neg_inf();
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) convert_out_kernel(const ConvertParams p) {
+  using T = typename Cfg::T;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count;
+       i += stride) {
+    static_cast<T*>(p.dst)[i] = from_float<T>(p.src[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Fused forward: copy CTAs stage the next step's K/V from peers while compute CTAs attend
+// to the current one (see FusedFwdParamsT).
+
+// Copies `bytes` (a multiple of 4) from src to dst, split over `parts` CTAs of which this is
+// `part`; 16-byte vectors when both pointers and the size allow.
+template <int kThreads>
+HSAP_DEV void copy_slice(void* dst, const void* src, long long bytes, int part, int parts) {
+  const long long first = static_cast<long long>(part) * kThreads + threadIdx.x;
+  const long long stride = static_cast<long long>(parts) * kThreads;
+  const bool vec16 =
+      ((reinterpret_cast<unsigned long long>(dst) | reinterpret_cast<unsigned long long>(src) |
+        static_cast<unsigned long long>(bytes)) &
+       15ull) == 0;
+  if (vec16) {
+    const long long n = bytes / 16;
+    const uint4* s = static_cast<const uint4*>(src);
+    uint4* d = static_cast<uint4*>(dst);
+    for (long long i = first; i < n; i += stride) d[i] = s[i];
+  } else {
+    const long long n = bytes / 4;
+    const unsigned int* s = static_cast<const unsigned int*>(src);
+    unsigned int* d = static_cast<unsigned int*>(dst);
+    for (long long i = first; i < n; i += stride) d[i] = s[i];
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    fused_fwd_kernel(const FusedFwdParamsT<(Cfg::kMaxSteps > 0 ? Cfg::kMaxSteps : 1)> p) {
+  static_assert(Cfg::kMaxSteps >= 1, "hsap: fused kernel generated without steps");
+  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+                "hsap: generator and device disagree on the forward shared memory size");
+  using T = typename Cfg::T;
+  extern __shared__ float4 hsap_smem_f4[];
+  float* smem = reinterpret_cast<float*>(hsap_smem_f4);
+  const int num_copy = p.num_copy_ctas;
+  const int num_compute = static_cast<int>(gridDim.x) - num_copy;
+  if (num_copy < 1 || num_compute < 1 || p.num_steps < 0 || p.num_steps > Cfg::kMaxSteps) {
+    report(p.error_flag, kErrorRowsOutOfRange);
+    return;  // every CTA takes this branch: nobody waits
+  }
+  unsigned int* ready = p.counters;         // [2]: copy CTAs done with buffer b, cumulative
+  unsigned int* consumed = p.counters + 2;  // [2]: compute CTAs done with buffer b, cumulative
+
+  if (static_cast<int>(blockIdx.x) < num_copy) {
+    for (int s = 0; s < p.num_steps; ++s) {
+      const int b = s & 1;
+      const FusedStep& step = p.steps[s];
+      // Buffer b last held step s - 2: after it, consumed[b] = (s / 2) * num_compute.
+      if (s >= 2) cta_wait_geq_gpu(&consumed[b], static_cast<unsigned int>((s >> 1) * num_compute));
+      if (step.ready_flag != nullptr) {
+        if (threadIdx.x == 0) wait_geq_sys(step.ready_flag, step.ready_value);
+        __syncthreads();
+      }
+      const long long bytes =
+          step.k_rows * p.heads_kv * Cfg::kHeadDim * static_cast<long long>(sizeof(T));
+      copy_slice<Cfg::kThreads>(p.stage_k[b], step.k_src, bytes, blockIdx.x, num_copy);
+      copy_slice<Cfg::kThreads>(p.stage_v[b], step.v_src, bytes, blockIdx.x, num_copy);
+      cta_signal_add_gpu(&ready[b], 1);
+      if (step.consumed_flag != nullptr) cta_signal_add_sys(step.consumed_flag, 1);
+    }
+    return;
+  }
+
+  const int c = static_cast<int>(blockIdx.x) - num_copy;
+  for (int s = 0; s < p.num_steps; ++s) {
+    const int b = s & 1;
+    // Steps merge into the same output rows: all of step s - 1 must be finished.
+    if (s >= 1) {
+      const int prev = s - 1;
+      cta_wait_geq_gpu(&consumed[prev & 1],
+                       static_cast<unsigned int>(((prev >> 1) + 1) * num_compute));
+    }
+    cta_wait_geq_gpu(&ready[b], static_cast<unsigned int>(((s >> 1) + 1) * num_copy));
+    const FusedStep& step = p.steps[s];
+    const long long items = static_cast<long long>(step.num_blocks) * p.heads_q;
+    for (long long w = c; w < items; w += num_compute) {
+      const int block = static_cast<int>(w % step.num_blocks);
+      const int h = static_cast<int>(w / step.num_blocks);
+      const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
+      if (kvh < 0) continue;
+      attend_block_fwd<Cfg, true>(smem, p.q, p.stage_k[b], p.stage_v[b], p.out, p.lse, p.q_rows,
+                                  step.k_rows, p.heads_q, p.heads_kv, h, kvh, p.scale,
+                                  step.blocks[block], step.segments, p.error_flag);
+    }
+    cta_signal_add_gpu(&consumed[b], 1);
+  }
+}
+
+}  // namespace hsap_dev
+
+#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#endif  // HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_

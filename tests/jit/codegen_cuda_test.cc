@@ -1,0 +1,316 @@
+#include "jit/codegen_cuda.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "attention/worklist.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "jit/cache.h"
+#include "jit/cuda_kernels.h"
+#include "jit/device/hsap_params.cuh"
+#include "jit/nvrtc.h"
+#include "lib/errors.h"
+
+namespace hsap::jit {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+#define REQUIRE_NVRTC()                                                    \
+  do {                                                                     \
+    if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message(); \
+  } while (0)
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+std::string TempDir() {
+  const char* base = std::getenv("HSAP_TEST_TMPDIR");
+  std::string root = base != nullptr && base[0] == '/' ? base : "/tmp";
+  (void)std::system(("mkdir -p " + root).c_str());
+  std::string dir = root + "/codegen_cuda_test_XXXXXX";
+  char* made = mkdtemp(dir.data());
+  return made == nullptr ? root : std::string(made);
+}
+
+// One process-wide memory cache, so tests share compiles.
+CompileCache& TestCache() {
+  static auto* cache = new CompileCache(CompileCache::Options{});
+  return *cache;
+}
+
+// The host's view of the Params must match the work-list structs it is filled from.
+static_assert(sizeof(hsap_dev::QueryBlock) == sizeof(QueryBlock));
+static_assert(offsetof(hsap_dev::QueryBlock, seg_end) == offsetof(QueryBlock, seg_end));
+static_assert(offsetof(hsap_dev::QueryBlock, q_end) == offsetof(QueryBlock, q_end));
+static_assert(sizeof(hsap_dev::KeySegment) == sizeof(KeySegment));
+static_assert(offsetof(hsap_dev::KeySegment, diag_lo) == offsetof(KeySegment, diag_lo));
+static_assert(offsetof(hsap_dev::KeySegment, diag_hi) == offsetof(KeySegment, diag_hi));
+static_assert(sizeof(hsap_dev::FusedStep) == 64);
+static_assert(sizeof(hsap_dev::FusedFwdParamsT<16>) < 4096, "kernel parameter limit");
+
+TEST(CudaDeviceHeaders, EmbeddedTextIsTheFilesText) {
+  const auto& headers = CudaDeviceHeaders();
+  ASSERT_EQ(headers.size(), 4u);
+  for (const auto& [name, content] : headers) {
+    const std::string on_disk = ReadFile(absl::StrCat(HSAP_SOURCE_DIR, "/jit/device/", name));
+    ASSERT_FALSE(on_disk.empty()) << name;
+    EXPECT_EQ(content, on_disk) << name << ": rebuild, the embedded copy is stale";
+    EXPECT_THAT(content, Not(HasSubstr("#include <"))) << name << " must not need system headers";
+  }
+}
+
+TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
+  CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.dtype = DType::kF16;
+  c.head_dim = 96;
+  c.gqa = 4;
+  c.has_band = false;
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("using T = hsap_dev::f16;"));
+  EXPECT_THAT(s->source, HasSubstr("kHeadDim = 96;"));
+  EXPECT_THAT(s->source, HasSubstr("kGqa = 4;"));
+  EXPECT_THAT(s->source, HasSubstr("kHasBand = false;"));
+  EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 0;"));
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full.cu");
+  std::vector<std::string> roles;
+  for (const CudaKernelEntry& k : s->kernels) {
+    roles.push_back(k.role);
+    EXPECT_GT(k.threads, 0);
+    EXPECT_EQ(k.threads % 32, 0);
+    EXPECT_THAT(s->source, HasSubstr(k.name_expression.substr(std::string("hsap_dev::").size())));
+  }
+  EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert"));
+
+  c.role = {3, 0x5};
+  s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 4;"));
+  EXPECT_THAT(s->source, HasSubstr("kNvlinkPeerMask = 5u;"));
+  EXPECT_EQ(s->kernels.back().role, "fused_fwd");
+  EXPECT_THAT(s->source, HasSubstr("FusedFwdParamsT<4>"));
+}
+
+TEST(GenerateCudaKernels, RejectsUnsupportedConfigurations) {
+  auto expect_invalid = [](CudaKernelConfig c, const char* field) {
+    absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+    ASSERT_FALSE(s.ok()) << field;
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+    EXPECT_THAT(s.status().message(), HasSubstr(field));
+  };
+  CudaKernelConfig c;
+  for (int d : {0, 24, 36, 264, -8}) {
+    c.head_dim = d;
+    expect_invalid(c, "head_dim");
+  }
+  c = {};
+  c.arch = "sm_60";
+  expect_invalid(c, "arch");
+  c.arch = "compute_90";
+  expect_invalid(c, "arch");
+  c.arch = "hopper";
+  expect_invalid(c, "sm_XX");
+  c = {};
+  c.gqa = 0;
+  expect_invalid(c, "gqa");
+  c = {};
+  c.role = {2, 0x4};
+  expect_invalid(c, "nvlink_peer_mask");
+  c.role = {16, 0};
+  expect_invalid(c, "num_peers");
+  c = {};
+  c.block_m = 64;
+  expect_invalid(c, "set together");
+}
+
+TEST(ChooseCudaTiles, FitSharedMemoryOfEachArchitecture) {
+  for (const char* arch : {"sm_75", "sm_80", "sm_86", "sm_90"}) {
+    const int limit = CudaMaxSharedMemory(*ParseCudaArch(arch));
+    for (DType t : {DType::kF32, DType::kBF16}) {
+      for (int d = 32; d <= 256; d += 8) {
+        CudaKernelConfig c;
+        c.arch = arch;
+        c.dtype = t;
+        c.head_dim = d;
+        absl::StatusOr<CudaTiles> tiles = ChooseCudaTiles(c);
+        ASSERT_TRUE(tiles.ok()) << arch << " d=" << d << ": " << tiles.status();
+        EXPECT_LE(tiles->fwd_smem_bytes, limit);
+        EXPECT_LE(tiles->bwd_smem_bytes, limit);
+        EXPECT_EQ(tiles->threads % 32, 0);
+        EXPECT_LE(tiles->threads, 1024);
+        // Per-thread accumulator of at most 64 floats.
+        EXPECT_LE(d / (tiles->threads / tiles->block_m), 64);
+        EXPECT_LE(d / (tiles->bwd_threads / tiles->bwd_block_m), 64);
+      }
+    }
+  }
+  CudaKernelConfig h100;
+  h100.arch = "sm_90";
+  h100.head_dim = 128;
+  EXPECT_EQ(ChooseCudaTiles(h100)->block_m, 64);
+  EXPECT_EQ(ChooseCudaTiles(h100)->block_n, 64);
+}
+
+TEST(ShippedCudaConfigs, AreValidDistinctAndCoverTheMatrix) {
+  for (const std::string& arch : ShippedCudaArchs()) {
+    const std::vector<CudaKernelConfig> configs = ShippedCudaConfigs(arch);
+    EXPECT_GE(configs.size(), 12u);
+    EXPECT_LE(configs.size(), 24u);
+    std::set<std::string> names;
+    bool fused = false, full_only = false, gqa8 = false;
+    std::set<int> dims;
+    std::set<DType> dtypes;
+    for (const CudaKernelConfig& c : configs) {
+      EXPECT_TRUE(ValidateCudaKernelConfig(c).ok()) << c.Name();
+      EXPECT_TRUE(names.insert(c.Name()).second) << "duplicate " << c.Name();
+      fused |= c.role.num_peers > 0;
+      full_only |= !c.has_band;
+      gqa8 |= c.gqa == 8;
+      dims.insert(c.head_dim);
+      dtypes.insert(c.dtype);
+    }
+    EXPECT_TRUE(fused && full_only && gqa8);
+    EXPECT_EQ(dims, (std::set<int>{64, 128, 256}));
+    EXPECT_EQ(dtypes.size(), 3u);
+  }
+}
+
+// The main check of the CUDA half of the JIT: every shipped variant compiles with NVRTC for
+// sm_80 and sm_90, and each cubin defines every kernel under the lowered name the runtime
+// will look up. Two compile threads; the timings are printed.
+TEST(ShippedCudaKernels, AllVariantsCompileForSm80AndSm90) {
+  REQUIRE_NVRTC();
+  absl::StatusOr<std::vector<CudaVariantTiming>> timings =
+      CompileShippedCudaKernels(ShippedCudaArchs(), &TestCache(), 2);
+  ASSERT_TRUE(timings.ok()) << timings.status();
+  size_t expected = 0;
+  for (const std::string& arch : ShippedCudaArchs()) expected += ShippedCudaConfigs(arch).size();
+  ASSERT_EQ(timings->size(), expected);
+  double total = 0, worst = 0;
+  for (const CudaVariantTiming& t : *timings) {
+    EXPECT_EQ(t.target.substr(0, 3), "sm_") << t.name;
+    EXPECT_GT(t.image_bytes, 1000u) << t.name;
+    total += t.seconds;
+    worst = std::max(worst, t.seconds);
+  }
+  std::printf("[ timing ] %zu CUDA variants: NVRTC %.2f s total, %.3f s mean, %.3f s max\n",
+              timings->size(), total, total / timings->size(), worst);
+}
+
+TEST(ShippedCudaKernels, PtxFallbackMentionsEveryEntry) {
+  REQUIRE_NVRTC();
+  CudaKernelConfig c = ShippedCudaConfigs("sm_90").front();
+  c.role = {1, 0x1};
+  absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache(), /*force_ptx=*/true);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_EQ(k->binary.kind, CudaBinary::Kind::kPtx);
+  EXPECT_EQ(k->binary.target, "compute_90");
+  for (const CudaKernelEntry& e : k->source.kernels) {
+    EXPECT_THAT(k->binary.image, HasSubstr(".entry " + *k->binary.LoweredName(e.name_expression)))
+        << e.role;
+  }
+  EXPECT_EQ(VerifyCubinSymbols(*k).code(), absl::StatusCode::kFailedPrecondition);
+  // The PTX uses the acquire/release flags of hsap_sync.cuh in the fused kernel.
+  EXPECT_THAT(k->binary.image, HasSubstr("ld.acquire.gpu"));
+  EXPECT_THAT(k->binary.image, HasSubstr("atom.release.gpu"));
+  EXPECT_THAT(k->binary.image, HasSubstr("ld.acquire.sys"));
+}
+
+TEST(ShippedCudaKernels, LookupOfAnUnknownRoleIsNotFound) {
+  REQUIRE_NVRTC();
+  absl::StatusOr<CompiledCudaKernels> k =
+      CompileCudaKernels(ShippedCudaConfigs("sm_90").front(), &TestCache());
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_TRUE(k->LoweredName("fwd").ok());
+  EXPECT_EQ(k->LoweredName("fused_fwd").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(VerifyCubinSymbols(*k).ok());
+}
+
+TEST(ShippedCudaKernels, ForcedUnsupportedHeadDimIsACompileErrorWithLogAndSource) {
+  REQUIRE_NVRTC();
+  CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.head_dim = 36;  // not a multiple of 8
+  c.skip_validation = true;
+  absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());
+  ASSERT_FALSE(k.ok());
+  EXPECT_TRUE(IsCompileError(k.status())) << k.status();
+  EXPECT_EQ(ResultFromStatus(k.status()), hsapCompileError);
+  const std::string message(k.status().message());
+  EXPECT_THAT(message, HasSubstr("unsupported head dim"));
+  const std::string marker = "generated source kept at ";
+  const size_t at = message.find(marker);
+  ASSERT_NE(at, std::string::npos) << message;
+  const std::string path =
+      message.substr(at + marker.size(), message.find('\n', at) - at - marker.size());
+  EXPECT_THAT(ReadFile(path), HasSubstr("kHeadDim = 36;")) << path;
+  std::remove(path.c_str());
+}
+
+TEST(ShippedCudaKernels, MissingNvrtcIsUnsupported) {
+  const std::string empty_dir = TempDir();
+  const char* old = std::getenv("HSAP_NVRTC_PATH");
+  const std::string saved = old != nullptr ? old : "";
+  setenv("HSAP_NVRTC_PATH", empty_dir.c_str(), 1);
+  CudaKernelConfig c;
+  c.dtype = DType::kF32;
+  c.head_dim = 40;  // a configuration no other test compiles, so the cache cannot serve it
+  absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, nullptr);
+  if (old != nullptr) {
+    setenv("HSAP_NVRTC_PATH", saved.c_str(), 1);
+  } else {
+    unsetenv("HSAP_NVRTC_PATH");
+  }
+  ASSERT_FALSE(k.ok());
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(ResultFromStatus(k.status()), hsapUnsupported);
+  EXPECT_THAT(k.status().message(), HasSubstr("NVRTC not found"));
+}
+
+// nvcc-clean: one generated program with its headers compiles with nvcc too (host and
+// device passes). Skipped where the toolkit has no nvcc.
+TEST(CudaDeviceHeaders, CompileWithNvcc) {
+  const char* cuda_home = std::getenv("CUDA_HOME");
+  const std::string nvcc =
+      std::string(cuda_home != nullptr ? cuda_home : "/usr/local/cuda") + "/bin/nvcc";
+  if (::access(nvcc.c_str(), X_OK) != 0) GTEST_SKIP() << "no nvcc at " << nvcc;
+  CudaKernelConfig c;
+  c.arch = "sm_80";
+  c.dtype = DType::kBF16;
+  c.head_dim = 64;
+  c.role = {1, 0x1};
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string dir = TempDir();
+  for (const auto& [name, content] : s->headers) WriteFile(dir + "/" + name, content);
+  WriteFile(dir + "/kernels.cu", s->source);
+  const std::string cmd = absl::StrCat(nvcc, " -std=c++17 -arch=sm_80 -c ", dir, "/kernels.cu -o ",
+                                       dir, "/kernels.o > ", dir, "/nvcc.log 2>&1");
+  const int rc = std::system(cmd.c_str());
+  EXPECT_EQ(rc, 0) << ReadFile(dir + "/nvcc.log");
+}
+
+}  // namespace
+}  // namespace hsap::jit
