@@ -1,0 +1,461 @@
+#include "jit/host_jit_kernels.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "attention/parallel.h"
+#include "jit/host_abi.h"
+#include "jit/host_compiler.h"
+
+namespace hsap::jit {
+namespace {
+
+absl::string_view DTypeNameAbsl(DType t) {
+  const std::string_view n = DTypeName(t);
+  return absl::string_view(n.data(), n.size());
+}
+
+using InfoFn = void (*)(HsapHostKernelInfo*);
+using PackFn = void (*)(const HsapHostPackTask*);
+using ConvertFn = void (*)(const HsapHostConvertTask*);
+using ForwardFn = void (*)(const HsapHostForwardTask*);
+using BackwardQFn = void (*)(const HsapHostBackwardQTask*);
+using BackwardKvFn = void (*)(const HsapHostBackwardKvTask*);
+using MergeFn = void (*)(const HsapHostMergeTask*);
+
+// Per-thread scratch of the generated kernels (grown on demand, reused across calls).
+float* ThreadScratch(int64_t floats) {
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < floats) scratch.resize(floats);
+  return scratch.data();
+}
+
+// A query block cut to at most block_q rows, with the segments of its block.
+struct Chunk {
+  int64_t q_begin, q_end;
+  int64_t seg_begin, seg_end;
+};
+
+std::vector<Chunk> ChunksOf(const WorkList& work, int64_t block_q) {
+  std::vector<Chunk> chunks;
+  for (const QueryBlock& b : work.blocks) {
+    for (int64_t q = b.q_begin; q < b.q_end; q += block_q) {
+      chunks.push_back({q, std::min(q + block_q, b.q_end), b.seg_begin, b.seg_end});
+    }
+  }
+  return chunks;
+}
+
+template <typename T>
+T Sym(const HostModule& m, const char* name, absl::Status& status) {
+  absl::StatusOr<void*> p = m.Symbol(name);
+  if (!p.ok()) {
+    if (status.ok()) status = p.status();
+    return nullptr;
+  }
+  return reinterpret_cast<T>(*p);
+}
+
+class LoadedKernels final : public HostJitKernelSet {
+ public:
+  static absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> Create(
+      const HostKernelSpec& spec, std::shared_ptr<HostModule> module) {
+    auto k = std::shared_ptr<LoadedKernels>(new LoadedKernels(spec, std::move(module)));
+    absl::Status status;
+    const HostModule& m = *k->module_;
+    auto info = Sym<InfoFn>(m, "hsap_kernel_info", status);
+    k->pack_ = Sym<PackFn>(m, "hsap_pack", status);
+    k->convert_ = Sym<ConvertFn>(m, "hsap_convert", status);
+    k->forward_ = Sym<ForwardFn>(m, "hsap_forward", status);
+    k->backward_q_ = Sym<BackwardQFn>(m, "hsap_backward_q", status);
+    k->backward_kv_ = Sym<BackwardKvFn>(m, "hsap_backward_kv", status);
+    k->merge_ = Sym<MergeFn>(m, "hsap_merge", status);
+    if (!status.ok()) return status;
+    info(&k->info_);
+    const HsapHostKernelInfo& i = k->info_;
+    if (i.abi_version != HSAP_HOST_ABI_VERSION || i.head_dim != spec.head_dim ||
+        i.block_q != spec.block_q || i.block_k != spec.block_k || i.gqa != spec.gqa_ratio ||
+        i.dtype != static_cast<int>(spec.dtype) || i.masked != (spec.band_masks ? 1 : 0)) {
+      return absl::InternalError(absl::StrCat(
+          "JIT module ", m.cache_entry_name(), " (abi ", i.abi_version, ", d ", i.head_dim,
+          ", tiles ", i.block_q, "x", i.block_k, ", gqa ", i.gqa, ", dtype ", i.dtype, ", band ",
+          i.masked, ") vs spec (d ", spec.head_dim, ", tiles ", spec.block_q, "x", spec.block_k,
+          ", gqa ", spec.gqa_ratio, ", dtype ", static_cast<int>(spec.dtype), ", band ",
+          spec.band_masks, ")", " does not match the spec it was built for"));
+    }
+    k->name_ =
+        absl::StrCat("host-jit/", HostIsaName(spec.isa), "/", DTypeNameAbsl(spec.dtype), "/d",
+                     spec.head_dim, "/g", spec.gqa_ratio, spec.band_masks ? "/band" : "/full", "/",
+                     spec.block_q, "x", spec.block_k);
+    return std::shared_ptr<const HostJitKernelSet>(std::move(k));
+  }
+
+  std::string_view name() const override { return name_; }
+
+  absl::Status Forward(const ForwardArgs& args, const WorkList& work,
+                       int num_threads) const override {
+    if (absl::Status s =
+            CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "ForwardArgs");
+        !s.ok()) {
+      return s;
+    }
+    if (args.q == nullptr || args.k == nullptr || args.v == nullptr || args.out == nullptr ||
+        args.lse == nullptr) {
+      return absl::InvalidArgumentError("ForwardArgs: q, k, v, out and lse must be non-null");
+    }
+    if (work.empty()) return absl::OkStatus();
+    const AttentionDims& dims = args.dims;
+    const int64_t dp = info_.padded_head_dim, bk = info_.block_k;
+    const int64_t tiles = (args.k_rows + bk - 1) / bk;
+    const int64_t tile_floats = bk * dp;
+    const int64_t per_head = tiles * tile_floats;
+    std::vector<float> kt(static_cast<size_t>(per_head * dims.heads_kv));
+    std::vector<float> v(kt.size());
+    PackAll(args.k, args.k_rows, dims, /*transposed=*/true, kt.data(), num_threads);
+    PackAll(args.v, args.k_rows, dims, /*transposed=*/false, v.data(), num_threads);
+
+    const std::vector<HsapHostSegment> segments = Segments(work);
+    const std::vector<Chunk> chunks = ChunksOf(work, info_.block_q);
+    const int64_t n = static_cast<int64_t>(chunks.size()) * dims.heads_q;
+    ParallelFor(n, num_threads, [&](int64_t i) {
+      const Chunk& c = chunks[i / dims.heads_q];
+      const int h = static_cast<int>(i % dims.heads_q);
+      const int kvh = dims.KvHead(h);
+      HsapHostForwardTask t{};
+      t.q = args.q;
+      t.q_row_stride = int64_t{dims.heads_q} * dims.head_dim;
+      t.kt = kt.data() + kvh * per_head;
+      t.v = v.data() + kvh * per_head;
+      t.out = args.out;
+      t.out_row_stride = int64_t{dims.heads_q} * dims.head_dim;
+      t.lse = args.lse + h * args.q_rows;
+      t.q_head = h;
+      t.scale = dims.scale;
+      t.q_begin = c.q_begin;
+      t.q_end = c.q_end;
+      t.segments = segments.data() + c.seg_begin;
+      t.num_segments = c.seg_end - c.seg_begin;
+      t.scratch = ThreadScratch(info_.scratch_floats);
+      forward_(&t);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status Backward(const BackwardArgs& args, const WorkList& work,
+                        int num_threads) const override {
+    if (absl::Status s =
+            CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "BackwardArgs");
+        !s.ok()) {
+      return s;
+    }
+    if (args.q == nullptr || args.dout == nullptr || args.lse == nullptr || args.delta == nullptr ||
+        args.k == nullptr || args.v == nullptr || args.dq == nullptr || args.dk == nullptr ||
+        args.dv == nullptr) {
+      return absl::InvalidArgumentError(
+          "BackwardArgs: q, dout, lse, delta, k, v, dq, dk and dv must be non-null");
+    }
+    if (work.empty()) return absl::OkStatus();
+    const AttentionDims& dims = args.dims;
+    const int64_t dp = info_.padded_head_dim, bk = info_.block_k, bq = info_.block_q;
+    const int64_t tiles = (args.k_rows + bk - 1) / bk;
+    const int64_t tile_floats = bk * dp;
+    const int64_t per_head = tiles * tile_floats;
+    std::vector<float> kt(static_cast<size_t>(per_head * dims.heads_kv));
+    std::vector<float> vt(kt.size()), krow(kt.size());
+    PackAll(args.k, args.k_rows, dims, /*transposed=*/true, kt.data(), num_threads);
+    PackAll(args.v, args.k_rows, dims, /*transposed=*/true, vt.data(), num_threads);
+    PackAll(args.k, args.k_rows, dims, /*transposed=*/false, krow.data(), num_threads);
+    // fp32 copies of q and dout, with spare zero rows for whole register blocks.
+    const int64_t qd_stride = int64_t{dims.heads_q} * dp;
+    const int64_t q32_rows = args.q_rows + info_.spare_rows;
+    std::vector<float> q32(static_cast<size_t>(q32_rows * qd_stride), 0.0f);
+    std::vector<float> do32(q32.size(), 0.0f);
+    ConvertAll(args.q, args.q_rows, dims, q32.data(), num_threads);
+    ConvertAll(args.dout, args.q_rows, dims, do32.data(), num_threads);
+
+    const std::vector<HsapHostSegment> segments = Segments(work);
+    const std::vector<Chunk> chunks = ChunksOf(work, bq);
+
+    // dq: one task per (chunk, query head).
+    const int64_t nq = static_cast<int64_t>(chunks.size()) * dims.heads_q;
+    ParallelFor(nq, num_threads, [&](int64_t i) {
+      const Chunk& c = chunks[i / dims.heads_q];
+      const int h = static_cast<int>(i % dims.heads_q);
+      const int kvh = dims.KvHead(h);
+      HsapHostBackwardQTask t{};
+      t.q32 = q32.data();
+      t.do32 = do32.data();
+      t.qd_row_stride = qd_stride;
+      t.lse = args.lse + h * args.q_rows;
+      t.delta = args.delta + h * args.q_rows;
+      t.kt = kt.data() + kvh * per_head;
+      t.vt = vt.data() + kvh * per_head;
+      t.krow = krow.data() + kvh * per_head;
+      t.dq = args.dq;
+      t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
+      t.q_head = h;
+      t.scale = dims.scale;
+      t.q_begin = c.q_begin;
+      t.q_end = c.q_end;
+      t.segments = segments.data() + c.seg_begin;
+      t.num_segments = c.seg_end - c.seg_begin;
+      t.scratch = ThreadScratch(info_.scratch_floats);
+      backward_q_(&t);
+    });
+
+    // dk, dv: one task per (kv head, key tile), over the chunks that see the tile, in
+    // work-list order (deterministic).
+    std::vector<std::vector<HsapHostKvItem>> items(static_cast<size_t>(tiles));
+    for (const Chunk& c : chunks) {
+      for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
+        const HsapHostSegment& g = segments[s];
+        int64_t lo = g.k_begin, hi = g.k_end;
+        if (spec_.band_masks) {
+          lo = std::max(lo, c.q_begin + g.diag_lo);
+          hi = std::min(hi, c.q_end - 1 + g.diag_hi + 1);
+        }
+        for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
+          items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
+                                 std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
+        }
+      }
+    }
+    std::vector<std::vector<int32_t>> q_heads(dims.heads_kv);
+    for (int h = 0; h < dims.heads_q; ++h) q_heads[dims.KvHead(h)].push_back(h);
+    std::vector<int64_t> busy_tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (!items[t].empty()) busy_tiles.push_back(t);
+    }
+    const int64_t nkv = static_cast<int64_t>(busy_tiles.size()) * dims.heads_kv;
+    ParallelFor(nkv, num_threads, [&](int64_t i) {
+      const int64_t tile = busy_tiles[i / dims.heads_kv];
+      const int kvh = static_cast<int>(i % dims.heads_kv);
+      if (q_heads[kvh].empty()) return;
+      HsapHostBackwardKvTask t{};
+      t.q32 = q32.data();
+      t.do32 = do32.data();
+      t.qd_row_stride = qd_stride;
+      t.lse = args.lse;
+      t.delta = args.delta;
+      t.lse_stride = args.q_rows;
+      t.kt_tile = kt.data() + kvh * per_head + tile * tile_floats;
+      t.vt_tile = vt.data() + kvh * per_head + tile * tile_floats;
+      t.dk = args.dk;
+      t.dv = args.dv;
+      t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
+      t.k_rows = args.k_rows;
+      t.tile = tile;
+      t.kv_head = kvh;
+      t.num_q_heads = static_cast<int32_t>(q_heads[kvh].size());
+      t.q_heads = q_heads[kvh].data();
+      t.scale = dims.scale;
+      t.items = items[tile].data();
+      t.num_items = static_cast<int64_t>(items[tile].size());
+      t.scratch = ThreadScratch(info_.scratch_floats);
+      backward_kv_(&t);
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status Merge(float* o1, float* lse1, const float* o2, const float* lse2, int64_t rows,
+                     int heads, int head_dim, int64_t lse_stride1, int64_t lse_stride2,
+                     int num_threads) const override {
+    if (head_dim != spec_.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Merge: head_dim ", head_dim, " does not match the compiled ", spec_.head_dim));
+    }
+    if (rows < 0 || heads <= 0 || lse_stride1 < rows || lse_stride2 < rows) {
+      return absl::InvalidArgumentError("Merge: need rows >= 0, heads > 0 and lse strides >= rows");
+    }
+    if (rows == 0) return absl::OkStatus();
+    if (o1 == nullptr || lse1 == nullptr || o2 == nullptr || lse2 == nullptr) {
+      return absl::InvalidArgumentError("Merge: o1, lse1, o2 and lse2 must be non-null");
+    }
+    constexpr int64_t kRowsPerTask = 64;
+    const int64_t n = (rows + kRowsPerTask - 1) / kRowsPerTask;
+    ParallelFor(n, num_threads, [&](int64_t i) {
+      HsapHostMergeTask t{};
+      t.o1 = o1;
+      t.lse1 = lse1;
+      t.o2 = o2;
+      t.lse2 = lse2;
+      t.row_begin = i * kRowsPerTask;
+      t.row_end = std::min(rows, t.row_begin + kRowsPerTask);
+      t.lse_stride1 = lse_stride1;
+      t.lse_stride2 = lse_stride2;
+      t.heads = heads;
+      merge_(&t);
+    });
+    return absl::OkStatus();
+  }
+
+ private:
+  LoadedKernels(const HostKernelSpec& spec, std::shared_ptr<HostModule> module)
+      : HostJitKernelSet(spec), module_(std::move(module)) {}
+
+  absl::Status CheckCommon(const AttentionDims& dims, DType dtype, int64_t q_rows, int64_t k_rows,
+                           const WorkList& work, const char* what) const {
+    if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+    if (dtype != spec_.dtype) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": dtype ", DTypeNameAbsl(dtype), " but the kernels ", name_,
+                       " were compiled for ", DTypeNameAbsl(spec_.dtype)));
+    }
+    if (dims.head_dim != spec_.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": head_dim ", dims.head_dim,
+                                                     " but the kernels ", name_,
+                                                     " were compiled for ", spec_.head_dim));
+    }
+    if (dims.heads_q != dims.heads_kv * spec_.gqa_ratio) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": heads_q / heads_kv = ", dims.heads_q, " / ", dims.heads_kv, " but the kernels ",
+          name_, " were compiled for a GQA ratio of ", spec_.gqa_ratio));
+    }
+    if (q_rows < 0 || k_rows < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": negative q_rows or k_rows"));
+    }
+    for (const QueryBlock& b : work.blocks) {
+      if (b.q_begin < 0 || b.q_end > q_rows || b.q_begin >= b.q_end || b.seg_begin < 0 ||
+          b.seg_end > static_cast<int64_t>(work.segments.size()) || b.seg_begin > b.seg_end) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": work-list block [", b.q_begin, ", ",
+                                                       b.q_end, ") is outside the ", q_rows,
+                                                       " query rows or its segments"));
+      }
+    }
+    for (const KeySegment& s : work.segments) {
+      if (s.k_begin < 0 || s.k_end > k_rows || s.k_begin > s.k_end || s.diag_lo > s.diag_hi) {
+        return absl::InvalidArgumentError(absl::StrCat(what, ": work-list segment [", s.k_begin,
+                                                       ", ", s.k_end, ") is outside the ", k_rows,
+                                                       " key rows or has an empty band"));
+      }
+      if (!spec_.band_masks && !s.IsFull()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ": the work list has banded (causal/window) segments but the kernels ", name_,
+            " were compiled for full segments only; compile with band_masks=true"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  static std::vector<HsapHostSegment> Segments(const WorkList& work) {
+    std::vector<HsapHostSegment> out;
+    out.reserve(work.segments.size());
+    for (const KeySegment& s : work.segments) {
+      out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
+    }
+    return out;
+  }
+
+  void PackAll(const void* src, int64_t rows, const AttentionDims& dims, bool transposed,
+               float* dst, int num_threads) const {
+    const int64_t bk = info_.block_k;
+    const int64_t tiles = (rows + bk - 1) / bk;
+    const int64_t tile_floats = bk * info_.padded_head_dim;
+    ParallelFor(tiles * dims.heads_kv, num_threads, [&](int64_t i) {
+      const int h = static_cast<int>(i / tiles);
+      const int64_t tile = i % tiles;
+      HsapHostPackTask t{};
+      t.src = src;
+      t.row_stride = int64_t{dims.heads_kv} * dims.head_dim;
+      t.rows = rows;
+      t.tile = tile;
+      t.head = h;
+      t.transposed = transposed ? 1 : 0;
+      t.dst = dst + (h * tiles + tile) * tile_floats;
+      pack_(&t);
+    });
+  }
+
+  void ConvertAll(const void* src, int64_t rows, const AttentionDims& dims, float* dst,
+                  int num_threads) const {
+    constexpr int64_t kRowsPerTask = 64;
+    ParallelFor((rows + kRowsPerTask - 1) / kRowsPerTask, num_threads, [&](int64_t i) {
+      HsapHostConvertTask t{};
+      t.src = src;
+      t.row_stride = int64_t{dims.heads_q} * dims.head_dim;
+      t.row_begin = i * kRowsPerTask;
+      t.row_end = std::min(rows, t.row_begin + kRowsPerTask);
+      t.heads = dims.heads_q;
+      t.dst = dst;
+      convert_(&t);
+    });
+  }
+
+  std::shared_ptr<HostModule> module_;
+  HsapHostKernelInfo info_{};
+  std::string name_;
+  PackFn pack_ = nullptr;
+  ConvertFn convert_ = nullptr;
+  ForwardFn forward_ = nullptr;
+  BackwardQFn backward_q_ = nullptr;
+  BackwardKvFn backward_kv_ = nullptr;
+  MergeFn merge_ = nullptr;
+};
+
+HostSource SourceFor(const HostKernelSpec& spec) {
+  HostSource src;
+  src.code = GenerateHostKernelSource(spec);
+  src.headers = {{"hsap_host_abi.h", HostAbiHeaderText()}};
+  return src;
+}
+
+}  // namespace
+
+HostKernelSpec HostKernelSpecFor(const AttentionDims& dims, DType dtype, bool band_masks) {
+  HostKernelSpec spec;
+  spec.dtype = dtype;
+  spec.head_dim = dims.head_dim;
+  spec.gqa_ratio = dims.heads_kv > 0 ? dims.heads_q / dims.heads_kv : 0;
+  spec.band_masks = band_masks;
+  spec.block_q = static_cast<int>(kKernelBlockQ);
+  return spec;
+}
+
+bool HasBandMasks(const WorkList& work) {
+  return std::any_of(work.segments.begin(), work.segments.end(),
+                     [](const KeySegment& s) { return !s.IsFull(); });
+}
+
+absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> CompileHostJitKernelsUnchecked(
+    const HostKernelSpec& spec_in, CompileCache& cache) {
+  const HostKernelSpec spec = ResolveHostKernelSpec(spec_in);
+  absl::StatusOr<std::shared_ptr<HostModule>> module = CompileHostModule(SourceFor(spec), cache);
+  if (!module.ok()) return module.status();
+  return LoadedKernels::Create(spec, *std::move(module));
+}
+
+absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
+    const HostKernelSpec& spec_in, CompileCache* cache) {
+  if (absl::Status s = ValidateHostKernelSpec(spec_in); !s.ok()) return s;
+  const HostKernelSpec spec = ResolveHostKernelSpec(spec_in);
+  CompileCache& c = cache != nullptr ? *cache : CompileCache::Global();
+  using Key = std::tuple<const CompileCache*, int, int, int, bool, int, int, int>;
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* loaded = new std::map<Key, std::shared_ptr<const HostJitKernelSet>>();
+  const Key key{&c,
+                static_cast<int>(spec.dtype),
+                spec.head_dim,
+                spec.gqa_ratio,
+                spec.band_masks,
+                spec.block_q,
+                spec.block_k,
+                static_cast<int>(spec.isa)};
+  {
+    absl::MutexLock lock(&mu);
+    auto it = loaded->find(key);
+    if (it != loaded->end()) return it->second;
+  }
+  // Compiled outside the lock (the cache serialises compiles of one key).
+  absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> kernels =
+      CompileHostJitKernelsUnchecked(spec, c);
+  if (!kernels.ok()) return kernels.status();
+  absl::MutexLock lock(&mu);
+  auto [it, inserted] = loaded->emplace(key, *kernels);
+  return it->second;
+}
+
+}  // namespace hsap::jit
