@@ -11,8 +11,8 @@ build_dir=${BUILD_DIR:-build}
 bench="$build_dir/hsap_attn_local_perf"
 # Rows small enough for the fp64 reference (checked), then larger rows (timed only).
 "$bench" -b 1024 -e 2048 -f 2 --docs 8 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16 \
-  --mask mixed --window 256 -n 3 -w 1 -c 1 --ref-max-gflop 8
+  --mask mixed --window 256 -n 3 -w 1 -c 2 --ref-max-gflop 8
 "$bench" -b 1024 -e 2048 -f 2 --docs 8 --heads 4 --kv-heads 4 --head-dim 64 --dtype fp32 \
-  --mask causal -n 3 -w 1 -c 1 --ref-max-gflop 8
+  --mask causal -n 3 -w 1 -c 2 --ref-max-gflop 8
 "$bench" -b 4096 -e 16384 -f 2 --docs 16 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16 \
   --mask causal -n 3 -w 1 -c 0

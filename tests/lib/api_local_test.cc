@@ -549,7 +549,8 @@ struct NumericCase {
 
 class ApiLocalNumericTest : public ::testing::TestWithParam<NumericCase> {};
 
-// Documents of lengths drawn with a fixed seed, every mask kind, one empty document.
+// Documents of lengths drawn with a fixed seed, every mask kind, one empty document, one
+// long document.
 LayoutHandle MixedLayout(int64_t* tokens) {
   std::mt19937 rng(2024);
   std::vector<int64_t> cu = {0};
@@ -558,7 +559,10 @@ LayoutHandle MixedLayout(int64_t* tokens) {
   const hsapMaskKind_t cycle[] = {hsapMaskCausal, hsapMaskFull, hsapMaskPrefixLM,
                                   hsapMaskSlidingWindow};
   for (int d = 0; d < 9; ++d) {
-    const int64_t length = d == 4 ? 0 : std::uniform_int_distribution<int64_t>(1, 70)(rng);
+    // One empty document and one long enough to span several 64-row kernel blocks.
+    const int64_t length = d == 4   ? 0
+                           : d == 6 ? 190
+                                    : std::uniform_int_distribution<int64_t>(1, 70)(rng);
     cu.push_back(cu.back() + length);
     kinds.push_back(cycle[d % 4]);
     params.push_back(std::min<int64_t>(length, 1 + static_cast<int64_t>(rng() % 24)));
