@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "lib/partition.h"
 #include "lib/transport.h"
 
 namespace hsap {
@@ -91,10 +92,8 @@ struct ThdShape {
   size_t element_bytes = 0;
 };
 
-struct TokenRange {
-  int64_t begin = 0;  // half-open
-  int64_t end = 0;
-};
+// Token ranges are hsap::TokenRange of lib/partition.h (half-open [begin, end)), so that the
+// all-to-all and the partition/schedule can be used together.
 
 // The selection (for each token of `ranges` in order, the heads of `heads` in list order)
 // as byte chunks of the tensor, adjacent regions merged: consecutive heads become one chunk,
