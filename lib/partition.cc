@@ -22,19 +22,35 @@ struct Unit {
   int64_t begin = 0, end = 0;
   bool folded = false;
   int64_t work = 0;
+  size_t slice_begin = 0, slice_end = 0;  // its slices in Layout::slices()
 };
+
+// Work of each token of a unit (1 per token when balancing memory only).
+std::vector<int64_t> UnitTokenWork(const Unit& u, const std::vector<MaskSlice>& slices,
+                                   bool memory_only) {
+  std::vector<int64_t> work(u.end - u.begin, memory_only ? 1 : 0);
+  if (memory_only) return work;
+  for (size_t i = u.slice_begin; i < u.slice_end; ++i) {
+    const MaskSlice& s = slices[i];
+    const int64_t q1 = std::min(s.q_end, u.end);
+    for (int64_t q = std::max(s.q_begin, u.begin); q < q1; ++q)
+      work[q - u.begin] += s.VisibleKeys(q);
+  }
+  return work;
+}
 
 // The positions of a unit in cutting order. Position f of a folded unit of length L holds
 // tokens f and L-1-f (one token in the middle when L is odd); of a plain unit, token f.
 class UnitPositions {
  public:
+  // token_work: the unit's own tokens, from its first.
   UnitPositions(const Unit& u, const std::vector<int64_t>& token_work) : unit_(u) {
     const int64_t len = u.end - u.begin;
     const int64_t n = u.folded ? (len + 1) / 2 : len;
     prefix_.assign(n + 1, 0);
     for (int64_t f = 0; f < n; ++f) {
-      int64_t w = token_work[u.begin + f];
-      if (u.folded && len - 1 - f != f) w += token_work[u.begin + len - 1 - f];
+      int64_t w = token_work[f];
+      if (u.folded && len - 1 - f != f) w += token_work[len - 1 - f];
       prefix_[f + 1] = prefix_[f] + w;
     }
   }
@@ -110,26 +126,32 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     for (int r = 0; r < num_ranks; ++r) p.weights_[r] = weights[r] / sum;
   }
 
-  std::vector<int64_t> token_work = layout.VisibleKeysPerQuery();
-  int64_t total = 0;
-  for (int64_t w : token_work) total += w;
-  if (total == 0) {  // nothing to compute: balance memory instead
-    std::fill(token_work.begin(), token_work.end(), 1);
-    total = num_tokens;
-  }
-
+  // Units and their slices (slices are sorted by q_begin; a document's slices lie inside
+  // it). Work comes from the slices' closed forms, so no per-token pass over the row.
+  const std::vector<MaskSlice>& slices = layout.slices();
   std::vector<Unit> units;
   if (!layout.documents().empty()) {
+    size_t next_slice = 0;
     for (const Document& d : layout.documents()) {
       if (d.end <= d.begin) continue;
       const bool folded = d.kind == MaskKind::kCausal || d.kind == MaskKind::kPrefixLM;
-      units.push_back({d.begin, d.end, folded, 0});
+      Unit u{d.begin, d.end, folded, 0, next_slice, next_slice};
+      while (u.slice_end < slices.size() && slices[u.slice_end].q_begin < d.end) ++u.slice_end;
+      next_slice = u.slice_end;
+      units.push_back(u);
     }
   } else if (num_tokens > 0) {
-    units.push_back({0, num_tokens, false, 0});
+    units.push_back({0, num_tokens, false, 0, 0, slices.size()});
   }
+  int64_t total = 0;
   for (Unit& u : units) {
-    for (int64_t t = u.begin; t < u.end; ++t) u.work += token_work[t];
+    for (size_t i = u.slice_begin; i < u.slice_end; ++i) u.work += slices[i].VisiblePairs();
+    total += u.work;
+  }
+  const bool memory_only = total == 0;  // nothing to compute: balance memory instead
+  if (memory_only) {
+    total = 0;
+    for (Unit& u : units) total += (u.work = u.end - u.begin);
   }
   std::vector<size_t> order(units.size());
   std::iota(order.begin(), order.end(), size_t{0});
@@ -140,6 +162,7 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
   for (int r = 0; r < num_ranks; ++r) p.target_[r] = static_cast<double>(total) * p.weights_[r];
   const double min_target = *std::min_element(p.target_.begin(), p.target_.end());
   std::vector<double> remaining = p.target_;
+  p.work_.assign(num_ranks, 0);
   std::vector<std::vector<TokenRange>> pieces(num_ranks);
 
   std::vector<int> by_remaining(num_ranks);
@@ -157,13 +180,12 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     }
     if (best >= 0) {
       remaining[best] -= w;
+      p.work_[best] += u.work;
       pieces[best].push_back({u.begin, u.end});
-      UnitPositions pos(u, token_work);
-      p.max_position_work_ = std::max(p.max_position_work_, pos.max_work());
       continue;
     }
     // Split: fill the ranks with the most room first.
-    UnitPositions pos(u, token_work);
+    UnitPositions pos(u, UnitTokenWork(u, slices, memory_only));
     p.max_position_work_ = std::max(p.max_position_work_, pos.max_work());
     std::iota(by_remaining.begin(), by_remaining.end(), 0);
     std::stable_sort(by_remaining.begin(), by_remaining.end(),
@@ -184,6 +206,7 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
       if (cut == f) continue;
       pos.AppendTokens(f, cut, pieces[r]);
       remaining[r] -= static_cast<double>(pos.prefix(cut) - pos.prefix(f));
+      p.work_[r] += pos.prefix(cut) - pos.prefix(f);
       f = cut;
       ++pieces_made;
     }
@@ -193,7 +216,6 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
   // Shards: sorted, merged ranges; placements tile the row.
   p.ranges_.resize(num_ranks);
   p.local_tokens_.assign(num_ranks, 0);
-  p.work_.assign(num_ranks, 0);
   for (int r = 0; r < num_ranks; ++r) {
     std::vector<TokenRange>& in = pieces[r];
     std::sort(in.begin(), in.end(),
@@ -210,7 +232,6 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     for (const TokenRange& t : out) {
       p.placements_.push_back({t.begin, t.end, r, local});
       local += t.size();
-      for (int64_t i = t.begin; i < t.end; ++i) p.work_[r] += token_work[i];
     }
     p.local_tokens_[r] = local;
   }
@@ -247,6 +268,23 @@ size_t Partition::PlacementIndexOf(int64_t position) const {
   auto it = std::upper_bound(placements_.begin(), placements_.end(), position,
                              [](int64_t pos, const Placement& pl) { return pos < pl.begin; });
   return static_cast<size_t>(it - placements_.begin()) - 1;
+}
+
+size_t Partition::PlacementIndexOf(int64_t position, size_t hint) const {
+  const size_t n = placements_.size();
+  size_t i = std::min(hint, n - 1);
+  for (int step = 0; step < 8; ++step) {
+    if (position < placements_[i].begin) {
+      if (i == 0) break;
+      --i;
+    } else if (position >= placements_[i].end) {
+      if (i + 1 == n) break;
+      ++i;
+    } else {
+      return i;
+    }
+  }
+  return PlacementIndexOf(position);
 }
 
 void Partition::Scatter(const void* row, size_t bytes_per_token, void* const* shards) const {

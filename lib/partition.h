@@ -19,8 +19,8 @@
 //     sliding-window documents and slice layouts are cut into contiguous pieces.
 //  A row without visible pairs is split by token count (memory only).
 //
-// Balance rule (tested): with g = max_position_work() (the work of one folded position, at
-// most twice the largest per-token work),
+// Balance rule (tested): with g = max_position_work() (the work of one folded position of
+// a unit that went through step 3, at most twice its largest per-token work; 0 if none),
 //   |work(r) - target(r)| <= 0.02 * min_target + 2 * g       for every rank r.
 // Memory (tokens held) is proportional to work inside split documents; across whole
 // documents it cannot be both (a causal document's work grows with the square of its
@@ -74,6 +74,8 @@ class Partition {
   const std::vector<Placement>& placements() const { return placements_; }
   // Index into placements() of the range holding `position` (0 <= position < num_tokens).
   size_t PlacementIndexOf(int64_t position) const;
+  // The same, searching near `hint` first (cheap when the answer is close to it).
+  size_t PlacementIndexOf(int64_t position, size_t hint) const;
 
   // The balance figures: the weights used (normalised to sum 1), the work each rank got
   // and its target, and g of the balance rule above.

@@ -17,13 +17,14 @@ template <typename Want, typename Emit>
 void ScanNeeds(const Layout& layout, const Partition& partition, Want&& want, Emit&& emit) {
   const std::vector<Placement>& pls = partition.placements();
   const std::vector<MaskSlice>& slices = layout.slices();
+  size_t first_q = 0;  // slices come sorted by q_begin: the query placement only advances
   for (size_t i = 0; i < slices.size(); ++i) {
     const MaskSlice& s = slices[i];
     if (s.q_begin >= s.q_end || s.k_begin >= s.k_end) continue;
     const int64_t shift = s.k_begin - s.q_begin;
     const bool no_lo = s.diag_lo <= -kNoDiagLimit, no_hi = s.diag_hi >= kNoDiagLimit;
-    for (size_t qi = partition.PlacementIndexOf(s.q_begin);
-         qi < pls.size() && pls[qi].begin < s.q_end; ++qi) {
+    while (pls[first_q].end <= s.q_begin) ++first_q;
+    for (size_t qi = first_q; qi < pls.size() && pls[qi].begin < s.q_end; ++qi) {
       const Placement& qp = pls[qi];
       if (!want(qp.rank, -1)) continue;
       const int64_t q0 = std::max(s.q_begin, qp.begin), q1 = std::min(s.q_end, qp.end);
@@ -31,7 +32,8 @@ void ScanNeeds(const Layout& layout, const Partition& partition, Want&& want, Em
       const int64_t k0 = no_lo ? s.k_begin : std::max(s.k_begin, q0 + shift + s.diag_lo);
       const int64_t k1 = no_hi ? s.k_end : std::min(s.k_end, q1 - 1 + shift + s.diag_hi + 1);
       if (k0 >= k1) continue;
-      for (size_t ki = partition.PlacementIndexOf(k0); ki < pls.size() && pls[ki].begin < k1;
+      // Keys are usually near their queries (documents): search from the query placement.
+      for (size_t ki = partition.PlacementIndexOf(k0, qi); ki < pls.size() && pls[ki].begin < k1;
            ++ki) {
         const Placement& kp = pls[ki];
         if (!want(qp.rank, kp.rank)) continue;
@@ -147,11 +149,13 @@ absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& pa
     }
     SortAndMerge(send[dst]);
     if (!send[dst].empty()) {
+      size_t hint = 0;
       stage.send_to = dst;
       for (const TokenRange& r : send[dst]) {
         // A merged range of this rank's keys lies inside one of its placements (adjacent
         // placements of one rank are merged by the partition).
-        const Placement& pl = pls[partition.PlacementIndexOf(r.begin)];
+        const Placement& pl = pls[partition.PlacementIndexOf(r.begin, hint)];
+        hint = static_cast<size_t>(&pl - pls.data());
         stage.send_runs.push_back({r.begin, pl.local_begin + (r.begin - pl.begin), r.size()});
         stage.send_rows += r.size();
       }
