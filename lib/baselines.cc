@@ -1,5 +1,7 @@
 #include "lib/baselines.h"
 
+#include <numeric>
+
 #include "absl/strings/str_cat.h"
 
 namespace hsap {
@@ -75,6 +77,8 @@ absl::StatusOr<Plan> SymmetricPlan(int num_ranks, int heads_q, int heads_kv, int
     }
     plan.groups.push_back(std::move(group));
   }
+  plan.ring_order.resize(plan.groups.size());
+  std::iota(plan.ring_order.begin(), plan.ring_order.end(), 0);
   if (absl::Status s = plan.Validate(); !s.ok()) return s;
   return plan;
 }

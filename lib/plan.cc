@@ -278,7 +278,7 @@ nlohmann::json PlanToJson(const Plan& plan) {
     groups.push_back(g);
   }
   j["groups"] = groups;
-  j["ring_order"] = plan.RingOrder();
+  if (!plan.ring_order.empty()) j["ring_order"] = plan.ring_order;
   if (plan.predicted_forward_seconds > 0 || plan.predicted_backward_seconds > 0 ||
       !plan.ranks.empty() || !plan.description.empty()) {
     json p;

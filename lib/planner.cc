@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <limits>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -56,41 +58,63 @@ absl::Status CheckWorkload(const Cluster& cluster, const Workload& w) {
 // groups of gcd(k, m) consecutive devices) keep the all-to-all inside NVLink/PCIe domains;
 // multiples of the node size (at most heads_q) join consecutive nodes of the kind, for
 // networks fast enough that a cross-node all-to-all beats a longer ring.
-std::vector<Grouping> EnumerateGroupings(const Cluster& cluster, int heads_q) {
-  const int num_kinds = static_cast<int>(cluster.kinds.size());
-  std::vector<int> largest(num_kinds, 0), devices_of_kind(num_kinds, 0);
-  for (const Node& node : cluster.nodes) {
-    largest[node.kind] = std::max(largest[node.kind], static_cast<int>(node.devices.size()));
-    devices_of_kind[node.kind] += static_cast<int>(node.devices.size());
-  }
-  std::vector<std::vector<int>> options(num_kinds);
-  for (int k = 0; k < num_kinds; ++k) {
-    for (int size = 1; size <= std::min(largest[k], heads_q); ++size) {
-      bool divides_some = false;
-      for (const Node& node : cluster.nodes) {
-        divides_some |= node.kind == k && static_cast<int>(node.devices.size()) % size == 0;
+class GroupingSpace {
+ public:
+  GroupingSpace(const Cluster& cluster, int heads_q) : cluster_(cluster) {
+    const int num_kinds = static_cast<int>(cluster.kinds.size());
+    largest_.assign(num_kinds, 0);
+    std::vector<int> devices_of_kind(num_kinds, 0);
+    for (const Node& node : cluster.nodes) {
+      largest_[node.kind] = std::max(largest_[node.kind], static_cast<int>(node.devices.size()));
+      devices_of_kind[node.kind] += static_cast<int>(node.devices.size());
+    }
+    options_.resize(num_kinds);
+    for (int k = 0; k < num_kinds; ++k) {
+      for (int size = 1; size <= std::min(largest_[k], heads_q); ++size) {
+        bool divides_some = false;
+        for (const Node& node : cluster.nodes) {
+          divides_some |= node.kind == k && static_cast<int>(node.devices.size()) % size == 0;
+        }
+        if (divides_some) options_[k].push_back(size);
       }
-      if (divides_some) options[k].push_back(size);
-    }
-    for (int size = 2 * largest[k]; size <= std::min(heads_q, devices_of_kind[k]); size *= 2) {
-      options[k].push_back(size);
+      for (int size = 2 * largest_[k]; size <= std::min(heads_q, devices_of_kind[k]); size *= 2) {
+        options_[k].push_back(size);
+      }
     }
   }
-  std::vector<Grouping> out;
-  std::vector<int> choice(num_kinds, 0);
-  while (true) {
+
+  int num_kinds() const { return static_cast<int>(options_.size()); }
+  const std::vector<int>& options(int kind) const { return options_[kind]; }
+  double Combinations() const {
+    double n = 1;
+    for (const auto& o : options_) n *= static_cast<double>(o.size());
+    return n;
+  }
+  // The option index of the largest size within one node, per kind.
+  std::vector<int> NodeSizedChoice() const {
+    std::vector<int> choice(num_kinds(), 0);
+    for (int k = 0; k < num_kinds(); ++k) {
+      for (size_t i = 0; i < options_[k].size(); ++i) {
+        if (options_[k][i] <= largest_[k]) choice[k] = static_cast<int>(i);
+      }
+    }
+    return choice;
+  }
+
+  Grouping Build(const std::vector<int>& choice) const {
+    const int num_kinds = this->num_kinds();
     Grouping grouping;
     std::vector<std::string> parts;
     for (int k = 0; k < num_kinds; ++k) {
-      parts.push_back(absl::StrCat(cluster.kinds[k].name, ":", options[k][choice[k]]));
+      parts.push_back(absl::StrCat(cluster_.kinds[k].name, ":", options_[k][choice[k]]));
     }
     grouping.label = absl::StrJoin(parts, " ");
     // Multi-node groups: collect full nodes of the kind until the group is complete.
     std::vector<std::vector<int>> open(num_kinds);
-    for (const Node& node : cluster.nodes) {
+    for (const Node& node : cluster_.nodes) {
       const int m = static_cast<int>(node.devices.size());
-      const int want = options[node.kind][choice[node.kind]];
-      if (want > largest[node.kind] && m == largest[node.kind]) {
+      const int want = options_[node.kind][choice[node.kind]];
+      if (want > largest_[node.kind] && m == largest_[node.kind]) {
         std::vector<int>& acc = open[node.kind];
         acc.insert(acc.end(), node.devices.begin(), node.devices.end());
         if (static_cast<int>(acc.size()) == want) {
@@ -107,19 +131,19 @@ std::vector<Grouping> EnumerateGroupings(const Cluster& cluster, int heads_q) {
     }
     // Leftover nodes of an incomplete multi-node group become one group each.
     for (int k = 0; k < num_kinds; ++k) {
-      for (size_t start = 0; start < open[k].size(); start += largest[k]) {
-        grouping.groups.emplace_back(open[k].begin() + start, open[k].begin() + start + largest[k]);
+      for (size_t start = 0; start < open[k].size(); start += largest_[k]) {
+        grouping.groups.emplace_back(open[k].begin() + start,
+                                     open[k].begin() + start + largest_[k]);
       }
     }
-    out.push_back(std::move(grouping));
-    int k = 0;
-    while (k < num_kinds && ++choice[k] == static_cast<int>(options[k].size())) {
-      choice[k++] = 0;
-    }
-    if (k == num_kinds) break;
+    return grouping;
   }
-  return out;
-}
+
+ private:
+  const Cluster& cluster_;
+  std::vector<int> largest_;
+  std::vector<std::vector<int>> options_;
+};
 
 // Stage III, heads: `total` heads over ranks in proportion to `rate`, at least one each
 // when possible, by largest remainder; ties to the lower index.
@@ -200,6 +224,10 @@ class Builder {
       }
       plan.groups.push_back(std::move(group));
     }
+    // Groups are listed node by node, so consecutive ring hops stay inside a node where a
+    // node holds several groups.
+    plan.ring_order.resize(plan.groups.size());
+    std::iota(plan.ring_order.begin(), plan.ring_order.end(), 0);
     return plan;
   }
 
@@ -222,21 +250,30 @@ class Builder {
       auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
       ++*evaluations;
       if (!cost.ok()) return best;
-      // Memory caps: a rank's memory beyond the model state grows about linearly with its
-      // group's share.
+      // Memory caps, recomputed from every evaluation: beyond the model state, a rank's
+      // memory has a part proportional to its group's share (activations, attention
+      // tensors, staging) and the ring buffers, sized by the largest share of any group.
       bool caps_changed = false;
+      const double seq = static_cast<double>(workload_.seq_len);
       for (int g = 0; g < num_groups; ++g) {
-        for (int r : grouping.groups[g]) {
-          const RankCost& rc = cost->ranks[r];
+        double limit = 1.0;
+        const PlanGroup& group = plan.groups[g];
+        for (size_t i = 0; i < group.ranks.size(); ++i) {
+          const RankCost& rc = cost->ranks[group.ranks[i]];
           const double room = rc.memory_capacity - state;
-          const double used = rc.memory_bytes - state;
           if (room <= 0) return best;  // the model state alone does not fit
-          const double limit = share[g] * room / used;
-          if (limit < cap[g] - 1e-12) {
-            cap[g] = limit;
-            caps_changed = true;
-          }
+          const double own =
+              RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
+                              static_cast<int>(group.heads[i].size()),
+                              static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
+                              false) -
+              state;
+          const double ring = rc.memory_bytes - state - own;
+          limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
         }
+        limit = std::max(limit, 1e-3 / num_groups);
+        if (std::abs(limit - cap[g]) > 1e-9 * cap[g]) caps_changed = true;
+        cap[g] = limit;
       }
       if (cost->fits_memory && (!best || cost->Seconds() < best->cost.Seconds())) {
         best = Candidate{std::move(plan), *cost, grouping.label, capped};
@@ -383,12 +420,75 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   // Stages I-III over every grouping, screened by the cost model.
   // Screening with the overlap bound (O(groups) per price), then the most promising
   // groupings again with the pipelined ring (O(groups^2)).
-  const std::vector<Grouping> groupings = EnumerateGroupings(cluster, workload.model.heads_q);
+  // Stage I search: every combination of per-kind sizes when there are few, else
+  // coordinate descent (one kind at a time, two sweeps) from node-sized groups.
+  const GroupingSpace space(cluster, workload.model.heads_q);
+  std::vector<Grouping> groupings;
   std::vector<std::pair<double, int>> screened;
-  for (size_t i = 0; i < groupings.size(); ++i) {
-    auto best = builder.Balance(groupings[i], options.screen_iterations, RingPricing::kOverlapBound,
+  std::map<std::vector<int>, double> seen;
+  auto screen = [&](const std::vector<int>& choice) {
+    if (auto it = seen.find(choice); it != seen.end()) return it->second;
+    Grouping grouping = space.Build(choice);
+    auto best = builder.Balance(grouping, options.screen_iterations, RingPricing::kOverlapBound,
                                 &result.candidates);
-    if (best) screened.push_back({best->cost.Seconds(), static_cast<int>(i)});
+    const double t = best ? best->cost.Seconds() : std::numeric_limits<double>::infinity();
+    seen[choice] = t;
+    if (best) {
+      screened.push_back({t, static_cast<int>(groupings.size())});
+      groupings.push_back(std::move(grouping));
+    }
+    return t;
+  };
+  const int num_kinds = space.num_kinds();
+  if (space.Combinations() <= options.exhaustive_limit) {
+    std::vector<int> choice(num_kinds, 0);
+    while (true) {
+      screen(choice);
+      int k = 0;
+      while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
+        choice[k++] = 0;
+      }
+      if (k == num_kinds) break;
+    }
+  } else {
+    // Starting points: node-sized groups, and every kind at the same size v (the largest
+    // option <= v) for every size v on offer.
+    std::vector<int> choice = space.NodeSizedChoice();
+    double current = screen(choice);
+    std::vector<int> sizes;
+    for (int k = 0; k < num_kinds; ++k) {
+      sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
+    }
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    for (int v : sizes) {
+      std::vector<int> start(num_kinds, 0);
+      for (int k = 0; k < num_kinds; ++k) {
+        for (size_t i = 0; i < space.options(k).size(); ++i) {
+          if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
+        }
+      }
+      const double t = screen(start);
+      if (t < current) {
+        current = t;
+        choice = start;
+      }
+    }
+    for (int sweep = 0; sweep < 2; ++sweep) {
+      for (int k = 0; k < num_kinds; ++k) {
+        int best_option = choice[k];
+        for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
+          std::vector<int> trial = choice;
+          trial[k] = o;
+          const double t = screen(trial);
+          if (t < current) {
+            current = t;
+            best_option = o;
+          }
+        }
+        choice[k] = best_option;
+      }
+    }
   }
   std::stable_sort(screened.begin(), screened.end());
   if (static_cast<int>(screened.size()) > options.refine_top) screened.resize(options.refine_top);

@@ -1,9 +1,12 @@
 // The hierarchical planner (HexiSeq's scheduler): finds the plan for a workload on a
 // heterogeneous cluster. See docs/planner.md.
 //
-//   Stage I   — grouping: for every device kind, a head-parallel group size among the
-//               divisors of its node size (groups never leave an NVLink/PCIe domain); every
-//               combination over the kinds is a candidate.
+//   Stage I   — grouping: for every device kind, a head-parallel group size: sizes that
+//               divide its nodes (the all-to-all stays in an NVLink/PCIe domain) or
+//               power-of-two multiples of a node (consecutive nodes of the kind). All
+//               combinations over the kinds when there are at most `exhaustive_limit`,
+//               else coordinate descent, one kind at a time, from the best of the
+//               node-sized and the all-kinds-equal-size starting points.
 //   Stage II  — sequence split: group shares start proportional to the group's sustained
 //               FLOP/s and are rebalanced by multiplicative updates until the groups'
 //               predicted times (all-to-all + compute/transfer) agree, with each share
@@ -32,10 +35,11 @@
 namespace hsap {
 
 struct PlannerOptions {
-  int screen_iterations = 4;    // stage II updates per grouping when screening
-  int balance_iterations = 12;  // stage II updates per grouping when refining
-  int refine_top = 12;          // groupings re-balanced with the pipelined ring model
-  int simulate_top = 3;         // hsap candidates run in the simulator at the end
+  double exhaustive_limit = 128;  // stage I: all size combinations up to this many
+  int screen_iterations = 4;      // stage II updates per grouping when screening
+  int balance_iterations = 12;    // stage II updates per grouping when refining
+  int refine_top = 12;            // groupings re-balanced with the pipelined ring model
+  int simulate_top = 3;           // hsap candidates run in the simulator at the end
 };
 
 struct PlannerResult {
