@@ -1,0 +1,545 @@
+// hsap_attn_perf: distributed attention over one packed row on N host ranks (threads of
+// this process), in the style of nccl-tests. For each row length it partitions the row,
+// runs hsapAttentionForward and hsapAttentionBackward on every rank, and reports time,
+// achieved FLOP/s over visible pairs, the K/V bytes each rank moved against the bytes a
+// naive ring would move, and (with -c 1) the elements outside the tolerance rule against
+// the single-device fp64 reference.
+//
+//   hsap_attn_perf -b 4096 -e 65536 -f 2 --ranks 4 --docs-dist longtail --heads 8
+//       --kv-heads 2 --head-dim 64 --dtype bf16 --weights 3,1,1,3 -n 5 -w 1 -c 1
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/dtype.h"
+#include "attention/layout.h"
+#include "attention/reference.h"
+#include "hsap/hsap.h"
+#include "lib/api_util.h"
+
+namespace {
+
+struct Options {
+  int64_t tokens_begin = 4096;
+  int64_t tokens_end = 4096;
+  double factor = 2.0;
+  int ranks = 4;
+  std::string docs_dist = "longtail";  // longtail | uniform | single | tiny
+  int64_t tokens_per_doc = 1024;       // mean document length (longtail, uniform)
+  std::string mask = "causal";         // causal | mixed
+  int heads = 8;
+  int kv_heads = 2;
+  int head_dim = 64;
+  std::string dtype = "bf16";
+  std::vector<double> weights;  // empty: equal
+  int threads = 0;              // compute threads per rank; 0: hardware threads / ranks
+  int iters = 5;
+  int warmup = 1;
+  int check = 1;
+  double ref_max_gflop = 4.0;
+  int timeout_ms = 600000;
+  uint32_t seed = 1;
+};
+
+[[noreturn]] void Usage(const char* error) {
+  if (error != nullptr) std::fprintf(stderr, "error: %s\n\n", error);
+  std::fprintf(
+      stderr,
+      "usage: hsap_attn_perf [options]\n"
+      "  -b, --minbytes N       first row length in tokens (default 4096)\n"
+      "  -e, --maxbytes N       last row length in tokens (default: the first)\n"
+      "  -f, --stepfactor X     multiply the row length by X per step (default 2)\n"
+      "  -n, --iters N          timed iterations (default 5)\n"
+      "  -w, --warmup_iters N   warmup iterations (default 1)\n"
+      "  -c, --check 0|1        check against the fp64 reference (default 1), on rows up to\n"
+      "                         --ref-max-gflop of forward work\n"
+      "      --ranks N          host ranks, one thread each (default 4)\n"
+      "      --docs-dist D      longtail | uniform | single | tiny (default longtail)\n"
+      "      --tokens-per-doc N mean document length for longtail/uniform (default 1024)\n"
+      "      --mask M           causal | mixed (all four kinds in turn) (default causal)\n"
+      "      --heads N          query heads (default 8)\n"
+      "      --kv-heads N       key/value heads (default 2)\n"
+      "      --head-dim N       head dim, 32..256, multiple of 8 (default 64)\n"
+      "      --dtype T          fp32 | bf16 | fp16 (default bf16)\n"
+      "      --weights a,b,...  per-rank weights (default equal)\n"
+      "  -T, --threads N        compute threads per rank (default: hardware threads / ranks)\n"
+      "      --ref-max-gflop X  check only rows up to X GFLOP of forward work (default 4)\n"
+      "      --timeout-ms N     communicator timeout (default 600000)\n"
+      "      --seed N           seed of lengths and data (default 1)\n");
+  std::exit(error == nullptr ? 0 : 2);
+}
+
+Options ParseOptions(int argc, char** argv) {
+  Options o;
+  bool end_set = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") Usage(nullptr);
+    std::string value;
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos && arg.rfind("--", 0) == 0) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) Usage(("missing value for " + arg).c_str());
+      value = argv[++i];
+    }
+    char* end = nullptr;
+    const double num = std::strtod(value.c_str(), &end);
+    const bool numeric = end != value.c_str() && *end == '\0';
+    auto need_int = [&](int64_t lo) -> int64_t {
+      if (!numeric || num != std::floor(num) || num < static_cast<double>(lo)) {
+        Usage(
+            (arg + " needs an integer >= " + std::to_string(lo) + ", got '" + value + "'").c_str());
+      }
+      return static_cast<int64_t>(num);
+    };
+    if (arg == "-b" || arg == "--minbytes" || arg == "--min-tokens") {
+      o.tokens_begin = need_int(1);
+    } else if (arg == "-e" || arg == "--maxbytes" || arg == "--max-tokens") {
+      o.tokens_end = need_int(1);
+      end_set = true;
+    } else if (arg == "-f" || arg == "--stepfactor") {
+      if (!numeric || num <= 1.0) Usage("-f needs a number > 1");
+      o.factor = num;
+    } else if (arg == "-n" || arg == "--iters") {
+      o.iters = static_cast<int>(need_int(1));
+    } else if (arg == "-w" || arg == "--warmup_iters") {
+      o.warmup = static_cast<int>(need_int(0));
+    } else if (arg == "-c" || arg == "--check") {
+      o.check = static_cast<int>(need_int(0));
+    } else if (arg == "--ranks") {
+      o.ranks = static_cast<int>(need_int(1));
+    } else if (arg == "--docs-dist") {
+      o.docs_dist = value;
+    } else if (arg == "--tokens-per-doc") {
+      o.tokens_per_doc = need_int(1);
+    } else if (arg == "--mask") {
+      o.mask = value;
+    } else if (arg == "--heads") {
+      o.heads = static_cast<int>(need_int(1));
+    } else if (arg == "--kv-heads") {
+      o.kv_heads = static_cast<int>(need_int(1));
+    } else if (arg == "--head-dim") {
+      o.head_dim = static_cast<int>(need_int(1));
+    } else if (arg == "--dtype") {
+      o.dtype = value;
+    } else if (arg == "--weights") {
+      std::stringstream ss(value);
+      std::string item;
+      o.weights.clear();
+      while (std::getline(ss, item, ',')) {
+        char* e = nullptr;
+        const double w = std::strtod(item.c_str(), &e);
+        if (e == item.c_str() || *e != '\0' || !(w > 0) || !std::isfinite(w)) {
+          Usage("--weights needs positive numbers separated by commas, e.g. 3,1,1,3");
+        }
+        o.weights.push_back(w);
+      }
+    } else if (arg == "-T" || arg == "--threads") {
+      o.threads = static_cast<int>(need_int(0));
+    } else if (arg == "--ref-max-gflop") {
+      if (!numeric || num < 0) Usage("--ref-max-gflop needs a number >= 0");
+      o.ref_max_gflop = num;
+    } else if (arg == "--timeout-ms") {
+      o.timeout_ms = static_cast<int>(need_int(1));
+    } else if (arg == "--seed") {
+      o.seed = static_cast<uint32_t>(need_int(0));
+    } else {
+      Usage(("unknown option " + arg).c_str());
+    }
+  }
+  if (!end_set) o.tokens_end = o.tokens_begin;
+  if (o.tokens_end < o.tokens_begin) Usage("-e is below -b");
+  if (o.dtype != "fp32" && o.dtype != "bf16" && o.dtype != "fp16") {
+    Usage("--dtype must be fp32, bf16 or fp16");
+  }
+  if (o.docs_dist != "longtail" && o.docs_dist != "uniform" && o.docs_dist != "single" &&
+      o.docs_dist != "tiny") {
+    Usage("--docs-dist must be longtail, uniform, single or tiny");
+  }
+  if (o.mask != "causal" && o.mask != "mixed") Usage("--mask must be causal or mixed");
+  if (!o.weights.empty() && static_cast<int>(o.weights.size()) != o.ranks) {
+    Usage("--weights needs one value per rank (--ranks)");
+  }
+  return o;
+}
+
+hsap::DType ParseDType(const std::string& s) {
+  return s == "fp32" ? hsap::DType::kF32 : s == "bf16" ? hsap::DType::kBF16 : hsap::DType::kF16;
+}
+hsapDataType_t ToC(hsap::DType t) {
+  return t == hsap::DType::kF32    ? hsapFloat32
+         : t == hsap::DType::kBF16 ? hsapBFloat16
+                                   : hsapFloat16;
+}
+
+void Must(hsapResult_t r, const char* what) {
+  if (r != hsapSuccess) {
+    std::fprintf(stderr, "%s failed: %s: %s\n", what, hsapGetErrorString(r), hsapGetLastError());
+    std::exit(1);
+  }
+}
+
+// Document lengths summing to `tokens` with the chosen distribution and a fixed seed.
+std::vector<int64_t> DocumentLengths(const Options& o, int64_t tokens) {
+  std::mt19937_64 rng(o.seed * 1000003u + static_cast<uint64_t>(tokens));
+  std::vector<int64_t> lengths;
+  if (o.docs_dist == "single") return {tokens};
+  if (o.docs_dist == "tiny") {
+    std::uniform_int_distribution<int64_t> len(1, 16);
+    for (int64_t left = tokens; left > 0;) {
+      const int64_t l = std::min(left, len(rng));
+      lengths.push_back(l);
+      left -= l;
+    }
+    return lengths;
+  }
+  const int64_t docs = std::max<int64_t>(1, std::min(tokens, tokens / o.tokens_per_doc));
+  std::vector<double> w(docs);
+  double sum = 0;
+  if (o.docs_dist == "longtail") {
+    std::lognormal_distribution<double> dist(0.0, 1.5);
+    for (double& x : w) sum += (x = dist(rng));
+  } else {
+    std::uniform_real_distribution<double> dist(0.5, 1.5);
+    for (double& x : w) sum += (x = dist(rng));
+  }
+  int64_t assigned = 0;
+  for (double x : w) {
+    lengths.push_back(
+        1 + static_cast<int64_t>(std::floor(x / sum * static_cast<double>(tokens - docs))));
+    assigned += lengths.back();
+  }
+  *std::max_element(lengths.begin(), lengths.end()) += tokens - assigned;
+  return lengths;
+}
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+struct Bytes {
+  std::vector<uint8_t> data;
+  Bytes() = default;
+  explicit Bytes(size_t n) : data(n + 1, 0) {}
+  void* ptr() { return data.data(); }
+};
+
+// Elements of `got` with |got - ref| > 2 * (max naive error) + 4 rounding units of the
+// result's magnitude: the tolerance rule of the tests.
+int64_t CountWrong(hsap::DType dtype, const uint8_t* got, const std::vector<double>& ref,
+                   const std::vector<double>& naive) {
+  double naive_err = 0.0, magnitude = 1.0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    naive_err = std::max(naive_err, std::abs(naive[i] - ref[i]));
+    magnitude = std::max(magnitude, std::abs(ref[i]));
+  }
+  const double unit = dtype == hsap::DType::kF32    ? std::ldexp(1.0, -24)
+                      : dtype == hsap::DType::kBF16 ? std::ldexp(1.0, -8)
+                                                    : std::ldexp(1.0, -11);
+  const double tol = 2.0 * naive_err + 4.0 * unit * magnitude;
+  int64_t wrong = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::abs(hsap::LoadAsFloat(dtype, got, i) - ref[i]);
+    if (!(e <= tol)) ++wrong;
+  }
+  return wrong;
+}
+
+std::string HumanBytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int u = 0;
+  while (b >= 1024.0 && u < 4) {
+    b /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f%s" : "%.2f%s", b, units[u]);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = ParseOptions(argc, argv);
+  const hsap::DType dtype = ParseDType(o.dtype);
+  const size_t esize = hsap::DTypeSize(dtype);
+  const int R = o.ranks;
+  int version = 0;
+  Must(hsapGetVersion(&version), "hsapGetVersion");
+
+  std::vector<hsapComm_t> comms(R, nullptr);
+  hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
+  cc.timeoutMs = o.timeout_ms;
+  cc.numThreads = o.threads;
+  Must(hsapCommInitAll(comms.data(), R, &cc), "hsapCommInitAll");
+  const int threads_per_rank =
+      o.threads > 0 ? o.threads
+                    : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / R);
+
+  std::printf("# hsap_attn_perf (hsap %d): distributed attention over a packed row, host backend\n",
+              version);
+  std::printf("# ranks %d (threads of this process, %d compute threads each), weights ", R,
+              threads_per_rank);
+  if (o.weights.empty()) {
+    std::printf("equal");
+  } else {
+    for (size_t i = 0; i < o.weights.size(); ++i) std::printf("%s%g", i ? "," : "", o.weights[i]);
+  }
+  std::printf("\n# dtype %s, heads %d (kv %d), head dim %d, mask %s, documents %s", o.dtype.c_str(),
+              o.heads, o.kv_heads, o.head_dim, o.mask.c_str(), o.docs_dist.c_str());
+  if (o.docs_dist == "longtail" || o.docs_dist == "uniform") {
+    std::printf(" (%lld tokens per document on average%s)", (long long)o.tokens_per_doc,
+                o.docs_dist == "longtail" ? ", lognormal(0, 1.5) lengths" : ", uniform lengths");
+  }
+  std::printf(", seed %u\n", o.seed);
+  std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
+              o.iters, o.warmup);
+  std::printf(
+      "# TFLOP/s: all ranks together, over visible (query, key) pairs only: forward 4*D FLOPs "
+      "per pair per query head (QK^T and PV), backward 10*D (2.5x forward)\n");
+  std::printf(
+      "# bytes: K/V bytes received per rank in one forward (max, mean over ranks; backward moves "
+      "the same again plus fp32 dK/dV partials); ring: bytes per rank of a naive ring that "
+      "delivers every K/V row to every rank, (T - T/R) * 2 * Hkv * D * size; ratio = mean / "
+      "ring\n");
+  std::printf(
+      "# #wrong: elements of out, dq, dk, dv (gathered from the ranks) with |x - ref| > 2 * (max "
+      "error of the same-precision single-device NaiveForward/Backward) + 4 rounding units; '-' "
+      "when not checked (-c 0, or above %.3g GFLOP of forward work)\n",
+      o.ref_max_gflop);
+  std::printf("#\n# %9s %6s %6s %10s %10s %9s %9s %10s %10s %10s %7s %7s\n", "tokens", "docs",
+              "split", "fwd(ms)", "bwd(ms)", "fwdTF/s", "bwdTF/s", "bytes max", "bytes mean",
+              "ring", "ratio", "#wrong");
+
+  int64_t total_wrong = 0;
+  double sum_fwd_tflops = 0, sum_bwd_tflops = 0, sum_ratio = 0;
+  int rows = 0;
+  const double* weights = o.weights.empty() ? nullptr : o.weights.data();
+  for (double t = static_cast<double>(o.tokens_begin);
+       t <= static_cast<double>(o.tokens_end) * 1.0000001; t *= o.factor) {
+    const int64_t T = static_cast<int64_t>(std::llround(t));
+    const std::vector<int64_t> lengths = DocumentLengths(o, T);
+    std::vector<int64_t> cu{0};
+    std::vector<hsapMaskKind_t> kinds;
+    std::vector<int64_t> params;
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      cu.push_back(cu.back() + lengths[i]);
+      const hsapMaskKind_t kind =
+          o.mask == "causal" ? hsapMaskCausal : static_cast<hsapMaskKind_t>(i % 4);
+      kinds.push_back(kind);
+      params.push_back(kind == hsapMaskPrefixLM        ? lengths[i] / 4
+                       : kind == hsapMaskSlidingWindow ? std::min<int64_t>(lengths[i], 256)
+                                                       : 0);
+    }
+    hsapLayout_t layout = nullptr;
+    Must(hsapLayoutCreate(&layout, cu.data(), static_cast<int64_t>(kinds.size()), kinds.data(),
+                          params.data()),
+         "hsapLayoutCreate");
+    int64_t pairs = 0;
+    Must(hsapLayoutGetVisiblePairs(layout, &pairs), "hsapLayoutGetVisiblePairs");
+
+    // Full-row inputs, scattered to the ranks as a data loader would.
+    const size_t q_row = static_cast<size_t>(o.heads) * o.head_dim * esize;
+    const size_t kv_row = static_cast<size_t>(o.kv_heads) * o.head_dim * esize;
+    Bytes q(T * q_row), k(T * kv_row), v(T * kv_row), dout(T * q_row);
+    {
+      std::mt19937 rng(o.seed + static_cast<uint32_t>(T));
+      std::normal_distribution<float> n(0.0f, 1.0f);
+      for (Bytes* b : {&q, &dout}) {
+        for (int64_t i = 0; i < T * o.heads * o.head_dim; ++i)
+          hsap::StoreFromFloat(dtype, b->ptr(), i, n(rng));
+      }
+      for (Bytes* b : {&k, &v}) {
+        for (int64_t i = 0; i < T * o.kv_heads * o.head_dim; ++i)
+          hsap::StoreFromFloat(dtype, b->ptr(), i, n(rng));
+      }
+    }
+    hsapPartition_t part = nullptr;
+    Must(hsapPartitionCreate(&part, layout, R, weights), "hsapPartitionCreate");
+    std::vector<int64_t> local(R);
+    for (int r = 0; r < R; ++r) {
+      int64_t nr = 0;
+      Must(hsapPartitionGetRanges(part, r, nullptr, &nr, &local[r]), "hsapPartitionGetRanges");
+    }
+    struct Shards {
+      std::vector<Bytes> b;
+      std::vector<void*> p;
+    };
+    auto make = [&](size_t row) {
+      Shards s;
+      for (int r = 0; r < R; ++r) s.b.emplace_back(local[r] * row);
+      for (int r = 0; r < R; ++r) s.p.push_back(s.b[r].ptr());
+      return s;
+    };
+    Shards sq = make(q_row), sk = make(kv_row), sv = make(kv_row), sdout = make(q_row);
+    Shards sout = make(q_row), sdq = make(q_row), sdk = make(kv_row), sdv = make(kv_row);
+    Must(hsapPartitionScatter(part, q.ptr(), q_row, sq.p.data()), "hsapPartitionScatter");
+    Must(hsapPartitionScatter(part, k.ptr(), kv_row, sk.p.data()), "hsapPartitionScatter");
+    Must(hsapPartitionScatter(part, v.ptr(), kv_row, sv.p.data()), "hsapPartitionScatter");
+    Must(hsapPartitionScatter(part, dout.ptr(), q_row, sdout.p.data()), "hsapPartitionScatter");
+    std::vector<std::vector<float>> lse(R);
+
+    std::vector<double> fwd_s(R), bwd_s(R);
+    std::vector<hsapTraffic_t> traffic(R);
+    std::vector<hsapResult_t> result(R, hsapSuccess);
+    std::vector<std::string> error(R);
+    std::vector<std::thread> workers;
+    for (int r = 0; r < R; ++r) {
+      workers.emplace_back([&, r] {
+        auto fail = [&](hsapResult_t e) {
+          result[r] = e;
+          error[r] = hsapGetLastError();
+        };
+        hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+        bc.dtype = ToC(dtype);
+        bc.numHeadsQ = o.heads;
+        bc.numHeadsKV = o.kv_heads;
+        bc.headDim = o.head_dim;
+        hsapBatch_t batch = nullptr;
+        if (hsapResult_t e = hsapBatchCreate(&batch, comms[r], layout, weights, &bc); e) {
+          return fail(e);
+        }
+        const int64_t n = local[r];
+        hsapTensor_t tq{sq.p[r], ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tk{sk.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tv{sv.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tout{sout.p[r], ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdout{sdout.p[r], ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdq{sdq.p[r], ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdk{sdk.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tdv{sdv.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
+        lse[r].assign(static_cast<size_t>(n) * o.heads + 1, 0.0f);
+        auto forward = [&] {
+          return hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse[r].data());
+        };
+        auto backward = [&] {
+          return hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, lse[r].data(), &tdq,
+                                       &tdk, &tdv);
+        };
+        hsapResult_t e = hsapSuccess;
+        for (int i = 0; i < o.warmup && !e; ++i) e = forward();
+        auto t0 = Clock::now();
+        for (int i = 0; i < o.iters && !e; ++i) e = forward();
+        fwd_s[r] = Seconds(t0, Clock::now()) / o.iters;
+        for (int i = 0; i < o.warmup && !e; ++i) e = backward();
+        t0 = Clock::now();
+        for (int i = 0; i < o.iters && !e; ++i) e = backward();
+        bwd_s[r] = Seconds(t0, Clock::now()) / o.iters;
+        if (e) fail(e);
+        hsapBatchGetTraffic(batch, &traffic[r]);
+        hsapBatchDestroy(batch);
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    for (int r = 0; r < R; ++r) {
+      if (result[r] != hsapSuccess) {
+        std::fprintf(stderr, "rank %d failed: %s: %s\n", r, hsapGetErrorString(result[r]),
+                     error[r].c_str());
+        return 1;
+      }
+    }
+
+    const double fwd = *std::max_element(fwd_s.begin(), fwd_s.end());
+    const double bwd = *std::max_element(bwd_s.begin(), bwd_s.end());
+    const double fwd_flop = 4.0 * o.head_dim * static_cast<double>(pairs) * o.heads;
+    const double fwd_tflops = fwd_flop / fwd * 1e-12, bwd_tflops = 2.5 * fwd_flop / bwd * 1e-12;
+    double bytes_max = 0, bytes_sum = 0;
+    for (const hsapTraffic_t& tr : traffic) {
+      bytes_max = std::max(bytes_max, static_cast<double>(tr.forwardBytesReceived));
+      bytes_sum += static_cast<double>(tr.forwardBytesReceived);
+    }
+    const double bytes_mean = bytes_sum / R;
+    const double ring = static_cast<double>(T) * (R - 1) / R * 2.0 * static_cast<double>(kv_row);
+    const double ratio = ring > 0 ? bytes_mean / ring : 0.0;
+
+    // Documents cut across ranks: a document whose tokens are not all on one rank.
+    int64_t split = 0;
+    {
+      std::vector<int> owner(T, -1);
+      for (int r = 0; r < R; ++r) {
+        int64_t nr = 0;
+        Must(hsapPartitionGetRanges(part, r, nullptr, &nr, nullptr), "hsapPartitionGetRanges");
+        std::vector<int64_t> ranges(2 * nr);
+        Must(hsapPartitionGetRanges(part, r, ranges.data(), &nr, nullptr),
+             "hsapPartitionGetRanges");
+        for (int64_t i = 0; i < nr; ++i) {
+          for (int64_t p = ranges[2 * i]; p < ranges[2 * i + 1]; ++p) owner[p] = r;
+        }
+      }
+      for (size_t d = 0; d + 1 < cu.size(); ++d) {
+        for (int64_t p = cu[d] + 1; p < cu[d + 1]; ++p) {
+          if (owner[p] != owner[cu[d]]) {
+            ++split;
+            break;
+          }
+        }
+      }
+    }
+
+    char wrong_col[32] = "-";
+    if (o.check != 0 && fwd_flop * 1e-9 <= o.ref_max_gflop) {
+      Bytes out(T * q_row), dq(T * q_row), dk(T * kv_row), dv(T * kv_row);
+      std::vector<const void*> ptrs(R);
+      auto gather = [&](Shards& s, size_t row, Bytes& into) {
+        for (int r = 0; r < R; ++r) ptrs[r] = s.p[r];
+        Must(hsapPartitionGather(part, ptrs.data(), row, into.ptr()), "hsapPartitionGather");
+      };
+      gather(sout, q_row, out);
+      gather(sdq, q_row, dq);
+      gather(sdk, kv_row, dk);
+      gather(sdv, kv_row, dv);
+      hsap::ReferenceInputs in;
+      in.dims.heads_q = o.heads;
+      in.dims.heads_kv = o.kv_heads;
+      in.dims.head_dim = o.head_dim;
+      in.dims.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+      in.dtype = dtype;
+      in.q = q.ptr();
+      in.k = k.ptr();
+      in.v = v.ptr();
+      const hsap::Layout& l = layout->layout;
+      const hsap::ReferenceForwardResult ref = hsap::ReferenceForward(l, in);
+      const hsap::ReferenceForwardResult naive = hsap::NaiveForward(l, in);
+      const hsap::ReferenceGradients gref = hsap::ReferenceBackward(l, in, dout.ptr());
+      const hsap::ReferenceGradients gnaive = hsap::NaiveBackward(l, in, dout.ptr());
+      const int64_t wrong = CountWrong(dtype, out.data.data(), ref.out, naive.out) +
+                            CountWrong(dtype, dq.data.data(), gref.dq, gnaive.dq) +
+                            CountWrong(dtype, dk.data.data(), gref.dk, gnaive.dk) +
+                            CountWrong(dtype, dv.data.data(), gref.dv, gnaive.dv);
+      total_wrong += wrong;
+      std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)wrong);
+    }
+    std::printf("  %9lld %6zu %6lld %10.3f %10.3f %9.4f %9.4f %10s %10s %10s %7.4f %7s\n",
+                (long long)T, lengths.size(), (long long)split, fwd * 1e3, bwd * 1e3, fwd_tflops,
+                bwd_tflops, HumanBytes(bytes_max).c_str(), HumanBytes(bytes_mean).c_str(),
+                HumanBytes(ring).c_str(), ratio, wrong_col);
+    std::fflush(stdout);
+    sum_fwd_tflops += fwd_tflops;
+    sum_bwd_tflops += bwd_tflops;
+    sum_ratio += ratio;
+    ++rows;
+    Must(hsapPartitionDestroy(part), "hsapPartitionDestroy");
+    Must(hsapLayoutDestroy(layout), "hsapLayoutDestroy");
+  }
+  for (hsapComm_t c : comms) Must(hsapCommDestroy(c), "hsapCommDestroy");
+  std::printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
+              total_wrong == 0 ? "OK" : "FAILED");
+  std::printf("# Avg fwd TFLOP/s : %.4f\n# Avg bwd TFLOP/s : %.4f\n",
+              rows ? sum_fwd_tflops / rows : 0.0, rows ? sum_bwd_tflops / rows : 0.0);
+  std::printf("# Avg bytes moved vs naive ring : %.4f (%.1f%% saved)\n#\n",
+              rows ? sum_ratio / rows : 0.0, rows ? 100.0 * (1.0 - sum_ratio / rows) : 0.0);
+  return total_wrong == 0 ? 0 : 1;
+}
