@@ -23,7 +23,7 @@
 #ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 #define HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
 #include "hsap_device.cuh"
 #include "hsap_params.cuh"
@@ -242,8 +242,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attn_fwd_kernel(const FwdParams p) {
   static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
-  extern __shared__ float4 hsap_smem_f4[];
-  float* smem = reinterpret_cast<float*>(hsap_smem_f4);
+  float* smem = dynamic_smem();
   if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
     return;
   const int h = blockIdx.y;
@@ -264,8 +263,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
                 "hsap: generator and device disagree on the backward shared memory size");
   constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
                 kPLd = S::kPLd;
-  extern __shared__ float4 hsap_smem_f4[];
-  float* Qs = reinterpret_cast<float*>(hsap_smem_f4);
+  float* Qs = dynamic_smem();
   float* dOs = Qs + kBM * kLd;
   float* Ks = dOs + kBM * kLd;
   float* Vs = Ks + kBN * kLd;
@@ -469,8 +467,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   using T = typename Cfg::T;
-  extern __shared__ float4 hsap_smem_f4[];
-  float* smem = reinterpret_cast<float*>(hsap_smem_f4);
+  float* smem = dynamic_smem();
   const int num_copy = p.num_copy_ctas;
   const int num_compute = static_cast<int>(gridDim.x) - num_copy;
   if (num_copy < 1 || num_compute < 1 || p.num_steps < 0 || p.num_steps > Cfg::kMaxSteps) {
@@ -527,5 +524,5 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
 }  // namespace hsap_dev
 
-#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 #endif  // HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_

@@ -5,11 +5,13 @@
 // function, no dependency on cuda_fp16.h / cuda_bf16.h. Conversions use PTX cvt with
 // round-to-nearest-even (the host's attention/dtype.h rounds the same way).
 // The body is visible only to CUDA compilers; a host C++ file may include this header to
-// record the dependency and sees nothing.
+// record the dependency and sees nothing. HSAP_DEVICE_EMULATION (tests/jit/cuda_emulator.h)
+// compiles the same code as host C++ with threads standing in for CUDA threads; the few
+// inline-PTX statements then have plain C++ equivalents.
 #ifndef HSAP_JIT_DEVICE_HSAP_DEVICE_CUH_
 #define HSAP_JIT_DEVICE_HSAP_DEVICE_CUH_
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
 #define HSAP_DEV __device__ __forceinline__
 
@@ -28,9 +30,13 @@ HSAP_DEV float neg_inf() { return __int_as_float(0xff800000); }
 HSAP_DEV float to_float(float x) { return x; }
 HSAP_DEV float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned int>(x.bits) << 16); }
 HSAP_DEV float to_float(f16 x) {
+#ifdef HSAP_DEVICE_EMULATION
+  return hsap_emu_f16_to_float(x.bits);
+#else
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
   return f;
+#endif
 }
 
 template <typename T>
@@ -62,7 +68,11 @@ template <>
 struct FromFloat<f16> {
   static HSAP_DEV f16 cvt(float f) {
     f16 r;
+#ifdef HSAP_DEVICE_EMULATION
+    r.bits = hsap_emu_float_to_f16(f);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#endif
     return r;
   }
 };
@@ -79,6 +89,12 @@ HSAP_DEV float load_float(const void* base, long long i) {
 
 // Same, with ld.global.cg (L2 only, skipping the non-coherent L1): for buffers written by
 // other CTAs of the running kernel and published through a flag.
+#ifdef HSAP_DEVICE_EMULATION
+template <typename T>
+HSAP_DEV float load_float_cg(const void* base, long long i) {
+  return load_float<T>(base, i);
+}
+#else
 template <typename T>
 HSAP_DEV float load_float_cg(const void* base, long long i);
 template <>
@@ -102,6 +118,17 @@ HSAP_DEV float load_float_cg<f16>(const void* base, long long i) {
                : "=h"(v.bits)
                : "l"(static_cast<const f16*>(base) + i));
   return to_float(v);
+}
+#endif
+
+// The kernel's dynamic shared memory (sized at launch).
+HSAP_DEV float* dynamic_smem() {
+#ifdef HSAP_DEVICE_EMULATION
+  return hsap_emu_dynamic_smem();
+#else
+  extern __shared__ float4 hsap_smem_f4[];
+  return reinterpret_cast<float*>(hsap_smem_f4);
+#endif
 }
 
 // ---- warp reductions over aligned groups of kWidth lanes (kWidth a power of two <= 32;
@@ -185,5 +212,5 @@ HSAP_DEV LseMerge merge_lse(float lse1, float lse2) {
 
 }  // namespace hsap_dev
 
-#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 #endif  // HSAP_JIT_DEVICE_HSAP_DEVICE_CUH_

@@ -16,10 +16,27 @@
 #ifndef HSAP_JIT_DEVICE_HSAP_SYNC_CUH_
 #define HSAP_JIT_DEVICE_HSAP_SYNC_CUH_
 
-#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
 namespace hsap_dev {
 
+#ifdef HSAP_DEVICE_EMULATION
+__device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
+  return hsap_emu_load_acquire(p);
+}
+__device__ __forceinline__ unsigned int ld_acquire_sys(const unsigned int* p) {
+  return hsap_emu_load_acquire(p);
+}
+__device__ __forceinline__ void st_release_sys(unsigned int* p, unsigned int v) {
+  hsap_emu_store_release(p, v);
+}
+__device__ __forceinline__ unsigned int add_release_gpu(unsigned int* p, unsigned int v) {
+  return hsap_emu_fetch_add_release(p, v);
+}
+__device__ __forceinline__ unsigned int add_release_sys(unsigned int* p, unsigned int v) {
+  return hsap_emu_fetch_add_release(p, v);
+}
+#else
 __device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -49,6 +66,7 @@ __device__ __forceinline__ unsigned int add_release_sys(unsigned int* p, unsigne
                : "memory");
   return old;
 }
+#endif
 
 // a >= b for counters that may wrap around 2^32.
 __device__ __forceinline__ bool counter_reached(unsigned int a, unsigned int b) {
@@ -88,5 +106,5 @@ __device__ __forceinline__ void cta_signal_add_sys(unsigned int* flag, unsigned 
 
 }  // namespace hsap_dev
 
-#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 #endif  // HSAP_JIT_DEVICE_HSAP_SYNC_CUH_

@@ -1,0 +1,509 @@
+// The CUDA kernels of jit/device/hsap_attention.cuh, run on the CPU by the emulator of
+// tests/jit/cuda_emulator.h (one std::thread per CUDA thread), against the fp64 reference
+// under the project's rule:
+//   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
+// where `naive` is the same computation with every intermediate rounded to the storage type.
+// This checks the kernels' indexing, masking, online softmax, merges, barriers, shuffles
+// and the fused kernel's flag protocol on a machine without a GPU; tiles are small so that
+// several tiles, chunks and segments occur on short rows.
+#include "tests/jit/cuda_emulator.h"
+// clang-format off: the emulator must come first.
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"  // #pragma unroll
+#include "jit/device/hsap_attention.cuh"
+// clang-format on
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attention/attention_test_util.h"
+#include "attention/reference.h"
+#include "attention/worklist.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "jit/codegen_cuda.h"
+
+namespace hsap {
+namespace {
+
+// A configuration as jit/codegen_cuda emits it, with small tiles.
+template <typename StorageT, int kD, int kG, bool kBand, int kSteps>
+struct TestCfg {
+  using T = StorageT;
+  static constexpr int kHeadDim = kD;
+  static constexpr int kGqa = kG;
+  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
+  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
+  static constexpr bool kHasBand = kBand;
+  static constexpr int kNumPeers = kSteps > 0 ? kSteps - 1 : 0;
+  static constexpr unsigned int kNvlinkPeerMask = 0;
+  static constexpr int kMaxSteps = kSteps;
+  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * (kD + 1) + 32 * 17);
+  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * (kD + 1) + 2 * 16 * 17);
+};
+
+constexpr int kDim = 32;
+constexpr int kHeadsQ = 4;
+constexpr int kHeadsKv = 2;
+
+// A storage-typed tensor.
+struct Tensor {
+  DType dtype = DType::kF32;
+  std::vector<float> f32;
+  std::vector<uint16_t> bits;
+
+  Tensor(DType t, size_t n) : dtype(t) {
+    if (t == DType::kF32) {
+      f32.assign(n, 0.0f);
+    } else {
+      bits.assign(n, 0);
+    }
+  }
+  void Set(size_t i, float x) {
+    if (dtype == DType::kF32) {
+      f32[i] = x;
+    } else if (dtype == DType::kBF16) {
+      bits[i] = FloatToBF16(x).bits;
+    } else {
+      bits[i] = FloatToF16(x).bits;
+    }
+  }
+  const void* data() const {
+    return dtype == DType::kF32 ? static_cast<const void*>(f32.data()) : bits.data();
+  }
+  void* data() { return dtype == DType::kF32 ? static_cast<void*>(f32.data()) : bits.data(); }
+};
+
+Tensor RandomTensor(std::mt19937_64& rng, DType t, size_t n) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  Tensor x(t, n);
+  for (size_t i = 0; i < n; ++i) x.Set(i, u(rng));
+  return x;
+}
+
+// Rows of a [T, heads, D] tensor at the given global positions, as a new buffer.
+Tensor Gather(const Tensor& src, const std::vector<int64_t>& global_rows, int heads) {
+  const size_t row = static_cast<size_t>(heads) * kDim;
+  Tensor out(src.dtype, global_rows.size() * row);
+  for (size_t r = 0; r < global_rows.size(); ++r) {
+    for (size_t i = 0; i < row; ++i) {
+      const size_t from = global_rows[r] * row + i;
+      if (src.dtype == DType::kF32) {
+        out.f32[r * row + i] = src.f32[from];
+      } else {
+        out.bits[r * row + i] = src.bits[from];
+      }
+    }
+  }
+  return out;
+}
+
+struct Problem {
+  Layout layout;
+  DType dtype;
+  AttentionDims dims;
+  Tensor q, k, v, dout;
+  int64_t T() const { return layout.num_tokens(); }
+};
+
+// Documents of every mask kind, lengths around the small tiles' edges.
+Layout MixedLayout() {
+  const std::vector<int64_t> cu = {0, 37, 66, 67, 108, 141, 158};
+  const std::vector<MaskKind> kinds = {MaskKind::kCausal,   MaskKind::kFull,
+                                       MaskKind::kCausal,   MaskKind::kSlidingWindow,
+                                       MaskKind::kPrefixLM, MaskKind::kFull};
+  const std::vector<int64_t> params = {0, 0, 0, 9, 7, 0};
+  return *Layout::FromDocuments(cu, kinds, params);
+}
+
+Problem MakeProblem(Layout layout, DType dtype, uint64_t seed, int heads_kv = kHeadsKv) {
+  std::mt19937_64 rng(seed);
+  AttentionDims dims;
+  dims.heads_q = kHeadsQ;
+  dims.heads_kv = heads_kv;
+  dims.head_dim = kDim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  const int64_t T = layout.num_tokens();
+  Problem p{std::move(layout),
+            dtype,
+            dims,
+            RandomTensor(rng, dtype, T * kHeadsQ * kDim),
+            RandomTensor(rng, dtype, T * heads_kv * kDim),
+            RandomTensor(rng, dtype, T * heads_kv * kDim),
+            RandomTensor(rng, dtype, T * kHeadsQ * kDim)};
+  return p;
+}
+
+double MaxAbs(const std::vector<double>& x) {
+  double m = 0;
+  for (double v : x) {
+    if (std::isfinite(v)) m = std::max(m, std::abs(v));
+  }
+  return m;
+}
+
+template <typename A>
+double MaxError(const std::vector<A>& a, const std::vector<double>& ref, const char* name) {
+  EXPECT_EQ(a.size(), ref.size()) << name;
+  double e = 0;
+  for (size_t i = 0; i < std::min(a.size(), ref.size()); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(static_cast<double>(a[i]), ref[i]) << name << "[" << i << "]";
+      continue;
+    }
+    const double diff = std::abs(static_cast<double>(a[i]) - ref[i]);
+    if (!(diff <= e)) e = diff;  // NaN propagates as the error
+  }
+  return e;
+}
+
+void ExpectWithinRule(const std::string& name, const std::vector<float>& kernel,
+                      const std::vector<double>& naive, const std::vector<double>& ref) {
+  const double kernel_err = MaxError(kernel, ref, name.c_str());
+  const double naive_err = MaxError(naive, ref, "naive");
+  const double bound = 2 * naive_err + 1e-6 * std::max(1.0, MaxAbs(ref));
+  EXPECT_LE(kernel_err, bound) << name << ": kernel error " << kernel_err << ", naive error "
+                               << naive_err;
+}
+
+std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
+  std::vector<hsap_dev::QueryBlock> out;
+  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
+  return out;
+}
+std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
+  std::vector<hsap_dev::KeySegment> out;
+  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
+  return out;
+}
+
+template <class Cfg>
+void LaunchInit(float* out, float* lse, int64_t rows) {
+  hsap_dev::InitParams p{out, lse, rows, kHeadsQ};
+  hsap_emu::Launch(2, 1, 256, 0, false, [&] { hsap_dev::init_partial_kernel<Cfg>(p); });
+}
+
+// Forward of the work list `w` (q buffer = whole row, k/v buffer as given) into out/lse.
+template <class Cfg>
+unsigned int LaunchForward(const Problem& p, const WorkList& w, const void* k, const void* v,
+                           int64_t k_rows, float* out, float* lse, int heads_kv = kHeadsKv) {
+  const auto blocks = DeviceBlocks(w);
+  const auto segments = DeviceSegments(w);
+  unsigned int error_flag = 0;
+  hsap_dev::FwdParams fp{};
+  fp.q = p.q.data();
+  fp.k = k;
+  fp.v = v;
+  fp.out = out;
+  fp.lse = lse;
+  fp.blocks = blocks.data();
+  fp.segments = segments.data();
+  fp.kv_head_of_q = nullptr;
+  fp.error_flag = &error_flag;
+  fp.q_rows = p.T();
+  fp.k_rows = k_rows;
+  fp.num_blocks = static_cast<int>(blocks.size());
+  fp.heads_q = kHeadsQ;
+  fp.heads_kv = heads_kv;
+  fp.scale = p.dims.scale;
+  if (fp.num_blocks > 0) {
+    hsap_emu::Launch(fp.num_blocks, kHeadsQ, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
+                     [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); });
+  }
+  return error_flag;
+}
+
+template <typename StorageT, DType kType>
+void CheckForwardAndBackward(uint64_t seed) {
+  using Cfg = TestCfg<StorageT, kDim, kHeadsQ / kHeadsKv, true, 0>;
+  const Problem p = MakeProblem(MixedLayout(), kType, seed);
+  const int64_t T = p.T();
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 40);  // > kBlockM: chunked blocks
+  ASSERT_TRUE(w.ok()) << w.status();
+
+  std::vector<float> out(T * kHeadsQ * kDim, 7.0f), lse(T * kHeadsQ, 7.0f);
+  LaunchInit<Cfg>(out.data(), lse.data(), T);
+  for (float x : lse) ASSERT_EQ(x, -INFINITY);
+  for (float x : out) ASSERT_EQ(x, 0.0f);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data()), 0u);
+
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("out", out, naive.out, ref.out);
+  ExpectWithinRule("lse", lse, naive.lse, ref.lse);
+
+  // Backward from the kernel's own (out, lse), out stored in the storage type.
+  Tensor out_stored(kType, out.size());
+  hsap_dev::ConvertParams cp{out.data(), out_stored.data(), static_cast<long long>(out.size())};
+  hsap_emu::Launch(3, 1, 256, 0, false, [&] { hsap_dev::convert_out_kernel<Cfg>(cp); });
+  for (size_t i = 0; i < out.size(); i += 97) {
+    EXPECT_EQ(LoadAsFloat(kType, out_stored.data(), i), RoundTo(kType, out[i]));
+  }
+  std::vector<float> delta(T * kHeadsQ, -1.0f);
+  hsap_dev::DeltaParams dp{p.dout.data(), out_stored.data(), delta.data(), T, kHeadsQ};
+  const unsigned int delta_ctas = static_cast<unsigned int>((T * kHeadsQ + 7) / 8);
+  hsap_emu::Launch(delta_ctas, 1, 256, 0, false, [&] { hsap_dev::attn_delta_kernel<Cfg>(dp); });
+  for (int64_t r = 0; r < T; r += 13) {
+    for (int h = 0; h < kHeadsQ; ++h) {
+      double want = 0;
+      for (int d = 0; d < kDim; ++d) {
+        const size_t i = (r * kHeadsQ + h) * kDim + d;
+        want +=
+            double{LoadAsFloat(kType, p.dout.data(), i)} * LoadAsFloat(kType, out_stored.data(), i);
+      }
+      EXPECT_NEAR(delta[h * T + r], want, 1e-5 * (1 + std::abs(want))) << r << "," << h;
+    }
+  }
+
+  const auto blocks = DeviceBlocks(*w);
+  const auto segments = DeviceSegments(*w);
+  std::vector<float> dq(out.size(), 0.0f), dk(T * kHeadsKv * kDim, 0.0f), dv(dk.size(), 0.0f);
+  unsigned int error_flag = 0;
+  hsap_dev::BwdParams bp{};
+  bp.q = p.q.data();
+  bp.k = p.k.data();
+  bp.v = p.v.data();
+  bp.dout = p.dout.data();
+  bp.lse = lse.data();
+  bp.delta = delta.data();
+  bp.dq = dq.data();
+  bp.dk = dk.data();
+  bp.dv = dv.data();
+  bp.blocks = blocks.data();
+  bp.segments = segments.data();
+  bp.error_flag = &error_flag;
+  bp.q_rows = T;
+  bp.k_rows = T;
+  bp.num_blocks = static_cast<int>(blocks.size());
+  bp.heads_q = kHeadsQ;
+  bp.heads_kv = kHeadsKv;
+  bp.scale = p.dims.scale;
+  hsap_emu::Launch(bp.num_blocks, kHeadsQ, Cfg::kBwdThreads, Cfg::kBwdSmemBytes, false,
+                   [&] { hsap_dev::attn_bwd_kernel<Cfg>(bp); });
+  EXPECT_EQ(error_flag, 0u);
+  const ReferenceGradients gref = ReferenceBackward(p.layout, in, p.dout.data());
+  const ReferenceGradients gnaive = NaiveBackward(p.layout, in, p.dout.data());
+  ExpectWithinRule("dq", dq, gnaive.dq, gref.dq);
+  ExpectWithinRule("dk", dk, gnaive.dk, gref.dk);
+  ExpectWithinRule("dv", dv, gnaive.dv, gref.dv);
+}
+
+TEST(CudaEmulation, ForwardAndBackwardFp32) { CheckForwardAndBackward<float, DType::kF32>(1); }
+TEST(CudaEmulation, ForwardAndBackwardBf16) {
+  CheckForwardAndBackward<hsap_dev::bf16, DType::kBF16>(2);
+}
+TEST(CudaEmulation, ForwardAndBackwardFp16) {
+  CheckForwardAndBackward<hsap_dev::f16, DType::kF16>(3);
+}
+
+// Keys in two shards: two partial forwards (rows that see nothing in a shard keep lse
+// -inf), merged by the merge kernel, equal the whole-row reference.
+TEST(CudaEmulation, SplitKeysMergeKernel) {
+  using Cfg = TestCfg<float, kDim, kHeadsQ / kHeadsKv, true, 0>;
+  const Problem p = MakeProblem(MixedLayout(), DType::kF32, 4);
+  const int64_t T = p.T();
+  std::mt19937_64 rng(5);
+  const std::vector<TokenRun> all = {{0, 0, T}};
+  std::vector<TokenRun> first = testing::RandomRuns(rng, T, 5, 0.5);
+  // The complement of `first`, as a second shard.
+  std::vector<bool> in_first(T, false);
+  for (const TokenRun& r : first) {
+    for (int64_t i = 0; i < r.length; ++i) in_first[r.global_begin + i] = true;
+  }
+  std::vector<TokenRun> second;
+  for (int64_t t = 0; t < T; ++t) {
+    if (in_first[t]) continue;
+    if (!second.empty() && second.back().global_begin + second.back().length == t) {
+      ++second.back().length;
+    } else {
+      second.push_back({t, 0, 1});
+    }
+  }
+  int64_t local = 0;
+  for (TokenRun& r : second) {
+    r.local_begin = local;
+    local += r.length;
+  }
+  std::vector<std::vector<float>> outs, lses;
+  for (const std::vector<TokenRun>* runs : {&first, &second}) {
+    const std::vector<int64_t> global = testing::GlobalOfLocal(*runs);
+    const Tensor k = Gather(p.k, global, kHeadsKv);
+    const Tensor v = Gather(p.v, global, kHeadsKv);
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout.slices(), all, *runs, 32);
+    ASSERT_TRUE(w.ok()) << w.status();
+    outs.emplace_back(T * kHeadsQ * kDim);
+    lses.emplace_back(T * kHeadsQ);
+    LaunchInit<Cfg>(outs.back().data(), lses.back().data(), T);
+    EXPECT_EQ(LaunchForward<Cfg>(p, *w, k.data(), v.data(), static_cast<int64_t>(global.size()),
+                                 outs.back().data(), lses.back().data()),
+              0u);
+  }
+  // Some rows must have seen nothing in one shard, or the test would not test that case.
+  EXPECT_TRUE(std::any_of(lses[0].begin(), lses[0].end(), [](float x) { return std::isinf(x); }));
+  hsap_dev::MergeParams mp{
+      outs[0].data(), lses[0].data(), outs[1].data(), lses[1].data(), T, kHeadsQ, T, T};
+  hsap_emu::Launch(static_cast<unsigned int>((T * kHeadsQ + 7) / 8), 1, 256, 0, false,
+                   [&] { hsap_dev::lse_merge_kernel<Cfg>(mp); });
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("merged out", outs[0], naive.out, ref.out);
+  ExpectWithinRule("merged lse", lses[0], naive.lse, ref.lse);
+}
+
+// The fused kernel: K/V in three "peer" shards, one copy CTA staging them through the two
+// buffers while two compute CTAs attend; one shard becomes ready only later (a peer that
+// is still writing). The result equals the reference and every flag ends where the
+// protocol says.
+TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
+  constexpr int kSteps = 3;
+  using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, kSteps>;
+  const Problem p = MakeProblem(MixedLayout(), DType::kBF16, 6);
+  const int64_t T = p.T();
+  const std::vector<TokenRun> all = {{0, 0, T}};
+  const int64_t cut1 = 50, cut2 = 111;
+  const std::vector<std::vector<TokenRun>> shards = {
+      {{cut1, 0, cut2 - cut1}}, {{0, 0, cut1}}, {{cut2, 0, T - cut2}}};
+
+  std::vector<Tensor> ks, vs;
+  std::vector<WorkList> works;
+  std::vector<std::vector<hsap_dev::QueryBlock>> blocks;
+  std::vector<std::vector<hsap_dev::KeySegment>> segments;
+  int64_t max_rows = 0;
+  for (const auto& runs : shards) {
+    const std::vector<int64_t> global = testing::GlobalOfLocal(runs);
+    ks.push_back(Gather(p.k, global, kHeadsKv));
+    vs.push_back(Gather(p.v, global, kHeadsKv));
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout.slices(), all, runs, 32);
+    ASSERT_TRUE(w.ok()) << w.status();
+    blocks.push_back(DeviceBlocks(*w));
+    segments.push_back(DeviceSegments(*w));
+    max_rows = std::max<int64_t>(max_rows, global.size());
+  }
+  std::vector<uint16_t> stage_k0(max_rows * kHeadsKv * kDim), stage_k1(stage_k0.size()),
+      stage_v0(stage_k0.size()), stage_v1(stage_k0.size());
+  std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
+  LaunchInit<Cfg>(out.data(), lse.data(), T);
+
+  unsigned int counters[4] = {0, 0, 0, 0};
+  unsigned int ready_flags[kSteps] = {0, 5, 0};  // step 1 already ready (value 5)
+  unsigned int consumed_flags[kSteps] = {0, 0, 0};
+  unsigned int error_flag = 0;
+  hsap_dev::FusedFwdParamsT<kSteps> fp{};
+  fp.q = p.q.data();
+  fp.out = out.data();
+  fp.lse = lse.data();
+  fp.kv_head_of_q = nullptr;
+  fp.error_flag = &error_flag;
+  fp.stage_k[0] = stage_k0.data();
+  fp.stage_k[1] = stage_k1.data();
+  fp.stage_v[0] = stage_v0.data();
+  fp.stage_v[1] = stage_v1.data();
+  fp.counters = counters;
+  fp.q_rows = T;
+  fp.heads_q = kHeadsQ;
+  fp.heads_kv = kHeadsKv;
+  fp.scale = p.dims.scale;
+  fp.num_steps = kSteps;
+  fp.num_copy_ctas = 1;
+  for (int s = 0; s < kSteps; ++s) {
+    hsap_dev::FusedStep& st = fp.steps[s];
+    st.k_src = ks[s].data();
+    st.v_src = vs[s].data();
+    st.ready_flag = s == 0 ? nullptr : &ready_flags[s];
+    st.ready_value = s == 1 ? 5 : 1;
+    st.consumed_flag = &consumed_flags[s];
+    st.blocks = blocks[s].data();
+    st.segments = segments[s].data();
+    st.k_rows = static_cast<long long>(ks[s].bits.size() / (kHeadsKv * kDim));
+    st.num_blocks = static_cast<int>(blocks[s].size());
+  }
+  // The "peer" owning shard 2 publishes it a little later.
+  std::thread peer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::atomic_ref<unsigned int>(ready_flags[2]).store(1, std::memory_order_release);
+  });
+  hsap_emu::Launch(3, 1, Cfg::kThreads, Cfg::kFwdSmemBytes, /*all_concurrent=*/true,
+                   [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); });
+  peer.join();
+
+  EXPECT_EQ(error_flag, 0u);
+  EXPECT_EQ(counters[0], 2u);  // steps 0 and 2, one copy CTA each
+  EXPECT_EQ(counters[1], 1u);
+  EXPECT_EQ(counters[2], 4u);  // steps 0 and 2, two compute CTAs each
+  EXPECT_EQ(counters[3], 2u);
+  for (unsigned int c : consumed_flags) EXPECT_EQ(c, 1u);
+
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("fused out", out, naive.out, ref.out);
+  ExpectWithinRule("fused lse", lse, naive.lse, ref.lse);
+}
+
+// Broken contracts are flagged and skipped, never read out of bounds (ASan watches).
+TEST(CudaEmulation, ContractViolationsAreFlagged) {
+  const Problem p = MakeProblem(MixedLayout(), DType::kF32, 7);
+  const int64_t T = p.T();
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 32);
+  ASSERT_TRUE(w.ok());
+  std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
+  {
+    // A full-only variant given causal segments.
+    using FullOnly = TestCfg<float, kDim, kHeadsQ / kHeadsKv, false, 0>;
+    LaunchInit<FullOnly>(out.data(), lse.data(), T);
+    const unsigned int flag =
+        LaunchForward<FullOnly>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data());
+    EXPECT_EQ(flag, static_cast<unsigned int>(hsap_dev::kErrorBandInFullOnlyVariant));
+  }
+  using Cfg = TestCfg<float, kDim, kHeadsQ / kHeadsKv, true, 0>;
+  {
+    // heads_q != heads_kv * kGqa without a map.
+    LaunchInit<Cfg>(out.data(), lse.data(), T);
+    const unsigned int flag = LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(),
+                                                 lse.data(), /*heads_kv=*/1);
+    EXPECT_EQ(flag, static_cast<unsigned int>(hsap_dev::kErrorHeads));
+    for (float x : lse) EXPECT_EQ(x, -INFINITY);
+  }
+  {
+    // Key rows beyond k_rows.
+    LaunchInit<Cfg>(out.data(), lse.data(), T);
+    const unsigned int flag =
+        LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T - 5, out.data(), lse.data());
+    EXPECT_EQ(flag, static_cast<unsigned int>(hsap_dev::kErrorRowsOutOfRange));
+  }
+}
+
+// The test configuration is one the generator emits for the same tiles.
+TEST(CudaEmulation, TestConfigMatchesTheGenerator) {
+  jit::CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.dtype = DType::kBF16;
+  c.head_dim = kDim;
+  c.gqa = kHeadsQ / kHeadsKv;
+  c.block_m = 32;
+  c.block_n = 16;
+  c.threads = 64;
+  c.bwd_block_m = 16;
+  c.bwd_block_n = 16;
+  c.bwd_threads = 32;
+  c.role = {2, 0x3};
+  absl::StatusOr<jit::CudaKernelSource> s = jit::GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, 3>;
+  EXPECT_EQ(s->tiles.fwd_smem_bytes, Cfg::kFwdSmemBytes);
+  EXPECT_EQ(s->tiles.bwd_smem_bytes, Cfg::kBwdSmemBytes);
+  EXPECT_THAT(s->source,
+              ::testing::HasSubstr(absl::StrCat("kFwdSmemBytes = ", Cfg::kFwdSmemBytes, ";")));
+  EXPECT_THAT(s->source, ::testing::HasSubstr("kMaxSteps = 3;"));
+  EXPECT_EQ(hsap_dev::FwdShape<Cfg>::kFwdSmemBytes, Cfg::kFwdSmemBytes);
+  EXPECT_EQ(hsap_dev::BwdShape<Cfg>::kBwdSmemBytes, Cfg::kBwdSmemBytes);
+}
+
+}  // namespace
+}  // namespace hsap
