@@ -1,0 +1,463 @@
+// Hierarchical (head x context parallel) attention on host ranks against the single-device
+// fp64 reference, under the foundation's rule: error <= 2 x the error of the naive
+// computation in the storage precision (NaiveForward/NaiveBackward) + a small floor. Also:
+// the bytes each rank moved equal the hierarchy's prediction (itself equal to the lower
+// bound, see hierarchy_test), the degenerate plans equal the familiar schemes bitwise, and
+// the result is reproducible bit for bit.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention/kernel.h"
+#include "attention/reference.h"
+#include "gtest/gtest.h"
+#include "lib/batch.h"
+#include "lib/communicator.h"
+#include "lib/hierarchical_executor.h"
+#include "lib/hierarchy.h"
+#include "tests/lib/hier_plans.h"
+#include "tests/lib/random_layouts.h"
+
+namespace hsap {
+namespace {
+
+using ::hsap::testing::DocMix;
+using ::hsap::testing::HeadSplit;
+using ::hsap::testing::MakePlan;
+using ::hsap::testing::PlanSpec;
+
+struct Tensor {
+  DType dtype = DType::kF32;
+  int64_t tokens = 0;
+  int heads = 0, dim = 0;
+  std::vector<uint8_t> bytes;
+  Tensor() = default;
+  Tensor(DType t, int64_t n, int h, int d) : dtype(t), tokens(n), heads(h), dim(d) {
+    bytes.assign(static_cast<size_t>(n) * h * d * DTypeSize(t) + 1, 0);
+  }
+  size_t size() const { return static_cast<size_t>(tokens) * heads * dim; }
+  size_t row_bytes() const { return static_cast<size_t>(heads) * dim * DTypeSize(dtype); }
+  void Randomize(std::mt19937_64& rng) {
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (size_t i = 0; i < size(); ++i) StoreFromFloat(dtype, bytes.data(), i, n(rng));
+  }
+  float At(size_t i) const { return LoadAsFloat(dtype, bytes.data(), i); }
+};
+
+// Rows of `row` at the token ranges of a shard, and back.
+Tensor Slice(const Tensor& row, const std::vector<TokenRange>& shard) {
+  int64_t n = 0;
+  for (const TokenRange& r : shard) n += r.size();
+  Tensor out(row.dtype, n, row.heads, row.dim);
+  size_t at = 0;
+  for (const TokenRange& r : shard) {
+    std::memcpy(out.bytes.data() + at, row.bytes.data() + r.begin * row.row_bytes(),
+                r.size() * row.row_bytes());
+    at += r.size() * row.row_bytes();
+  }
+  return out;
+}
+void Unslice(const Tensor& part, const std::vector<TokenRange>& shard, Tensor& row) {
+  size_t at = 0;
+  for (const TokenRange& r : shard) {
+    std::memcpy(row.bytes.data() + r.begin * row.row_bytes(), part.bytes.data() + at,
+                r.size() * row.row_bytes());
+    at += r.size() * row.row_bytes();
+  }
+}
+
+struct Case {
+  PlanSpec spec;
+  DType dtype = DType::kF32;
+  int head_dim = 32;
+  int64_t tokens = 300;
+  DocMix mix = DocMix::kLongTail;
+  bool causal_only = false;
+  bool slices = false;  // a user-slice layout instead of documents
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.spec.Name(); }
+
+struct Result {
+  Tensor out, dq, dk, dv;
+  std::vector<float> lse;  // [heads_q, T]
+  std::vector<HierTraffic> forward, backward, predicted_forward, predicted_backward;
+  std::vector<std::string> errors;
+};
+
+struct Inputs {
+  Tensor q, k, v, dout;
+};
+
+Inputs MakeInputs(const Plan& plan, DType dtype, int head_dim, int64_t T, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Inputs in{Tensor(dtype, T, plan.heads_q, head_dim), Tensor(dtype, T, plan.heads_kv, head_dim),
+            Tensor(dtype, T, plan.heads_kv, head_dim), Tensor(dtype, T, plan.heads_q, head_dim)};
+  in.q.Randomize(rng);
+  in.k.Randomize(rng);
+  in.v.Randomize(rng);
+  in.dout.Randomize(rng);
+  return in;
+}
+
+Result RunHier(const Layout& layout, const Plan& plan, const Inputs& in, int head_dim) {
+  const int R = plan.num_ranks;
+  const int64_t T = layout.num_tokens();
+  const DType dtype = in.q.dtype;
+  Result res;
+  res.out = Tensor(dtype, T, plan.heads_q, head_dim);
+  res.dq = Tensor(dtype, T, plan.heads_q, head_dim);
+  res.dk = Tensor(dtype, T, plan.heads_kv, head_dim);
+  res.dv = Tensor(dtype, T, plan.heads_kv, head_dim);
+  res.lse.assign(static_cast<size_t>(T) * plan.heads_q, 0.0f);
+  res.forward.resize(R);
+  res.backward.resize(R);
+  res.predicted_forward.resize(R);
+  res.predicted_backward.resize(R);
+  res.errors.assign(R, "");
+
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  if (!h.ok()) {
+    res.errors[0] = std::string(h.status().message());
+    return res;
+  }
+  CommOptions options;
+  options.timeout = absl::Seconds(60);
+  options.num_threads = 1;
+  auto world = Communicator::CreateHostWorld(R, options);
+  if (!world.ok()) {
+    res.errors[0] = std::string(world.status().message());
+    return res;
+  }
+  std::vector<Tensor> out(R), dq(R), dk(R), dv(R);
+  std::vector<std::vector<float>> lse(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+      if (!rh.ok()) {
+        res.errors[r] = std::string(rh.status().message());
+        (*world)[r]->Abort("build failed");
+        return;
+      }
+      const std::vector<TokenRange>& shard = h->shard(r);
+      const Tensor q = Slice(in.q, shard), k = Slice(in.k, shard), v = Slice(in.v, shard),
+                   dout = Slice(in.dout, shard);
+      const int64_t n = rh->shard_tokens;
+      out[r] = Tensor(dtype, n, plan.heads_q, head_dim);
+      dq[r] = Tensor(dtype, n, plan.heads_q, head_dim);
+      dk[r] = Tensor(dtype, n, plan.heads_kv, head_dim);
+      dv[r] = Tensor(dtype, n, plan.heads_kv, head_dim);
+      lse[r].assign(static_cast<size_t>(n) * plan.heads_q, 0.0f);
+      HierExecContext ctx;
+      ctx.comm = (*world)[r].get();
+      ctx.rank = &*rh;
+      ctx.kernels = &HandWrittenKernels();
+      ctx.dims = AttentionDims{plan.heads_q,
+                               plan.heads_kv,
+                               head_dim,
+                               1.0f / std::sqrt(static_cast<float>(head_dim)),
+                               {}};
+      ctx.dtype = dtype;
+      ctx.call_id = 1;
+      absl::Status s = HierarchicalForward(ctx, q.bytes.data(), k.bytes.data(), v.bytes.data(),
+                                           out[r].bytes.data(), lse[r].data(), &res.forward[r]);
+      if (s.ok()) {
+        ctx.call_id = 2;
+        s = HierarchicalBackward(ctx, dout.bytes.data(), q.bytes.data(), k.bytes.data(),
+                                 v.bytes.data(), out[r].bytes.data(), lse[r].data(),
+                                 dq[r].bytes.data(), dk[r].bytes.data(), dv[r].bytes.data(),
+                                 &res.backward[r]);
+      }
+      if (!s.ok()) {
+        res.errors[r] = std::string(s.message());
+        (*world)[r]->Abort("rank failed");
+      }
+      res.predicted_forward[r] = PredictForwardTraffic(*rh, head_dim, dtype);
+      res.predicted_backward[r] = PredictBackwardTraffic(*rh, head_dim, dtype);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < R; ++r) {
+    const std::vector<TokenRange>& shard = h->shard(r);
+    Unslice(out[r], shard, res.out);
+    Unslice(dq[r], shard, res.dq);
+    Unslice(dk[r], shard, res.dk);
+    Unslice(dv[r], shard, res.dv);
+    int64_t at = 0;
+    const int64_t n = h->shard_tokens(r);
+    for (const TokenRange& range : shard) {
+      for (int64_t t = range.begin; t < range.end; ++t, ++at) {
+        for (int head = 0; head < plan.heads_q; ++head) {
+          res.lse[head * T + t] = lse[r][head * n + at];
+        }
+      }
+    }
+  }
+  return res;
+}
+
+double MaxAbsError(const Tensor& got, const std::vector<double>& want) {
+  double err = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double e = std::abs(static_cast<double>(got.At(i)) - want[i]);
+    if (!(e <= err)) err = e;  // NaN wins
+  }
+  return err;
+}
+double MaxAbsError(const std::vector<double>& got, const std::vector<double>& want) {
+  double err = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (std::isinf(want[i]) && got[i] == want[i]) continue;
+    const double e = std::abs(got[i] - want[i]);
+    if (!(e <= err)) err = e;
+  }
+  return err;
+}
+double MaxAbs(const std::vector<double>& x) {
+  double m = 0.0;
+  for (double v : x) {
+    if (std::isfinite(v)) m = std::max(m, std::abs(v));
+  }
+  return m;
+}
+double Unit(DType t) {
+  return t == DType::kF32    ? std::ldexp(1.0, -24)
+         : t == DType::kBF16 ? std::ldexp(1.0, -8)
+                             : std::ldexp(1.0, -11);
+}
+void ExpectWithinRule(const std::string& what, double err, double naive_err, double magnitude,
+                      DType dtype) {
+  const double floor = 4.0 * Unit(dtype) * std::max(1.0, magnitude);
+  EXPECT_LE(err, 2.0 * naive_err + floor) << what << " (" << DTypeName(dtype) << "): error " << err
+                                          << ", naive error " << naive_err << ", floor " << floor;
+}
+
+Layout MakeLayout(const Case& c) {
+  return c.slices ? testing::RandomSliceLayout(c.tokens, c.spec.seed + 50)
+                  : testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 13 + 5, c.causal_only);
+}
+
+void CheckAgainstReference(const Layout& layout, const Plan& plan, const Case& c) {
+  const Inputs in = MakeInputs(plan, c.dtype, c.head_dim, layout.num_tokens(), c.spec.seed + 99);
+  const Result got = RunHier(layout, plan, in, c.head_dim);
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    ASSERT_EQ(got.errors[r], "") << "rank " << r;
+    EXPECT_EQ(got.forward[r], got.predicted_forward[r]) << "forward bytes of rank " << r;
+    EXPECT_EQ(got.backward[r], got.predicted_backward[r]) << "backward bytes of rank " << r;
+  }
+  ReferenceInputs ri;
+  ri.dims = AttentionDims{plan.heads_q,
+                          plan.heads_kv,
+                          c.head_dim,
+                          1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                          {}};
+  ri.dtype = c.dtype;
+  ri.q = in.q.bytes.data();
+  ri.k = in.k.bytes.data();
+  ri.v = in.v.bytes.data();
+  const ReferenceForwardResult ref = ReferenceForward(layout, ri);
+  const ReferenceForwardResult naive = NaiveForward(layout, ri);
+  ExpectWithinRule("out", MaxAbsError(got.out, ref.out), MaxAbsError(naive.out, ref.out),
+                   MaxAbs(ref.out), c.dtype);
+  const std::vector<double> lse(got.lse.begin(), got.lse.end());
+  ExpectWithinRule("lse", MaxAbsError(lse, ref.lse), MaxAbsError(naive.lse, ref.lse),
+                   MaxAbs(ref.lse), DType::kF32);
+  const ReferenceGradients gref = ReferenceBackward(layout, ri, in.dout.bytes.data());
+  const ReferenceGradients gnaive = NaiveBackward(layout, ri, in.dout.bytes.data());
+  ExpectWithinRule("dq", MaxAbsError(got.dq, gref.dq), MaxAbsError(gnaive.dq, gref.dq),
+                   MaxAbs(gref.dq), c.dtype);
+  ExpectWithinRule("dk", MaxAbsError(got.dk, gref.dk), MaxAbsError(gnaive.dk, gref.dk),
+                   MaxAbs(gref.dk), c.dtype);
+  ExpectWithinRule("dv", MaxAbsError(got.dv, gref.dv), MaxAbsError(gnaive.dv, gref.dv),
+                   MaxAbs(gref.dv), c.dtype);
+}
+
+class HierarchicalTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HierarchicalTest, MatchesSingleDeviceReference) {
+  const Case& c = GetParam();
+  CheckAgainstReference(MakeLayout(c), MakePlan(c.spec), c);
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> out;
+  uint64_t seed = 1;
+  auto add = [&](std::vector<int> sizes, int hq, int hkv, HeadSplit split, bool uneven, DType t,
+                 DocMix mix, int64_t tokens) {
+    Case c;
+    c.spec = PlanSpec{sizes, hq, hkv, split, uneven, seed++};
+    c.dtype = t;
+    c.mix = mix;
+    c.tokens = tokens;
+    out.push_back(c);
+  };
+  add({4}, 8, 8, HeadSplit::kContiguous, false, DType::kF32, DocMix::kLongTail, 300);  // Ulysses
+  add({1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, true, DType::kBF16, DocMix::kOneHuge, 400);
+  add({2, 2}, 4, 4, HeadSplit::kContiguous, false, DType::kF32, DocMix::kUniform, 300);  // 2x2
+  add({2, 2, 2, 2}, 4, 4, HeadSplit::kContiguous, false, DType::kBF16, DocMix::kLongTail, 400);
+  add({4, 4}, 8, 8, HeadSplit::kContiguous, true, DType::kF32, DocMix::kSingle, 256);  // 4x2
+  add({4, 2}, 6, 6, HeadSplit::kRoundRobin, true, DType::kBF16, DocMix::kOneHuge, 400);
+  add({3, 3, 2}, 7, 7, HeadSplit::kRandom, true, DType::kF32, DocMix::kLongTail, 350);
+  add({1, 2, 5}, 5, 5, HeadSplit::kRandom, true, DType::kF16, DocMix::kUniform, 300);
+  add({2, 3}, 16, 2, HeadSplit::kContiguous, true, DType::kBF16, DocMix::kLongTail, 240);  // GQA
+  add({4, 2}, 8, 1, HeadSplit::kRoundRobin, true, DType::kF32, DocMix::kOneHuge, 300);     // MQA
+  add({3, 3, 2}, 8, 1, HeadSplit::kRandom, false, DType::kBF16, DocMix::kTiny, 200);       // MQA
+  add({2, 2}, 13, 13, HeadSplit::kRandom, true, DType::kF32, DocMix::kSingle, 200);
+  Case slices;
+  slices.spec = PlanSpec{{2, 3}, 5, 1, HeadSplit::kRoundRobin, true, seed++};
+  slices.slices = true;
+  slices.tokens = 300;
+  out.push_back(slices);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, HierarchicalTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           const Case& c = info.param;
+                           return c.spec.Name() + "_" + std::string(DTypeName(c.dtype)) +
+                                  (c.slices ? std::string("_slices")
+                                            : "_" + testing::DocMixName(c.mix));
+                         });
+
+TEST(HierarchicalMaskKinds, EveryKindAsOneDocumentAcrossGroups) {
+  const MaskKind kinds[] = {MaskKind::kCausal, MaskKind::kFull, MaskKind::kPrefixLM,
+                            MaskKind::kSlidingWindow};
+  const Plan plan = MakePlan({{2, 1, 2}, 5, 5, HeadSplit::kRandom, true, 4});
+  for (MaskKind kind : kinds) {
+    const int64_t L = 250;
+    const int64_t param = kind == MaskKind::kPrefixLM        ? 90
+                          : kind == MaskKind::kSlidingWindow ? 37
+                                                             : 0;
+    absl::StatusOr<Layout> layout = Layout::FromDocuments(
+        std::vector<int64_t>{0, L}, std::vector<MaskKind>{kind}, std::vector<int64_t>{param});
+    ASSERT_TRUE(layout.ok());
+    SCOPED_TRACE(::testing::Message() << "kind " << static_cast<int>(kind));
+    Case c;
+    c.spec.seed = 4;
+    CheckAgainstReference(*layout, plan, c);
+  }
+}
+
+TEST(HierarchicalDeterminism, BitwiseIdenticalAcrossRuns) {
+  const Plan plan = MakePlan({{3, 2}, 8, 2, HeadSplit::kRandom, true, 12});
+  const Layout layout = testing::RandomLayout(300, DocMix::kOneHuge, 3, false);
+  const Inputs in = MakeInputs(plan, DType::kBF16, 32, layout.num_tokens(), 8);
+  const Result a = RunHier(layout, plan, in, 32), b = RunHier(layout, plan, in, 32);
+  EXPECT_EQ(a.out.bytes, b.out.bytes);
+  EXPECT_EQ(a.lse, b.lse);
+  EXPECT_EQ(a.dq.bytes, b.dq.bytes);
+  EXPECT_EQ(a.dk.bytes, b.dk.bytes);
+  EXPECT_EQ(a.dv.bytes, b.dv.bytes);
+}
+
+// Groups of one rank with every head: the issue-3 sequence-aware ring, bit for bit and
+// byte for byte.
+TEST(HierarchicalDegenerate, GroupsOfOneAreTheSequenceAwareRing) {
+  const int R = 4;
+  const Plan plan = MakePlan({{1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 2});
+  const Layout layout = testing::RandomLayout(360, DocMix::kLongTail, 21, false);
+  const DType dtype = DType::kBF16;
+  const Inputs in = MakeInputs(plan, dtype, 32, layout.num_tokens(), 5);
+  const Result hier = RunHier(layout, plan, in, 32);
+
+  CommOptions options;
+  options.timeout = absl::Seconds(60);
+  options.num_threads = 1;
+  auto world = Communicator::CreateHostWorld(R, options);
+  ASSERT_TRUE(world.ok());
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(R);
+  Tensor out(dtype, layout.num_tokens(), 4, 32), dk(dtype, layout.num_tokens(), 2, 32);
+  std::vector<BatchTraffic> traffic(R);
+  std::vector<std::vector<TokenRange>> ranges(R);
+  std::vector<Tensor> outs(R), dks(R);
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      BatchOptions bo;
+      bo.dtype = dtype;
+      bo.heads_q = 4;
+      bo.heads_kv = 2;
+      bo.head_dim = 32;
+      auto batch = Batch::Create(*(*world)[r], layout, {}, bo);
+      if (!batch.ok()) {
+        errors[r] = std::string(batch.status().message());
+        return;
+      }
+      ranges[r] = (*batch)->partition()->ranges(r);
+      const Tensor q = Slice(in.q, ranges[r]), k = Slice(in.k, ranges[r]),
+                   v = Slice(in.v, ranges[r]), dout = Slice(in.dout, ranges[r]);
+      const int64_t n = (*batch)->local_tokens();
+      outs[r] = Tensor(dtype, n, 4, 32);
+      dks[r] = Tensor(dtype, n, 2, 32);
+      Tensor dq(dtype, n, 4, 32), dv(dtype, n, 2, 32);
+      std::vector<float> lse(n * 4 + 1);
+      absl::Status s = (*batch)->Forward(q.bytes.data(), k.bytes.data(), v.bytes.data(),
+                                         outs[r].bytes.data(), lse.data());
+      if (s.ok()) {
+        s = (*batch)->Backward(dout.bytes.data(), q.bytes.data(), k.bytes.data(), v.bytes.data(),
+                               outs[r].bytes.data(), lse.data(), dq.bytes.data(),
+                               dks[r].bytes.data(), dv.bytes.data());
+      }
+      if (!s.ok()) errors[r] = std::string(s.message());
+      traffic[r] = (*batch)->traffic();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < R; ++r) {
+    ASSERT_EQ(errors[r], "");
+    ASSERT_EQ(hier.errors[r], "");
+    Unslice(outs[r], ranges[r], out);
+    Unslice(dks[r], ranges[r], dk);
+    EXPECT_EQ(hier.forward[r].a2a_sent + hier.forward[r].a2a_received, 0u);
+    EXPECT_EQ(hier.forward[r].ring_sent, traffic[r].forward.bytes_sent);
+    EXPECT_EQ(hier.forward[r].ring_received, traffic[r].forward.bytes_received);
+    EXPECT_EQ(hier.backward[r].ring_sent, traffic[r].backward.bytes_sent);
+    EXPECT_EQ(hier.backward[r].ring_received, traffic[r].backward.bytes_received);
+  }
+  EXPECT_EQ(hier.out.bytes, out.bytes);
+  EXPECT_EQ(hier.dk.bytes, dk.bytes);
+}
+
+// One group: Ulysses. Every rank computes its heads over the whole row, so the output is
+// the single-device kernel's, bit for bit, and nothing travels across groups.
+TEST(HierarchicalDegenerate, OneGroupIsUlysses) {
+  const Plan plan = MakePlan({{3}, 6, 3, HeadSplit::kRandom, true, 7});
+  const Layout layout = testing::RandomLayout(300, DocMix::kUniform, 2, false);
+  const DType dtype = DType::kF16;
+  const Inputs in = MakeInputs(plan, dtype, 32, layout.num_tokens(), 6);
+  const Result hier = RunHier(layout, plan, in, 32);
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_EQ(hier.errors[r], "");
+    EXPECT_EQ(hier.forward[r].ring_sent + hier.forward[r].ring_received, 0u);
+  }
+  const int64_t T = layout.num_tokens();
+  std::vector<float> out32(T * 6 * 32), lse32(T * 6);
+  InitPartial(out32.data(), lse32.data(), T, 6, 32);
+  ForwardArgs args;
+  args.dims = AttentionDims{6, 3, 32, 1.0f / std::sqrt(32.0f), {}};
+  args.dtype = dtype;
+  args.q = in.q.bytes.data();
+  args.k = in.k.bytes.data();
+  args.v = in.v.bytes.data();
+  args.q_rows = args.k_rows = T;
+  args.out = out32.data();
+  args.lse = lse32.data();
+  absl::StatusOr<WorkList> work = BuildWorkList(layout, kKernelBlockQ);
+  ASSERT_TRUE(work.ok());
+  ASSERT_TRUE(KernelForward(args, *work, 1).ok());
+  std::vector<uint8_t> rounded(2);
+  for (size_t i = 0; i < out32.size(); ++i) {
+    StoreFromFloat(dtype, rounded.data(), 0, out32[i]);
+    ASSERT_EQ(hier.out.At(i), LoadAsFloat(dtype, rounded.data(), 0)) << "element " << i;
+  }
+  EXPECT_EQ(hier.lse, lse32);
+}
+
+}  // namespace
+}  // namespace hsap
