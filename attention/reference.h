@@ -44,9 +44,12 @@ ReferenceGradients ReferenceBackward(const Layout& layout, const ReferenceInputs
 
 // Same computation with every intermediate (scores, probabilities, products, sums) rounded
 // to in.dtype: what a straightforward single-device implementation in that precision gets.
+// Scores are sequential dot products (each product and partial sum rounded), times the
+// fp32 scale, rounded; p = round(exp(round(s - max))) / round(sum) rounded; outputs,
+// gradients and their sums accumulate sequentially in that precision (dk/dv over heads,
+// then queries). For fp32 this is plain fp32 arithmetic.
 ReferenceForwardResult NaiveForward(const Layout& layout, const ReferenceInputs& in);
-ReferenceGradients NaiveBackward(const Layout& layout, const ReferenceInputs& in,
-                                 const void* dout);
+ReferenceGradients NaiveBackward(const Layout& layout, const ReferenceInputs& in, const void* dout);
 
 }  // namespace hsap
 

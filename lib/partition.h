@@ -62,6 +62,13 @@ class Partition {
   // weights: one positive finite value per rank; empty means equal. num_ranks >= 1.
   static absl::StatusOr<Partition> Create(const Layout& layout, int num_ranks,
                                           absl::Span<const double> weights = {});
+  // A partition given by its ranges (e.g. the shards of a hierarchical plan, see
+  // hierarchy.h): ranges[r] are rank r's token ranges, increasing and disjoint, and all of
+  // them together tile [0, layout.num_tokens()). Adjacent ranges of a rank are merged.
+  // work(r) is the work of r's tokens, target(r) = work(r), weights() the work shares
+  // (token shares when nothing is visible); max_position_work() and split_units() are 0.
+  static absl::StatusOr<Partition> FromRanges(const Layout& layout,
+                                              std::vector<std::vector<TokenRange>> ranges);
 
   int num_ranks() const { return static_cast<int>(ranges_.size()); }
   int64_t num_tokens() const { return num_tokens_; }

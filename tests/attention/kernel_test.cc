@@ -387,6 +387,55 @@ TEST(KernelTest, CallsOverDisjointKeySetsCompose) {
   expect_close(dv, whole.dv, "dv");
 }
 
+// Blocks of any size (smaller than, larger than, not a multiple of the kernel's tile) give
+// the same attention up to fp32 rounding.
+TEST(KernelTest, AnyBlockSizeWorks) {
+  const Problem p = MakeProblem(MakeLayout(Family::kTileEdges, 3), Dims(2, 1, 64), DType::kF32, 8);
+  const KernelResult expected = RunKernels(p, 2);
+  const int64_t T = p.T();
+  for (int64_t block_q : {1, 17, 100, 1000}) {
+    SCOPED_TRACE(block_q);
+    const WorkList work = *BuildWorkList(p.layout, block_q);
+    std::vector<float> out(expected.out.size()), lse(expected.lse.size());
+    InitPartial(out.data(), lse.data(), T, 2, 64);
+    ForwardArgs fa;
+    fa.dims = p.dims;
+    fa.q = p.q.data();
+    fa.k = p.k.data();
+    fa.v = p.v.data();
+    fa.q_rows = fa.k_rows = T;
+    fa.out = out.data();
+    fa.lse = lse.data();
+    ASSERT_TRUE(KernelForward(fa, work, 2).ok());
+    std::vector<float> delta(T * 2), dq(out.size(), 0.0f), dk(T * 64, 0.0f), dv(T * 64, 0.0f);
+    ComputeDelta(DType::kF32, p.dout.data(), expected.out.data(), T, 2, 64, delta.data());
+    BackwardArgs ba;
+    ba.dims = p.dims;
+    ba.q = p.q.data();
+    ba.dout = p.dout.data();
+    ba.lse = expected.lse.data();
+    ba.delta = delta.data();
+    ba.q_rows = ba.k_rows = T;
+    ba.k = p.k.data();
+    ba.v = p.v.data();
+    ba.dq = dq.data();
+    ba.dk = dk.data();
+    ba.dv = dv.data();
+    ASSERT_TRUE(KernelBackward(ba, work, 2).ok());
+    for (auto [a, b] : {std::pair{&out, &expected.out}, std::pair{&lse, &expected.lse},
+                        std::pair{&dq, &expected.dq}, std::pair{&dk, &expected.dk},
+                        std::pair{&dv, &expected.dv}}) {
+      for (size_t i = 0; i < b->size(); ++i) {
+        if (std::isinf((*b)[i])) {
+          ASSERT_EQ((*a)[i], (*b)[i]);
+        } else {
+          ASSERT_NEAR((*a)[i], (*b)[i], 2e-5 * (1 + std::abs((*b)[i]))) << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelTest, RejectsBadArguments) {
   AttentionDims dims = Dims(4, 3, 64);
   EXPECT_THAT(ValidateDims(dims).message(), HasSubstr("multiple of heads_kv"));
