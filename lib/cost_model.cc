@@ -295,25 +295,25 @@ absl::StatusOr<PlanCost> EvaluatePlan(const Cluster& cluster, const Workload& wo
       if (pricing == RingPricing::kPipelined) {
         // arrive[g]: when group g had the block of the current step; done[g]: end of its
         // compute so far.
-        // done_older[g]: end of the compute two steps back (its buffer takes the next block).
+        // two_back[g]: end of g's compute two steps back; its buffer takes the next block.
         std::vector<double> arrive(num_groups, 0.0), done(num_groups, 0.0), next(num_groups);
-        std::vector<double> done_older(num_groups, 0.0), done_old(num_groups, 0.0);
+        std::vector<double> two_back(num_groups, 0.0), last(num_groups, 0.0);
         for (int g = 0; g < num_groups; ++g) done[g] = cf * group_compute[g] * share[g];
         for (int s = 1; s < num_groups; ++s) {
           for (int g = 0; g < num_groups; ++g) {
             const int pred = order[(position[g] + num_groups - 1) % num_groups];
             const int src = order[(position[g] + num_groups - s) % num_groups];
-            const double buffer_free = s >= 2 ? done_older[g] : 0.0;
+            const double buffer_free = s >= 2 ? two_back[g] : 0.0;
             next[g] = std::max({arrive[pred], arrive[g], buffer_free}) +
                       xf * group_transfer[g] * share[src] + latency[g];
           }
           arrive.swap(next);
-          done_older = done_old;
-          done_old = done;
+          last = done;
           for (int g = 0; g < num_groups; ++g) {
             const int src = order[(position[g] + num_groups - s) % num_groups];
             done[g] = std::max(done[g], arrive[g]) + cf * group_compute[g] * share[src];
           }
+          two_back.swap(last);
         }
         total = *std::max_element(done.begin(), done.end());
       } else {

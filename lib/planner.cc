@@ -525,7 +525,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
                    c.label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
                    sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
-                   DescribePlan(c.plan).c_str());
+                   PlanToJsonText(c.plan, -1).c_str());
     }
     consider(c.plan, c.cost, *sim, absl::StrCat("hsap groups ", c.label), c.capped);
   }
