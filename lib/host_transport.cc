@@ -2,17 +2,20 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
 
 namespace hsap {
 namespace {
@@ -59,10 +62,10 @@ using MatchKey = std::pair<int, uint64_t>;  // (the other rank, tag)
 using OpQueue = absl::flat_hash_map<MatchKey, std::deque<Op*>>;
 
 struct RankSlot {
-  absl::CondVar cv;        // signalled whenever an op of this rank changes state or on abort
-  OpQueue sends_to_me;     // unmatched sends posted to this rank, keyed by (sender, tag)
-  OpQueue my_recvs;        // this rank's unmatched receives, keyed by (sender, tag)
-  std::vector<Op*> ready;  // this rank's matched receives, waiting for its copy
+  std::condition_variable cv;  // signalled whenever an op of this rank changes state or on abort
+  OpQueue sends_to_me;         // unmatched sends posted to this rank, keyed by (sender, tag)
+  OpQueue my_recvs;            // this rank's unmatched receives, keyed by (sender, tag)
+  std::vector<Op*> ready;      // this rank's matched receives, waiting for its copy
   bool departed = false;
   std::atomic<uint64_t> bytes_sent{0};
   std::atomic<uint64_t> bytes_received{0};
@@ -79,7 +82,9 @@ struct World {
 
   const absl::Duration timeout;
   std::vector<std::unique_ptr<RankSlot>> slots;
-  mutable absl::Mutex mu;
+  // std::mutex rather than absl::Mutex: ThreadSanitizer understands it without an
+  // instrumented Abseil.
+  mutable std::mutex mu;
   bool aborted = false;                   // guarded by mu
   std::string abort_reason;               // guarded by mu
   absl::Status broken;                    // guarded by mu; set after a timeout
@@ -122,22 +127,22 @@ void Pair(World& world, Op* send, Op* recv) {
         recv->peer, " (", TagName(recv->tag), ") expects ", recv->bytes, " bytes but rank ",
         send->owner, " sends ", send->bytes, " bytes (its stage '", *send->stage,
         "'); the ranks disagree on the message size"));
-    world.slots[send->owner]->cv.SignalAll();
-    world.slots[recv->owner]->cv.SignalAll();
+    world.slots[send->owner]->cv.notify_all();
+    world.slots[recv->owner]->cv.notify_all();
     return;
   }
   if (send->bytes == 0) {  // nothing to copy: complete at once
     send->state = recv->state = OpState::kDone;
     CountCompletion(world, *send, *recv);
-    world.slots[send->owner]->cv.SignalAll();
-    world.slots[recv->owner]->cv.SignalAll();
+    world.slots[send->owner]->cv.notify_all();
+    world.slots[recv->owner]->cv.notify_all();
     return;
   }
   send->state = recv->state = OpState::kMatched;
   send->partner = recv;
   recv->partner = send;
   world.slots[recv->owner]->ready.push_back(recv);
-  world.slots[recv->owner]->cv.SignalAll();
+  world.slots[recv->owner]->cv.notify_all();
 }
 
 void Post(World& world, Op* op) {
@@ -181,7 +186,7 @@ void Unpost(World& world, Op* op, absl::Status error) {
 
 // Performs every pending copy into `rank`'s receive buffers. Releases world.mu during each
 // memcpy; both ops are in kCopying meanwhile, so neither side withdraws its buffer.
-void ProgressCopies(World& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(world.mu) {
+void ProgressCopies(World& world, int rank, std::unique_lock<std::mutex>& lock) {
   RankSlot& me = *world.slots[rank];
   while (!me.ready.empty()) {
     Op* recv = me.ready.back();
@@ -191,14 +196,14 @@ void ProgressCopies(World& world, int rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(world.
     void* dst = recv->recv_data;
     const void* src = send->send_data;
     const size_t bytes = recv->bytes;
-    world.mu.Unlock();
+    lock.unlock();
     std::memcpy(dst, src, bytes);
-    world.mu.Lock();
+    lock.lock();
     recv->state = send->state = OpState::kDone;
     recv->partner = send->partner = nullptr;
     CountCompletion(world, *send, *recv);
-    world.slots[send->owner]->cv.SignalAll();
-    if (recv->owner != send->owner) me.cv.SignalAll();
+    world.slots[send->owner]->cv.notify_all();
+    if (recv->owner != send->owner) me.cv.notify_all();
   }
 }
 
@@ -214,8 +219,7 @@ class HostPending final : public Transport::Pending {
   }
 
   // Called by Start() under world.mu. `ops_` must not be resized afterwards.
-  void PostAll(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu) {
+  void PostAll(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs) {
     ops_.resize(sends.size() + recvs.size());
     size_t i = 0;
     for (const SendOp& s : sends) {
@@ -246,25 +250,30 @@ class HostPending final : public Transport::Pending {
     if (finished_) return result_;
     World& world = *world_;
     RankSlot& me = *world.slots[rank_];
-    const absl::Time deadline = absl::Now() + world.timeout;
-    world.mu.Lock();
+    using Clock = std::chrono::steady_clock;
+    // An (effectively) infinite timeout waits without a deadline.
+    std::optional<Clock::time_point> deadline;
+    if (world.timeout < absl::Hours(24 * 365 * 100)) {
+      deadline = Clock::now() + absl::ToChronoNanoseconds(world.timeout);
+    }
+    std::unique_lock<std::mutex> lock(world.mu);
     while (true) {
       if (world.aborted) {
         result_ = absl::AbortedError(
             absl::StrCat("rank ", rank_, ": stage '", stage_, "' aborted: ", world.abort_reason));
-        Withdraw(absl::StrCat("the world was aborted: ", world.abort_reason));
+        Withdraw(absl::StrCat("the world was aborted: ", world.abort_reason), lock);
         break;
       }
-      ProgressCopies(world, rank_);
+      ProgressCopies(world, rank_, lock);
       if (world.aborted) continue;
       FailOpsWithDepartedPeers();
       if (std::all_of(ops_.begin(), ops_.end(), IsTerminal)) {
         result_ = CollectErrors();
         break;
       }
-      if (absl::Now() >= deadline) {
+      if (deadline && Clock::now() >= *deadline) {
         result_ = absl::DeadlineExceededError(TimeoutMessage());
-        Withdraw(absl::StrCat("it timed out"));
+        Withdraw("it timed out", lock);
         if (world.broken.ok()) {
           world.broken = absl::FailedPreconditionError(
               absl::StrCat("the world is unusable since a rank timed out (", result_.message(),
@@ -272,9 +281,13 @@ class HostPending final : public Transport::Pending {
         }
         break;
       }
-      me.cv.WaitWithDeadline(&world.mu, deadline);
+      if (deadline) {
+        me.cv.wait_until(lock, *deadline);
+      } else {
+        me.cv.wait(lock);
+      }
     }
-    world.mu.Unlock();
+    lock.unlock();
     finished_ = true;
     return result_;
   }
@@ -283,7 +296,7 @@ class HostPending final : public Transport::Pending {
   // Takes every unfinished op of this stage out of the world. Ops a peer is copying
   // right now are waited for (the copy is bounded and takes no lock); afterwards no other
   // rank refers to this stage's buffers.
-  void Withdraw(absl::string_view why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu) {
+  void Withdraw(absl::string_view why, std::unique_lock<std::mutex>& lock) {
     World& world = *world_;
     RankSlot& me = *world.slots[rank_];
     const absl::Status withdrawn = absl::AbortedError(absl::StrCat("withdrawn: ", why));
@@ -303,7 +316,7 @@ class HostPending final : public Transport::Pending {
             absl::StrCat("rank ", partner->owner, ": stage '", *partner->stage, "': rank ", rank_,
                          " withdrew the matching ", KindName(op.kind), " (", TagName(op.tag),
                          ", its stage '", stage_, "') because ", why));
-        world.slots[partner->owner]->cv.SignalAll();
+        world.slots[partner->owner]->cv.notify_all();
         op.state = OpState::kFailed;
         op.partner = nullptr;
         op.error = withdrawn;
@@ -313,10 +326,10 @@ class HostPending final : public Transport::Pending {
       return std::any_of(ops_.begin(), ops_.end(),
                          [](const Op& op) { return op.state == OpState::kCopying; });
     };
-    while (copying()) me.cv.Wait(&world.mu);
+    while (copying()) me.cv.wait(lock);
   }
 
-  void FailOpsWithDepartedPeers() ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu) {
+  void FailOpsWithDepartedPeers() {
     World& world = *world_;
     for (Op& op : ops_) {
       if (op.state != OpState::kPosted || !world.slots[op.peer]->departed) continue;
@@ -345,7 +358,7 @@ class HostPending final : public Transport::Pending {
     return absl::Status(errors.front()->code(), message);
   }
 
-  std::string TimeoutMessage() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(world_->mu) {
+  std::string TimeoutMessage() const {
     std::map<int, std::vector<std::string>> missing;  // peer -> "recv tag 17", ...
     for (const Op& op : ops_) {
       if (IsTerminal(op)) continue;
@@ -427,9 +440,9 @@ class HostTransport final : public Transport {
   HostTransport(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {}
 
   ~HostTransport() override {
-    absl::MutexLock lock(&world_->mu);
+    std::lock_guard<std::mutex> lock(world_->mu);
     world_->slots[rank_]->departed = true;
-    for (auto& slot : world_->slots) slot->cv.SignalAll();
+    for (auto& slot : world_->slots) slot->cv.notify_all();
   }
 
   int rank() const override { return rank_; }
@@ -466,7 +479,7 @@ class HostTransport final : public Transport {
     }
 
     auto pending = std::make_unique<HostPending>(world_, rank_, stage);
-    absl::MutexLock lock(&world_->mu);
+    std::lock_guard<std::mutex> lock(world_->mu);
     if (world_->aborted) {
       return absl::AbortedError(
           absl::StrCat("rank ", rank_, ": stage '", stage, "' aborted: ", world_->abort_reason));
@@ -487,12 +500,12 @@ class HostTransport final : public Transport {
   }
 
   void Abort(absl::string_view reason) override {
-    absl::MutexLock lock(&world_->mu);
+    std::lock_guard<std::mutex> lock(world_->mu);
     if (world_->aborted) return;
     world_->aborted = true;
     world_->abort_reason = std::string(reason);
     world_->aborted_flag.store(true, std::memory_order_release);
-    for (auto& slot : world_->slots) slot->cv.SignalAll();
+    for (auto& slot : world_->slots) slot->cv.notify_all();
   }
 
   bool aborted() const override { return world_->aborted_flag.load(std::memory_order_acquire); }
