@@ -120,8 +120,13 @@ absl::StatusOr<std::vector<CudaVariantTiming>> CompileShippedCudaKernels(
       statuses[i] = compiled->binary.kind == CudaBinary::Kind::kCubin
                         ? VerifyCubinSymbols(*compiled)
                         : absl::OkStatus();
-      timings[i] = {configs[i].Name(), compiled->binary.target, compiled->binary.compile_seconds,
-                    compiled->binary.from_cache, compiled->binary.image.size()};
+      CudaVariantTiming& t = timings[i];
+      t.name = configs[i].Name();
+      t.target = compiled->binary.target;
+      t.seconds = compiled->binary.compile_seconds;
+      t.cpu_seconds = compiled->binary.compile_cpu_seconds;
+      t.from_cache = compiled->binary.from_cache;
+      t.image_bytes = compiled->binary.image.size();
     }
   };
   const int n = std::max(1, threads);

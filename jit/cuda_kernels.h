@@ -49,9 +49,10 @@ absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& c
 absl::Status VerifyCubinSymbols(const CompiledCudaKernels& compiled);
 
 struct CudaVariantTiming {
-  std::string name;    // CudaKernelConfig::Name()
-  std::string target;  // "sm_90"
-  double seconds = 0;  // NVRTC wall time; 0 when served by the cache
+  std::string name;        // CudaKernelConfig::Name()
+  std::string target;      // "sm_90"
+  double seconds = 0;      // NVRTC wall time; 0 when served by the cache
+  double cpu_seconds = 0;  // NVRTC CPU time (what it costs on an idle machine)
   bool from_cache = false;
   size_t image_bytes = 0;
 };

@@ -1,6 +1,7 @@
 #include "jit/nvrtc.h"
 
 #include <dlfcn.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -178,6 +179,12 @@ std::string ProgramLog(const NvrtcApi& api, NvrtcApi::Program prog) {
   return log;
 }
 
+double ThreadCpuSeconds() {
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 struct ProgramGuard {
   const NvrtcApi& api;
   NvrtcApi::Program prog = nullptr;
@@ -333,15 +340,17 @@ absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, Compil
   key.arch = target;
   key.compiler = api.Identity();
 
-  double seconds = 0;
+  double seconds = 0, cpu_seconds = 0;
   bool compiled = false;
   std::string failure_log;
   auto compile = [&]() -> absl::StatusOr<std::string> {
     compiled = true;
     const auto start = std::chrono::steady_clock::now();
+    const double cpu_start = ThreadCpuSeconds();
     absl::StatusOr<CudaBinary> binary =
         CompileUncached(api, request, target, options, &failure_log);
     seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    cpu_seconds = ThreadCpuSeconds() - cpu_start;
     if (!binary.ok()) return binary.status();
     return Serialize(*binary);
   };
@@ -368,6 +377,7 @@ absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, Compil
       Deserialize(*payload, want_ptx ? CudaBinary::Kind::kPtx : CudaBinary::Kind::kCubin);
   if (!binary.ok()) return binary.status();
   binary->compile_seconds = compiled ? seconds : 0;
+  binary->compile_cpu_seconds = compiled ? cpu_seconds : 0;
   binary->from_cache = !compiled;
   return binary;
 }

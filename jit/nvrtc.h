@@ -93,8 +93,9 @@ struct CudaBinary {
   std::string target;  // "sm_90" for a cubin, "compute_90" for PTX
   std::string image;   // ELF cubin or NUL-free PTX text
   std::vector<std::pair<std::string, std::string>> lowered_names;  // expression -> symbol
-  std::string log;             // NVRTC's log (warnings), possibly empty
-  double compile_seconds = 0;  // 0 when served by the cache
+  std::string log;                 // NVRTC's log (warnings), possibly empty
+  double compile_seconds = 0;      // wall time of the NVRTC compile; 0 when served by the cache
+  double compile_cpu_seconds = 0;  // CPU time of the compiling thread (NVRTC runs in it)
   bool from_cache = false;
 
   absl::StatusOr<std::string> LoweredName(absl::string_view expression) const;

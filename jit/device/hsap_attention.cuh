@@ -379,39 +379,45 @@ template <class Cfg>
 __global__ void __launch_bounds__(256) attn_delta_kernel(const DeltaParams p) {
   using T = typename Cfg::T;
   constexpr int kD = Cfg::kHeadDim;
-  const long long item = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (item >= p.rows * p.heads) return;  // whole warps leave together
-  const long long base = item * kD;      // item = row * heads + head
-  float sum = 0.0f;
-  for (int d = lane; d < kD; d += 32)
-    sum += load_float<T>(p.dout, base + d) * load_float<T>(p.out, base + d);
-  sum = warp_sum(sum);
-  if (lane == 0) {
-    const long long row = item / p.heads;
-    const int head = static_cast<int>(item % p.heads);
-    p.delta[head * p.rows + row] = sum;
+  const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+  // Warp-stride loop over items = row * heads + head; a warp's lanes iterate together.
+  for (long long item = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+       item < p.rows * p.heads; item += warps) {
+    const long long base = item * kD;
+    float sum = 0.0f;
+    for (int d = lane; d < kD; d += 32) {
+      sum += load_float<T>(p.dout, base + d) * load_float<T>(p.out, base + d);
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) {
+      const long long row = item / p.heads;
+      const int head = static_cast<int>(item % p.heads);
+      p.delta[head * p.rows + row] = sum;
+    }
   }
 }
 
 template <class Cfg>
 __global__ void __launch_bounds__(256) lse_merge_kernel(const MergeParams p) {
   constexpr int kD = Cfg::kHeadDim;
-  const long long item = (static_cast<long long>(blockIdx.x) * 256 + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
-  if (item >= p.rows * p.heads) return;
-  const long long row = item / p.heads;
-  const int head = static_cast<int>(item % p.heads);
-  float* lse1 = p.lse1 + head * p.lse_stride1 + row;
-  const float lse2 = p.lse2[head * p.lse_stride2 + row];
-  const LseMerge m = merge_lse(*lse1, lse2);
-  if (lse2 != neg_inf()) {
-    float* o1 = p.o1 + item * kD;
-    const float* o2 = p.o2 + item * kD;
-    for (int d = lane; d < kD; d += 32) o1[d] = m.w1 * o1[d] + m.w2 * o2[d];
+  const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+  for (long long item = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+       item < p.rows * p.heads; item += warps) {
+    const long long row = item / p.heads;
+    const int head = static_cast<int>(item % p.heads);
+    float* lse1 = p.lse1 + head * p.lse_stride1 + row;
+    const float lse2 = p.lse2[head * p.lse_stride2 + row];
+    const LseMerge m = merge_lse(*lse1, lse2);
+    if (lse2 != neg_inf()) {
+      float* o1 = p.o1 + item * kD;
+      const float* o2 = p.o2 + item * kD;
+      for (int d = lane; d < kD; d += 32) o1[d] = m.w1 * o1[d] + m.w2 * o2[d];
+    }
+    __syncwarp();  // all lanes have read *lse1
+    if (lane == 0) *lse1 = m.lse;
   }
-  __syncwarp();  // all lanes have read *lse1
-  if (lane == 0) *lse1 = m.lse;
 }
 
 template <class Cfg>

@@ -93,8 +93,8 @@ struct BwdParams {
 };
 
 // attn_delta_kernel<Cfg>: delta[h, r] = sum_d dout[r, h, d] * out[r, h, d] (fp32), dout and
-// out in the storage dtype. One warp per (row, head): grid ceil(rows * heads / 8), 256
-// threads, no dynamic shared memory.
+// out in the storage dtype. One warp per (row, head) in a warp-stride loop: any grid (e.g.
+// min(ceil(rows * heads / 8), 8 * SMs)), 256 threads, no dynamic shared memory.
 struct DeltaParams {
   const void* dout;
   const void* out;
@@ -104,8 +104,8 @@ struct DeltaParams {
 };
 
 // lse_merge_kernel<Cfg>: merges (o2, lse2) into (o1, lse1) exactly as hsap::MergePartial.
-// o: fp32 [rows, heads, D]; lse: fp32 [heads, lse_stride]. One warp per (row, head): grid
-// ceil(rows * heads / 8), 256 threads.
+// o: fp32 [rows, heads, D]; lse: fp32 [heads, lse_stride]. One warp per (row, head) in a
+// warp-stride loop: any grid, 256 threads.
 struct MergeParams {
   float* o1;
   float* lse1;
