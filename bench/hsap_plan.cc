@@ -1,7 +1,7 @@
 // hsap_plan: plans attention for a model on a (heterogeneous) cluster and compares the plan
 // with the symmetric baselines in the simulator.
 //
-//   hsap_plan --cluster clusters/testbed_8h100_8a100.json [--model llama-7b]
+//   hsap_plan --cluster clusters/testbed_8h100_8a100.json [--model llama-7b | MODEL.json]
 //             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
 //             [--json PLAN.json] [--svg PICTURE.svg] [--brief]
 //   hsap_plan --brief clusters/mix32_*.json ...    one table row per cluster + summary
@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -168,7 +169,14 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     std::fprintf(stderr, "hsap_plan: %s\n", std::string(cluster.status().message()).c_str());
     return 1;
   }
-  auto model = ModelPreset(args.model);
+  absl::StatusOr<ModelSpec> model = ModelPreset(args.model);
+  if (args.model.size() > 5 && args.model.substr(args.model.size() - 5) == ".json") {
+    std::ifstream in(args.model);
+    std::stringstream text;
+    text << in.rdbuf();
+    model = in ? ModelFromJsonText(text.str())
+               : absl::StatusOr<ModelSpec>(absl::NotFoundError("cannot open " + args.model));
+  }
   if (!model.ok()) {
     std::fprintf(stderr, "hsap_plan: %s\n", std::string(model.status().message()).c_str());
     return 2;

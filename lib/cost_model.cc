@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
 
 namespace hsap {
 namespace {
@@ -72,6 +73,46 @@ std::vector<std::string> ModelPresetNames() {
   std::vector<std::string> names;
   for (const Preset& p : Presets()) names.push_back(p.key);
   return names;
+}
+
+absl::StatusOr<ModelSpec> ModelFromJsonText(absl::string_view text) {
+  const nlohmann::json j =
+      nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("model: the text is not a JSON object");
+  }
+  ModelSpec m;
+  m.name = j.contains("name") && j["name"].is_string() ? j["name"].get<std::string>() : "custom";
+  struct Field {
+    const char* name;
+    int* out;
+    int fallback;  // 0: required
+  };
+  const Field fields[] = {{"layers", &m.layers, 0},     {"heads_q", &m.heads_q, 0},
+                          {"heads_kv", &m.heads_kv, 0}, {"head_dim", &m.head_dim, 0},
+                          {"hidden", &m.hidden, 0},     {"ffn_hidden", &m.ffn_hidden, -1},
+                          {"vocab", &m.vocab, 32000},   {"dtype_bytes", &m.dtype_bytes, 2}};
+  for (const Field& f : fields) {
+    auto it = j.find(f.name);
+    if (it == j.end()) {
+      if (f.fallback == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("model lacks the field \"", f.name, "\""));
+      }
+      *f.out = f.fallback;
+      continue;
+    }
+    if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > (1 << 24)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.", f.name, " must be an integer in [1, 2^24]"));
+    }
+    *f.out = static_cast<int>(it->get<int64_t>());
+  }
+  if (m.ffn_hidden < 0) m.ffn_hidden = 4 * m.hidden;
+  if (m.heads_q % m.heads_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: heads_q = ", m.heads_q, " must be a multiple of heads_kv = ", m.heads_kv));
+  }
+  return m;
 }
 
 double Workload::VisiblePairs() const {

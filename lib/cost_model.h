@@ -32,6 +32,11 @@ struct ModelSpec {
 // "llama-13b" (Llama 2 13B), "llama-70b" (Llama 2/3 70B, GQA 64:8).
 absl::StatusOr<ModelSpec> ModelPreset(absl::string_view name);
 std::vector<std::string> ModelPresetNames();
+// A model from JSON: {"name": "...", "layers": 32, "heads_q": 32, "heads_kv": 8,
+// "head_dim": 128, "hidden": 4096, "ffn_hidden": 14336, "vocab": 128256, "dtype_bytes": 2};
+// name, ffn_hidden (default 4 x hidden), vocab (default 32000) and dtype_bytes (default 2)
+// are optional.
+absl::StatusOr<ModelSpec> ModelFromJsonText(absl::string_view text);
 
 // Memory a device may use. Each term is per device.
 struct MemoryBudget {

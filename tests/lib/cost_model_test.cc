@@ -69,6 +69,23 @@ TEST(CostModelTest, PresetsMatchPublishedShapes) {
   EXPECT_THAT(ModelPreset("gpt-5").status().message(), HasSubstr("llama-70b"));
 }
 
+TEST(CostModelTest, ModelFromJson) {
+  auto m = ModelFromJsonText(
+      R"({"name": "m", "layers": 4, "heads_q": 16, "heads_kv": 4, "head_dim": 64,
+          "hidden": 1024})");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->ffn_hidden, 4096);
+  EXPECT_EQ(m->dtype_bytes, 2);
+  EXPECT_THAT(ModelFromJsonText(R"({"layers": 4})").status().message(),
+              HasSubstr("lacks the field \"heads_q\""));
+  EXPECT_THAT(ModelFromJsonText(R"({"layers": 4, "heads_q": 6, "heads_kv": 4,
+      "head_dim": 64, "hidden": 1024})")
+                  .status()
+                  .message(),
+              HasSubstr("multiple of heads_kv"));
+  EXPECT_FALSE(ModelFromJsonText("[").ok());
+}
+
 TEST(CostModelTest, OneDeviceIsPureCompute) {
   const Cluster c = TestCluster(1, 1);
   auto cost = EvaluatePlan(c, TestWorkload(), OneGroup(1));
