@@ -122,6 +122,7 @@ int main(int argc, char** argv) {
   double layout_ms = 1e300, partition_ms = 1e300;
   std::vector<double> rank_wall(ranks, 1e300), rank_cpu(ranks, 1e300);
   int64_t split = 0, stages = 0, rows_moved = 0;
+  double worst_balance = 0, balance_slack = 0;
   for (int it = 0; it < iters; ++it) {
     auto t0 = Clock::now();
     absl::StatusOr<hsap::Layout> layout = hsap::Layout::FromDocuments(cu, kinds, params);
@@ -156,6 +157,16 @@ int main(int argc, char** argv) {
     layout_ms = std::min(layout_ms, Ms(t0, t1));
     partition_ms = std::min(partition_ms, Ms(t1, t2));
     split = partition->split_units();
+    worst_balance = 0;
+    double min_target = 1e300;
+    for (int r = 0; r < ranks; ++r) min_target = std::min(min_target, partition->target(r));
+    for (int r = 0; r < ranks; ++r) {
+      const double dev = std::abs(static_cast<double>(partition->work(r)) - partition->target(r));
+      worst_balance = std::max(worst_balance, dev / partition->target(r));
+      balance_slack = std::max(
+          balance_slack,
+          dev / (0.02 * min_target + 2.0 * static_cast<double>(partition->max_position_work())));
+    }
     stages = stage_count;
     rows_moved = moved;
   }
@@ -179,6 +190,10 @@ int main(int argc, char** argv) {
       (long long)split, (long long)stages, (long long)rows_moved,
       100.0 * static_cast<double>(rows_moved) / (static_cast<double>(tokens) * (ranks - 1)),
       (long long)(tokens * (ranks - 1)));
+  std::printf(
+      "# balance: max |work - target| / target = %.4f%%; max |work - target| / (the rule's "
+      "bound 0.02 * min target + 2g) = %.3f\n",
+      100.0 * worst_balance, balance_slack);
   const bool met = max_rank_ms < 10.0;
   std::printf("# Schedule target (< 10 ms per rank): %s\n", met ? "met" : "NOT met");
   return 0;

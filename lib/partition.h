@@ -9,8 +9,8 @@
 //     from slices. Units are visited by decreasing work (ties: position in the row).
 //  2. A unit that fits in the remaining capacity of some rank goes whole to the rank with
 //     the smallest remaining capacity that fits (best-fit decreasing): zero communication.
-//     A unit that fits nowhere may still go whole if the overshoot stays inside a small
-//     global budget (1% of the smallest target, shared by all ranks).
+//     A unit that fits nowhere still goes whole to the roomiest rank when it overshoots
+//     that rank's capacity by at most 1% of the smallest target.
 //  3. Otherwise the unit is split: ranks by decreasing remaining capacity each receive a
 //     piece whose work fills their capacity, cut at the prefix sum of the unit's work that
 //     is nearest to it. Causal and prefix-LM documents are cut in folded ("zigzag") order:
