@@ -2,10 +2,12 @@
 
 #include <bit>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lib/hierarchical_executor.h"
 
 namespace hsap {
 namespace {
@@ -82,20 +84,35 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
     }
   }
 
+  uint64_t weights_hash = 0;
+  if (batch->partition_ != nullptr) {
+    uint64_t h = 0x77656967u;  // "weig"
+    for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
+    weights_hash = h;
+  }
+  if (absl::Status s = batch->AgreeOnCreate(layout, weights_hash, local); !s.ok()) return s;
+
+  absl::StatusOr<Schedule> schedule =
+      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
+  if (!schedule.ok()) return schedule.status();
+  batch->schedule_ = *std::move(schedule);
+  return batch;
+}
+
+absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
+                                  const absl::Status& local) {
+  Communicator& comm = *comm_;
+  const BatchOptions& options = options_;
   CreateRecord mine;
   mine.ok = local.ok();
   mine.num_ranks = static_cast<uint64_t>(comm.size());
   mine.layout = layout.Fingerprint();
-  if (batch->partition_ != nullptr) {
-    uint64_t h = 0x77656967u;  // "weig"
-    for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
-    mine.weights = h;
-  }
+  mine.weights = inputs;
   mine.dtype = static_cast<uint64_t>(options.dtype);
   mine.heads_q = static_cast<uint64_t>(options.heads_q);
   mine.heads_kv = static_cast<uint64_t>(options.heads_kv);
   mine.head_dim = static_cast<uint64_t>(options.head_dim);
-  mine.scale = std::bit_cast<uint32_t>(batch->dims_.scale);
+  mine.scale = std::bit_cast<uint32_t>(dims_.scale);
   std::vector<CreateRecord> all(comm.size());
   if (absl::Status s = comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
                                                   "batch creation (agreement on the inputs)");
@@ -115,7 +132,7 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
   for (int r = 1; r < comm.size(); ++r) {
     const CreateRecord& o = all[r];
     const char* what = o.layout != ref.layout       ? "layout"
-                       : o.weights != ref.weights   ? "weights"
+                       : o.weights != ref.weights   ? (hierarchy_ != nullptr ? "plan" : "weights")
                        : o.dtype != ref.dtype       ? "dtype"
                        : o.heads_q != ref.heads_q   ? "numHeadsQ"
                        : o.heads_kv != ref.heads_kv ? "numHeadsKV"
@@ -126,18 +143,72 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", r, "'s ", what,
                        " differs from rank 0's; every rank of the "
-                       "communicator must create the batch with the same layout, weights and "
-                       "config"));
+                       "communicator must create the batch with the same layout, ",
+                       hierarchy_ != nullptr ? "plan" : "weights", " and config"));
     }
   }
-
-  absl::StatusOr<Schedule> schedule =
-      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
-  if (!schedule.ok()) return schedule.status();
-  batch->schedule_ = *std::move(schedule);
   uint64_t h = Mix(ref.layout, ref.weights);
   for (uint64_t v : {ref.dtype, ref.heads_q, ref.heads_kv, ref.head_dim, ref.scale}) h = Mix(h, v);
-  batch->fingerprint_ = h;
+  fingerprint_ = h;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
+                                                             const Layout& layout, const Plan& plan,
+                                                             const BatchOptions& options,
+                                                             const KernelSet& kernels,
+                                                             absl::Status local_check) {
+  std::unique_ptr<Batch> batch(new Batch());
+  batch->comm_ = &comm;
+  batch->kernels_ = &kernels;
+  batch->options_ = options;
+  absl::Status local = local_check;
+  if (local.ok()) local = ValidateOptions(options, batch->dims_);
+  if (local.ok()) local = plan.Validate();
+  if (local.ok() && plan.num_ranks != comm.size()) {
+    local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,
+                                                    " ranks but the communicator has ", comm.size(),
+                                                    "; build the plan for this communicator"));
+  }
+  if (local.ok() && (plan.heads_q != options.heads_q || plan.heads_kv != options.heads_kv)) {
+    local = absl::InvalidArgumentError(absl::StrCat(
+        "plan has ", plan.heads_q, " query and ", plan.heads_kv, " KV heads but the config says ",
+        options.heads_q, " and ", options.heads_kv, "; they must agree"));
+  }
+  // Every rank builds the same hierarchy; this rank keeps its own part.
+  std::optional<Hierarchy> hierarchy;
+  if (local.ok()) {
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+    if (h.ok()) {
+      hierarchy = *std::move(h);
+    } else {
+      local = h.status();
+    }
+  }
+  if (local.ok()) {
+    absl::StatusOr<RankHierarchy> mine = hierarchy->BuildRank(layout, comm.rank(), kKernelBlockQ);
+    if (mine.ok()) {
+      batch->hierarchy_ = std::make_unique<const RankHierarchy>(*std::move(mine));
+    } else {
+      local = mine.status();
+    }
+  }
+  if (local.ok()) {
+    absl::StatusOr<Partition> p = Partition::FromRanges(layout, hierarchy->shards());
+    if (p.ok()) {
+      batch->partition_ = std::make_shared<const Partition>(*std::move(p));
+    } else {
+      local = p.status();
+    }
+  }
+  uint64_t plan_hash = 0x706c616eu;  // "plan"
+  if (local.ok()) {
+    for (char c : PlanToJsonText(plan, -1)) plan_hash = Mix(plan_hash, static_cast<uint8_t>(c));
+  }
+  if (absl::Status s = batch->AgreeOnCreate(layout, plan_hash, local); !s.ok()) return s;
+  batch->schedule_.rank = comm.rank();
+  batch->schedule_.num_ranks = comm.size();
+  batch->schedule_.local_rows = batch->hierarchy_->shard_tokens;
   return batch;
 }
 
@@ -178,8 +249,16 @@ absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* o
                             absl::Status local_check) {
   const uint64_t call = calls_;
   if (absl::Status s = AgreeOnCall(1, local_check); !s.ok()) return s;
+  if (hierarchy_ != nullptr) {
+    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
+    absl::Status s = HierarchicalForward(hctx, q, k, v, out, lse, &traffic_.hier_forward);
+    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
+    return s;
+  }
   ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  return ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+  absl::Status s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+  traffic_.hier_forward = {0, 0, traffic_.forward.bytes_sent, traffic_.forward.bytes_received};
+  return s;
 }
 
 absl::Status Batch::Backward(const void* dout, const void* q, const void* k, const void* v,
@@ -187,8 +266,17 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
                              absl::Status local_check) {
   const uint64_t call = calls_;
   if (absl::Status s = AgreeOnCall(2, local_check); !s.ok()) return s;
+  if (hierarchy_ != nullptr) {
+    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
+    absl::Status s =
+        HierarchicalBackward(hctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.hier_backward);
+    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
+    return s;
+  }
   ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  return ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+  absl::Status s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+  traffic_.hier_backward = {0, 0, traffic_.backward.bytes_sent, traffic_.backward.bytes_received};
+  return s;
 }
 
 }  // namespace hsap

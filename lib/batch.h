@@ -25,7 +25,9 @@
 #include "attention/layout.h"
 #include "lib/communicator.h"
 #include "lib/executor.h"
+#include "lib/hierarchy.h"
 #include "lib/partition.h"
+#include "lib/plan.h"
 #include "lib/schedule.h"
 
 namespace hsap {
@@ -41,6 +43,9 @@ struct BatchOptions {
 struct BatchTraffic {
   ExecTraffic forward;   // of the last forward
   ExecTraffic backward;  // of the last backward
+  // The same split into all-to-all (inside a group) and sub-ring (across groups) bytes; for
+  // a batch without a plan everything is ring traffic.
+  HierTraffic hier_forward, hier_backward;
 };
 
 class Batch {
@@ -54,6 +59,14 @@ class Batch {
       const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
       absl::Status local_check = absl::OkStatus());
 
+  // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
+  // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
+  // options. Ranks agree on the layout, the plan (its JSON form) and the options as above.
+  // Tensors are this rank's shard: local_tokens() rows, all heads.
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPlan(
+      Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
+      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus());
+
   // Tensors as in executor.h, sized by local_tokens(). local_check as above.
   absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,
                        absl::Status local_check = absl::OkStatus());
@@ -63,7 +76,11 @@ class Batch {
 
   const std::shared_ptr<const Partition>& partition() const { return partition_; }
   const Schedule& schedule() const { return schedule_; }
-  int64_t local_tokens() const { return schedule_.local_rows; }
+  int64_t local_tokens() const {
+    return hierarchy_ != nullptr ? hierarchy_->shard_tokens : schedule_.local_rows;
+  }
+  // This rank's hierarchical layout; null for a batch created without a plan.
+  const RankHierarchy* hierarchy() const { return hierarchy_.get(); }
   const AttentionDims& dims() const { return dims_; }
   DType dtype() const { return options_.dtype; }
   const BatchTraffic& traffic() const { return traffic_; }
@@ -73,6 +90,9 @@ class Batch {
   Batch() = default;
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
+  // The creation agreement; `inputs` hashes what must be equal beyond layout and options
+  // (weights, or the plan).
+  absl::Status AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local);
 
   Communicator* comm_ = nullptr;
   const KernelSet* kernels_ = nullptr;
@@ -80,6 +100,7 @@ class Batch {
   AttentionDims dims_;
   std::shared_ptr<const Partition> partition_;
   Schedule schedule_;
+  std::unique_ptr<const RankHierarchy> hierarchy_;  // set for a batch under a plan
   uint64_t fingerprint_ = 0;
   uint64_t calls_ = 0;
   BatchTraffic traffic_;

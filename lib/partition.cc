@@ -253,6 +253,73 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
   return p;
 }
 
+absl::StatusOr<Partition> Partition::FromRanges(const Layout& layout,
+                                                std::vector<std::vector<TokenRange>> ranges) {
+  const int num_ranks = static_cast<int>(ranges.size());
+  if (num_ranks < 1) return absl::InvalidArgumentError("ranges: at least one rank is needed");
+  const int64_t num_tokens = layout.num_tokens();
+  Partition p;
+  p.num_tokens_ = num_tokens;
+  p.ranges_.assign(num_ranks, {});
+  p.local_tokens_.assign(num_ranks, 0);
+  p.work_.assign(num_ranks, 0);
+  const std::vector<int64_t> token_work = layout.VisibleKeysPerQuery();
+  for (int r = 0; r < num_ranks; ++r) {
+    int64_t local = 0;
+    for (const TokenRange& t : ranges[r]) {
+      if (t.begin < 0 || t.end > num_tokens || t.begin > t.end) {
+        return absl::InvalidArgumentError(absl::StrCat("ranges[", r, "] holds [", t.begin, ", ",
+                                                       t.end, "), not inside [0, ", num_tokens,
+                                                       ")"));
+      }
+      if (t.begin == t.end) continue;
+      std::vector<TokenRange>& out = p.ranges_[r];
+      if (!out.empty() && out.back().end > t.begin) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("ranges[", r, "] is not increasing and disjoint at [", t.begin, ", ",
+                         t.end, ")"));
+      }
+      if (!out.empty() && out.back().end == t.begin) {
+        out.back().end = t.end;
+        p.placements_.back().end = t.end;
+      } else {
+        out.push_back(t);
+        p.placements_.push_back({t.begin, t.end, r, local});
+      }
+      local += t.size();
+      for (int64_t i = t.begin; i < t.end; ++i) p.work_[r] += token_work[i];
+    }
+    p.local_tokens_[r] = local;
+  }
+  std::sort(p.placements_.begin(), p.placements_.end(),
+            [](const Placement& a, const Placement& b) { return a.begin < b.begin; });
+  int64_t expect = 0;
+  for (const Placement& pl : p.placements_) {
+    if (pl.begin != expect) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ranges do not tile the row: token ", std::min(expect, pl.begin),
+          pl.begin > expect ? " belongs to no rank" : " belongs to two ranks"));
+    }
+    expect = pl.end;
+  }
+  if (expect != num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ranges do not tile the row: token ", expect, " belongs to no rank"));
+  }
+  int64_t total = 0;
+  for (int64_t w : p.work_) total += w;
+  p.weights_.assign(num_ranks, 0.0);
+  p.target_.assign(num_ranks, 0.0);
+  for (int r = 0; r < num_ranks; ++r) {
+    p.target_[r] = static_cast<double>(p.work_[r]);
+    p.weights_[r] = total > 0 ? static_cast<double>(p.work_[r]) / static_cast<double>(total)
+                    : num_tokens > 0
+                        ? static_cast<double>(p.local_tokens_[r]) / static_cast<double>(num_tokens)
+                        : 1.0 / num_ranks;
+  }
+  return p;
+}
+
 std::vector<TokenRun> Partition::Runs(int rank) const {
   std::vector<TokenRun> runs;
   runs.reserve(ranges_[rank].size());

@@ -286,6 +286,33 @@ hsapResult_t hsapPlanGetPredictedTime(hsapPlan_t plan, double* forwardSeconds,
 hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ,
                               int* numHeadsKV, int* numGroups);
 
+/* ---- Batches under a plan: head parallelism inside groups, context parallelism across --- */
+
+/* Collective, like hsapBatchCreate, but the ranks are arranged by `plan` (HexiSeq CP x HP):
+ * the row is split over the plan's groups by the sequence-aware partition (group sequence
+ * weights), each group's share over its ranks by their token weights. Each rank passes its
+ * shard (hsapBatchGetLocalTokens rows, hsapBatchGetPartition ranges) with ALL heads:
+ * q/out [localTokens, numHeadsQ, headDim], k/v [localTokens, numHeadsKV, headDim]; the
+ * batch runs a ragged all-to-all inside each group (every rank then holds its group's
+ * tokens for its own query heads and the KV heads they use) and sequence-aware sub-rings
+ * across groups, and returns the outputs in the same shard layout. The plan's numRanks
+ * must equal the communicator's size and its head counts config's numHeadsQ/numHeadsKV.
+ * Use the batch with hsapAttentionForward/Backward, hsapBatchGetTraffic and
+ * hsapBatchGetTrafficDetail; the plan may be destroyed afterwards. */
+hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                                     hsapPlan_t plan, const hsapBatchConfig_t* config);
+
+/* Bytes this rank moved in the last forward and backward, split into the all-to-all
+ * inside its group and the sub-rings across groups (a batch without a plan has only ring
+ * bytes; one with a single group only all-to-all bytes). */
+typedef struct {
+  uint64_t forwardAllToAllBytesSent, forwardAllToAllBytesReceived;
+  uint64_t forwardRingBytesSent, forwardRingBytesReceived;
+  uint64_t backwardAllToAllBytesSent, backwardAllToAllBytesReceived;
+  uint64_t backwardRingBytesSent, backwardRingBytesReceived;
+} hsapTrafficDetail_t;
+hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* traffic);
+
 /* @@ Later sections (communicators, batches, plans) go below this line. @@ */
 
 #ifdef __cplusplus

@@ -16,6 +16,7 @@
 #include "attention/kernel.h"
 #include "attention/reference.h"
 #include "gtest/gtest.h"
+#include "hsap/hsap.h"
 #include "lib/batch.h"
 #include "lib/communicator.h"
 #include "lib/hierarchical_executor.h"
@@ -457,6 +458,200 @@ TEST(HierarchicalDegenerate, OneGroupIsUlysses) {
     ASSERT_EQ(hier.out.At(i), LoadAsFloat(dtype, rounded.data(), 0)) << "element " << i;
   }
   EXPECT_EQ(hier.lse, lse32);
+}
+
+}  // namespace
+}  // namespace hsap
+
+namespace hsap {
+namespace {
+
+// A C plan handle for a Plan (through hsapPlanCreate's flat arrays).
+hsapPlan_t ToCPlan(const Plan& plan) {
+  std::vector<int> sizes, ranks, counts, heads, ring = plan.ring_order;
+  std::vector<double> seq, tok;
+  for (const PlanGroup& g : plan.groups) {
+    sizes.push_back(static_cast<int>(g.ranks.size()));
+    seq.push_back(g.sequence_weight);
+    for (size_t i = 0; i < g.ranks.size(); ++i) {
+      ranks.push_back(g.ranks[i]);
+      tok.push_back(g.token_weights[i]);
+      counts.push_back(static_cast<int>(g.heads[i].size()));
+      heads.insert(heads.end(), g.heads[i].begin(), g.heads[i].end());
+    }
+  }
+  hsapPlan_t handle = nullptr;
+  EXPECT_EQ(
+      hsapPlanCreate(&handle, plan.num_ranks, plan.heads_q, plan.heads_kv,
+                     static_cast<int>(sizes.size()), sizes.data(), ranks.data(), seq.data(),
+                     tok.data(), counts.data(), heads.data(), ring.empty() ? nullptr : ring.data()),
+      hsapSuccess)
+      << hsapGetLastError();
+  return handle;
+}
+
+hsapDataType_t ToC(DType t) {
+  return t == DType::kF32 ? hsapFloat32 : t == DType::kBF16 ? hsapBFloat16 : hsapFloat16;
+}
+
+// Through the C API: hsapBatchCreateWithPlan, the batch's partition, forward and backward
+// with the same results and bytes as the executor, and the traffic split.
+TEST(HierarchicalCApi, BatchWithPlanMatchesTheExecutor) {
+  const Plan plan = MakePlan({{3, 2}, 6, 2, HeadSplit::kRoundRobin, true, 17});
+  const Layout layout = testing::RandomLayout(260, DocMix::kLongTail, 4, false);
+  const DType dtype = DType::kBF16;
+  const int D = 32, R = plan.num_ranks;
+  const Inputs in = MakeInputs(plan, dtype, D, layout.num_tokens(), 3);
+  const Result want = RunHier(layout, plan, in, D);
+
+  hsapLayout_t cl = nullptr;
+  std::vector<int64_t> cu{0};
+  std::vector<hsapMaskKind_t> kinds;
+  std::vector<int64_t> params;
+  for (const Document& d : layout.documents()) {
+    cu.push_back(d.end);
+    kinds.push_back(static_cast<hsapMaskKind_t>(d.kind));
+    params.push_back(d.param);
+  }
+  ASSERT_EQ(hsapLayoutCreate(&cl, cu.data(), static_cast<int64_t>(kinds.size()), kinds.data(),
+                             params.data()),
+            hsapSuccess);
+  hsapPlan_t cp = ToCPlan(plan);
+  ASSERT_NE(cp, nullptr);
+  std::vector<hsapComm_t> comms(R);
+  hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
+  cc.timeoutMs = 60000;
+  cc.numThreads = 1;
+  ASSERT_EQ(hsapCommInitAll(comms.data(), R, &cc), hsapSuccess);
+  std::vector<std::string> errors(R);
+  std::vector<Tensor> outs(R), dks(R);
+  std::vector<std::vector<TokenRange>> ranges(R);
+  std::vector<hsapTrafficDetail_t> detail(R);
+  std::vector<hsapTraffic_t> totals(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+      bc.dtype = ToC(dtype);
+      bc.numHeadsQ = plan.heads_q;
+      bc.numHeadsKV = plan.heads_kv;
+      bc.headDim = D;
+      hsapBatch_t batch = nullptr;
+      if (hsapBatchCreateWithPlan(&batch, comms[r], cl, cp, &bc) != hsapSuccess) {
+        errors[r] = hsapGetLastError();
+        return;
+      }
+      hsapPartition_t part = nullptr;
+      int64_t n = 0, nr = 0, n2 = 0;
+      hsapBatchGetPartition(batch, &part);
+      hsapBatchGetLocalTokens(batch, &n);
+      hsapPartitionGetRanges(part, r, nullptr, &nr, &n2);
+      std::vector<int64_t> flat(2 * nr);
+      hsapPartitionGetRanges(part, r, flat.data(), &nr, nullptr);
+      for (int64_t i = 0; i < nr; ++i) ranges[r].push_back({flat[2 * i], flat[2 * i + 1]});
+      EXPECT_EQ(n, n2);
+      Tensor q = Slice(in.q, ranges[r]), k = Slice(in.k, ranges[r]), v = Slice(in.v, ranges[r]),
+             dout = Slice(in.dout, ranges[r]);
+      outs[r] = Tensor(dtype, n, plan.heads_q, D);
+      dks[r] = Tensor(dtype, n, plan.heads_kv, D);
+      Tensor dq(dtype, n, plan.heads_q, D), dv(dtype, n, plan.heads_kv, D);
+      std::vector<float> lse(n * plan.heads_q + 1);
+      hsapTensor_t tq{q.bytes.data(), ToC(dtype), n, plan.heads_q, D},
+          tk{k.bytes.data(), ToC(dtype), n, plan.heads_kv, D},
+          tv{v.bytes.data(), ToC(dtype), n, plan.heads_kv, D},
+          tout{outs[r].bytes.data(), ToC(dtype), n, plan.heads_q, D},
+          tdout{dout.bytes.data(), ToC(dtype), n, plan.heads_q, D},
+          tdq{dq.bytes.data(), ToC(dtype), n, plan.heads_q, D},
+          tdk{dks[r].bytes.data(), ToC(dtype), n, plan.heads_kv, D},
+          tdv{dv.bytes.data(), ToC(dtype), n, plan.heads_kv, D};
+      if (hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse.data()) != hsapSuccess ||
+          hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, lse.data(), &tdq, &tdk,
+                                &tdv) != hsapSuccess) {
+        errors[r] = hsapGetLastError();
+      }
+      hsapBatchGetTrafficDetail(batch, &detail[r]);
+      hsapBatchGetTraffic(batch, &totals[r]);
+      hsapBatchDestroy(batch);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+  hsapPlanDestroy(cp);
+  hsapLayoutDestroy(cl);
+  Tensor out(dtype, layout.num_tokens(), plan.heads_q, D),
+      dk(dtype, layout.num_tokens(), plan.heads_kv, D);
+  for (int r = 0; r < R; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    Unslice(outs[r], ranges[r], out);
+    Unslice(dks[r], ranges[r], dk);
+    EXPECT_EQ(detail[r].forwardAllToAllBytesSent, want.forward[r].a2a_sent);
+    EXPECT_EQ(detail[r].forwardAllToAllBytesReceived, want.forward[r].a2a_received);
+    EXPECT_EQ(detail[r].forwardRingBytesSent, want.forward[r].ring_sent);
+    EXPECT_EQ(detail[r].forwardRingBytesReceived, want.forward[r].ring_received);
+    EXPECT_EQ(detail[r].backwardAllToAllBytesSent, want.backward[r].a2a_sent);
+    EXPECT_EQ(detail[r].backwardRingBytesReceived, want.backward[r].ring_received);
+    EXPECT_EQ(totals[r].forwardBytesSent, want.forward[r].sent());
+    EXPECT_EQ(totals[r].backwardBytesReceived, want.backward[r].received());
+  }
+  EXPECT_EQ(out.bytes, want.out.bytes);
+  EXPECT_EQ(dk.bytes, want.dk.bytes);
+}
+
+TEST(HierarchicalCApi, BadPlansAndMismatchesAreReported) {
+  // hsapPlanCreate names the problem.
+  hsapPlan_t plan = nullptr;
+  const int sizes[] = {2}, ranks[] = {0, 1}, counts[] = {2, 2}, heads[] = {0, 1, 1, 2};
+  EXPECT_EQ(
+      hsapPlanCreate(&plan, 2, 3, 3, 1, sizes, ranks, nullptr, nullptr, counts, heads, nullptr),
+      hsapInvalidArgument);
+  EXPECT_NE(std::string(hsapGetLastError()).find("query head 1 is owned twice"), std::string::npos)
+      << hsapGetLastError();
+
+  // A plan for 3 ranks on a 2-rank communicator, and ranks holding different plans.
+  const Layout layout = testing::RandomLayout(100, DocMix::kUniform, 1, true);
+  std::vector<int64_t> cu{0};
+  for (const Document& d : layout.documents()) cu.push_back(d.end);
+  hsapLayout_t cl = nullptr;
+  ASSERT_EQ(hsapLayoutCreate(&cl, cu.data(), static_cast<int64_t>(cu.size()) - 1, nullptr, nullptr),
+            hsapSuccess);
+  hsapPlan_t three = ToCPlan(MakePlan({{2, 1}, 4, 4, HeadSplit::kContiguous, false, 1}));
+  hsapPlan_t a = ToCPlan(MakePlan({{1, 1}, 4, 4, HeadSplit::kContiguous, false, 1}));
+  hsapPlan_t b = ToCPlan(MakePlan({{2}, 4, 4, HeadSplit::kContiguous, false, 1}));
+  std::vector<hsapComm_t> comms(2);
+  hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
+  cc.timeoutMs = 20000;
+  ASSERT_EQ(hsapCommInitAll(comms.data(), 2, &cc), hsapSuccess);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<hsapResult_t> results(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+        bc.dtype = hsapFloat32;
+        bc.numHeadsQ = 4;
+        bc.numHeadsKV = 4;
+        bc.headDim = 32;
+        hsapBatch_t batch = nullptr;
+        hsapPlan_t mine = round == 0 ? three : (r == 0 ? a : b);
+        results[r] = hsapBatchCreateWithPlan(&batch, comms[r], cl, mine, &bc);
+        errors[r] = hsapGetLastError();
+        if (batch != nullptr) hsapBatchDestroy(batch);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) EXPECT_NE(results[r], hsapSuccess) << "round " << round;
+    if (round == 0) {
+      EXPECT_NE(errors[0].find("plan is for 3 ranks but the communicator has 2"), std::string::npos)
+          << errors[0];
+    } else {
+      EXPECT_NE(errors[0].find("rank 1's plan differs from rank 0's"), std::string::npos)
+          << errors[0];
+    }
+  }
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+  for (hsapPlan_t p : {three, a, b}) hsapPlanDestroy(p);
+  hsapLayoutDestroy(cl);
 }
 
 }  // namespace

@@ -394,3 +394,31 @@ TEST(Hierarchy, InvalidPlansAreRejectedWithTheirProblem) {
 
 }  // namespace
 }  // namespace hsap
+
+namespace hsap {
+namespace {
+
+TEST(PartitionFromRanges, TheShardsOfAPlanAndBadRanges) {
+  const Layout layout = testing::RandomLayout(200, DocMix::kLongTail, 3, false);
+  const Plan plan = testing::MakePlan({{3, 2}, 4, 4, HeadSplit::kRandom, true, 5});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok());
+  absl::StatusOr<Partition> p = Partition::FromRanges(layout, h->shards());
+  ASSERT_TRUE(p.ok()) << p.status();
+  int64_t work = 0;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    EXPECT_EQ(p->ranges(r), h->shard(r));
+    EXPECT_EQ(p->local_tokens(r), h->shard_tokens(r));
+    work += p->work(r);
+  }
+  EXPECT_EQ(work, layout.VisiblePairs());
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{90, 200}}}).status().message(),
+              HasSubstr("token 90 belongs to two ranks"));
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{101, 200}}}).status().message(),
+              HasSubstr("token 100 belongs to no rank"));
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{100, 201}}}).status().message(),
+              HasSubstr("not inside [0, 200)"));
+}
+
+}  // namespace
+}  // namespace hsap
