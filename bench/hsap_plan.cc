@@ -247,7 +247,7 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
         "# strongest baseline: %s; hsap speedup %.3fx; %.1f%% of the ideal bound; "
         "planning %.1f ms wall, %.1f ms CPU (%d cost-model evaluations)\n",
         best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
-        result->candidates);
+        result->planning_cpu_seconds * 1e3, result->candidates);
   } else {
     std::printf("  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.1f%% %9.1f\n", cluster->name.c_str(),
                 cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s, best_baseline,

@@ -5,8 +5,9 @@
 //              groups of consecutive ranks, equal shards and heads; the best one;
 //   TE a2a+p2p — TransformerEngine's hierarchical scheme: all-to-all inside a node (HP =
 //              devices per node), p2p ring across nodes, every document padded to 2 x CP.
-// Each gets its best configuration: the one the simulator runs fastest among the legal ones
-// that fit in memory (cost model account).
+// Each gets its best configuration: the legal configurations that fit in memory (cost
+// model account) are priced by the cost model, the best three are run in the simulator,
+// and the fastest simulated one is kept.
 #ifndef HSAP_LIB_BASELINES_H_
 #define HSAP_LIB_BASELINES_H_
 
