@@ -7,6 +7,13 @@
 //
 //   hsap_attn_perf -b 4096 -e 65536 -f 2 --ranks 4 --docs-dist longtail --heads 8
 //       --kv-heads 2 --head-dim 64 --dtype bf16 --weights 3,1,1,3 -n 5 -w 1 -c 1
+//
+// With a rank arrangement (--groups, or --plan FILE.json from hsap_plan) the batch runs
+// under a plan (hsapBatchCreateWithPlan: all-to-all inside head-parallel groups,
+// sequence-aware sub-rings across them), and the table also reports the all-to-all and the
+// sub-ring bytes separately, next to what TransformerEngine's a2a+p2p would move:
+//
+//   hsap_attn_perf -b 8192 --groups 4,2 --heads 20,12:16,16 --kv-heads 4 --seq-weights 2,1
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,7 +32,11 @@
 #include "attention/layout.h"
 #include "attention/reference.h"
 #include "hsap/hsap.h"
+#include "lib/api_batch.h"
+#include "lib/api_plan.h"
 #include "lib/api_util.h"
+#include "lib/hierarchy.h"
+#include "lib/partition.h"
 
 namespace {
 
@@ -49,7 +60,19 @@ struct Options {
   double ref_max_gflop = 4.0;
   int timeout_ms = 600000;
   uint32_t seed = 1;
+  // Rank arrangement (a plan): group sizes, per-rank query head counts per group (heads
+  // assigned contiguously in rank order), sequence weights per group, token weights per
+  // rank; or a plan file.
+  std::vector<int> groups;
+  std::vector<std::vector<int>> group_heads;
+  std::vector<double> seq_weights, token_weights;
+  std::string plan_file;
+  bool ranks_set = false;
+  bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
 };
+
+// "a,b,c" -> numbers (all > 0 unless allow_zero).
+std::vector<double> ParseList(const std::string& value, const char* what, bool allow_zero);
 
 [[noreturn]] void Usage(const char* error) {
   if (error != nullptr) std::fprintf(stderr, "error: %s\n\n", error);
@@ -75,7 +98,14 @@ struct Options {
       "  -T, --threads N        compute threads per rank (default: hardware threads / ranks)\n"
       "      --ref-max-gflop X  check only rows up to X GFLOP of forward work (default 4)\n"
       "      --timeout-ms N     communicator timeout (default 600000)\n"
-      "      --seed N           seed of lengths and data (default 1)\n");
+      "      --seed N           seed of lengths and data (default 1)\n"
+      "  Rank arrangement (runs hsapBatchCreateWithPlan):\n"
+      "      --groups a,b,...   head-parallel group sizes (ranks in order; sets --ranks)\n"
+      "      --heads a,b:c,d    per-rank query head counts, groups separated by ':' (each\n"
+      "                         group's counts sum to the query heads; default: even split)\n"
+      "      --seq-weights ...  per-group sequence weights (default equal)\n"
+      "      --token-weights .. per-rank token weights inside the groups (default equal)\n"
+      "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -120,14 +150,36 @@ Options ParseOptions(int argc, char** argv) {
       o.check = static_cast<int>(need_int(0));
     } else if (arg == "--ranks") {
       o.ranks = static_cast<int>(need_int(1));
+      o.ranks_set = true;
     } else if (arg == "--docs-dist") {
       o.docs_dist = value;
     } else if (arg == "--tokens-per-doc") {
       o.tokens_per_doc = need_int(1);
     } else if (arg == "--mask") {
       o.mask = value;
+    } else if (arg == "--heads" &&
+               (value.find(',') != std::string::npos || value.find(':') != std::string::npos)) {
+      o.group_heads.clear();
+      std::stringstream groups(value);
+      std::string group;
+      while (std::getline(groups, group, ':')) {
+        std::vector<int> counts;
+        for (double c : ParseList(group, "--heads", /*allow_zero=*/true)) {
+          counts.push_back(static_cast<int>(c));
+        }
+        o.group_heads.push_back(counts);
+      }
     } else if (arg == "--heads") {
       o.heads = static_cast<int>(need_int(1));
+    } else if (arg == "--groups") {
+      o.groups.clear();
+      for (double g : ParseList(value, "--groups", false)) o.groups.push_back(static_cast<int>(g));
+    } else if (arg == "--seq-weights") {
+      o.seq_weights = ParseList(value, "--seq-weights", false);
+    } else if (arg == "--token-weights") {
+      o.token_weights = ParseList(value, "--token-weights", true);
+    } else if (arg == "--plan") {
+      o.plan_file = value;
     } else if (arg == "--kv-heads") {
       o.kv_heads = static_cast<int>(need_int(1));
     } else if (arg == "--head-dim") {
@@ -169,10 +221,58 @@ Options ParseOptions(int argc, char** argv) {
     Usage("--docs-dist must be longtail, uniform, single or tiny");
   }
   if (o.mask != "causal" && o.mask != "mixed") Usage("--mask must be causal or mixed");
+  if (!o.groups.empty()) {
+    int sum = 0;
+    for (int g : o.groups) sum += g;
+    if (o.ranks_set && sum != o.ranks) Usage("--groups must add up to --ranks");
+    o.ranks = sum;
+    if (!o.group_heads.empty()) {
+      if (o.group_heads.size() != o.groups.size()) Usage("--heads needs one list per group");
+      for (size_t g = 0; g < o.groups.size(); ++g) {
+        if (static_cast<int>(o.group_heads[g].size()) != o.groups[g]) {
+          Usage("--heads needs one count per rank of each group");
+        }
+        int h = 0;
+        for (int c : o.group_heads[g]) h += c;
+        if (g == 0) o.heads = h;
+        if (h != o.heads) Usage("every group's --heads counts must add up to the same total");
+      }
+    }
+    if (!o.seq_weights.empty() && o.seq_weights.size() != o.groups.size()) {
+      Usage("--seq-weights needs one value per group");
+    }
+    if (!o.token_weights.empty() && static_cast<int>(o.token_weights.size()) != o.ranks) {
+      Usage("--token-weights needs one value per rank");
+    }
+  } else if (!o.group_heads.empty()) {
+    Usage("--heads with per-rank counts needs --groups");
+  }
+  if (!o.plan_file.empty() && !o.groups.empty()) Usage("give --plan or --groups, not both");
+  if (o.plan_mode() && !o.weights.empty()) {
+    Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
+  }
   if (!o.weights.empty() && static_cast<int>(o.weights.size()) != o.ranks) {
     Usage("--weights needs one value per rank (--ranks)");
   }
   return o;
+}
+
+std::vector<double> ParseList(const std::string& value, const char* what, bool allow_zero) {
+  std::stringstream ss(value);
+  std::string item;
+  std::vector<double> out;
+  while (std::getline(ss, item, ',')) {
+    char* e = nullptr;
+    const double w = std::strtod(item.c_str(), &e);
+    if (e == item.c_str() || *e != '\0' || !std::isfinite(w) || w < 0 || (!allow_zero && w == 0)) {
+      Usage((std::string(what) + " needs " + (allow_zero ? "non-negative" : "positive") +
+             " numbers separated by commas")
+                .c_str());
+    }
+    out.push_back(w);
+  }
+  if (out.empty()) Usage((std::string(what) + " needs at least one number").c_str());
+  return out;
 }
 
 hsap::DType ParseDType(const std::string& s) {
@@ -270,10 +370,84 @@ std::string HumanBytes(double b) {
   return buf;
 }
 
+// The plan of --groups/--heads/--seq-weights/--token-weights, or of --plan.
+hsapPlan_t MakePlan(Options& o) {
+  hsapPlan_t plan = nullptr;
+  if (!o.plan_file.empty()) {
+    std::FILE* f = std::fopen(o.plan_file.c_str(), "rb");
+    if (f == nullptr) {
+      std::fprintf(stderr, "cannot read --plan %s\n", o.plan_file.c_str());
+      std::exit(2);
+    }
+    std::string text;
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) text.append(buf, n);
+    std::fclose(f);
+    Must(hsapPlanCreateFromJson(&plan, text.c_str()), "hsapPlanCreateFromJson");
+    int groups = 0;
+    Must(hsapPlanGetShape(plan, &o.ranks, &o.heads, &o.kv_heads, &groups), "hsapPlanGetShape");
+    return plan;
+  }
+  std::vector<int> ranks, counts, heads;
+  for (size_t g = 0, rank = 0; g < o.groups.size(); ++g) {
+    std::vector<int> c = o.group_heads.empty() ? std::vector<int>() : o.group_heads[g];
+    if (c.empty()) {  // even split, the first ranks one more
+      for (int i = 0; i < o.groups[g]; ++i) {
+        c.push_back(o.heads / o.groups[g] + (i < o.heads % o.groups[g] ? 1 : 0));
+      }
+    }
+    int next = 0;
+    for (int i = 0; i < o.groups[g]; ++i, ++rank) {
+      ranks.push_back(static_cast<int>(rank));
+      counts.push_back(c[i]);
+      for (int h = 0; h < c[i]; ++h) heads.push_back(next++);
+    }
+  }
+  Must(hsapPlanCreate(&plan, o.ranks, o.heads, o.kv_heads, static_cast<int>(o.groups.size()),
+                      o.groups.data(), ranks.data(),
+                      o.seq_weights.empty() ? nullptr : o.seq_weights.data(),
+                      o.token_weights.empty() ? nullptr : o.token_weights.data(), counts.data(),
+                      heads.data(), nullptr),
+       "hsapPlanCreate");
+  return plan;
+}
+
+// What TransformerEngine's a2a+p2p would receive per rank in one forward for this row:
+// the symmetric arrangement with as many groups as the plan (A ranks per group, P = R/A
+// groups; A = R/G, or the largest divisor of R below it), every document padded to a
+// multiple of 2 * R, equal shards, KV heads replicated up to A when fewer. All-to-all: Q,
+// K, V of the other A-1 ranks' shards for this rank's heads, and out back; p2p: the other
+// P-1 groups' full K/V blocks for this rank's KV heads.
+struct TeBytes {
+  double a2a = 0, p2p = 0;
+  int a = 1, p = 1;
+};
+TeBytes TransformerEngineBytes(const std::vector<int64_t>& lengths, int R, int G, int hq, int hkv,
+                               int D, size_t es) {
+  TeBytes te;
+  te.a = R / std::max(1, G);
+  while (te.a > 1 && R % te.a != 0) --te.a;
+  te.a = std::max(1, te.a);
+  te.p = R / te.a;
+  double padded = 0;
+  for (int64_t l : lengths) {
+    if (l > 0) padded += static_cast<double>((l + 2 * R - 1) / (2 * R) * (2 * R));
+  }
+  const double A = te.a, P = te.p, shard = padded / R;
+  const double kv_eff = std::max<double>(hkv, A);
+  te.a2a = (A - 1) * shard * (2.0 * hq / A + 2.0 * kv_eff / A) * D * static_cast<double>(es);
+  te.p2p = (P - 1) * (padded / P) * 2.0 * (kv_eff / A) * D * static_cast<double>(es);
+  return te;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Options o = ParseOptions(argc, argv);
+  Options o = ParseOptions(argc, argv);
+  hsapPlan_t plan = o.plan_mode() ? MakePlan(o) : nullptr;
+  int plan_groups = 0;
+  if (plan != nullptr)
+    Must(hsapPlanGetShape(plan, nullptr, nullptr, nullptr, &plan_groups), "hsapPlanGetShape");
   const hsap::DType dtype = ParseDType(o.dtype);
   const size_t esize = hsap::DTypeSize(dtype);
   const int R = o.ranks;
@@ -305,6 +479,25 @@ int main(int argc, char** argv) {
                 o.docs_dist == "longtail" ? ", lognormal(0, 1.5) lengths" : ", uniform lengths");
   }
   std::printf(", seed %u\n", o.seed);
+  if (plan != nullptr) {
+    size_t size = 0;
+    Must(hsapPlanToJson(plan, nullptr, &size), "hsapPlanToJson");
+    std::string json(size, '\0');
+    Must(hsapPlanToJson(plan, json.data(), &size), "hsapPlanToJson");
+    absl::StatusOr<hsap::Plan> parsed = hsap::PlanFromJsonText(json.c_str());
+    std::printf("# plan: %d groups (all-to-all inside, sequence-aware sub-rings across)\n",
+                plan_groups);
+    if (parsed.ok()) {
+      std::istringstream lines(hsap::DescribePlan(*parsed));
+      for (std::string line; std::getline(lines, line);) std::printf("#   %s\n", line.c_str());
+    }
+    std::printf(
+        "# a2a, p2p: bytes received per rank in one forward (mean over ranks) by the all-to-all "
+        "inside the group (Q, K, V in; out and fp32 lse back) and by the sub-rings across groups; "
+        "TE a2a, TE p2p: what TransformerEngine's a2a+p2p would receive per rank for the same "
+        "row (symmetric groups of A = R/G ranks, documents padded to 2*R, equal shards, KV heads "
+        "replicated up to A; a2a: Q, K, V in and out back; p2p: every other group's K/V)\n");
+  }
   std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
               o.iters, o.warmup);
   std::printf(
@@ -320,9 +513,13 @@ int main(int argc, char** argv) {
       "error of the same-precision single-device NaiveForward/Backward) + 4 rounding units; '-' "
       "when not checked (-c 0, or above %.3g GFLOP of forward work)\n",
       o.ref_max_gflop);
-  std::printf("#\n# %9s %6s %6s %10s %10s %9s %9s %10s %10s %10s %7s %7s\n", "tokens", "docs",
-              "split", "fwd(ms)", "bwd(ms)", "fwdTF/s", "bwdTF/s", "bytes max", "bytes mean",
-              "ring", "ratio", "#wrong");
+  std::printf("#\n# %9s %6s %6s %10s %10s %9s %9s %10s %10s %10s %7s", "tokens", "docs", "split",
+              "fwd(ms)", "bwd(ms)", "fwdTF/s", "bwdTF/s", "bytes max", "bytes mean", "ring",
+              "ratio");
+  if (plan != nullptr) {
+    std::printf(" %10s %10s %10s %10s", "a2a", "p2p", "TE a2a", "TE p2p");
+  }
+  std::printf(" %7s\n", "#wrong");
 
   int64_t total_wrong = 0;
   double sum_fwd_tflops = 0, sum_bwd_tflops = 0, sum_ratio = 0;
@@ -368,7 +565,20 @@ int main(int argc, char** argv) {
       }
     }
     hsapPartition_t part = nullptr;
-    Must(hsapPartitionCreate(&part, layout, R, weights), "hsapPartitionCreate");
+    if (plan != nullptr) {
+      // The plan's shards, as every rank's batch computes them (hierarchy.h).
+      absl::StatusOr<hsap::Hierarchy> h = hsap::Hierarchy::Create(layout->layout, plan->plan);
+      absl::StatusOr<hsap::Partition> p =
+          h.ok() ? hsap::Partition::FromRanges(layout->layout, h->shards())
+                 : absl::StatusOr<hsap::Partition>(h.status());
+      if (!p.ok()) {
+        std::fprintf(stderr, "plan: %s\n", std::string(p.status().message()).c_str());
+        return 1;
+      }
+      part = new hsapPartition_st{std::make_shared<const hsap::Partition>(*std::move(p)), false};
+    } else {
+      Must(hsapPartitionCreate(&part, layout, R, weights), "hsapPartitionCreate");
+    }
     std::vector<int64_t> local(R);
     for (int r = 0; r < R; ++r) {
       int64_t nr = 0;
@@ -394,6 +604,7 @@ int main(int argc, char** argv) {
 
     std::vector<double> fwd_s(R), bwd_s(R);
     std::vector<hsapTraffic_t> traffic(R);
+    std::vector<hsapTrafficDetail_t> detail(R);
     std::vector<hsapResult_t> result(R, hsapSuccess);
     std::vector<std::string> error(R);
     std::vector<std::thread> workers;
@@ -409,7 +620,10 @@ int main(int argc, char** argv) {
         bc.numHeadsKV = o.kv_heads;
         bc.headDim = o.head_dim;
         hsapBatch_t batch = nullptr;
-        if (hsapResult_t e = hsapBatchCreate(&batch, comms[r], layout, weights, &bc); e) {
+        if (hsapResult_t e = plan != nullptr
+                                 ? hsapBatchCreateWithPlan(&batch, comms[r], layout, plan, &bc)
+                                 : hsapBatchCreate(&batch, comms[r], layout, weights, &bc);
+            e) {
           return fail(e);
         }
         const int64_t n = local[r];
@@ -440,6 +654,7 @@ int main(int argc, char** argv) {
         bwd_s[r] = Seconds(t0, Clock::now()) / o.iters;
         if (e) fail(e);
         hsapBatchGetTraffic(batch, &traffic[r]);
+        hsapBatchGetTrafficDetail(batch, &detail[r]);
         hsapBatchDestroy(batch);
       });
     }
@@ -522,10 +737,22 @@ int main(int argc, char** argv) {
       total_wrong += wrong;
       std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)wrong);
     }
-    std::printf("  %9lld %6zu %6lld %10.3f %10.3f %9.4f %9.4f %10s %10s %10s %7.4f %7s\n",
-                (long long)T, lengths.size(), (long long)split, fwd * 1e3, bwd * 1e3, fwd_tflops,
-                bwd_tflops, HumanBytes(bytes_max).c_str(), HumanBytes(bytes_mean).c_str(),
-                HumanBytes(ring).c_str(), ratio, wrong_col);
+    std::printf("  %9lld %6zu %6lld %10.3f %10.3f %9.4f %9.4f %10s %10s %10s %7.4f", (long long)T,
+                lengths.size(), (long long)split, fwd * 1e3, bwd * 1e3, fwd_tflops, bwd_tflops,
+                HumanBytes(bytes_max).c_str(), HumanBytes(bytes_mean).c_str(),
+                HumanBytes(ring).c_str(), ratio);
+    if (plan != nullptr) {
+      double a2a = 0, p2p = 0;
+      for (const hsapTrafficDetail_t& d : detail) {
+        a2a += static_cast<double>(d.forwardAllToAllBytesReceived) / R;
+        p2p += static_cast<double>(d.forwardRingBytesReceived) / R;
+      }
+      const TeBytes te =
+          TransformerEngineBytes(lengths, R, plan_groups, o.heads, o.kv_heads, o.head_dim, esize);
+      std::printf(" %10s %10s %10s %10s", HumanBytes(a2a).c_str(), HumanBytes(p2p).c_str(),
+                  HumanBytes(te.a2a).c_str(), HumanBytes(te.p2p).c_str());
+    }
+    std::printf(" %7s\n", wrong_col);
     std::fflush(stdout);
     sum_fwd_tflops += fwd_tflops;
     sum_bwd_tflops += bwd_tflops;
@@ -535,6 +762,7 @@ int main(int argc, char** argv) {
     Must(hsapLayoutDestroy(layout), "hsapLayoutDestroy");
   }
   for (hsapComm_t c : comms) Must(hsapCommDestroy(c), "hsapCommDestroy");
+  if (plan != nullptr) Must(hsapPlanDestroy(plan), "hsapPlanDestroy");
   std::printf("# Out of bounds values : %lld %s\n", (long long)total_wrong,
               total_wrong == 0 ? "OK" : "FAILED");
   std::printf("# Avg fwd TFLOP/s : %.4f\n# Avg bwd TFLOP/s : %.4f\n",
