@@ -4,6 +4,7 @@
 // the bytes each rank moved equal the hierarchy's prediction (itself equal to the lower
 // bound, see hierarchy_test), the degenerate plans equal the familiar schemes bitwise, and
 // the result is reproducible bit for bit.
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -652,6 +653,70 @@ TEST(HierarchicalCApi, BadPlansAndMismatchesAreReported) {
   for (hsapComm_t c : comms) hsapCommDestroy(c);
   for (hsapPlan_t p : {three, a, b}) hsapPlanDestroy(p);
   hsapLayoutDestroy(cl);
+}
+
+}  // namespace
+}  // namespace hsap
+
+namespace hsap {
+namespace {
+
+// A rank with no tokens (token weight 0) and a rank with no heads take part correctly.
+TEST(HierarchicalEdges, EmptyShardAndRankWithoutHeads) {
+  Plan plan = MakePlan({{3, 2}, 4, 2, HeadSplit::kContiguous, false, 31});
+  plan.groups[0].token_weights = {1, 0, 2};     // rank 1 holds no tokens
+  plan.groups[0].heads = {{0, 1, 2}, {3}, {}};  // rank 2 computes nothing
+  Case c;
+  c.spec.seed = 31;
+  c.dtype = DType::kBF16;
+  CheckAgainstReference(testing::RandomLayout(220, DocMix::kOneHuge, 8, false), plan, c);
+}
+
+// A rank that never calls makes its peers fail with DeadlineExceeded naming the stage;
+// an abort releases everyone.
+TEST(HierarchicalFaults, MissingRankTimesOutAndAbortReleases) {
+  const Plan plan = MakePlan({{2, 2}, 4, 4, HeadSplit::kContiguous, false, 2});
+  const Layout layout = *Layout::FromDocuments({0, 128}, {MaskKind::kFull});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok());
+  for (bool abort : {false, true}) {
+    CommOptions options;
+    options.timeout = absl::Milliseconds(abort ? 20000 : 300);
+    options.num_threads = 1;
+    auto world = Communicator::CreateHostWorld(4, options);
+    ASSERT_TRUE(world.ok());
+    std::vector<absl::Status> status(4);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 3; ++r) {  // rank 3 never calls
+      threads.emplace_back([&, r] {
+        absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+        const int64_t n = rh->shard_tokens;
+        std::vector<float> q(n * 4 * 32 + 1), k(q.size()), out(q.size()), lse(n * 4 + 1);
+        HierExecContext ctx{(*world)[r].get(),     &*rh,
+                            &HandWrittenKernels(), AttentionDims{4, 4, 32, 0.125f, {}},
+                            DType::kF32,           1};
+        status[r] =
+            HierarchicalForward(ctx, q.data(), k.data(), k.data(), out.data(), lse.data(), nullptr);
+      });
+    }
+    if (abort) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      (*world)[3]->Abort("test abort");
+    }
+    for (std::thread& t : threads) t.join();
+    for (int r = 0; r < 3; ++r) {
+      if (abort) {
+        EXPECT_EQ(status[r].code(), absl::StatusCode::kAborted) << status[r];
+      } else if (r >= 2) {  // rank 3's group partner waits on it in the all-to-all
+        EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << status[r];
+        EXPECT_NE(status[r].message().find("hier forward"), absl::string_view::npos) << status[r];
+      } else {
+        // Group 0 finishes its all-to-all, then waits on rank 3 (or on rank 2, which failed)
+        // in the sub-ring or times out there.
+        EXPECT_FALSE(status[r].ok());
+      }
+    }
+  }
 }
 
 }  // namespace
