@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -288,6 +289,7 @@ TEST(ShippedCudaKernels, MissingNvrtcIsUnsupported) {
   } else {
     unsetenv("HSAP_NVRTC_PATH");
   }
+  std::filesystem::remove_all(empty_dir);
   ASSERT_FALSE(k.ok());
   EXPECT_EQ(k.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(ResultFromStatus(k.status()), hsapUnsupported);
@@ -315,6 +317,7 @@ TEST(CudaDeviceHeaders, CompileWithNvcc) {
                                        dir, "/kernels.o > ", dir, "/nvcc.log 2>&1");
   const int rc = std::system(cmd.c_str());
   EXPECT_EQ(rc, 0) << ReadFile(dir + "/nvcc.log");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
