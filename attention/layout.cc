@@ -102,9 +102,8 @@ absl::Status CheckNoOverlap(const std::vector<MaskSlice>& slices) {
       const int node = stack.back();
       stack.pop_back();
       if (tree[node] <= s.k_begin) continue;
-      // Leaves of `node` are [lo, hi).
-      int level_size = 1, first = node;
-      while (first < size) first *= 2, level_size *= 2;
+      int first = node;  // the leftmost leaf below `node`
+      while (first < size) first *= 2;
       const int lo = first - size;
       if (lo >= prefix) continue;
       if (node >= size) {

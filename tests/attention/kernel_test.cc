@@ -387,6 +387,23 @@ TEST(KernelTest, CallsOverDisjointKeySetsCompose) {
   expect_close(dv, whole.dv, "dv");
 }
 
+// Non-contiguous head ranges (HexiSeq): query heads map to kv heads through an explicit
+// table, in no particular order, and one kv head has no query head at all.
+TEST(KernelTest, ExplicitKvHeadTable) {
+  AttentionDims dims = Dims(3, 3, 64);
+  dims.kv_head_of_q = {2, 0, 2};
+  ASSERT_TRUE(ValidateDims(dims).ok());
+  CheckAgainstReference(MakeProblem(MakeLayout(Family::kRandomMix, 4), dims, DType::kF32, 6), 2);
+  const KernelResult r =
+      RunKernels(MakeProblem(MakeLayout(Family::kRandomMix, 4), dims, DType::kF32, 6), 2);
+  for (size_t t = 0; t < r.dk.size() / (3 * 64); ++t) {
+    for (int d = 0; d < 64; ++d) {
+      ASSERT_EQ(r.dk[(t * 3 + 1) * 64 + d], 0.0f);  // kv head 1 is read by no query head
+      ASSERT_EQ(r.dv[(t * 3 + 1) * 64 + d], 0.0f);
+    }
+  }
+}
+
 // Blocks of any size (smaller than, larger than, not a multiple of the kernel's tile) give
 // the same attention up to fp32 rounding.
 TEST(KernelTest, AnyBlockSizeWorks) {
