@@ -67,34 +67,60 @@ inline V8 VExp(V8 x) {
 // ---------------------------------------------------------------------------------------
 // Micro-kernels on fp32 tiles.
 
+// The register blocks below are spelled out (named accumulators instead of small arrays
+// with inner loops): at -O2 compilers otherwise keep the accumulators in memory.
+
 // S[i][j] = sum_d A[i][d] * Bt[d][j] for i < rows, j < cols; cols a multiple of 8, <= 64;
 // A row-major with leading dimension lda, Bt [dim][kTileK], S [rows][kTileK].
 void GemmABt(const float* a, int lda, int rows, const float* bt, int dim, int cols, float* s) {
   int i = 0;
   for (; i + 4 <= rows; i += 4) {
+    const float* a0 = a + i * lda;
+    const float* a1 = a0 + lda;
+    const float* a2 = a1 + lda;
+    const float* a3 = a2 + lda;
     int j = 0;
     for (; j + 16 <= cols; j += 16) {
-      V8 acc[4][2] = {};
+      V8 c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
       for (int d = 0; d < dim; ++d) {
         const V8 b0 = Load(bt + d * kTileK + j), b1 = Load(bt + d * kTileK + j + 8);
-        for (int r = 0; r < 4; ++r) {
-          const V8 x = Splat(a[(i + r) * lda + d]);
-          acc[r][0] += x * b0;
-          acc[r][1] += x * b1;
-        }
+        V8 x = Splat(a0[d]);
+        c00 += x * b0;
+        c01 += x * b1;
+        x = Splat(a1[d]);
+        c10 += x * b0;
+        c11 += x * b1;
+        x = Splat(a2[d]);
+        c20 += x * b0;
+        c21 += x * b1;
+        x = Splat(a3[d]);
+        c30 += x * b0;
+        c31 += x * b1;
       }
-      for (int r = 0; r < 4; ++r) {
-        Store(s + (i + r) * kTileK + j, acc[r][0]);
-        Store(s + (i + r) * kTileK + j + 8, acc[r][1]);
-      }
+      float* out = s + i * kTileK + j;
+      Store(out, c00);
+      Store(out + 8, c01);
+      Store(out + kTileK, c10);
+      Store(out + kTileK + 8, c11);
+      Store(out + 2 * kTileK, c20);
+      Store(out + 2 * kTileK + 8, c21);
+      Store(out + 3 * kTileK, c30);
+      Store(out + 3 * kTileK + 8, c31);
     }
     if (j < cols) {
-      V8 acc[4] = {};
+      V8 c0 = {}, c1 = {}, c2 = {}, c3 = {};
       for (int d = 0; d < dim; ++d) {
         const V8 b0 = Load(bt + d * kTileK + j);
-        for (int r = 0; r < 4; ++r) acc[r] += Splat(a[(i + r) * lda + d]) * b0;
+        c0 += Splat(a0[d]) * b0;
+        c1 += Splat(a1[d]) * b0;
+        c2 += Splat(a2[d]) * b0;
+        c3 += Splat(a3[d]) * b0;
       }
-      for (int r = 0; r < 4; ++r) Store(s + (i + r) * kTileK + j, acc[r]);
+      float* out = s + i * kTileK + j;
+      Store(out, c0);
+      Store(out + kTileK, c1);
+      Store(out + 2 * kTileK, c2);
+      Store(out + 3 * kTileK, c3);
     }
   }
   for (; i < rows; ++i) {
@@ -112,34 +138,55 @@ void GemmAccumulate(const float* p, int ldp, int rows, int inner, const float* x
                     float* out) {
   int i = 0;
   for (; i + 4 <= rows; i += 4) {
+    const float* p0 = p + i * ldp;
+    const float* p1 = p0 + ldp;
+    const float* p2 = p1 + ldp;
+    const float* p3 = p2 + ldp;
+    float* o0 = out + i * dim;
+    float* o1 = o0 + dim;
+    float* o2 = o1 + dim;
+    float* o3 = o2 + dim;
     int d = 0;
     for (; d + 16 <= dim; d += 16) {
-      V8 acc[4][2];
-      for (int r = 0; r < 4; ++r) {
-        acc[r][0] = Load(out + (i + r) * dim + d);
-        acc[r][1] = Load(out + (i + r) * dim + d + 8);
-      }
+      V8 c00 = Load(o0 + d), c01 = Load(o0 + d + 8), c10 = Load(o1 + d), c11 = Load(o1 + d + 8),
+         c20 = Load(o2 + d), c21 = Load(o2 + d + 8), c30 = Load(o3 + d), c31 = Load(o3 + d + 8);
       for (int j = 0; j < inner; ++j) {
         const V8 x0 = Load(x + j * dim + d), x1 = Load(x + j * dim + d + 8);
-        for (int r = 0; r < 4; ++r) {
-          const V8 w = Splat(p[(i + r) * ldp + j]);
-          acc[r][0] += w * x0;
-          acc[r][1] += w * x1;
-        }
+        V8 w = Splat(p0[j]);
+        c00 += w * x0;
+        c01 += w * x1;
+        w = Splat(p1[j]);
+        c10 += w * x0;
+        c11 += w * x1;
+        w = Splat(p2[j]);
+        c20 += w * x0;
+        c21 += w * x1;
+        w = Splat(p3[j]);
+        c30 += w * x0;
+        c31 += w * x1;
       }
-      for (int r = 0; r < 4; ++r) {
-        Store(out + (i + r) * dim + d, acc[r][0]);
-        Store(out + (i + r) * dim + d + 8, acc[r][1]);
-      }
+      Store(o0 + d, c00);
+      Store(o0 + d + 8, c01);
+      Store(o1 + d, c10);
+      Store(o1 + d + 8, c11);
+      Store(o2 + d, c20);
+      Store(o2 + d + 8, c21);
+      Store(o3 + d, c30);
+      Store(o3 + d + 8, c31);
     }
     if (d < dim) {
-      V8 acc[4];
-      for (int r = 0; r < 4; ++r) acc[r] = Load(out + (i + r) * dim + d);
+      V8 c0 = Load(o0 + d), c1 = Load(o1 + d), c2 = Load(o2 + d), c3 = Load(o3 + d);
       for (int j = 0; j < inner; ++j) {
         const V8 x0 = Load(x + j * dim + d);
-        for (int r = 0; r < 4; ++r) acc[r] += Splat(p[(i + r) * ldp + j]) * x0;
+        c0 += Splat(p0[j]) * x0;
+        c1 += Splat(p1[j]) * x0;
+        c2 += Splat(p2[j]) * x0;
+        c3 += Splat(p3[j]) * x0;
       }
-      for (int r = 0; r < 4; ++r) Store(out + (i + r) * dim + d, acc[r]);
+      Store(o0 + d, c0);
+      Store(o1 + d, c1);
+      Store(o2 + d, c2);
+      Store(o3 + d, c3);
     }
   }
   for (; i < rows; ++i) {
