@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lib/staged.h"
 #include "lib/transport.h"
 
 namespace hsap {
@@ -106,13 +107,6 @@ class KvPipeline {
   ExecTraffic moved_;
 };
 
-void StoreRows(DType dtype, const std::vector<float>& from, void* to) {
-  DispatchDType(dtype, [&]<typename T>() {
-    T* dst = static_cast<T*>(to);
-    for (size_t i = 0; i < from.size(); ++i) dst[i] = FromFloat<T>(from[i]);
-  });
-}
-
 }  // namespace
 
 ExecTraffic ForwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
@@ -150,35 +144,24 @@ absl::Status ExecuteForward(const ExecContext& ctx, const void* q, const void* k
   args.lse = lse32.data();
 
   KvPipeline kv(ctx, k, v, "forward", Payload::kKey, Payload::kValue);
-  const size_t n = sched.stages.size();
-  std::unique_ptr<Transport::Pending> current, next;
-  if (n > 0) {
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> p = kv.Post(0);
-    if (!p.ok()) return p.status();
-    current = *std::move(p);
-  }
-  if (!sched.local_work.empty()) {
-    args.k = k;
-    args.v = v;
-    args.k_rows = rows;
-    if (absl::Status s = ctx.kernels->Forward(args, sched.local_work, threads); !s.ok()) return s;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (i + 1 < n) {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> p = kv.Post(i + 1);
-      if (!p.ok()) return p.status();
-      next = *std::move(p);
-    }
-    if (absl::Status s = current->Wait(); !s.ok()) return s;
-    const Stage& st = sched.stages[i];
-    if (st.recv_from >= 0 && !st.recv_work.empty()) {
-      args.k = kv.recv_k(i);
-      args.v = kv.recv_v(i);
-      args.k_rows = st.recv_rows;
-      if (absl::Status s = ctx.kernels->Forward(args, st.recv_work, threads); !s.ok()) return s;
-    }
-    current = std::move(next);
-  }
+  absl::Status run = RunStaged(
+      sched.stages.size(), [&](size_t i) { return kv.Post(i); },
+      [&]() -> absl::Status {
+        if (sched.local_work.empty()) return absl::OkStatus();
+        args.k = k;
+        args.v = v;
+        args.k_rows = rows;
+        return ctx.kernels->Forward(args, sched.local_work, threads);
+      },
+      [&](size_t i) -> absl::Status {
+        const Stage& st = sched.stages[i];
+        if (st.recv_from < 0 || st.recv_work.empty()) return absl::OkStatus();
+        args.k = kv.recv_k(i);
+        args.v = kv.recv_v(i);
+        args.k_rows = st.recv_rows;
+        return ctx.kernels->Forward(args, st.recv_work, threads);
+      });
+  if (!run.ok()) return run;
   StoreRows(ctx.dtype, out32, out);
   if (!lse32.empty()) std::memcpy(lse, lse32.data(), lse32.size() * sizeof(float));
   if (traffic != nullptr) *traffic = kv.moved();
@@ -211,22 +194,15 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
 
   KvPipeline kv(ctx, k, v, "backward", Payload::kKey, Payload::kValue);
   const size_t n = sched.stages.size();
-  std::unique_ptr<Transport::Pending> current, next;
-  if (n > 0) {
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> p = kv.Post(0);
-    if (!p.ok()) return p.status();
-    current = *std::move(p);
-  }
-  if (!sched.local_work.empty()) {
+  auto local = [&]() -> absl::Status {
+    if (sched.local_work.empty()) return absl::OkStatus();
     args.k = k;
     args.v = v;
     args.k_rows = rows;
     args.dk = dk32.data();
     args.dv = dv32.data();
-    if (absl::Status s = ctx.kernels->Backward(args, sched.local_work, threads); !s.ok()) {
-      return s;
-    }
-  }
+    return ctx.kernels->Backward(args, sched.local_work, threads);
+  };
 
   // Gradient partials: computed for the rows received at stage i (sent back to their
   // owner), and received for this rank's rows that the stage's destination used.
@@ -251,13 +227,7 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     }
   };
 
-  for (size_t i = 0; i < n; ++i) {
-    if (i + 1 < n) {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> p = kv.Post(i + 1);
-      if (!p.ok()) return p.status();
-      next = *std::move(p);
-    }
-    if (absl::Status s = current->Wait(); !s.ok()) return s;
+  auto on_stage = [&](size_t i) -> absl::Status {
     const Stage& st = sched.stages[i];
     const size_t slot = i % 2;
     std::vector<SendOp> sends;
@@ -302,7 +272,12 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
       grads[1 - slot].reset();
       add_returned(i - 1);
     }
-    current = std::move(next);
+    return absl::OkStatus();
+  };
+  if (absl::Status s = RunStaged(
+          n, [&](size_t i) { return kv.Post(i); }, local, on_stage);
+      !s.ok()) {
+    return s;
   }
   if (n > 0) {
     if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;

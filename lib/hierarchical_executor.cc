@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/alltoallv.h"
+#include "lib/staged.h"
 #include "lib/transport.h"
 
 namespace hsap {
@@ -273,13 +274,6 @@ class SubRingKv {
   uint64_t sent_ = 0, received_ = 0;
 };
 
-void StoreRows(DType dtype, const std::vector<float>& from, void* to) {
-  DispatchDType(dtype, [&]<typename T>() {
-    T* dst = static_cast<T*>(to);
-    for (size_t i = 0; i < from.size(); ++i) dst[i] = FromFloat<T>(from[i]);
-  });
-}
-
 // The kernels' view of this rank's heads.
 AttentionDims LocalDims(const HierExecContext& ctx) {
   const RankHierarchy& r = *ctx.rank;
@@ -351,34 +345,23 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
     args.q_rows = N;
     args.out = out32.data();
     args.lse = lse32.data();
-    const size_t n = r.steps.size();
-    std::unique_ptr<Transport::Pending> current, next;
-    if (n > 0) {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> p = ring.Post(0);
-      if (!p.ok()) return p.status();
-      current = *std::move(p);
-    }
-    if (!r.local_work.empty()) {
-      args.k = gk.data();
-      args.v = gv.data();
-      args.k_rows = N;
-      if (absl::Status s = ctx.kernels->Forward(args, r.local_work, threads); !s.ok()) return s;
-    }
-    for (size_t i = 0; i < n; ++i) {
-      if (i + 1 < n) {
-        absl::StatusOr<std::unique_ptr<Transport::Pending>> p = ring.Post(i + 1);
-        if (!p.ok()) return p.status();
-        next = *std::move(p);
-      }
-      if (absl::Status s = current->Wait(); !s.ok()) return s;
-      const SubRingStep& st = r.steps[i];
-      if (st.recv_group >= 0 && !st.recv_work.empty()) {
-        if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
-        args.k_rows = st.recv_rows;
-        if (absl::Status s = ctx.kernels->Forward(args, st.recv_work, threads); !s.ok()) return s;
-      }
-      current = std::move(next);
-    }
+    absl::Status run = RunStaged(
+        r.steps.size(), [&](size_t i) { return ring.Post(i); },
+        [&]() -> absl::Status {
+          if (r.local_work.empty()) return absl::OkStatus();
+          args.k = gk.data();
+          args.v = gv.data();
+          args.k_rows = N;
+          return ctx.kernels->Forward(args, r.local_work, threads);
+        },
+        [&](size_t i) -> absl::Status {
+          const SubRingStep& st = r.steps[i];
+          if (st.recv_group < 0 || st.recv_work.empty()) return absl::OkStatus();
+          if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
+          args.k_rows = st.recv_rows;
+          return ctx.kernels->Forward(args, st.recv_work, threads);
+        });
+    if (!run.ok()) return run;
   }
 
   // Back to the shards' owners: out in the storage dtype, lse as [rows, heads, 1] fp32.
@@ -459,20 +442,15 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
     args.q_rows = N;
     args.dq = dq32.data();
     const size_t n = r.steps.size();
-    std::unique_ptr<Transport::Pending> current, next;
-    if (n > 0) {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> p = ring.Post(0);
-      if (!p.ok()) return p.status();
-      current = *std::move(p);
-    }
-    if (!r.local_work.empty()) {
+    auto local = [&]() -> absl::Status {
+      if (r.local_work.empty()) return absl::OkStatus();
       args.k = gk.data();
       args.v = gv.data();
       args.k_rows = N;
       args.dk = dk32.data();
       args.dv = dv32.data();
-      if (absl::Status s = ctx.kernels->Backward(args, r.local_work, threads); !s.ok()) return s;
-    }
+      return ctx.kernels->Backward(args, r.local_work, threads);
+    };
     // Partials of the rows received at step i go back to their senders (dK then dV of the
     // sender's heads, fp32); those of our rows come back from the receivers of step i.
     std::vector<std::vector<float>> part_k[2], part_v[2];
@@ -499,13 +477,7 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       }
       return absl::OkStatus();
     };
-    for (size_t i = 0; i < n; ++i) {
-      if (i + 1 < n) {
-        absl::StatusOr<std::unique_ptr<Transport::Pending>> p = ring.Post(i + 1);
-        if (!p.ok()) return p.status();
-        next = *std::move(p);
-      }
-      if (absl::Status s = current->Wait(); !s.ok()) return s;
+    auto on_stage = [&](size_t i) -> absl::Status {
       const SubRingStep& st = r.steps[i];
       const size_t slot = i % 2;
       std::vector<SendOp> sends;
@@ -560,7 +532,12 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
         grads[1 - slot].reset();
         if (absl::Status s = add_returned(i - 1); !s.ok()) return s;
       }
-      current = std::move(next);
+      return absl::OkStatus();
+    };
+    if (absl::Status s = RunStaged(
+            n, [&](size_t i) { return ring.Post(i); }, local, on_stage);
+        !s.ok()) {
+      return s;
     }
     if (n > 0) {
       if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;
