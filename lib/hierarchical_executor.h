@@ -17,7 +17,7 @@
 // member order and rounds once), else in the storage dtype. The result is bitwise the same
 // from run to run.
 //
-// Every transport stage is named ("hier forward step 2 (kv from 3, 5; to 6)", "hier
+// Every transport stage is named ("hier forward step 2 (kv from rank 3, 5; to rank 6)", "hier
 // forward all-to-all q"), so a timeout says where it happened.
 #ifndef HSAP_LIB_HIERARCHICAL_EXECUTOR_H_
 #define HSAP_LIB_HIERARCHICAL_EXECUTOR_H_
