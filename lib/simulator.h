@@ -5,7 +5,8 @@
 // its destination's ingress port; it lasts bytes / min(bandwidths) and holds each port for
 // bytes / that port's bandwidth (a fast port is free again while a slow peer still
 // drains), then arrives one latency later; transfers on a busy port wait (first come,
-// first served, in order of readiness), which is how flows sharing a NIC contend. A compute task holds its device's engine.
+// first served, in order of readiness), which is how flows sharing a NIC contend. A compute task
+// holds its device's engine.
 //
 // Each pass runs: the all-to-all into the head layout (per group, in conflict-free rounds),
 // ring steps (rank r in a group computes its queries against the K/V block of the group
