@@ -70,8 +70,8 @@ absl::Status CheckSameDType(const hsapTensor_t* t, absl::string_view name, const
   if (absl::Status s = CheckNotNull(t, name); !s.ok()) return s;
   absl::StatusOr<DType> dtype = DTypeFromC(t->dtype, absl::StrCat(name, "->dtype"));
   if (!dtype.ok()) return dtype.status();
-  if (t->dtype != ref->dtype) {
-    const DType ref_dtype = *DTypeFromC(ref->dtype, ref_name);
+  const DType ref_dtype = *DTypeFromC(ref->dtype, ref_name);
+  if (*dtype != ref_dtype) {
     return absl::InvalidArgumentError(
         absl::StrCat("mismatched dtypes: ", name, " is ", std::string(DTypeName(*dtype)), " but ",
                      ref_name, " is ", std::string(DTypeName(ref_dtype)),

@@ -14,7 +14,8 @@ hsapResult_t hsapGetVersion(int* version) {
 }
 
 const char* hsapGetErrorString(hsapResult_t result) {
-  switch (result) {
+  // Read as an integer: a caller may pass any value, which C++ must not load as the enum.
+  switch (hsap::RawEnum(result)) {
     case hsapSuccess:
       return "success";
     case hsapInvalidArgument:

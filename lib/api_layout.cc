@@ -22,8 +22,10 @@ namespace {
 // beyond any real packed row.
 constexpr int64_t kMaxCount = int64_t{1} << 40;
 
-absl::StatusOr<MaskKind> MaskKindFromC(hsapMaskKind_t kind, int64_t index) {
-  switch (kind) {
+// Enums of the caller's arrays are read through RawEnum: they may hold any integer.
+absl::StatusOr<MaskKind> MaskKindFromC(const hsapMaskKind_t& kind, int64_t index) {
+  const auto raw = RawEnum(kind);
+  switch (raw) {
     case hsapMaskCausal:
       return MaskKind::kCausal;
     case hsapMaskFull:
@@ -34,13 +36,14 @@ absl::StatusOr<MaskKind> MaskKindFromC(hsapMaskKind_t kind, int64_t index) {
       return MaskKind::kSlidingWindow;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("kinds[", index, "] is ", static_cast<int>(kind),
+      absl::StrCat("kinds[", index, "] is ", static_cast<int64_t>(raw),
                    ", not a mask kind; use hsapMaskCausal, hsapMaskFull, hsapMaskPrefixLM or "
                    "hsapMaskSlidingWindow"));
 }
 
 absl::StatusOr<MaskSlice> SliceFromC(const hsapMaskSlice_t& s, int64_t index) {
-  switch (s.kind) {
+  const auto raw_kind = RawEnum(s.kind);
+  switch (raw_kind) {
     case hsapSliceFull:
       if (s.window != 0) {
         return absl::InvalidArgumentError(
@@ -56,7 +59,7 @@ absl::StatusOr<MaskSlice> SliceFromC(const hsapMaskSlice_t& s, int64_t index) {
       return MaskSlice::Causal(s.qBegin, s.qEnd, s.kBegin, s.kEnd, s.window);
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("slices[", index, "].kind is ", static_cast<int>(s.kind),
+      absl::StrCat("slices[", index, "].kind is ", static_cast<int64_t>(raw_kind),
                    ", not a slice kind; use hsapSliceFull or hsapSliceCausal"));
 }
 

@@ -27,17 +27,13 @@ absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view na
   return absl::OkStatus();
 }
 
-absl::StatusOr<DType> DTypeFromC(hsapDataType_t t, absl::string_view name) {
-  switch (t) {
-    case hsapFloat32:
-      return DType::kF32;
-    case hsapBFloat16:
-      return DType::kBF16;
-    case hsapFloat16:
-      return DType::kF16;
-  }
+absl::StatusOr<DType> DTypeFromC(const hsapDataType_t& t, absl::string_view name) {
+  const auto raw = RawEnum(t);
+  if (raw == hsapFloat32) return DType::kF32;
+  if (raw == hsapBFloat16) return DType::kBF16;
+  if (raw == hsapFloat16) return DType::kF16;
   return absl::InvalidArgumentError(absl::StrCat(name, " has unknown data type ",
-                                                 static_cast<int>(t),
+                                                 static_cast<int64_t>(raw),
                                                  "; use hsapFloat32, hsapBFloat16 or hsapFloat16"));
 }
 

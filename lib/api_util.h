@@ -3,7 +3,9 @@
 #define HSAP_LIB_API_UTIL_H_
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -28,10 +30,21 @@ absl::Status CheckNotNull(const void* p, absl::string_view name);
 
 // Checks a config struct header: size at least `min_size` (the size of version 1 of the
 // struct), magic == HSAP_CONFIG_MAGIC (the struct was filled by its initializer macro).
-absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view name,
-                               size_t min_size, absl::string_view initializer);
+absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view name, size_t min_size,
+                               absl::string_view initializer);
 
-absl::StatusOr<DType> DTypeFromC(hsapDataType_t t, absl::string_view name);
+// The value of an enum field of a caller's struct or array as its underlying integer, read
+// without loading it as the enum: callers may store any integer there, and loading a value
+// outside the enumerators as the enum type is undefined behaviour in C++.
+template <typename E>
+std::underlying_type_t<E> RawEnum(const E& field) {
+  std::underlying_type_t<E> value;
+  std::memcpy(&value, &field, sizeof(value));
+  return value;
+}
+
+// `t` by reference so that an out-of-range value is read through RawEnum, never loaded.
+absl::StatusOr<DType> DTypeFromC(const hsapDataType_t& t, absl::string_view name);
 
 // Checks that `t` is non-null, has data, and has the given dtype and shape; the message
 // names the tensor, what it has and what was expected.

@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attention/dtype.h"
@@ -22,6 +24,14 @@ namespace hsap {
 namespace {
 
 using ::testing::HasSubstr;
+
+// Stores an integer into an enum field of a C struct the way C code may, without forming
+// an out-of-range enum value in C++.
+template <typename E>
+void SetRaw(E& field, int value) {
+  const std::underlying_type_t<E> raw = static_cast<std::underlying_type_t<E>>(value);
+  std::memcpy(&field, &raw, sizeof(raw));
+}
 
 // Owns a layout handle.
 struct LayoutHandle {
@@ -164,7 +174,6 @@ TEST(ApiLayoutTest, RejectsBadDocumentsAndNamesTheArgument) {
   const std::vector<Case> cases = {
       {{1, 10, 30}, {}, {}, "cu_seqlens[0]"},
       {{0, 10, 5}, {}, {}, "non-decreasing"},
-      {{0, 10, 30}, {hsapMaskCausal, static_cast<hsapMaskKind_t>(9)}, {}, "kinds[1]"},
       {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {0, 21}, "params[1]"},
       {{0, 10, 30}, {hsapMaskPrefixLM, hsapMaskCausal}, {11, 0}, "params[0]"},
       {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {0, 0}, "params[1]"},
@@ -180,6 +189,11 @@ TEST(ApiLayoutTest, RejectsBadDocumentsAndNamesTheArgument) {
     EXPECT_THAT(std::string(hsapGetLastError()), HasSubstr("hsapLayoutCreate: "));
     EXPECT_EQ(layout, sentinel);
   }
+  // An integer that is no mask kind (stored raw: C++ may not form such an enum value).
+  hsapMaskKind_t bad_kinds[2] = {hsapMaskCausal, hsapMaskCausal};
+  SetRaw(bad_kinds[1], 9);
+  EXPECT_EQ(hsapLayoutCreate(&layout, cu, 2, bad_kinds, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(std::string(hsapGetLastError()), HasSubstr("kinds[1] is 9"));
   EXPECT_EQ(hsapLayoutCreate(nullptr, cu, 2, nullptr, nullptr), hsapInvalidArgument);
   EXPECT_THAT(std::string(hsapGetLastError()), HasSubstr("layout is null"));
   EXPECT_EQ(hsapLayoutCreate(&layout, nullptr, 2, nullptr, nullptr), hsapInvalidArgument);
@@ -217,7 +231,7 @@ TEST(ApiLayoutTest, RejectsBadSlices) {
   EXPECT_EQ(hsapLayoutCreateFromSlices(&layout, 8, &s, 1), hsapInvalidArgument);
   EXPECT_THAT(std::string(hsapGetLastError()), HasSubstr("slices[0].window"));
   s.window = 0;
-  s.kind = static_cast<hsapSliceKind_t>(5);
+  SetRaw(s.kind, 5);
   EXPECT_EQ(hsapLayoutCreateFromSlices(&layout, 8, &s, 1), hsapInvalidArgument);
   EXPECT_THAT(std::string(hsapGetLastError()), HasSubstr("slices[0].kind"));
   s.kind = hsapSliceFull;
@@ -401,7 +415,7 @@ TEST_F(ApiLocalErrorsTest, DTypes) {
   }
   {
     ForwardCall call(p_, layout_.h);
-    call.q.dtype = static_cast<hsapDataType_t>(11);
+    SetRaw(call.q.dtype, 11);
     ExpectForwardFails(call, hsapInvalidArgument, "q->dtype has unknown data type 11");
   }
 }
@@ -546,6 +560,10 @@ struct NumericCase {
   DType dtype;
   int hq, hkv, d;
 };
+
+void PrintTo(const NumericCase& c, std::ostream* os) {
+  *os << DTypeName(c.dtype) << " hq=" << c.hq << " hkv=" << c.hkv << " d=" << c.d;
+}
 
 class ApiLocalNumericTest : public ::testing::TestWithParam<NumericCase> {};
 
