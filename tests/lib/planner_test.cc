@@ -1,7 +1,9 @@
 #include "lib/planner.h"
 
+#include <random>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
@@ -131,6 +133,39 @@ TEST(PlannerTest, MemoryCapsAFastSmallDevice) {
   EXPECT_LT(fast_share, 0.6);
   EXPECT_GT(fullest, 0.9);
   EXPECT_LE(fullest, 1.0);
+}
+
+TEST(PlannerTest, RandomClustersNeverWorseThanAnyBaseline) {
+  std::mt19937 rng(20261129);
+  const char* kinds[] = {"H100", "A100", "A800", "L40S"};
+  const char* models[] = {"llama-3b", "llama-7b", "llama-13b"};
+  const int64_t seqs[] = {32768, 131072, 524288};
+  int planned = 0;
+  for (int trial = 0; trial < 12; ++trial) {
+    std::string nodes;
+    const int num_entries = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < num_entries; ++e) {
+      const int size = 2 << (rng() % 3);  // 2, 4 or 8 devices
+      absl::StrAppend(&nodes, e ? "," : "", "{\"kind\": \"", kinds[rng() % 4],
+                      "\", \"devices\": ", size, ", \"nics\": ", 1 + rng() % 4,
+                      ", \"nic_gbps\": ", 12.5 * (1 + rng() % 4), ", \"count\": ", 1 + rng() % 2,
+                      "}");
+    }
+    auto c = ClusterFromJsonText(absl::StrCat("{\"nodes\": [", nodes, "]}"));
+    ASSERT_TRUE(c.ok()) << c.status();
+    const Workload w = MakeWorkload(models[rng() % 3], seqs[rng() % 3]);
+    auto r = PlanAttention(*c, w);
+    SCOPED_TRACE(absl::StrCat("trial ", trial, ": ", c->Summary(), ", ", w.model.name, ", ",
+                              w.seq_len, " tokens"));
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      continue;
+    }
+    ++planned;
+    ExpectNeverWorse(*r);
+    EXPECT_GE(r->sim.Seconds(), IdealSeconds(*c, w) * (1 - 1e-9));
+  }
+  EXPECT_GE(planned, 8);  // most random cases fit; the property is exercised
 }
 
 TEST(PlannerTest, InfeasibleAndMalformedInputs) {
