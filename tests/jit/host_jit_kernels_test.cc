@@ -279,6 +279,13 @@ TEST(HostJitKernelsTest, ShardedBuffersComposeAndAreDeterministic) {
   std::vector<TokenRun> all_k = testing::RandomRuns(rng, tokens, 7, 1.0);
   std::vector<TokenRun> k_runs[2];
   for (size_t i = 0; i < all_k.size(); ++i) k_runs[i % 2].push_back(all_k[i]);
+  for (auto& runs : k_runs) {  // each buffer packs its own runs from row 0
+    int64_t local = 0;
+    for (TokenRun& r : runs) {
+      r.local_begin = local;
+      local += r.length;
+    }
+  }
   auto gather = [&](const std::vector<uint8_t>& src, const std::vector<TokenRun>& runs,
                     int64_t row) {
     const std::vector<int64_t> global = testing::GlobalOfLocal(runs);
