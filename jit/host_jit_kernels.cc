@@ -444,6 +444,8 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
                 spec.block_q,
                 spec.block_k,
                 static_cast<int>(spec.isa)};
+  // With the cache disabled (HSAP_JIT_DISABLE_CACHE) every request compiles.
+  if (!c.options().enabled) return CompileHostJitKernelsUnchecked(spec, c);
   {
     absl::MutexLock lock(&mu);
     auto it = loaded->find(key);

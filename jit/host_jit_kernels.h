@@ -55,6 +55,9 @@ HostKernelSpec HostKernelSpecFor(const AttentionDims& dims, DType dtype, bool ba
 bool HasBandMasks(const WorkList& work);
 
 // Compiles (or reuses) the kernels of `spec`. cache == nullptr: CompileCache::Global().
+// Loaded kernel sets are kept per (cache, spec) for the life of the process, so repeated
+// calls (one per plan or batch) are cheap; thread-safe. With a disabled cache every call
+// compiles and loads anew.
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
     const HostKernelSpec& spec, CompileCache* cache = nullptr);
 

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -462,6 +463,31 @@ TEST(HostJitKernelsTest, UnsupportedHeadDimForcedThroughIsACompileError) {
   std::stringstream ss;
   ss << kept.rdbuf();
   EXPECT_THAT(ss.str(), HasSubstr("constexpr int kD = 100;")) << path;
+}
+
+// Concurrent requests for one spec compile once and share one kernel set.
+TEST(HostJitKernelsTest, ConcurrentRequestsShareOneCompile) {
+  CompileCache::Options options;
+  options.dir = MakeTempDir() + "/cache";
+  CompileCache cache(options);
+  HostKernelSpec spec;
+  spec.dtype = DType::kF32;
+  spec.head_dim = 32;
+  spec.band_masks = false;
+  std::vector<std::shared_ptr<const HostJitKernelSet>> got(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      auto k = GetHostJitKernels(spec, &cache);
+      if (k.ok()) got[t] = *k;
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& k : got) {
+    ASSERT_NE(k, nullptr);
+    EXPECT_EQ(k, got[0]);
+  }
+  EXPECT_EQ(cache.stats().compiles, 1);
 }
 
 // A second process (a fresh cache object on the same directory) compiles nothing.
