@@ -496,7 +496,9 @@ int main(int argc, char** argv) {
         "inside the group (Q, K, V in; out and fp32 lse back) and by the sub-rings across groups; "
         "TE a2a, TE p2p: what TransformerEngine's a2a+p2p would receive per rank for the same "
         "row (symmetric groups of A = R/G ranks, documents padded to 2*R, equal shards, KV heads "
-        "replicated up to A; a2a: Q, K, V in and out back; p2p: every other group's K/V)\n");
+        "replicated up to A; a2a: Q, K, V in and out back; p2p: every other group's K/V); with a "
+        "plan, 'bytes max/mean' count both (a2a + p2p), so their ratio to the naive ring can "
+        "exceed 1\n");
   }
   std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
               o.iters, o.warmup);
