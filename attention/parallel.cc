@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -31,7 +32,13 @@ void ParallelFor(int64_t n, int num_threads, const std::function<void(int64_t)>&
   };
   std::vector<std::thread> pool;
   pool.reserve(threads - 1);
-  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  for (int64_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(worker);
+    } catch (const std::system_error&) {
+      break;  // out of threads: the ones running (and this one) take all items
+    }
+  }
   worker();
   for (std::thread& t : pool) t.join();
 }
