@@ -460,4 +460,21 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const AttentionDims& dims,
+                                                                     DType dtype,
+                                                                     const Layout& layout) {
+  if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  const bool band = std::any_of(layout.slices().begin(), layout.slices().end(),
+                                [](const MaskSlice& s) { return !s.IsFull(); });
+  absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> jit =
+      GetHostJitKernels(HostKernelSpecFor(dims, dtype, band));
+  if (jit.ok()) return std::shared_ptr<const KernelSet>(*std::move(jit));
+  if (jit.status().code() == absl::StatusCode::kUnavailable ||
+      jit.status().code() == absl::StatusCode::kUnimplemented) {
+    // Not an error of the caller's: run the hand-written kernels (not owned).
+    return std::shared_ptr<const KernelSet>(&HandWrittenKernels(), [](const KernelSet*) {});
+  }
+  return jit.status();
+}
+
 }  // namespace hsap::jit

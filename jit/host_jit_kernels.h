@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attention/kernel.h"
+#include "attention/layout.h"
 #include "attention/worklist.h"
 #include "jit/cache.h"
 #include "jit/codegen_host.h"
@@ -60,6 +61,15 @@ bool HasBandMasks(const WorkList& work);
 // compiles and loads anew.
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
     const HostKernelSpec& spec, CompileCache* cache = nullptr);
+
+// The kernels a host batch should run, compiled at batch creation: the JIT set for
+// (dims, dtype, band masks iff some slice of `layout` is not full), or the hand-written
+// kernels when this machine cannot JIT (no working C++ compiler: Unavailable; a CPU
+// without AVX2/FMA/F16C: Unimplemented). Compile errors and invalid dims are returned.
+// The result must outlive the batch that uses it (hold the shared_ptr in the handle).
+absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const AttentionDims& dims,
+                                                                     DType dtype,
+                                                                     const Layout& layout);
 
 // For tests: compiles `spec` without validating it first (an unsupported head dim then
 // fails in the compiler and must come back as CompileError). Not memoised.

@@ -490,6 +490,26 @@ TEST(HostJitKernelsTest, ConcurrentRequestsShareOneCompile) {
   EXPECT_EQ(cache.stats().compiles, 1);
 }
 
+TEST(HostJitKernelsTest, HostKernelsForBatchPicksTheJitSet) {
+  // The process-wide cache is built from the environment on first use: keep it in a
+  // private directory (no other test of this binary uses it).
+  setenv("HSAP_CACHE_DIR", (MakeTempDir() + "/global-cache").c_str(), 1);
+  const Layout causal = *Layout::FromDocuments(std::vector<int64_t>{0, 10, 30});
+  auto k = HostKernelsForBatch(Dims(4, 1, 64), DType::kBF16, causal);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_THAT(std::string((*k)->name()), HasSubstr("host-jit/"));
+  EXPECT_THAT(std::string((*k)->name()), HasSubstr("/band"));
+  const Layout full = *Layout::FromDocuments(
+      std::vector<int64_t>{0, 10, 30}, std::vector<MaskKind>{MaskKind::kFull, MaskKind::kFull});
+  k = HostKernelsForBatch(Dims(4, 1, 64), DType::kBF16, full);
+  ASSERT_TRUE(k.ok()) << k.status();
+  EXPECT_THAT(std::string((*k)->name()), HasSubstr("/full"));
+  AttentionDims bad = Dims(4, 1, 64);
+  bad.scale = 0.0f;
+  EXPECT_EQ(HostKernelsForBatch(bad, DType::kBF16, full).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // A second process (a fresh cache object on the same directory) compiles nothing.
 TEST(HostJitKernelsTest, SecondRunCompilesNothing) {
   CompileCache::Options options;
