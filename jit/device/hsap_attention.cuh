@@ -132,7 +132,7 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
     OnlineSoftmax sm;
     sm.init();
     float acc[S::kDT];
-#pragma unroll
+    HSAP_UNROLL
     for (int j = 0; j < S::kDT; ++j) acc[j] = 0.0f;
 
     for (long long si = qb.seg_begin; si < qb.seg_end; ++si) {
@@ -158,16 +158,16 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
 
         // Scores of row r against key columns c_j = tc + j * kTPR.
         float x[S::kNT];
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kNT; ++j) x[j] = 0.0f;
-#pragma unroll 4
+        HSAP_UNROLL_N(4)
         for (int kk = 0; kk < kD; ++kk) {
           const float qv = Qs[r * kLd + kk];
-#pragma unroll
+          HSAP_UNROLL
           for (int j = 0; j < S::kNT; ++j) x[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
         }
         float tile_max = neg_inf();
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kNT; ++j) {
           const int c = tc + j * kTPR;
           bool visible = r < rows && c < cols;
@@ -181,7 +181,7 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
         tile_max = group_max<kTPR>(tile_max);
         const float rescale = sm.begin_tile(tile_max);
         float tile_sum = 0.0f;
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kNT; ++j) {
           const float p = sm.weight(x[j]);
           tile_sum += p;
@@ -190,11 +190,11 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
         sm.end_tile(group_sum<kTPR>(tile_sum));
         __syncwarp();  // the row's P entries come from the kTPR lanes of this warp
 
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kDT; ++j) acc[j] *= rescale;
         for (int c = 0; c < kBN; ++c) {  // P and V are 0 beyond `cols`
           const float p = Ps[r * kPLd + c];
-#pragma unroll
+          HSAP_UNROLL
           for (int j = 0; j < S::kDT; ++j) acc[j] += p * Vs[c * kLd + tc + j * kTPR];
         }
       }
@@ -209,7 +209,7 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
       merged = merge_lse(*lse_ptr, lse2);
       if (lse2 != neg_inf()) {
         float* o = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kDT; ++j) {
           const int d = tc + j * kTPR;
           o[d] = merged.w1 * o[d] + merged.w2 * (acc[j] * inv_l);
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
     const float row_lse = r < rows ? p.lse[stat] : neg_inf();
     const float row_delta = r < rows ? p.delta[stat] : 0.0f;
     float dq[S::kDT];
-#pragma unroll
+    HSAP_UNROLL
     for (int j = 0; j < S::kDT; ++j) dq[j] = 0.0f;
 
     for (long long si = qb.seg_begin; si < qb.seg_end; ++si) {
@@ -317,19 +317,19 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
         const bool masked = Cfg::kHasBand && !full && !tile_inside_band(seg, q0, rows, k0, cols);
 
         float s[S::kNT], dp[S::kNT];
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kNT; ++j) s[j] = dp[j] = 0.0f;
-#pragma unroll 2
+        HSAP_UNROLL_N(2)
         for (int kk = 0; kk < kD; ++kk) {
           const float qv = Qs[r * kLd + kk];
           const float gv = dOs[r * kLd + kk];
-#pragma unroll
+          HSAP_UNROLL
           for (int j = 0; j < S::kNT; ++j) {
             s[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
             dp[j] += gv * Vs[(tc + j * kTPR) * kLd + kk];
           }
         }
-#pragma unroll
+        HSAP_UNROLL
         for (int j = 0; j < S::kNT; ++j) {
           const int c = tc + j * kTPR;
           bool visible = r < rows && c < cols && row_lse != neg_inf();
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
         // dq (row r, own columns): sum_c dS[r, c] K[c, d].
         for (int c = 0; c < kBN; ++c) {
           const float ds = dSs[r * kPLd + c];
-#pragma unroll
+          HSAP_UNROLL
           for (int j = 0; j < S::kDT; ++j) dq[j] += ds * Ks[c * kLd + tc + j * kTPR];
         }
         // dk, dv (key column c, dim d): sums over the tile's rows, then one atomic each.
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
     }
     if (r < rows) {
       float* g = p.dq + ((q0 + r) * p.heads_q + h) * static_cast<long long>(kD);
-#pragma unroll
+      HSAP_UNROLL
       for (int j = 0; j < S::kDT; ++j) g[tc + j * kTPR] += dq[j] * p.scale;
     }
   }

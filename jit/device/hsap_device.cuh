@@ -15,6 +15,16 @@
 
 #define HSAP_DEV __device__ __forceinline__
 
+// Loop unrolling hints (no-ops for the host compiler of the emulation).
+#ifdef HSAP_DEVICE_EMULATION
+#define HSAP_UNROLL
+#define HSAP_UNROLL_N(n)
+#else
+#define HSAP_PRAGMA(x) _Pragma(#x)
+#define HSAP_UNROLL HSAP_PRAGMA(unroll)
+#define HSAP_UNROLL_N(n) HSAP_PRAGMA(unroll n)
+#endif
+
 namespace hsap_dev {
 
 // Raw 16-bit storage types (bit patterns, like hsap::BF16 / hsap::F16 on the host).
@@ -136,7 +146,7 @@ HSAP_DEV float* dynamic_smem() {
 template <int kWidth>
 HSAP_DEV float group_max(float v) {
   static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0, "group width");
-#pragma unroll
+  HSAP_UNROLL
   for (int offset = kWidth / 2; offset > 0; offset /= 2) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   }
@@ -145,7 +155,7 @@ HSAP_DEV float group_max(float v) {
 template <int kWidth>
 HSAP_DEV float group_sum(float v) {
   static_assert(kWidth >= 1 && kWidth <= 32 && (kWidth & (kWidth - 1)) == 0, "group width");
-#pragma unroll
+  HSAP_UNROLL
   for (int offset = kWidth / 2; offset > 0; offset /= 2) {
     v += __shfl_xor_sync(0xffffffffu, v, offset);
   }

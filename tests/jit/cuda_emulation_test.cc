@@ -6,9 +6,9 @@
 // This checks the kernels' indexing, masking, online softmax, merges, barriers, shuffles
 // and the fused kernel's flag protocol on a machine without a GPU; tiles are small so that
 // several tiles, chunks and segments occur on short rows.
+// The emulator must come before the device code.
+// clang-format off
 #include "tests/jit/cuda_emulator.h"
-// clang-format off: the emulator must come first.
-#pragma GCC diagnostic ignored "-Wunknown-pragmas"  // #pragma unroll
 #include "jit/device/hsap_attention.cuh"
 // clang-format on
 
@@ -112,7 +112,7 @@ struct Problem {
 
 // Documents of every mask kind, lengths around the small tiles' edges.
 Layout MixedLayout() {
-  const std::vector<int64_t> cu = {0, 37, 66, 67, 108, 141, 158};
+  const std::vector<int64_t> cu = {0, 21, 38, 39, 62, 80, 93};
   const std::vector<MaskKind> kinds = {MaskKind::kCausal,   MaskKind::kFull,
                                        MaskKind::kCausal,   MaskKind::kSlidingWindow,
                                        MaskKind::kPrefixLM, MaskKind::kFull};
@@ -184,13 +184,14 @@ std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
 template <class Cfg>
 void LaunchInit(float* out, float* lse, int64_t rows) {
   hsap_dev::InitParams p{out, lse, rows, kHeadsQ};
-  hsap_emu::Launch(2, 1, 256, 0, false, [&] { hsap_dev::init_partial_kernel<Cfg>(p); });
+  hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::init_partial_kernel<Cfg>(p); });
 }
 
 // Forward of the work list `w` (q buffer = whole row, k/v buffer as given) into out/lse.
 template <class Cfg>
 unsigned int LaunchForward(const Problem& p, const WorkList& w, const void* k, const void* v,
-                           int64_t k_rows, float* out, float* lse, int heads_kv = kHeadsKv) {
+                           int64_t k_rows, float* out, float* lse, int heads_kv = kHeadsKv,
+                           const int* kv_map = nullptr) {
   const auto blocks = DeviceBlocks(w);
   const auto segments = DeviceSegments(w);
   unsigned int error_flag = 0;
@@ -202,7 +203,7 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, const void* k, c
   fp.lse = lse;
   fp.blocks = blocks.data();
   fp.segments = segments.data();
-  fp.kv_head_of_q = nullptr;
+  fp.kv_head_of_q = kv_map;
   fp.error_flag = &error_flag;
   fp.q_rows = p.T();
   fp.k_rows = k_rows;
@@ -218,9 +219,11 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, const void* k, c
 }
 
 template <typename StorageT, DType kType>
-void CheckForwardAndBackward(uint64_t seed) {
+void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
   using Cfg = TestCfg<StorageT, kDim, kHeadsQ / kHeadsKv, true, 0>;
-  const Problem p = MakeProblem(MixedLayout(), kType, seed);
+  Problem p = MakeProblem(MixedLayout(), kType, seed);
+  p.dims.kv_head_of_q = kv_map;
+  const int* kv_map_ptr = kv_map.empty() ? nullptr : kv_map.data();
   const int64_t T = p.T();
   absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 40);  // > kBlockM: chunked blocks
   ASSERT_TRUE(w.ok()) << w.status();
@@ -229,7 +232,9 @@ void CheckForwardAndBackward(uint64_t seed) {
   LaunchInit<Cfg>(out.data(), lse.data(), T);
   for (float x : lse) ASSERT_EQ(x, -INFINITY);
   for (float x : out) ASSERT_EQ(x, 0.0f);
-  EXPECT_EQ(LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data()), 0u);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data(), kHeadsKv,
+                               kv_map_ptr),
+            0u);
 
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
@@ -240,14 +245,14 @@ void CheckForwardAndBackward(uint64_t seed) {
   // Backward from the kernel's own (out, lse), out stored in the storage type.
   Tensor out_stored(kType, out.size());
   hsap_dev::ConvertParams cp{out.data(), out_stored.data(), static_cast<long long>(out.size())};
-  hsap_emu::Launch(3, 1, 256, 0, false, [&] { hsap_dev::convert_out_kernel<Cfg>(cp); });
+  hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::convert_out_kernel<Cfg>(cp); });
   for (size_t i = 0; i < out.size(); i += 97) {
     EXPECT_EQ(LoadAsFloat(kType, out_stored.data(), i), RoundTo(kType, out[i]));
   }
   std::vector<float> delta(T * kHeadsQ, -1.0f);
   hsap_dev::DeltaParams dp{p.dout.data(), out_stored.data(), delta.data(), T, kHeadsQ};
   // Fewer warps than items: the warp-stride loop covers the rest.
-  hsap_emu::Launch(3, 1, 256, 0, false, [&] { hsap_dev::attn_delta_kernel<Cfg>(dp); });
+  hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::attn_delta_kernel<Cfg>(dp); });
   for (int64_t r = 0; r < T; r += 13) {
     for (int h = 0; h < kHeadsQ; ++h) {
       double want = 0;
@@ -276,6 +281,7 @@ void CheckForwardAndBackward(uint64_t seed) {
   bp.dv = dv.data();
   bp.blocks = blocks.data();
   bp.segments = segments.data();
+  bp.kv_head_of_q = kv_map_ptr;
   bp.error_flag = &error_flag;
   bp.q_rows = T;
   bp.k_rows = T;
@@ -299,6 +305,10 @@ TEST(CudaEmulation, ForwardAndBackwardBf16) {
 }
 TEST(CudaEmulation, ForwardAndBackwardFp16) {
   CheckForwardAndBackward<hsap_dev::f16, DType::kF16>(3);
+}
+// A non-contiguous query-head to kv-head map (HexiSeq head ranges), given at run time.
+TEST(CudaEmulation, ForwardAndBackwardWithKvHeadMap) {
+  CheckForwardAndBackward<float, DType::kF32>(8, {1, 0, 0, 1});
 }
 
 // Keys in two shards: two partial forwards (rows that see nothing in a shard keep lse
@@ -347,7 +357,7 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
   EXPECT_TRUE(std::any_of(lses[0].begin(), lses[0].end(), [](float x) { return std::isinf(x); }));
   hsap_dev::MergeParams mp{
       outs[0].data(), lses[0].data(), outs[1].data(), lses[1].data(), T, kHeadsQ, T, T};
-  hsap_emu::Launch(2, 1, 256, 0, false, [&] { hsap_dev::lse_merge_kernel<Cfg>(mp); });
+  hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::lse_merge_kernel<Cfg>(mp); });
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
   const ReferenceForwardResult naive = NaiveForward(p.layout, in);
@@ -355,22 +365,29 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
   ExpectWithinRule("merged lse", lses[0], naive.lse, ref.lse);
 }
 
-// The fused kernel: K/V in three "peer" shards, one copy CTA staging them through the two
-// buffers while two compute CTAs attend; one shard becomes ready only later (a peer that
-// is still writing). The result equals the reference and every flag ends where the
-// protocol says.
-TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
-  constexpr int kSteps = 3;
+// The fused kernel: K/V in kSteps "peer" shards, copy CTAs staging them through the two
+// buffers while compute CTAs attend; step 1's shard is ready from the start, the last one
+// becomes ready only later (a peer that is still writing). The result equals the reference
+// and every counter and flag ends where the protocol says.
+template <int kSteps>
+void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
   using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, kSteps>;
-  const Problem p = MakeProblem(MixedLayout(), DType::kBF16, 6);
+  const Problem p = MakeProblem(MixedLayout(), DType::kBF16, seed);
   const int64_t T = p.T();
   const std::vector<TokenRun> all = {{0, 0, T}};
-  const int64_t cut1 = 50, cut2 = 111;
-  const std::vector<std::vector<TokenRun>> shards = {
-      {{cut1, 0, cut2 - cut1}}, {{0, 0, cut1}}, {{cut2, 0, T - cut2}}};
+  // Contiguous shards of random sizes, attended to in a shuffled order.
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> cuts = {0, T};
+  while (static_cast<int>(cuts.size()) < kSteps + 1) {
+    const int64_t c = std::uniform_int_distribution<int64_t>(1, T - 1)(rng);
+    if (std::find(cuts.begin(), cuts.end(), c) == cuts.end()) cuts.push_back(c);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<std::vector<TokenRun>> shards;
+  for (int s = 0; s < kSteps; ++s) shards.push_back({{cuts[s], 0, cuts[s + 1] - cuts[s]}});
+  std::shuffle(shards.begin(), shards.end(), rng);
 
   std::vector<Tensor> ks, vs;
-  std::vector<WorkList> works;
   std::vector<std::vector<hsap_dev::QueryBlock>> blocks;
   std::vector<std::vector<hsap_dev::KeySegment>> segments;
   int64_t max_rows = 0;
@@ -384,14 +401,14 @@ TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
     segments.push_back(DeviceSegments(*w));
     max_rows = std::max<int64_t>(max_rows, global.size());
   }
-  std::vector<uint16_t> stage_k0(max_rows * kHeadsKv * kDim), stage_k1(stage_k0.size()),
-      stage_v0(stage_k0.size()), stage_v1(stage_k0.size());
+  std::vector<std::vector<uint16_t>> stage(4, std::vector<uint16_t>(max_rows * kHeadsKv * kDim));
   std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
   LaunchInit<Cfg>(out.data(), lse.data(), T);
 
   unsigned int counters[4] = {0, 0, 0, 0};
-  unsigned int ready_flags[kSteps] = {0, 5, 0};  // step 1 already ready (value 5)
-  unsigned int consumed_flags[kSteps] = {0, 0, 0};
+  std::vector<unsigned int> ready_flags(kSteps, 1), consumed_flags(kSteps, 0);
+  ready_flags[1] = 5;           // published with value 5
+  ready_flags[kSteps - 1] = 0;  // published later by the "peer" thread
   unsigned int error_flag = 0;
   hsap_dev::FusedFwdParamsT<kSteps> fp{};
   fp.q = p.q.data();
@@ -399,17 +416,17 @@ TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
   fp.lse = lse.data();
   fp.kv_head_of_q = nullptr;
   fp.error_flag = &error_flag;
-  fp.stage_k[0] = stage_k0.data();
-  fp.stage_k[1] = stage_k1.data();
-  fp.stage_v[0] = stage_v0.data();
-  fp.stage_v[1] = stage_v1.data();
+  for (int b = 0; b < 2; ++b) {
+    fp.stage_k[b] = stage[b].data();
+    fp.stage_v[b] = stage[2 + b].data();
+  }
   fp.counters = counters;
   fp.q_rows = T;
   fp.heads_q = kHeadsQ;
   fp.heads_kv = kHeadsKv;
   fp.scale = p.dims.scale;
   fp.num_steps = kSteps;
-  fp.num_copy_ctas = 1;
+  fp.num_copy_ctas = copy_ctas;
   for (int s = 0; s < kSteps; ++s) {
     hsap_dev::FusedStep& st = fp.steps[s];
     st.k_src = ks[s].data();
@@ -422,21 +439,21 @@ TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
     st.k_rows = static_cast<long long>(ks[s].bits.size() / (kHeadsKv * kDim));
     st.num_blocks = static_cast<int>(blocks[s].size());
   }
-  // The "peer" owning shard 2 publishes it a little later.
   std::thread peer([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    std::atomic_ref<unsigned int>(ready_flags[2]).store(1, std::memory_order_release);
+    std::atomic_ref<unsigned int>(ready_flags[kSteps - 1]).store(1, std::memory_order_release);
   });
-  hsap_emu::Launch(3, 1, Cfg::kThreads, Cfg::kFwdSmemBytes, /*all_concurrent=*/true,
-                   [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); });
+  hsap_emu::Launch(copy_ctas + compute_ctas, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
+                   /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); });
   peer.join();
 
   EXPECT_EQ(error_flag, 0u);
-  EXPECT_EQ(counters[0], 2u);  // steps 0 and 2, one copy CTA each
-  EXPECT_EQ(counters[1], 1u);
-  EXPECT_EQ(counters[2], 4u);  // steps 0 and 2, two compute CTAs each
-  EXPECT_EQ(counters[3], 2u);
-  for (unsigned int c : consumed_flags) EXPECT_EQ(c, 1u);
+  const unsigned int uses[2] = {(kSteps + 1) / 2, kSteps / 2};  // steps per staging buffer
+  for (int b = 0; b < 2; ++b) {
+    EXPECT_EQ(counters[b], uses[b] * copy_ctas) << "ready[" << b << "]";
+    EXPECT_EQ(counters[2 + b], uses[b] * compute_ctas) << "consumed[" << b << "]";
+  }
+  for (unsigned int c : consumed_flags) EXPECT_EQ(c, static_cast<unsigned int>(copy_ctas));
 
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
@@ -444,6 +461,10 @@ TEST(CudaEmulation, FusedForwardStagesPeersThroughDoubleBuffers) {
   ExpectWithinRule("fused out", out, naive.out, ref.out);
   ExpectWithinRule("fused lse", lse, naive.lse, ref.lse);
 }
+
+TEST(CudaEmulation, FusedForwardThreeSteps) { CheckFused<3>(1, 2, 6); }
+// Each staging buffer reused twice or more, several copy CTAs splitting each copy.
+TEST(CudaEmulation, FusedForwardFiveStepsTwoCopiers) { CheckFused<5>(2, 3, 9); }
 
 // Broken contracts are flagged and skipped, never read out of bounds (ASan watches).
 TEST(CudaEmulation, ContractViolationsAreFlagged) {

@@ -15,6 +15,7 @@
 
 #define HSAP_DEVICE_EMULATION 1
 
+#include <algorithm>
 #include <atomic>
 #include <barrier>
 #include <bit>
@@ -71,7 +72,8 @@ inline float ShflXor(float v, int offset) {
 
 // Runs kernel() on a grid of grid_x * grid_y CTAs of `threads` threads each. With
 // `all_concurrent` every CTA runs at once (kernels whose CTAs wait on one another, like a
-// cooperative launch); otherwise one CTA at a time.
+// cooperative launch); otherwise CTAs run in batches of kBatch (independent CTAs; batching
+// bounds the number of threads while overlapping the barrier round trips of several CTAs).
 inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t smem_bytes,
                    bool all_concurrent, const std::function<void()>& kernel) {
   struct Item {
@@ -103,10 +105,13 @@ inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t
     }
     for (std::thread& th : pool) th.join();
   };
+  constexpr size_t kBatch = 8;
   if (all_concurrent) {
     run_ctas(0, items.size());
   } else {
-    for (size_t i = 0; i < items.size(); ++i) run_ctas(i, 1);
+    for (size_t i = 0; i < items.size(); i += kBatch) {
+      run_ctas(i, std::min(kBatch, items.size() - i));
+    }
   }
 }
 
