@@ -65,7 +65,7 @@ absl::StatusOr<MaskSlice> SliceFromC(const hsapMaskSlice_t& s, int64_t index) {
 
 hsapMaskSlice_t MakeCSlice(int64_t qb, int64_t qe, int64_t kb, int64_t ke, hsapSliceKind_t kind,
                            int64_t window) {
-  hsapMaskSlice_t c;
+  hsapMaskSlice_t c{};
   c.qBegin = qb;
   c.qEnd = qe;
   c.kBegin = kb;

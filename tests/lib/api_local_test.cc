@@ -332,7 +332,14 @@ TEST(ApiLayoutTest, SlicesCoverTheMaskExactlyOnce) {
   int64_t cap = 2;
   ASSERT_EQ(hsapLayoutGetSlices(docs.h, two.data(), &cap), hsapSuccess);
   EXPECT_EQ(cap, static_cast<int64_t>(all.size()));
-  EXPECT_EQ(std::memcmp(two.data(), all.data(), 2 * sizeof(hsapMaskSlice_t)), 0);
+  for (int i = 0; i < 2; ++i) {  // field by field: the struct has padding
+    EXPECT_EQ(two[i].qBegin, all[i].qBegin);
+    EXPECT_EQ(two[i].qEnd, all[i].qEnd);
+    EXPECT_EQ(two[i].kBegin, all[i].kBegin);
+    EXPECT_EQ(two[i].kEnd, all[i].kEnd);
+    EXPECT_EQ(two[i].kind, all[i].kind);
+    EXPECT_EQ(two[i].window, all[i].window);
+  }
   cap = -1;
   EXPECT_EQ(hsapLayoutGetSlices(docs.h, two.data(), &cap), hsapInvalidArgument);
 }
