@@ -16,6 +16,7 @@
 #include "hsap/hsap.h"
 #include "lib/api_util.h"
 #include "lib/batch.h"
+#include "lib/cuda/nccl_transport.h"
 #include "lib/errors.h"
 
 namespace hsap {
@@ -49,6 +50,10 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
   return hsap::RunApi("hsapBatchCreate", [&]() -> absl::Status {
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport());
+        !s.ok()) {
+      return s;
     }
     hsap::Communicator& c = *comm->comm;
     hsap::BatchOptions options;

@@ -11,6 +11,7 @@
 #include "lib/api_plan.h"
 #include "lib/api_util.h"
 #include "lib/batch.h"
+#include "lib/cuda/nccl_transport.h"
 #include "lib/errors.h"
 
 namespace hsap {
@@ -60,6 +61,10 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
   return hsap::RunApi("hsapBatchCreateWithPlan", [&]() -> absl::Status {
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport());
+        !s.ok()) {
+      return s;
     }
     hsap::BatchOptions options;
     absl::Status local = hsap::CheckCreateArgs(batch, layout, plan, config, options);

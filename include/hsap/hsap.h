@@ -155,10 +155,14 @@ typedef struct {
   unsigned int version;
   int timeoutMs;  /* every wait on a peer; 0: $HSAP_TIMEOUT_MS, else 300000 (5 minutes) */
   int numThreads; /* compute threads per rank; 0: hardware threads / ranks (at least 1) */
+  /* Added in 0.1 for the CUDA backend (callers built against the older, shorter struct are
+   * told apart by `size`): the caller's cudaStream_t, on which a CUDA communicator enqueues
+   * its communication; NULL: a stream of its own. Ignored by the host backend. */
+  void* cudaStream;
 } hsapCommConfig_t;
 
 #define HSAP_COMM_CONFIG_INITIALIZER \
-  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0 }
+  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL }
 
 /* Creates nranks ranks of the host backend in this process (comms[0..nranks-1]), like
  * ncclCommInitAll. Each rank's later calls are made from its own thread. config may be
@@ -312,6 +316,38 @@ typedef struct {
   uint64_t backwardRingBytesSent, backwardRingBytesReceived;
 } hsapTrafficDetail_t;
 hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* traffic);
+
+/* ---- CUDA communicators: one GPU per rank, over NCCL ---------------------------------- */
+
+/* CUDA, NCCL and the NVIDIA driver are loaded at run time. Where one is missing these calls
+ * return hsapUnsupported and hsapGetLastError() says what is missing ("libcuda.so.1 not
+ * found: no NVIDIA driver", "no CUDA device", "libnccl.so.2 not found"); the host backend
+ * keeps working. $HSAP_CUDA_LIB_PATH (colon-separated directories) replaces the library
+ * search path. Batches on CUDA communicators currently return hsapUnsupported (the GPU
+ * executor is not part of this build yet). */
+
+/* Opaque bootstrap token, like ncclUniqueId (128 bytes, copied between processes). */
+typedef struct {
+  char internal[128];
+} hsapUniqueId_t;
+
+/* Creates a token on one rank (to be broadcast to all ranks by the caller). */
+hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId);
+/* Collective over nranks processes/threads, one GPU each (the current CUDA device), like
+ * ncclCommInitRank. config may be NULL; config->cudaStream is honoured. */
+hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqueId, int rank,
+                              const hsapCommConfig_t* config);
+/* Adopts a trainer's existing ncclComm_t (passed as void*); the ncclComm stays owned by the
+ * caller and must outlive the hsap communicator. config may be NULL. */
+hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
+                                  const hsapCommConfig_t* config);
+/* Collective over comm: ranks with equal color form a new communicator (ordered by key, then
+ * rank), through ncclCommSplit -- e.g. the head-parallel groups of a plan. color < 0: this
+ * rank joins none and *newcomm is set to NULL. Only for CUDA communicators. */
+hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newcomm,
+                           const hsapCommConfig_t* config);
+/* 1 when comm is a CUDA (NCCL) communicator, 0 for the host backend. */
+hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda);
 
 /* @@ Later sections (communicators, batches, plans) go below this line. @@ */
 

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -192,8 +193,9 @@ std::vector<std::string> CudaLibrarySearchPath() {
     dirs.push_back(absl::StrCat(home, "/lib64"));
     dirs.push_back(absl::StrCat(home, "/lib"));
   }
-  dirs.push_back("/usr/local/cuda/lib64");
-  dirs.push_back("/usr/local/cuda/lib");
+  for (const char* d : {"/usr/local/cuda/lib64", "/usr/local/cuda/lib"}) {
+    if (std::find(dirs.begin(), dirs.end(), d) == dirs.end()) dirs.push_back(d);
+  }
   dirs.push_back("");
   return dirs;
 }

@@ -1,0 +1,287 @@
+// The CUDA communicator entry points and the dlopen paths. On a machine without a GPU these
+// check the clear hsapUnsupported reports; the GPU tests at the end skip there.
+#include <algorithm>
+#include <cstddef>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+#include "lib/api_util.h"
+#include "lib/cuda/cuda_loader.h"
+#include "lib/cuda/nccl_transport.h"
+
+namespace hsap::cuda {
+namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
+
+std::string LastError() { return hsapGetLastError(); }
+
+// Sets $HSAP_CUDA_LIB_PATH for the scope (restoring the old value).
+class ScopedLibPath {
+ public:
+  explicit ScopedLibPath(const std::string& value) {
+    if (const char* old = std::getenv("HSAP_CUDA_LIB_PATH"); old != nullptr) old_ = old;
+    had_ = std::getenv("HSAP_CUDA_LIB_PATH") != nullptr;
+    setenv("HSAP_CUDA_LIB_PATH", value.c_str(), 1);
+  }
+  ~ScopedLibPath() {
+    if (had_) {
+      setenv("HSAP_CUDA_LIB_PATH", old_.c_str(), 1);
+    } else {
+      unsetenv("HSAP_CUDA_LIB_PATH");
+    }
+  }
+
+ private:
+  std::string old_;
+  bool had_ = false;
+};
+
+std::string EmptyDir() {
+  const auto dir = std::filesystem::temp_directory_path() / "hsap_cuda_empty_libdir";
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+// Why the GPU tests cannot run here, or "" when a CUDA device and NCCL are usable.
+std::string NoGpuReason() {
+  absl::Status s = CheckNcclDevice();
+  return s.ok() ? "" : std::string(s.message());
+}
+
+#define SKIP_WITHOUT_GPU()                               \
+  do {                                                   \
+    if (std::string why = NoGpuReason(); !why.empty()) { \
+      GTEST_SKIP() << "no CUDA device: " << why;         \
+    }                                                    \
+  } while (0)
+
+TEST(CudaLoader, MissingLibrariesAreNamed) {
+  ScopedLibPath path(EmptyDir());
+  absl::StatusOr<const CudaDriverApi*> driver = LoadCudaDriver();
+  EXPECT_EQ(driver.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(driver.status().message(), HasSubstr("libcuda.so.1 not found: no NVIDIA driver"));
+  EXPECT_THAT(driver.status().message(), HasSubstr(EmptyDir()));
+  absl::StatusOr<const NcclApi*> nccl = LoadNccl();
+  EXPECT_THAT(nccl.status().message(), HasSubstr("libnccl.so.2 not found"));
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  EXPECT_THAT(rt.status().message(), HasSubstr("libcudart"));
+  EXPECT_THAT(CheckCudaDevice().message(), HasSubstr("libcuda.so.1 not found"));
+}
+
+TEST(CudaLoader, SearchPathHonoursOverrideAndDefaults) {
+  {
+    ScopedLibPath path("/a:/b::");
+    EXPECT_EQ(CudaLibrarySearchPath(), (std::vector<std::string>{"/a", "/b"}));
+  }
+  {
+    ScopedLibPath path("");
+    EXPECT_EQ(CudaLibrarySearchPath().size(), 1u);  // only a directory that does not exist
+  }
+  unsetenv("HSAP_CUDA_LIB_PATH");
+  const std::vector<std::string> dirs = CudaLibrarySearchPath();
+  ASSERT_FALSE(dirs.empty());
+  EXPECT_EQ(dirs.back(), "");  // the default loader path last
+}
+
+TEST(CudaLoader, DefaultSearchReportsWhatThisMachineLacks) {
+  absl::Status s = CheckNcclDevice();
+  if (s.ok()) GTEST_SKIP() << "this machine has a CUDA device and NCCL";
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(
+      std::string(s.message()),
+      AnyOf(HasSubstr("libcuda.so.1 not found: no NVIDIA driver"), HasSubstr("no CUDA device"),
+            HasSubstr("libnccl.so.2 not found"), HasSubstr("libcudart not found")));
+}
+
+TEST(CudaApi, UniqueIdWhereNcclLoads) {
+  hsapUniqueId_t id;
+  std::memset(&id, 0, sizeof(id));
+  EXPECT_EQ(sizeof(id), 128u);
+  if (!LoadNccl().ok()) {
+    EXPECT_EQ(hsapGetUniqueId(&id), hsapUnsupported);
+    EXPECT_THAT(LastError(), HasSubstr("libnccl.so.2 not found"));
+    return;
+  }
+  ASSERT_EQ(hsapGetUniqueId(&id), hsapSuccess) << LastError();
+  bool nonzero = false;
+  for (char c : id.internal) nonzero = nonzero || c != 0;
+  EXPECT_TRUE(nonzero);
+  EXPECT_EQ(hsapGetUniqueId(nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("uniqueId"));
+}
+
+TEST(CudaApi, UniqueIdWithoutNccl) {
+  ScopedLibPath path(EmptyDir());
+  hsapUniqueId_t id;
+  EXPECT_EQ(hsapGetUniqueId(&id), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("libnccl.so.2 not found"));
+}
+
+TEST(CudaApi, InitRankChecksArgumentsFirst) {
+  hsapUniqueId_t id{};
+  hsapComm_t comm = nullptr;
+  EXPECT_EQ(hsapCommInitRank(nullptr, 1, id, 0, nullptr), hsapInvalidArgument);
+  EXPECT_EQ(hsapCommInitRank(&comm, 0, id, 0, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("nranks = 0"));
+  EXPECT_EQ(hsapCommInitRank(&comm, 2, id, 2, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("rank = 2"));
+  hsapCommConfig_t bad = HSAP_COMM_CONFIG_INITIALIZER;
+  bad.magic = 0;
+  EXPECT_EQ(hsapCommInitRank(&comm, 1, id, 0, &bad), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("HSAP_COMM_CONFIG_INITIALIZER"));
+  EXPECT_EQ(comm, nullptr);
+  EXPECT_EQ(hsapCommInitFromNccl(&comm, nullptr, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("ncclComm"));
+}
+
+TEST(CudaApi, InitRankWithoutDriverIsUnsupported) {
+  ScopedLibPath path(EmptyDir());
+  hsapUniqueId_t id{};
+  hsapComm_t comm = nullptr;
+  hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
+  EXPECT_EQ(config.cudaStream, nullptr);
+  EXPECT_EQ(hsapCommInitRank(&comm, 1, id, 0, &config), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("libcuda.so.1 not found: no NVIDIA driver"));
+  EXPECT_EQ(comm, nullptr);
+  int fake = 0;
+  EXPECT_EQ(hsapCommInitFromNccl(&comm, &fake, &config), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("libcuda.so.1 not found"));
+}
+
+TEST(CudaApi, InitRankOnThisMachine) {
+  if (NoGpuReason().empty()) GTEST_SKIP() << "this machine has a CUDA device";
+  hsapUniqueId_t id{};
+  hsapComm_t comm = nullptr;
+  EXPECT_EQ(hsapCommInitRank(&comm, 1, id, 0, nullptr), hsapUnsupported);
+  EXPECT_EQ(LastError().find("hsapCommInitRank"), 0u) << LastError();
+  EXPECT_EQ(comm, nullptr);
+}
+
+TEST(CudaApi, HostCommunicatorsStayHost) {
+  hsapComm_t comms[2] = {nullptr, nullptr};
+  // A caller built against version 1 of the config (without cudaStream) still works.
+  hsapCommConfig_t old = HSAP_COMM_CONFIG_INITIALIZER;
+  old.size = offsetof(hsapCommConfig_t, numThreads) + sizeof(int);
+  ASSERT_EQ(hsapCommInitAll(comms, 2, &old), hsapSuccess) << LastError();
+  int is_cuda = -1;
+  ASSERT_EQ(hsapCommIsCuda(comms[0], &is_cuda), hsapSuccess);
+  EXPECT_EQ(is_cuda, 0);
+  hsapComm_t sub = comms[0];
+  EXPECT_EQ(hsapCommSplit(comms[0], 0, 0, &sub, nullptr), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("needs a CUDA communicator"));
+  EXPECT_EQ(sub, nullptr);
+  EXPECT_EQ(hsapCommIsCuda(nullptr, &is_cuda), hsapInvalidArgument);
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+}
+
+// ---- GPU tests ------------------------------------------------------------------------
+
+// Device buffer with upload/download through the loaded runtime.
+struct DeviceBuffer {
+  const CudaRuntimeApi* rt = nullptr;
+  void* p = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer(const CudaRuntimeApi* r, size_t n) : rt(r), bytes(n) {
+    EXPECT_TRUE(rt->Check(rt->Malloc(&p, n), "cudaMalloc").ok());
+  }
+  ~DeviceBuffer() { rt->Free(p); }
+  void Upload(const std::vector<uint8_t>& h) {
+    EXPECT_TRUE(rt->Check(rt->Memcpy(p, h.data(), bytes, kCudaMemcpyDefault), "upload").ok());
+  }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> h(bytes);
+    EXPECT_TRUE(rt->Check(rt->Memcpy(h.data(), p, bytes, kCudaMemcpyDefault), "download").ok());
+    return h;
+  }
+};
+
+std::vector<uint8_t> Pattern(size_t n, int seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>((i * 131 + seed * 17) & 0xff);
+  return v;
+}
+
+TEST(CudaGpu, SingleRankCommunicatorSendsToItself) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  hsapUniqueId_t id;
+  ASSERT_EQ(hsapGetUniqueId(&id), hsapSuccess) << LastError();
+  hsapComm_t comm = nullptr;
+  hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
+  config.timeoutMs = 60000;
+  ASSERT_EQ(hsapCommInitRank(&comm, 1, id, 0, &config), hsapSuccess) << LastError();
+  int is_cuda = 0;
+  ASSERT_EQ(hsapCommIsCuda(comm, &is_cuda), hsapSuccess);
+  EXPECT_EQ(is_cuda, 1);
+  // Batches refuse CUDA communicators until the GPU executor exists.
+  hsapLayout_t layout = nullptr;
+  const int64_t cu[] = {0, 16};
+  ASSERT_EQ(hsapLayoutCreate(&layout, cu, 1, nullptr, nullptr), hsapSuccess);
+  hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+  bc.numHeadsQ = bc.numHeadsKV = 1;
+  bc.headDim = 64;
+  hsapBatch_t batch = nullptr;
+  EXPECT_EQ(hsapBatchCreate(&batch, comm, layout, nullptr, &bc), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("GPU executor"));
+  hsapLayoutDestroy(layout);
+  hsapCommDestroy(comm);
+}
+
+// One thread per GPU, a ring exchange of two messages per stage through NcclTransport.
+TEST(CudaGpu, NcclTransportRingOnEveryGpu) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  int devices = 0;
+  ASSERT_TRUE(rt->Check(rt->GetDeviceCount(&devices), "cudaGetDeviceCount").ok());
+  if (devices < 2) GTEST_SKIP() << "no CUDA device: needs 2 GPUs, found " << devices;
+  const int R = std::min(devices, 8);
+  hsapUniqueId_t id;
+  ASSERT_EQ(hsapGetUniqueId(&id), hsapSuccess) << LastError();
+  std::vector<std::string> failures(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      rt->SetDevice(r);
+      hsapComm_t comm = nullptr;
+      hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
+      config.timeoutMs = 60000;
+      if (hsapCommInitRank(&comm, R, id, r, &config) != hsapSuccess) {
+        failures[r] = LastError();
+        return;
+      }
+      // Through the internal transport: send K and V (distinct sizes) to r+1.
+      hsapComm_st* handle = comm;
+      Transport& t = handle->comm->transport();
+      const size_t kb = 4096 + 64 * r, vb = 1000;
+      const int next = (r + 1) % R, prev = (r + R - 1) % R;
+      DeviceBuffer k(rt, kb), v(rt, vb), rk(rt, 4096 + 64 * prev), rv(rt, vb);
+      k.Upload(Pattern(kb, r));
+      v.Upload(Pattern(vb, 100 + r));
+      std::vector<SendOp> sends = {{next, v.p, vb, 2}, {next, k.p, kb, 1}};
+      std::vector<RecvOp> recvs = {{prev, rk.p, rk.bytes, 1}, {prev, rv.p, vb, 2}};
+      absl::Status s = t.Exchange(sends, recvs, "ring");
+      if (!s.ok()) {
+        failures[r] = std::string(s.message());
+      } else if (rk.Download() != Pattern(rk.bytes, prev) ||
+                 rv.Download() != Pattern(vb, 100 + prev)) {
+        failures[r] = "wrong data";
+      }
+      hsapCommDestroy(comm);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+}  // namespace
+}  // namespace hsap::cuda
