@@ -14,6 +14,7 @@
 #include "hsap/hsap.h"
 #include "lib/api_util.h"
 #include "lib/cuda/cuda_loader.h"
+#include "lib/cuda/loopback_transport.h"
 #include "lib/cuda/nccl_transport.h"
 
 namespace hsap::cuda {
@@ -281,6 +282,70 @@ TEST(CudaGpu, NcclTransportRingOnEveryGpu) {
   }
   for (auto& th : threads) th.join();
   for (int r = 0; r < R; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+}
+
+TEST(CudaLoopback, ArgumentsAndMissingDevice) {
+  EXPECT_EQ(CreateLoopbackTransports(0, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CreateLoopbackTransports(2, absl::Seconds(1), {nullptr}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ScopedLibPath path(EmptyDir());
+  absl::Status s = CreateLoopbackTransports(2, absl::Seconds(1)).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("libcuda.so.1 not found"));
+}
+
+// Four ranks on one GPU: a ring exchange, a size mismatch and a missing peer.
+TEST(CudaGpu, LoopbackRanksOnOneGpu) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  const int R = 4;
+  auto world = CreateLoopbackTransports(R, absl::Seconds(30));
+  ASSERT_TRUE(world.ok()) << world.status();
+  std::vector<std::string> failures(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      rt->SetDevice(0);
+      Transport& t = *(*world)[r];
+      const int next = (r + 1) % R, prev = (r + R - 1) % R;
+      const size_t kb = 1024 + 16 * r;
+      DeviceBuffer k(rt, kb), rk(rt, 1024 + 16 * prev);
+      k.Upload(Pattern(kb, r));
+      std::vector<SendOp> sends = {{next, k.p, kb, 7}};
+      std::vector<RecvOp> recvs = {{prev, rk.p, rk.bytes, 7}};
+      if (absl::Status s = t.Exchange(sends, recvs, "ring"); !s.ok()) {
+        failures[r] = std::string(s.message());
+      } else if (rk.Download() != Pattern(rk.bytes, prev)) {
+        failures[r] = "wrong data";
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
+  EXPECT_EQ((*world)[0]->counters().bytes_sent, 1024u);
+
+  // Sizes disagree: both sides fail.
+  DeviceBuffer a(rt, 64), b(rt, 32);
+  std::vector<SendOp> s0 = {{1, a.p, 64, 9}};
+  std::vector<RecvOp> r1 = {{0, b.p, 32, 9}};
+  auto p0 = (*world)[0]->Start(s0, {}, "mismatch");
+  ASSERT_TRUE(p0.ok());
+  EXPECT_THAT((*world)[1]->Exchange({}, r1, "mismatch").message(), HasSubstr("64 bytes"));
+  EXPECT_EQ((*p0)->Wait().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaGpu, LoopbackTimeoutNamesThePeer) {
+  SKIP_WITHOUT_GPU();
+  auto world = CreateLoopbackTransports(2, absl::Milliseconds(200));
+  ASSERT_TRUE(world.ok()) << world.status();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  DeviceBuffer b(rt, 16);
+  std::vector<RecvOp> r = {{1, b.p, 16, 3}};
+  absl::Status s = (*world)[0]->Exchange({}, r, "lonely");
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(s.message(), HasSubstr("waits for rank 1"));
 }
 
 }  // namespace
