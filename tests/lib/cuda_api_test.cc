@@ -87,7 +87,9 @@ TEST(CudaLoader, SearchPathHonoursOverrideAndDefaults) {
     ScopedLibPath path("");
     EXPECT_EQ(CudaLibrarySearchPath().size(), 1u);  // only a directory that does not exist
   }
-  unsetenv("HSAP_CUDA_LIB_PATH");
+  if (std::getenv("HSAP_CUDA_LIB_PATH") != nullptr) {
+    GTEST_SKIP() << "$HSAP_CUDA_LIB_PATH is set for this run; the default path is not used";
+  }
   const std::vector<std::string> dirs = CudaLibrarySearchPath();
   ASSERT_FALSE(dirs.empty());
   EXPECT_EQ(dirs.back(), "");  // the default loader path last
