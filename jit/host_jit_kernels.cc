@@ -1,6 +1,7 @@
 #include "jit/host_jit_kernels.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -310,7 +311,9 @@ class LoadedKernels final : public HostJitKernelSet {
                                                      " but the kernels ", name_,
                                                      " were compiled for ", spec_.head_dim));
     }
-    if (dims.heads_q != dims.heads_kv * spec_.gqa_ratio) {
+    // An explicit kv-head table (a rank holding an arbitrary subset of heads) maps each query
+    // head itself; the compiled ratio only describes the default mapping.
+    if (dims.kv_head_of_q.empty() && dims.heads_q != dims.heads_kv * spec_.gqa_ratio) {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": heads_q / heads_kv = ", dims.heads_q, " / ", dims.heads_kv, " but the kernels ",
           name_, " were compiled for a GQA ratio of ", spec_.gqa_ratio));
@@ -464,6 +467,16 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const Atten
                                                                      DType dtype,
                                                                      const Layout& layout) {
   if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  const std::shared_ptr<const KernelSet> hand_written(&HandWrittenKernels(),
+                                                      [](const KernelSet*) {});
+  if (const char* choice = std::getenv("HSAP_HOST_KERNELS"); choice != nullptr && *choice) {
+    const std::string_view c(choice);
+    if (c == "handwritten") return hand_written;
+    if (c != "jit") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "HSAP_HOST_KERNELS is '", choice, "'; set it to 'jit' (default) or 'handwritten'"));
+    }
+  }
   const bool band = std::any_of(layout.slices().begin(), layout.slices().end(),
                                 [](const MaskSlice& s) { return !s.IsFull(); });
   absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> jit =
@@ -471,8 +484,8 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const Atten
   if (jit.ok()) return std::shared_ptr<const KernelSet>(*std::move(jit));
   if (jit.status().code() == absl::StatusCode::kUnavailable ||
       jit.status().code() == absl::StatusCode::kUnimplemented) {
-    // Not an error of the caller's: run the hand-written kernels (not owned).
-    return std::shared_ptr<const KernelSet>(&HandWrittenKernels(), [](const KernelSet*) {});
+    // Not an error of the caller's: run the hand-written kernels.
+    return hand_written;
   }
   return jit.status();
 }

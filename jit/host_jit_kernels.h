@@ -64,9 +64,11 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
 
 // The kernels a host batch should run, compiled at batch creation: the JIT set for
 // (dims, dtype, band masks iff some slice of `layout` is not full), or the hand-written
-// kernels when this machine cannot JIT (no working C++ compiler: Unavailable; a CPU
-// without AVX2/FMA/F16C: Unimplemented). Compile errors and invalid dims are returned.
-// The result must outlive the batch that uses it (hold the shared_ptr in the handle).
+// kernels when this machine cannot JIT (no working C++ compiler: Unavailable; a CPU without
+// AVX2/FMA/F16C: Unimplemented) or when $HSAP_HOST_KERNELS is "handwritten" (the
+// yardstick; unset or "jit" selects the JIT set, anything else is an error). Compile errors
+// and invalid dims are returned. The result must outlive the batch that uses it (hold the
+// shared_ptr in the handle).
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const AttentionDims& dims,
                                                                      DType dtype,
                                                                      const Layout& layout);

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "hsap/hsap.h"
+#include "jit/host_jit_kernels.h"
 #include "lib/api_util.h"
 #include "lib/batch.h"
 #include "lib/cuda/nccl_transport.h"
@@ -41,6 +42,14 @@ absl::Status FirstError(Checks&&... checks) {
 }
 
 }  // namespace
+
+absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
+                                                                       const Layout& layout) {
+  absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+  if (!dims.ok()) return dims.status();
+  return jit::HostKernelsForBatch(*dims, options.dtype, layout);
+}
+
 }  // namespace hsap
 
 extern "C" {
@@ -51,8 +60,7 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
     }
-    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport());
-        !s.ok()) {
+    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport()); !s.ok()) {
       return s;
     }
     hsap::Communicator& c = *comm->comm;
@@ -90,13 +98,27 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
-        hsap::Batch::Create(c, l, w, options, hsap::HandWrittenKernels(), local);
+    // Kernels are compiled here, at batch creation, not in the first forward call. A
+    // rank whose compile fails still takes part in the collective creation (with the
+    // hand-written set as a placeholder) so that its peers fail promptly too.
+    std::shared_ptr<const hsap::KernelSet> kernels;
+    if (local.ok()) {
+      absl::StatusOr<std::shared_ptr<const hsap::KernelSet>> k =
+          hsap::HostKernelsForOptions(options, l);
+      if (k.ok()) {
+        kernels = *std::move(k);
+      } else {
+        local = k.status();
+      }
+    }
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
+        c, l, w, options, kernels ? *kernels : hsap::HandWrittenKernels(), local);
     if (!b.ok()) return b.status();
     auto handle = std::make_unique<hsapBatch_st>();
     handle->partition.partition = (*b)->partition();
     handle->partition.owned_by_batch = true;
     handle->batch = *std::move(b);
+    handle->kernels = std::move(kernels);
     *batch = handle.release();
     return absl::OkStatus();
   });

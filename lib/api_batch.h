@@ -4,6 +4,9 @@
 
 #include <memory>
 
+#include "absl/status/statusor.h"
+#include "attention/kernel.h"
+#include "attention/layout.h"
 #include "lib/batch.h"
 #include "lib/partition.h"
 
@@ -14,8 +17,21 @@ struct hsapPartition_st {
 };
 
 struct hsapBatch_st {
+  // The kernels the batch runs (declared first: the batch refers to them, so they must be
+  // destroyed after it).
+  std::shared_ptr<const hsap::KernelSet> kernels;
   std::unique_ptr<hsap::Batch> batch;
   hsapPartition_st partition;
 };
+
+namespace hsap {
+
+// The host kernels a batch with these options runs over `layout`, compiled now (batch
+// creation): the JIT set, or the hand-written one where the JIT cannot run
+// (jit::HostKernelsForBatch).
+absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
+                                                                       const Layout& layout);
+
+}  // namespace hsap
 
 #endif  // HSAP_LIB_API_BATCH_H_

@@ -62,8 +62,7 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
     }
-    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport());
-        !s.ok()) {
+    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport()); !s.ok()) {
       return s;
     }
     hsap::BatchOptions options;
@@ -72,13 +71,27 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     static const hsap::Plan* const kNoPlan = new hsap::Plan();
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
-        hsap::Batch::CreateWithPlan(*comm->comm, l, p, options, hsap::HandWrittenKernels(), local);
+    // Kernels are compiled here, at batch creation, not in the first forward call. A
+    // rank whose compile fails still takes part in the collective creation (with the
+    // hand-written set as a placeholder) so that its peers fail promptly too.
+    std::shared_ptr<const hsap::KernelSet> kernels;
+    if (local.ok()) {
+      absl::StatusOr<std::shared_ptr<const hsap::KernelSet>> k =
+          hsap::HostKernelsForOptions(options, l);
+      if (k.ok()) {
+        kernels = *std::move(k);
+      } else {
+        local = k.status();
+      }
+    }
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
+        *comm->comm, l, p, options, kernels ? *kernels : hsap::HandWrittenKernels(), local);
     if (!b.ok()) return b.status();
     auto handle = std::make_unique<hsapBatch_st>();
     handle->partition.partition = (*b)->partition();
     handle->partition.owned_by_batch = true;
     handle->batch = *std::move(b);
+    handle->kernels = std::move(kernels);
     *batch = handle.release();
     return absl::OkStatus();
   });

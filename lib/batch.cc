@@ -41,7 +41,10 @@ struct CallRecord {
 
 const char* KindName(uint64_t kind) { return kind == 1 ? "forward" : "backward"; }
 
-absl::Status ValidateOptions(const BatchOptions& o, AttentionDims& dims) {
+}  // namespace
+
+absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& o) {
+  AttentionDims dims;
   if (o.heads_q <= 0 || o.heads_kv <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "numHeadsQ = ", o.heads_q, ", numHeadsKV = ", o.heads_kv, "; both must be positive"));
@@ -59,10 +62,9 @@ absl::Status ValidateOptions(const BatchOptions& o, AttentionDims& dims) {
   dims.heads_kv = o.heads_kv;
   dims.head_dim = o.head_dim;
   dims.scale = o.scale != 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-  return ValidateDims(dims);
+  if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  return dims;
 }
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
                                                      absl::Span<const double> weights,
@@ -74,7 +76,14 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
   batch->kernels_ = &kernels;
   batch->options_ = options;
   absl::Status local = local_check;
-  if (local.ok()) local = ValidateOptions(options, batch->dims_);
+  if (local.ok()) {
+    absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+    if (dims.ok()) {
+      batch->dims_ = *std::move(dims);
+    } else {
+      local = dims.status();
+    }
+  }
   if (local.ok()) {
     absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
     if (p.ok()) {
@@ -163,7 +172,14 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
   batch->kernels_ = &kernels;
   batch->options_ = options;
   absl::Status local = local_check;
-  if (local.ok()) local = ValidateOptions(options, batch->dims_);
+  if (local.ok()) {
+    absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+    if (dims.ok()) {
+      batch->dims_ = *std::move(dims);
+    } else {
+      local = dims.status();
+    }
+  }
   if (local.ok()) local = plan.Validate();
   if (local.ok() && plan.num_ranks != comm.size()) {
     local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,

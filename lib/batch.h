@@ -40,6 +40,10 @@ struct BatchOptions {
   float scale = 0.0f;  // 0: 1/sqrt(head_dim)
 };
 
+// The head geometry of a batch (scale 0 resolved to 1/sqrt(head_dim)), or InvalidArgument
+// naming the field at fault.
+absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& options);
+
 struct BatchTraffic {
   ExecTraffic forward;   // of the last forward
   ExecTraffic backward;  // of the last backward

@@ -18,6 +18,7 @@
 #include "attention/reference.h"
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
+#include "lib/api_batch.h"
 #include "lib/batch.h"
 #include "lib/communicator.h"
 #include "lib/hierarchical_executor.h"
@@ -107,7 +108,8 @@ Inputs MakeInputs(const Plan& plan, DType dtype, int head_dim, int64_t T, uint64
   return in;
 }
 
-Result RunHier(const Layout& layout, const Plan& plan, const Inputs& in, int head_dim) {
+Result RunHier(const Layout& layout, const Plan& plan, const Inputs& in, int head_dim,
+               const KernelSet& kernels = HandWrittenKernels()) {
   const int R = plan.num_ranks;
   const int64_t T = layout.num_tokens();
   const DType dtype = in.q.dtype;
@@ -159,7 +161,7 @@ Result RunHier(const Layout& layout, const Plan& plan, const Inputs& in, int hea
       HierExecContext ctx;
       ctx.comm = (*world)[r].get();
       ctx.rank = &*rh;
-      ctx.kernels = &HandWrittenKernels();
+      ctx.kernels = &kernels;
       ctx.dims = AttentionDims{plan.heads_q,
                                plan.heads_kv,
                                head_dim,
@@ -503,7 +505,16 @@ TEST(HierarchicalCApi, BatchWithPlanMatchesTheExecutor) {
   const DType dtype = DType::kBF16;
   const int D = 32, R = plan.num_ranks;
   const Inputs in = MakeInputs(plan, dtype, D, layout.num_tokens(), 3);
-  const Result want = RunHier(layout, plan, in, D);
+  // The C API runs the kernels compiled at batch creation (the JIT set where this machine
+  // can build it): the executor must run the same ones for a bitwise comparison.
+  BatchOptions options;
+  options.dtype = dtype;
+  options.heads_q = plan.heads_q;
+  options.heads_kv = plan.heads_kv;
+  options.head_dim = D;
+  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = HostKernelsForOptions(options, layout);
+  ASSERT_TRUE(kernels.ok()) << kernels.status();
+  const Result want = RunHier(layout, plan, in, D, **kernels);
 
   hsapLayout_t cl = nullptr;
   std::vector<int64_t> cu{0};
