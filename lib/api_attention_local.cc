@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "attention/layout.h"
 #include "attention/worklist.h"
 #include "hsap/hsap.h"
+#include "jit/host_jit_kernels.h"
 #include "lib/api_util.h"
 #include "lib/errors.h"
 
@@ -192,6 +194,13 @@ size_t Elements(int64_t tokens, int heads, int head_dim) {
   return static_cast<size_t>(tokens) * static_cast<size_t>(heads) * static_cast<size_t>(head_dim);
 }
 
+// The host kernels for this problem: the JIT set (compiled on the first call for a
+// configuration, then reused from memory or the disk cache), or the hand-written kernels
+// where the JIT cannot run or $HSAP_HOST_KERNELS=handwritten.
+absl::StatusOr<std::shared_ptr<const KernelSet>> LocalKernels(const LocalProblem& p) {
+  return jit::HostKernelsForBatch(p.dims, p.dtype, *p.layout);
+}
+
 absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,
                           const hsapTensor_t* q, const hsapTensor_t* k, const hsapTensor_t* v,
                           hsapTensor_t* out, float* lse) {
@@ -220,7 +229,9 @@ absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layo
   args.k_rows = p.tokens;
   args.out = out_f32.data();
   args.lse = lse_f32.data();
-  if (absl::Status s = KernelForward(args, *work, p.num_threads); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
+  if (!kernels.ok()) return kernels.status();
+  if (absl::Status s = (*kernels)->Forward(args, *work, p.num_threads); !s.ok()) return s;
 
   StoreConverted(p.dtype, out_f32, out->data);
   std::copy(lse_f32.begin(), lse_f32.end(), lse);
@@ -268,7 +279,9 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
   args.dq = dq_f32.data();
   args.dk = dk_f32.data();
   args.dv = dv_f32.data();
-  if (absl::Status s = KernelBackward(args, *work, p.num_threads); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
+  if (!kernels.ok()) return kernels.status();
+  if (absl::Status s = (*kernels)->Backward(args, *work, p.num_threads); !s.ok()) return s;
 
   StoreConverted(p.dtype, dq_f32, dq->data);
   StoreConverted(p.dtype, dk_f32, dk->data);
