@@ -50,6 +50,31 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const Bat
   return jit::HostKernelsForBatch(*dims, options.dtype, layout);
 }
 
+std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, const Layout& layout,
+                                                  absl::Status& local) {
+  if (!local.ok()) return nullptr;
+  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = HostKernelsForOptions(options, layout);
+  if (!kernels.ok()) {
+    local = kernels.status();
+    return nullptr;
+  }
+  return *std::move(kernels);
+}
+
+const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels) {
+  return kernels != nullptr ? *kernels : HandWrittenKernels();
+}
+
+hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
+                             std::shared_ptr<const KernelSet> kernels) {
+  auto handle = std::make_unique<hsapBatch_st>();
+  handle->partition.partition = batch->partition();
+  handle->partition.owned_by_batch = true;
+  handle->batch = std::move(batch);
+  handle->kernels = std::move(kernels);
+  return handle.release();
+}
+
 }  // namespace hsap
 
 extern "C" {
@@ -98,28 +123,11 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
-    // Kernels are compiled here, at batch creation, not in the first forward call. A
-    // rank whose compile fails still takes part in the collective creation (with the
-    // hand-written set as a placeholder) so that its peers fail promptly too.
-    std::shared_ptr<const hsap::KernelSet> kernels;
-    if (local.ok()) {
-      absl::StatusOr<std::shared_ptr<const hsap::KernelSet>> k =
-          hsap::HostKernelsForOptions(options, l);
-      if (k.ok()) {
-        kernels = *std::move(k);
-      } else {
-        local = k.status();
-      }
-    }
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
-        c, l, w, options, kernels ? *kernels : hsap::HandWrittenKernels(), local);
+    std::shared_ptr<const hsap::KernelSet> kernels = hsap::KernelsForCreate(options, l, local);
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
+        hsap::Batch::Create(c, l, w, options, hsap::KernelsOrPlaceholder(kernels), local);
     if (!b.ok()) return b.status();
-    auto handle = std::make_unique<hsapBatch_st>();
-    handle->partition.partition = (*b)->partition();
-    handle->partition.owned_by_batch = true;
-    handle->batch = *std::move(b);
-    handle->kernels = std::move(kernels);
-    *batch = handle.release();
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
     return absl::OkStatus();
   });
 }

@@ -32,6 +32,18 @@ namespace hsap {
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
                                                                        const Layout& layout);
 
+// The kernels of a batch being created, compiled now (at creation, not in the first forward
+// call) unless `local` already holds an error. A compile failure is stored in `local` and
+// null is returned: the rank still takes part in the collective creation, so that its peers
+// fail promptly too, with KernelsOrPlaceholder() standing in for the kernels.
+std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, const Layout& layout,
+                                                  absl::Status& local);
+const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels);
+
+// The handle of a created batch; it owns the batch and keeps its kernels alive.
+hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
+                             std::shared_ptr<const KernelSet> kernels);
+
 }  // namespace hsap
 
 #endif  // HSAP_LIB_API_BATCH_H_

@@ -71,28 +71,11 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     static const hsap::Plan* const kNoPlan = new hsap::Plan();
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
-    // Kernels are compiled here, at batch creation, not in the first forward call. A
-    // rank whose compile fails still takes part in the collective creation (with the
-    // hand-written set as a placeholder) so that its peers fail promptly too.
-    std::shared_ptr<const hsap::KernelSet> kernels;
-    if (local.ok()) {
-      absl::StatusOr<std::shared_ptr<const hsap::KernelSet>> k =
-          hsap::HostKernelsForOptions(options, l);
-      if (k.ok()) {
-        kernels = *std::move(k);
-      } else {
-        local = k.status();
-      }
-    }
+    std::shared_ptr<const hsap::KernelSet> kernels = hsap::KernelsForCreate(options, l, local);
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
-        *comm->comm, l, p, options, kernels ? *kernels : hsap::HandWrittenKernels(), local);
+        *comm->comm, l, p, options, hsap::KernelsOrPlaceholder(kernels), local);
     if (!b.ok()) return b.status();
-    auto handle = std::make_unique<hsapBatch_st>();
-    handle->partition.partition = (*b)->partition();
-    handle->partition.owned_by_batch = true;
-    handle->batch = *std::move(b);
-    handle->kernels = std::move(kernels);
-    *batch = handle.release();
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
     return absl::OkStatus();
   });
 }
