@@ -12,6 +12,7 @@
 #include "hsap/hsap.h"
 #include "lib/distributed_harness.h"
 #include "lib/random_layouts.h"
+#include "tolerance.h"
 
 namespace hsap {
 namespace {
@@ -24,41 +25,9 @@ using ::hsap::testing::RandomSliceLayout;
 using ::hsap::testing::RowInputs;
 using ::hsap::testing::RowOutputs;
 
-double MaxAbsError(const HostTensor& got, const std::vector<double>& want) {
-  double err = 0.0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double e = std::abs(static_cast<double>(got.At(i)) - want[i]);
-    if (!(e <= err)) err = e;  // NaN wins
-  }
-  return err;
-}
-double MaxAbsError(const std::vector<double>& got, const std::vector<double>& want) {
-  double err = 0.0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    if (std::isinf(want[i]) && got[i] == want[i]) continue;
-    const double e = std::abs(got[i] - want[i]);
-    if (!(e <= err)) err = e;
-  }
-  return err;
-}
-double MaxAbs(const std::vector<double>& x) {
-  double m = 0.0;
-  for (double v : x) {
-    if (std::isfinite(v)) m = std::max(m, std::abs(v));
-  }
-  return m;
-}
-double Unit(DType t) {
-  return t == DType::kF32    ? std::ldexp(1.0, -24)
-         : t == DType::kBF16 ? std::ldexp(1.0, -8)
-                             : std::ldexp(1.0, -11);
-}
-void ExpectWithinRule(const std::string& what, double err, double naive_err, double magnitude,
-                      DType dtype) {
-  const double floor = 4.0 * Unit(dtype) * std::max(1.0, magnitude);
-  EXPECT_LE(err, 2.0 * naive_err + floor) << what << " (" << DTypeName(dtype) << "): error " << err
-                                          << ", naive error " << naive_err << ", floor " << floor;
-}
+using ::hsap::testing::ExpectWithinRule;
+using ::hsap::testing::MaxAbs;
+using ::hsap::testing::MaxAbsError;
 
 // Runs the case and checks every output against the references.
 RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64_t seed) {
