@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The main job: installs what is missing, builds, and runs the distributed attention bench
 # (4 host ranks over packed rows of long-tailed documents, then under a hierarchical plan),
-# checked against the
-# single-device fp64 reference. Exits nonzero if any element is outside the tolerance rule
+# checked against the single-device fp64 reference. Exits nonzero if any element is outside the tolerance rule
 # (#wrong > 0) or anything fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
