@@ -521,7 +521,8 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   for (const Candidate& c : candidates) {
     auto sim = Simulate(cluster, workload, c.plan);
     if (!sim.ok()) return sim.status();
-    if (std::getenv("HSAP_PLAN_DEBUG")) {
+    static const bool debug = std::getenv("HSAP_PLAN_DEBUG") != nullptr;
+    if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
                    c.label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
                    sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
