@@ -349,8 +349,6 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
 /* 1 when comm is a CUDA (NCCL) communicator, 0 for the host backend. */
 hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda);
 
-/* @@ Later sections (communicators, batches, plans) go below this line. @@ */
-
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
