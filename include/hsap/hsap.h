@@ -13,6 +13,7 @@
  *    HSAP_*_INITIALIZER macro before fields are set, so that fields can be added later
  *    without breaking callers.
  *  - Handles are opaque. A handle is used by one thread at a time unless stated otherwise.
+ *    Every hsap*Destroy accepts NULL and does nothing.
  */
 #ifndef HSAP_HSAP_H_
 #define HSAP_HSAP_H_
