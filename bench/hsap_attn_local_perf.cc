@@ -21,10 +21,17 @@
 #include "attention/layout.h"
 #include "attention/parallel.h"
 #include "attention/reference.h"
+#include "bench/bench_util.h"
 #include "hsap/hsap.h"
 #include "lib/api_util.h"
 
 namespace {
+
+using ::hsap::bench::Clock;
+using ::hsap::bench::Must;
+using ::hsap::bench::ParseDType;
+using ::hsap::bench::Seconds;
+using ::hsap::bench::ToC;
 
 struct Options {
   int64_t tokens_begin = 4096;
@@ -76,28 +83,14 @@ struct Options {
 Options ParseOptions(int argc, char** argv) {
   Options o;
   bool end_set = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    std::string value;
-    const size_t eq = arg.find('=');
-    if (arg == "-h" || arg == "--help") Usage(nullptr);
-    if (eq != std::string::npos && arg.rfind("--", 0) == 0) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) Usage(("missing value for " + arg).c_str());
-      value = argv[++i];
-    }
-    char* end = nullptr;
-    const double num = std::strtod(value.c_str(), &end);
-    const bool numeric = end != value.c_str() && *end == '\0';
-    auto need_int = [&](int64_t lo) -> int64_t {
-      if (!numeric || num != std::floor(num) || num < static_cast<double>(lo)) {
-        Usage(
-            (arg + " needs an integer >= " + std::to_string(lo) + ", got '" + value + "'").c_str());
-      }
-      return static_cast<int64_t>(num);
-    };
+  hsap::bench::ArgReader reader(argc, argv, Usage);
+  hsap::bench::Arg a;
+  while (reader.Next(a)) {
+    const std::string& arg = a.name;
+    const std::string& value = a.value;
+    const bool numeric = a.numeric;
+    const double num = a.num;
+    auto need_int = [&](int64_t lo) { return a.Int(lo); };
     if (arg == "-b" || arg == "--tokens-begin") {
       o.tokens_begin = need_int(1);
     } else if (arg == "-e" || arg == "--tokens-end") {
@@ -152,15 +145,6 @@ Options ParseOptions(int argc, char** argv) {
   return o;
 }
 
-hsap::DType ParseDType(const std::string& s) {
-  return s == "fp32" ? hsap::DType::kF32 : s == "bf16" ? hsap::DType::kBF16 : hsap::DType::kF16;
-}
-hsapDataType_t ToC(hsap::DType t) {
-  return t == hsap::DType::kF32    ? hsapFloat32
-         : t == hsap::DType::kBF16 ? hsapBFloat16
-                                   : hsapFloat16;
-}
-
 // Document lengths summing to `tokens`, each at least 1, drawn from a long-tailed
 // (lognormal) distribution with a fixed seed: a few long documents and many short ones.
 std::vector<int64_t> DocumentLengths(int64_t tokens, int64_t docs, uint32_t seed) {
@@ -208,18 +192,6 @@ Row MakeRow(const Options& o, int64_t tokens) {
                                                          : 0);
   }
   return row;
-}
-
-void Must(hsapResult_t r, const char* what) {
-  if (r != hsapSuccess) {
-    std::fprintf(stderr, "%s failed: %s: %s\n", what, hsapGetErrorString(r), hsapGetLastError());
-    std::exit(1);
-  }
-}
-
-using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
 }
 
 struct Buffer {

@@ -31,6 +31,7 @@
 #include "attention/dtype.h"
 #include "attention/layout.h"
 #include "attention/reference.h"
+#include "bench/bench_util.h"
 #include "hsap/hsap.h"
 #include "lib/api_batch.h"
 #include "lib/api_plan.h"
@@ -39,6 +40,12 @@
 #include "lib/partition.h"
 
 namespace {
+
+using ::hsap::bench::Clock;
+using ::hsap::bench::Must;
+using ::hsap::bench::ParseDType;
+using ::hsap::bench::Seconds;
+using ::hsap::bench::ToC;
 
 struct Options {
   int64_t tokens_begin = 4096;
@@ -112,28 +119,14 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
 Options ParseOptions(int argc, char** argv) {
   Options o;
   bool end_set = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") Usage(nullptr);
-    std::string value;
-    const size_t eq = arg.find('=');
-    if (eq != std::string::npos && arg.rfind("--", 0) == 0) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) Usage(("missing value for " + arg).c_str());
-      value = argv[++i];
-    }
-    char* end = nullptr;
-    const double num = std::strtod(value.c_str(), &end);
-    const bool numeric = end != value.c_str() && *end == '\0';
-    auto need_int = [&](int64_t lo) -> int64_t {
-      if (!numeric || num != std::floor(num) || num < static_cast<double>(lo)) {
-        Usage(
-            (arg + " needs an integer >= " + std::to_string(lo) + ", got '" + value + "'").c_str());
-      }
-      return static_cast<int64_t>(num);
-    };
+  hsap::bench::ArgReader reader(argc, argv, Usage);
+  hsap::bench::Arg a;
+  while (reader.Next(a)) {
+    const std::string& arg = a.name;
+    const std::string& value = a.value;
+    const bool numeric = a.numeric;
+    const double num = a.num;
+    auto need_int = [&](int64_t lo) { return a.Int(lo); };
     if (arg == "-b" || arg == "--minbytes" || arg == "--min-tokens") {
       o.tokens_begin = need_int(1);
     } else if (arg == "-e" || arg == "--maxbytes" || arg == "--max-tokens") {
@@ -275,22 +268,6 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
   return out;
 }
 
-hsap::DType ParseDType(const std::string& s) {
-  return s == "fp32" ? hsap::DType::kF32 : s == "bf16" ? hsap::DType::kBF16 : hsap::DType::kF16;
-}
-hsapDataType_t ToC(hsap::DType t) {
-  return t == hsap::DType::kF32    ? hsapFloat32
-         : t == hsap::DType::kBF16 ? hsapBFloat16
-                                   : hsapFloat16;
-}
-
-void Must(hsapResult_t r, const char* what) {
-  if (r != hsapSuccess) {
-    std::fprintf(stderr, "%s failed: %s: %s\n", what, hsapGetErrorString(r), hsapGetLastError());
-    std::exit(1);
-  }
-}
-
 // Document lengths summing to `tokens` with the chosen distribution and a fixed seed.
 std::vector<int64_t> DocumentLengths(const Options& o, int64_t tokens) {
   std::mt19937_64 rng(o.seed * 1000003u + static_cast<uint64_t>(tokens));
@@ -323,11 +300,6 @@ std::vector<int64_t> DocumentLengths(const Options& o, int64_t tokens) {
   }
   *std::max_element(lengths.begin(), lengths.end()) += tokens - assigned;
   return lengths;
-}
-
-using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
 }
 
 struct Bytes {
