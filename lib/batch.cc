@@ -66,16 +66,12 @@ absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& o) {
   return dims;
 }
 
-absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
-                                                     absl::Span<const double> weights,
-                                                     const BatchOptions& options,
-                                                     const KernelSet& kernels,
-                                                     absl::Status local_check) {
+std::unique_ptr<Batch> Batch::NewBatch(Communicator& comm, const BatchOptions& options,
+                                       const KernelSet& kernels, absl::Status& local) {
   std::unique_ptr<Batch> batch(new Batch());
   batch->comm_ = &comm;
   batch->kernels_ = &kernels;
   batch->options_ = options;
-  absl::Status local = local_check;
   if (local.ok()) {
     absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
     if (dims.ok()) {
@@ -84,6 +80,16 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
       local = dims.status();
     }
   }
+  return batch;
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
+                                                     absl::Span<const double> weights,
+                                                     const BatchOptions& options,
+                                                     const KernelSet& kernels,
+                                                     absl::Status local_check) {
+  absl::Status local = local_check;
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
   if (local.ok()) {
     absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
     if (p.ok()) {
@@ -167,19 +173,8 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
                                                              const BatchOptions& options,
                                                              const KernelSet& kernels,
                                                              absl::Status local_check) {
-  std::unique_ptr<Batch> batch(new Batch());
-  batch->comm_ = &comm;
-  batch->kernels_ = &kernels;
-  batch->options_ = options;
   absl::Status local = local_check;
-  if (local.ok()) {
-    absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
-    if (dims.ok()) {
-      batch->dims_ = *std::move(dims);
-    } else {
-      local = dims.status();
-    }
-  }
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
   if (local.ok()) local = plan.Validate();
   if (local.ok() && plan.num_ranks != comm.size()) {
     local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,

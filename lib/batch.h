@@ -92,6 +92,10 @@ class Batch {
 
  private:
   Batch() = default;
+  // The part both creators share: fields set, dims derived from the options unless `local`
+  // already holds an error (a failure is stored in `local`).
+  static std::unique_ptr<Batch> NewBatch(Communicator& comm, const BatchOptions& options,
+                                         const KernelSet& kernels, absl::Status& local);
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
   // The creation agreement; `inputs` hashes what must be equal beyond layout and options
