@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "attention/dtype.h"
+#include "attention/layout.h"
+#include "attention/reference.h"
 #include "gtest/gtest.h"
 
 namespace hsap::testing {
@@ -58,6 +60,31 @@ inline void ExpectWithinRule(std::string_view what, double err, double naive_err
   const double floor = 4.0 * Unit(dtype) * std::max(1.0, magnitude);
   EXPECT_LE(err, 2.0 * naive_err + floor) << what << " (" << DTypeName(dtype) << "): error " << err
                                           << ", naive error " << naive_err << ", floor " << floor;
+}
+
+// Checks a whole-row result against ReferenceForward (out, and lse [heads_q, T] in fp32) and,
+// when `backward`, ReferenceBackward (dq, dk, dv), each under the rule with the error of
+// NaiveForward/NaiveBackward on the same inputs. Outputs: any struct with those members,
+// tensors readable with At(i) and lse a std::vector<float>.
+template <typename Outputs>
+void ExpectMatchesReference(const Layout& layout, const ReferenceInputs& ri, const void* dout,
+                            const Outputs& got, bool backward) {
+  const ReferenceForwardResult ref = ReferenceForward(layout, ri);
+  const ReferenceForwardResult naive = NaiveForward(layout, ri);
+  ExpectWithinRule("out", MaxAbsError(got.out, ref.out), MaxAbsError(naive.out, ref.out),
+                   MaxAbs(ref.out), ri.dtype);
+  const std::vector<double> lse(got.lse.begin(), got.lse.end());
+  ExpectWithinRule("lse", MaxAbsError(lse, ref.lse), MaxAbsError(naive.lse, ref.lse),
+                   MaxAbs(ref.lse), DType::kF32);
+  if (!backward) return;
+  const ReferenceGradients gref = ReferenceBackward(layout, ri, dout);
+  const ReferenceGradients gnaive = NaiveBackward(layout, ri, dout);
+  ExpectWithinRule("dq", MaxAbsError(got.dq, gref.dq), MaxAbsError(gnaive.dq, gref.dq),
+                   MaxAbs(gref.dq), ri.dtype);
+  ExpectWithinRule("dk", MaxAbsError(got.dk, gref.dk), MaxAbsError(gnaive.dk, gref.dk),
+                   MaxAbs(gref.dk), ri.dtype);
+  ExpectWithinRule("dv", MaxAbsError(got.dv, gref.dv), MaxAbsError(gnaive.dv, gref.dv),
+                   MaxAbs(gref.dv), ri.dtype);
 }
 
 }  // namespace hsap::testing

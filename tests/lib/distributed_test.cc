@@ -25,9 +25,7 @@ using ::hsap::testing::RandomSliceLayout;
 using ::hsap::testing::RowInputs;
 using ::hsap::testing::RowOutputs;
 
-using ::hsap::testing::ExpectWithinRule;
-using ::hsap::testing::MaxAbs;
-using ::hsap::testing::MaxAbsError;
+using ::hsap::testing::ExpectMatchesReference;
 
 // Runs the case and checks every output against the references.
 RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64_t seed) {
@@ -49,22 +47,7 @@ RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64
   ri.q = in.q.bytes.data();
   ri.k = in.k.bytes.data();
   ri.v = in.v.bytes.data();
-  const ReferenceForwardResult ref = ReferenceForward(layout, ri);
-  const ReferenceForwardResult naive = NaiveForward(layout, ri);
-  ExpectWithinRule("out", MaxAbsError(got.out, ref.out), MaxAbsError(naive.out, ref.out),
-                   MaxAbs(ref.out), c.dtype);
-  const std::vector<double> lse(got.lse.begin(), got.lse.end());
-  ExpectWithinRule("lse", MaxAbsError(lse, ref.lse), MaxAbsError(naive.lse, ref.lse),
-                   MaxAbs(ref.lse), DType::kF32);
-  if (!c.backward) return got;
-  const ReferenceGradients gref = ReferenceBackward(layout, ri, in.dout.bytes.data());
-  const ReferenceGradients gnaive = NaiveBackward(layout, ri, in.dout.bytes.data());
-  ExpectWithinRule("dq", MaxAbsError(got.dq, gref.dq), MaxAbsError(gnaive.dq, gref.dq),
-                   MaxAbs(gref.dq), c.dtype);
-  ExpectWithinRule("dk", MaxAbsError(got.dk, gref.dk), MaxAbsError(gnaive.dk, gref.dk),
-                   MaxAbs(gref.dk), c.dtype);
-  ExpectWithinRule("dv", MaxAbsError(got.dv, gref.dv), MaxAbsError(gnaive.dv, gref.dv),
-                   MaxAbs(gref.dv), c.dtype);
+  ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, c.backward);
   return got;
 }
 

@@ -207,9 +207,7 @@ Result RunHier(const Layout& layout, const Plan& plan, const Inputs& in, int hea
   return res;
 }
 
-using ::hsap::testing::ExpectWithinRule;
-using ::hsap::testing::MaxAbs;
-using ::hsap::testing::MaxAbsError;
+using ::hsap::testing::ExpectMatchesReference;
 
 Layout MakeLayout(const Case& c) {
   return c.slices ? testing::RandomSliceLayout(c.tokens, c.spec.seed + 50)
@@ -234,21 +232,7 @@ void CheckAgainstReference(const Layout& layout, const Plan& plan, const Case& c
   ri.q = in.q.bytes.data();
   ri.k = in.k.bytes.data();
   ri.v = in.v.bytes.data();
-  const ReferenceForwardResult ref = ReferenceForward(layout, ri);
-  const ReferenceForwardResult naive = NaiveForward(layout, ri);
-  ExpectWithinRule("out", MaxAbsError(got.out, ref.out), MaxAbsError(naive.out, ref.out),
-                   MaxAbs(ref.out), c.dtype);
-  const std::vector<double> lse(got.lse.begin(), got.lse.end());
-  ExpectWithinRule("lse", MaxAbsError(lse, ref.lse), MaxAbsError(naive.lse, ref.lse),
-                   MaxAbs(ref.lse), DType::kF32);
-  const ReferenceGradients gref = ReferenceBackward(layout, ri, in.dout.bytes.data());
-  const ReferenceGradients gnaive = NaiveBackward(layout, ri, in.dout.bytes.data());
-  ExpectWithinRule("dq", MaxAbsError(got.dq, gref.dq), MaxAbsError(gnaive.dq, gref.dq),
-                   MaxAbs(gref.dq), c.dtype);
-  ExpectWithinRule("dk", MaxAbsError(got.dk, gref.dk), MaxAbsError(gnaive.dk, gref.dk),
-                   MaxAbs(gref.dk), c.dtype);
-  ExpectWithinRule("dv", MaxAbsError(got.dv, gref.dv), MaxAbsError(gnaive.dv, gref.dv),
-                   MaxAbs(gref.dv), c.dtype);
+  ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true);
 }
 
 class HierarchicalTest : public ::testing::TestWithParam<Case> {};
