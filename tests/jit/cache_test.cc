@@ -16,34 +16,17 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "test_files.h"
 
 namespace hsap::jit {
 namespace {
 
+using ::hsap::testing::ReadFile;
+using ::hsap::testing::WriteFile;
+
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() {
-  const char* base = std::getenv("HSAP_TEST_TMPDIR");
-  std::string root = (base != nullptr && base[0] == '/') ? base : ::testing::TempDir();
-  if (root.empty()) root = "/tmp";
-  mkdir(root.c_str(), 0700);
-  std::string tmpl = root + "/hsap_cache_test.XXXXXX";
-  char* dir = mkdtemp(tmpl.data());
-  EXPECT_NE(dir, nullptr) << root;
-  return tmpl;
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void WriteFile(const std::string& path, const std::string& content) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << content;
-}
+std::string MakeTempDir() { return testing::MakeTestTempDir("hsap_cache_test"); }
 
 CompileCache::Options InDir(const std::string& dir) {
   CompileCache::Options options;

@@ -21,9 +21,13 @@
 #include "jit/device/hsap_params.cuh"
 #include "jit/nvrtc.h"
 #include "lib/errors.h"
+#include "test_files.h"
 
 namespace hsap::jit {
 namespace {
+
+using ::hsap::testing::ReadFile;
+using ::hsap::testing::WriteFile;
 
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -33,26 +37,7 @@ using ::testing::Not;
     if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message(); \
   } while (0)
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-}
-
-std::string TempDir() {
-  const char* base = std::getenv("HSAP_TEST_TMPDIR");
-  std::string root = base != nullptr && base[0] == '/' ? base : "/tmp";
-  (void)std::system(("mkdir -p " + root).c_str());
-  std::string dir = root + "/codegen_cuda_test_XXXXXX";
-  char* made = mkdtemp(dir.data());
-  return made == nullptr ? root : std::string(made);
-}
+std::string TempDir() { return testing::MakeTestTempDir("codegen_cuda_test"); }
 
 // One process-wide memory cache, so tests share compiles.
 CompileCache& TestCache() {

@@ -15,21 +15,14 @@
 #include "jit/host_abi.h"
 #include "jit/subprocess.h"
 #include "lib/errors.h"
+#include "test_files.h"
 
 namespace hsap::jit {
 namespace {
 
 using ::testing::HasSubstr;
 
-std::string MakeTempDir() {
-  const char* base = std::getenv("HSAP_TEST_TMPDIR");
-  std::string root = (base != nullptr && base[0] == '/') ? base : ::testing::TempDir();
-  if (root.empty()) root = "/tmp";
-  mkdir(root.c_str(), 0700);
-  std::string tmpl = root + "/hsap_host_compiler_test.XXXXXX";
-  EXPECT_NE(mkdtemp(tmpl.data()), nullptr) << root;
-  return tmpl;
-}
+std::string MakeTempDir() { return testing::MakeTestTempDir("hsap_host_compiler_test"); }
 
 CompileCache& TestCache() {
   static CompileCache* cache = [] {

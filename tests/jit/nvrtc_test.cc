@@ -13,9 +13,12 @@
 #include "gtest/gtest.h"
 #include "jit/cache.h"
 #include "lib/errors.h"
+#include "test_files.h"
 
 namespace hsap::jit {
 namespace {
+
+using ::hsap::testing::ReadFile;
 
 using ::testing::HasSubstr;
 
@@ -46,13 +49,6 @@ CudaCompileRequest TemplateRequest(const std::string& arch) {
     if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message(); \
   } while (0)
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 class ScopedEnv {
  public:
   ScopedEnv(const char* name, const char* value) : name_(name) {
@@ -79,15 +75,7 @@ class ScopedEnv {
   std::string old_;
 };
 
-std::string TempDir() {
-  const char* base = std::getenv("HSAP_TEST_TMPDIR");
-  std::string dir =
-      std::string(base != nullptr && base[0] == '/' ? base : "/tmp") + "/nvrtc_test_XXXXXX";
-  std::string cmd = "mkdir -p " + dir.substr(0, dir.rfind('/'));
-  (void)std::system(cmd.c_str());
-  char* made = mkdtemp(dir.data());
-  return made == nullptr ? std::string("/tmp") : std::string(made);
-}
+std::string TempDir() { return testing::MakeTestTempDir("nvrtc_test"); }
 
 TEST(ParseCudaArch, AcceptsSmAndComputeOnly) {
   EXPECT_EQ(*ParseCudaArch("sm_90"), 90);
@@ -131,7 +119,9 @@ TEST(LoadNvrtc, EmptySearchPathIsUnimplemented) {
   }
   std::filesystem::remove_all(empty_dir);
   // The variable gone, NVRTC is found again (where installed).
-  if (::access("/usr/local/cuda/lib64/libnvrtc.so", F_OK) == 0) EXPECT_TRUE(LoadNvrtc().ok());
+  if (::access("/usr/local/cuda/lib64/libnvrtc.so", F_OK) == 0) {
+    EXPECT_TRUE(LoadNvrtc().ok());
+  }
 }
 
 TEST(CompileCuda, CubinDefinesTheLoweredNames) {
