@@ -250,6 +250,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
       {"merge", "lse_merge_kernel", "hsap_dev::MergeParams", 256, 0},
       {"init", "init_partial_kernel", "hsap_dev::InitParams", 256, 0},
       {"convert", "convert_out_kernel", "hsap_dev::ConvertParams", 256, 0},
+      {"accumulate", "accumulate_kernel", "hsap_dev::AccumulateParams", 256, 0},
   };
   std::string fused_params;
   if (max_steps > 0) {

@@ -69,7 +69,7 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
 
 // One kernel of a generated program.
 struct CudaKernelEntry {
-  std::string role;             // "fwd", "bwd", "delta", "merge", "init", "convert", "fused_fwd"
+  std::string role;  // "fwd", "bwd", "delta", "merge", "init", "convert", "accumulate", "fused_fwd"
   std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
   int threads = 0;              // blockDim.x
   int dynamic_smem_bytes = 0;

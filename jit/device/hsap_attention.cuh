@@ -439,6 +439,15 @@ __global__ void __launch_bounds__(256) convert_out_kernel(const ConvertParams p)
   }
 }
 
+template <class Cfg>
+__global__ void __launch_bounds__(256) accumulate_kernel(const AccumulateParams p) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < p.count;
+       i += stride) {
+    p.dst[i] += p.src[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Fused forward: copy CTAs stage the next step's K/V from peers while compute CTAs attend
 // to the current one (see FusedFwdParamsT).

@@ -131,6 +131,14 @@ struct ConvertParams {
   long long count;
 };
 
+// accumulate_kernel<Cfg>: dst[i] += src[i] over count fp32 elements (gradient partials that
+// came back from a peer, added to the owner's rows). Grid-stride: any grid, 256 threads.
+struct AccumulateParams {
+  float* dst;
+  const float* src;
+  long long count;
+};
+
 // One step of the fused forward: the K/V this rank attends to in step s, and where it
 // comes from. k_src/v_src ([k_rows, heads_kv, D], storage dtype) are usually a PEER
 // pointer to the owner's K/V (NVLink); for a step fed by the network they point to the

@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "lib/cuda/cuda_loader.h"
 
 namespace hsap::cuda {
 
@@ -35,7 +34,7 @@ absl::StatusOr<PoolLayout> ComputePoolLayout(const Schedule& schedule, const Att
   // Each slot's K and V are separate aligned sub-regions.
   p.kv_recv = 2 * 2 * AlignPool(max_recv * kv_row);
   p.kv_send = 2 * 2 * AlignPool(max_send * kv_row);
-  p.fwd_accum = 2 * (AlignPool(q_elems * sizeof(float)) + AlignPool(lse_elems * sizeof(float)));
+  p.fwd_accum = AlignPool(q_elems * sizeof(float)) + AlignPool(lse_elems * sizeof(float));
   p.bwd_accum = AlignPool(q_elems * sizeof(float)) + 2 * AlignPool(rows * kv_row32) +
                 AlignPool(lse_elems * sizeof(float));
   p.grad_partial = 2 * 2 * AlignPool(max_recv * kv_row32);
@@ -43,29 +42,16 @@ absl::StatusOr<PoolLayout> ComputePoolLayout(const Schedule& schedule, const Att
   return p;
 }
 
-DeviceBufferPool::~DeviceBufferPool() {
-  if (base_ == nullptr) return;
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (rt.ok()) (*rt)->Free(base_);
-}
+DeviceBufferPool::~DeviceBufferPool() { device_.Free(base_); }
 
 absl::Status DeviceBufferPool::Reserve(size_t bytes) {
   if (bytes <= size_) return absl::OkStatus();
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (!rt.ok()) return rt.status();
-  if (base_ != nullptr) {
-    if (absl::Status s = (*rt)->Check((*rt)->Free(base_), "cudaFree(pool)"); !s.ok()) return s;
-    base_ = nullptr;
-    size_ = 0;
-  }
-  void* p = nullptr;
-  if (absl::Status s =
-          (*rt)->Check((*rt)->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B pool)"));
-      !s.ok()) {
-    return s;
-  }
-  base_ = p;
+  device_.Free(base_);
+  base_ = nullptr;
+  size_ = 0;
+  absl::StatusOr<void*> p = device_.Allocate(bytes);
+  if (!p.ok()) return p.status();
+  base_ = *p;
   size_ = bytes;
   return absl::OkStatus();
 }

@@ -6,8 +6,8 @@
 // the maxima taken over the schedule's stages:
 //   kv_recv     2 slots x 2 (K, V) x max recv_rows x kv_row     (double-buffered K/V)
 //   kv_send     2 slots x 2 (K, V) x max send_rows x kv_row     (packed rows to send)
-//   forward:    out fp32 [rows, hq, d] + lse fp32 [hq, rows] + stage partial out and lse
-//               (the same again, merged by LSE after each stage)
+//   forward:    out fp32 [rows, hq, d] + lse fp32 [hq, rows]  (the kernels merge every
+//               stage's partial into them by LSE)
 //   backward:   dq fp32 [rows, hq, d] + dk, dv fp32 [rows, hkv, d] + delta fp32 [hq, rows]
 //               + 2 slots x 2 (dK, dV) x max recv_rows x hkv x d x 4   (partials to return)
 //               + 2 slots x 2 (dK, dV) x max send_rows x hkv x d x 4   (partials coming back)
@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "attention/dtype.h"
 #include "attention/kernel.h"
+#include "lib/cuda/device.h"
 #include "lib/schedule.h"
 
 namespace hsap::cuda {
@@ -38,7 +39,7 @@ struct PoolLayout {
   // Regions, each an aligned size; offsets follow in this order from 0.
   size_t kv_recv = 0;  // both slots; slot s, K at s * kv_recv / 2, V after K
   size_t kv_send = 0;
-  size_t fwd_accum = 0;      // out32 + lse32 + partial out32 + partial lse32
+  size_t fwd_accum = 0;      // out32 + lse32
   size_t bwd_accum = 0;      // dq32 + dk32 + dv32 + delta32
   size_t grad_partial = 0;   // partials sent back (both slots)
   size_t grad_returned = 0;  // partials received (both slots)
@@ -58,16 +59,16 @@ absl::StatusOr<PoolLayout> ComputePoolLayout(const Schedule& schedule, const Att
                                              DType dtype);
 
 // Device memory of one communicator, grown only by Reserve (at batch creation) and freed
-// at destruction. Needs a CUDA device (Unimplemented otherwise).
+// at destruction.
 class DeviceBufferPool {
  public:
-  DeviceBufferPool() = default;
+  explicit DeviceBufferPool(Device& device) : device_(device) {}
   ~DeviceBufferPool();
   DeviceBufferPool(const DeviceBufferPool&) = delete;
   DeviceBufferPool& operator=(const DeviceBufferPool&) = delete;
 
-  // Makes the pool at least `bytes` bytes (one cudaMalloc; the old block is freed first,
-  // so call it only while no work uses the pool).
+  // Makes the pool at least `bytes` bytes (one allocation; the old block is freed first,
+  // which waits for the device, so call it only between calls).
   absl::Status Reserve(size_t bytes);
   size_t size() const { return size_; }
   // The pool's base pointer (device memory), null before the first Reserve.
@@ -76,6 +77,7 @@ class DeviceBufferPool {
   void* At(size_t offset, size_t bytes) const;
 
  private:
+  Device& device_;
   void* base_ = nullptr;
   size_t size_ = 0;
 };

@@ -94,6 +94,7 @@ absl::StatusOr<std::unique_ptr<CudaRuntimeApi>> LoadRuntimeImpl() {
   HSAP_BIND(handle, api, EventSynchronize, "cudaEventSynchronize");
   HSAP_BIND(handle, api, EventElapsedTime, "cudaEventElapsedTime");
   HSAP_BIND(handle, api, DeviceSynchronize, "cudaDeviceSynchronize");
+  HSAP_BIND(handle, api, DeviceGetAttribute, "cudaDeviceGetAttribute");
   return api;
 }
 

@@ -36,6 +36,9 @@ inline constexpr int kCudaMemcpyDeviceToDevice = 3;
 inline constexpr int kCudaMemcpyDefault = 4;
 inline constexpr unsigned kCudaStreamNonBlocking = 1;
 inline constexpr unsigned kCudaEventDisableTiming = 2;
+inline constexpr int kCudaDevAttrMultiProcessorCount = 16;
+inline constexpr int kCudaDevAttrComputeCapabilityMajor = 75;
+inline constexpr int kCudaDevAttrComputeCapabilityMinor = 76;
 
 struct CudaRuntimeApi {
   std::string path;
@@ -59,6 +62,7 @@ struct CudaRuntimeApi {
   cudaError (*EventSynchronize)(cudaEvent) = nullptr;
   cudaError (*EventElapsedTime)(float*, cudaEvent, cudaEvent) = nullptr;
   cudaError (*DeviceSynchronize)() = nullptr;
+  cudaError (*DeviceGetAttribute)(int*, int, int) = nullptr;  // (value, cudaDeviceAttr, device)
 
   // "cudaMalloc(1024 bytes) failed: out of memory (2)" style message; OK for success.
   absl::Status Check(cudaError e, absl::string_view what) const;

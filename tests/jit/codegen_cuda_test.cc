@@ -88,7 +88,8 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
     EXPECT_EQ(k.threads % 32, 0);
     EXPECT_THAT(s->source, HasSubstr(k.name_expression.substr(std::string("hsap_dev::").size())));
   }
-  EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert"));
+  EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert",
+                                            "accumulate"));
 
   c.role = {3, 0x5};
   s = GenerateCudaKernels(c);

@@ -22,36 +22,13 @@
 #include "lib/partition.h"
 #include "lib/schedule.h"
 #include "tests/lib/random_layouts.h"
+#include "tests/lib/recording_transport.h"
 
 namespace hsap::cuda {
 namespace {
 
 using ::hsap::testing::DocMix;
 using ::testing::HasSubstr;
-
-// Test-only decorator: forwards to the host transport and records each Start() as the NCCL
-// group it would be.
-class RecordingTransport : public Transport {
- public:
-  explicit RecordingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
-                                                 absl::Span<const RecvOp> recvs,
-                                                 std::string stage) override {
-    recorded_.push_back(LowerStage(sends, recvs, stage));
-    return inner_->Start(sends, recvs, std::move(stage));
-  }
-  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
-  bool aborted() const override { return inner_->aborted(); }
-  TrafficCounters counters() const override { return inner_->counters(); }
-  void ResetCounters() override { inner_->ResetCounters(); }
-  NcclProgram TakeRecorded() { return std::exchange(recorded_, {}); }
-
- private:
-  std::unique_ptr<Transport> inner_;
-  NcclProgram recorded_;
-};
 
 struct World {
   std::vector<std::unique_ptr<Communicator>> comms;
@@ -283,7 +260,7 @@ TEST(BufferPool, SizedFromTheLargestStageOfTheHostRun) {
       EXPECT_EQ(pool->kv_send, 4 * AlignPool(kv_send_msg)) << "rank " << r;
       EXPECT_EQ(pool->grad_partial, 4 * AlignPool(grad_send_msg)) << "rank " << r;
       EXPECT_EQ(pool->grad_returned, 4 * AlignPool(grad_recv_msg)) << "rank " << r;
-      EXPECT_EQ(pool->fwd_accum, 2 * AlignPool(q32) + 2 * AlignPool(lse32));
+      EXPECT_EQ(pool->fwd_accum, AlignPool(q32) + AlignPool(lse32));
       EXPECT_EQ(pool->bwd_accum, AlignPool(q32) + 2 * AlignPool(kv32) + AlignPool(lse32));
       EXPECT_EQ(pool->total_bytes(), std::max(pool->forward_bytes(), pool->backward_bytes()));
       EXPECT_THAT(pool->DebugString(), HasSubstr("pool "));

@@ -1,0 +1,134 @@
+#include "lib/cuda/device.h"
+
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "lib/cuda/loopback_transport.h"
+#include "lib/cuda/nccl_transport.h"
+
+namespace hsap::cuda {
+namespace {
+
+class CudaDevice : public Device {
+ public:
+  explicit CudaDevice(const CudaRuntimeApi* rt) : rt_(rt) {}
+
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = nullptr;
+    if (absl::Status s =
+            rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)"));
+        !s.ok()) {
+      return s;
+    }
+    return p;
+  }
+  void Free(void* p) override {
+    if (p != nullptr) rt_->Free(p);  // cudaFree synchronizes the device
+  }
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream s) override {
+    if (bytes == 0) return absl::OkStatus();
+    return rt_->Check(rt_->MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, s),
+                      absl::StrCat("cudaMemcpyAsync(", bytes, " B)"));
+  }
+  absl::Status ZeroAsync(void* dst, size_t bytes, cudaStream s) override {
+    if (bytes == 0) return absl::OkStatus();
+    return rt_->Check(rt_->MemsetAsync(dst, 0, bytes, s),
+                      absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
+  }
+  absl::StatusOr<cudaStream> CreateStream() override {
+    cudaStream s = nullptr;
+    if (absl::Status st = rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
+                                     "cudaStreamCreateWithFlags");
+        !st.ok()) {
+      return st;
+    }
+    return s;
+  }
+  void DestroyStream(cudaStream s) override {
+    if (s != nullptr) rt_->StreamDestroy(s);
+  }
+  absl::StatusOr<cudaEvent> CreateEvent() override {
+    cudaEvent e = nullptr;
+    if (absl::Status st = rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
+                                     "cudaEventCreateWithFlags");
+        !st.ok()) {
+      return st;
+    }
+    return e;
+  }
+  void DestroyEvent(cudaEvent e) override {
+    if (e != nullptr) rt_->EventDestroy(e);
+  }
+  absl::Status RecordEvent(cudaEvent e, cudaStream s) override {
+    return rt_->Check(rt_->EventRecord(e, s), "cudaEventRecord");
+  }
+  absl::Status StreamWaitEvent(cudaStream waiter, cudaEvent e) override {
+    return rt_->Check(rt_->StreamWaitEvent(waiter, e, 0), "cudaStreamWaitEvent");
+  }
+  absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) override {
+    // Poll an event rather than cudaStreamSynchronize, which has no timeout.
+    absl::StatusOr<cudaEvent> e = CreateEvent();
+    if (!e.ok()) return e.status();
+    absl::Status result = RecordEvent(*e, s);
+    while (result.ok()) {
+      const cudaError q = rt_->EventQuery(*e);
+      if (q == kCudaSuccess) break;
+      if (q != kCudaErrorNotReady) {
+        result = rt_->Check(q, absl::StrCat("cudaEventQuery (", what, ")"));
+        break;
+      }
+      if (absl::Now() > deadline) {
+        result = absl::DeadlineExceededError(
+            absl::StrCat(what, ": the GPU work did not finish before the communicator's timeout"));
+        break;
+      }
+      std::this_thread::yield();
+    }
+    DestroyEvent(*e);
+    return result;
+  }
+
+ private:
+  const CudaRuntimeApi* rt_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
+  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  if (!rt.ok()) return rt.status();
+  return std::unique_ptr<Device>(new CudaDevice(*rt));
+}
+
+absl::StatusOr<std::string> CurrentCudaArch() {
+  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  if (!rt.ok()) return rt.status();
+  const CudaRuntimeApi& api = **rt;
+  int device = 0, major = 0, minor = 0;
+  if (absl::Status s = api.Check(api.GetDevice(&device), "cudaGetDevice"); !s.ok()) return s;
+  if (absl::Status s =
+          api.Check(api.DeviceGetAttribute(&major, kCudaDevAttrComputeCapabilityMajor, device),
+                    "cudaDeviceGetAttribute(compute capability major)");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          api.Check(api.DeviceGetAttribute(&minor, kCudaDevAttrComputeCapabilityMinor, device),
+                    "cudaDeviceGetAttribute(compute capability minor)");
+      !s.ok()) {
+    return s;
+  }
+  return absl::StrCat("sm_", major, minor);
+}
+
+cudaStream TransferStream(const Transport& t) {
+  if (auto* nccl = dynamic_cast<const NcclTransport*>(&t); nccl != nullptr) return nccl->stream();
+  return LoopbackStream(t);
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,110 @@
+// What the GPU executor needs from a device: memory, streams, events and the JIT kernels.
+//
+// Two small interfaces keep the executor (lib/cuda/gpu_executor.h) independent of how a
+// device is reached: CudaDevice implements Device with the CUDA runtime (dlopen, see
+// cuda_loader.h) and jit_device_kernels.h implements DeviceKernels with the NVRTC-compiled
+// kernels launched through the driver API. The tests implement both on the CPU (host
+// memory, and the kernels of jit/device run by the emulator of tests/jit/cuda_emulator.h),
+// so the executor's schedule handling is checked against the fp64 reference on machines
+// without a GPU.
+//
+// Streams and events are the CUDA runtime's handles (cuda_loader.h); an implementation
+// that runs every operation at once may use any non-null value. Every operation is
+// asynchronous with respect to the host unless it says otherwise.
+#ifndef HSAP_LIB_CUDA_DEVICE_H_
+#define HSAP_LIB_CUDA_DEVICE_H_
+
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "jit/device/hsap_params.cuh"
+#include "lib/cuda/cuda_loader.h"
+#include "lib/transport.h"
+
+namespace hsap::cuda {
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // Device memory of `bytes` bytes (at least 256-byte aligned); bytes == 0 gives null.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  // Frees memory of Allocate (null is ignored). Blocks until the device no longer uses it.
+  virtual void Free(void* p) = 0;
+
+  // Copies between any two pointers the device can address (cudaMemcpyDefault).
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream s) = 0;
+  virtual absl::Status ZeroAsync(void* dst, size_t bytes, cudaStream s) = 0;
+
+  virtual absl::StatusOr<cudaStream> CreateStream() = 0;
+  virtual void DestroyStream(cudaStream s) = 0;
+  virtual absl::StatusOr<cudaEvent> CreateEvent() = 0;
+  virtual void DestroyEvent(cudaEvent e) = 0;
+  // The event completes when the work enqueued on `s` so far has.
+  virtual absl::Status RecordEvent(cudaEvent e, cudaStream s) = 0;
+  // Work enqueued on `waiter` after this call starts only after `e` completed.
+  virtual absl::Status StreamWaitEvent(cudaStream waiter, cudaEvent e) = 0;
+  // Blocks the host until the work enqueued on `s` has completed, or DeadlineExceeded
+  // naming `what` at `deadline`.
+  virtual absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) = 0;
+};
+
+// The kernels of one configuration (dtype, head dim, GQA ratio, mask kinds), with the
+// Params of jit/device/hsap_params.cuh. Each launch picks its grid from the Params (see
+// there) and is enqueued on `s`.
+class DeviceKernels {
+ public:
+  virtual ~DeviceKernels() = default;
+  virtual absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const = 0;
+  virtual absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const = 0;
+  virtual absl::Status Delta(const hsap_dev::DeltaParams& p, cudaStream s) const = 0;
+  virtual absl::Status Init(const hsap_dev::InitParams& p, cudaStream s) const = 0;
+  virtual absl::Status Convert(const hsap_dev::ConvertParams& p, cudaStream s) const = 0;
+  virtual absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const = 0;
+};
+
+// The current CUDA device through the CUDA runtime. Unimplemented without one.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
+
+// "sm_90" for the current CUDA device (its compute capability).
+absl::StatusOr<std::string> CurrentCudaArch();
+
+// The stream on which a device transport moves data (NCCL's communication stream, a
+// loopback rank's stream), or null for a transport that copies on the host (the host
+// transport). The executor makes it wait for the compute stream before each stage.
+cudaStream TransferStream(const Transport& t);
+
+// Owns a device allocation; frees it through its Device.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device* device, void* p) : device_(device), p_(p) {}
+  ~DeviceBuffer() { Reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : device_(o.device_), p_(o.p_) { o.p_ = nullptr; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      device_ = o.device_;
+      p_ = o.p_;
+      o.p_ = nullptr;
+    }
+    return *this;
+  }
+  void* get() const { return p_; }
+  void Reset() {
+    if (p_ != nullptr) device_->Free(p_);
+    p_ = nullptr;
+  }
+
+ private:
+  Device* device_ = nullptr;
+  void* p_ = nullptr;
+};
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_DEVICE_H_

@@ -1,0 +1,93 @@
+// Runs one rank's schedule on a device: the GPU counterpart of lib/executor.h.
+//
+// Streams. Tensors and all kernels are on the compute stream (the caller's). A device
+// transport moves data on its own stream (TransferStream: NCCL's communication stream or a
+// loopback rank's stream); before each stage that stream waits for an event recorded on
+// the compute stream, so that packed send rows exist and the receive slot's previous
+// reader (the compute of two stages earlier) has finished. The host waits for each stage's
+// transfers (Transport::Pending::Wait, with the communicator's deadline) before enqueuing
+// the kernels that read them; it never waits for kernels, so the transfers of stage i + 1
+// overlap the compute of stage i on the device. A call returns with its last kernels (the
+// conversion to the storage dtype) enqueued on the compute stream, like a CUDA call.
+//
+// Memory. Every buffer is a region of the communicator's pool (buffer_pool.h's PoolLayout
+// of the schedule): double-buffered K/V receive and send slots, fp32 accumulators, and for
+// backward the dK/dV partials sent back and received. The work lists are uploaded once per
+// batch (DeviceWorkLists). Nothing is allocated in forward or backward.
+//
+// Order. The stages are posted in the global order of nccl_lowering.h (forward kv(1),
+// kv(2), ...; backward kv(1), kv(2), grad(1), kv(3), grad(2), ...), because NCCL matches
+// messages by posting order; the tests check the posted stages against LowerForward /
+// LowerBackward.
+//
+// Results. Forward merges every partial into fp32 (out, lse) in the pool and rounds out to
+// the storage dtype at the end. Backward: dq from this rank's queries, dk/dv from the
+// local keys plus the partials returned by the ranks that used them, added in step order.
+// dk/dv use fp32 atomics inside the backward kernel, so they are not bitwise reproducible
+// (the host executor's are).
+#ifndef HSAP_LIB_CUDA_GPU_EXECUTOR_H_
+#define HSAP_LIB_CUDA_GPU_EXECUTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "lib/cuda/buffer_pool.h"
+#include "lib/cuda/device.h"
+#include "lib/executor.h"
+#include "lib/schedule.h"
+#include "lib/transport.h"
+
+namespace hsap::cuda {
+
+// The work lists of a schedule (local work, then each stage's) in device memory.
+class DeviceWorkLists {
+ public:
+  struct List {
+    const hsap_dev::QueryBlock* blocks = nullptr;
+    const hsap_dev::KeySegment* segments = nullptr;
+    int num_blocks = 0;
+  };
+
+  // Copies the lists with one allocation; blocks the host until the copy is done.
+  static absl::StatusOr<std::unique_ptr<DeviceWorkLists>> Upload(Device& device,
+                                                                 const Schedule& schedule,
+                                                                 cudaStream stream);
+  const List& local() const { return lists_[0]; }
+  const List& stage(size_t i) const { return lists_[i + 1]; }
+
+ private:
+  DeviceBuffer memory_;
+  std::vector<List> lists_;
+};
+
+struct GpuExecContext {
+  Device* device = nullptr;
+  const DeviceKernels* kernels = nullptr;
+  Transport* transport = nullptr;
+  const Schedule* schedule = nullptr;
+  const DeviceWorkLists* lists = nullptr;
+  // The pool: at least ComputePoolLayout(schedule).total_bytes() bytes at `pool`.
+  void* pool = nullptr;
+  size_t pool_bytes = 0;
+  AttentionDims dims;
+  DType dtype = DType::kBF16;
+  uint64_t call_id = 0;         // as ExecContext::call_id (tags)
+  cudaStream stream = nullptr;  // the compute stream
+};
+
+// Tensors as in lib/executor.h, in device memory, ordered on ctx.stream.
+absl::Status GpuExecuteForward(const GpuExecContext& ctx, const void* q, const void* k,
+                               const void* v, void* out, float* lse, ExecTraffic* traffic);
+absl::Status GpuExecuteBackward(const GpuExecContext& ctx, const void* dout, const void* q,
+                                const void* k, const void* v, const void* out, const float* lse,
+                                void* dq, void* dk, void* dv, ExecTraffic* traffic);
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_GPU_EXECUTOR_H_

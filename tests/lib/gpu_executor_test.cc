@@ -1,0 +1,321 @@
+// The GPU executor (lib/cuda/gpu_executor.h) on an emulated device: the JIT CUDA kernels run
+// on the CPU through tests/jit/cuda_emulator.h, device memory is host memory and the ranks
+// talk over the host transport. Checked against the fp64 reference under the project's rule
+// (tests/tolerance.h), over random packed layouts with fixed seeds, plus:
+//   - the stages each rank posts equal nccl_lowering's LowerForward / LowerBackward program
+//     (NCCL matches by posting order), and the NCCL simulator accepts them;
+//   - forward and backward allocate no device memory, and leave no event behind;
+//   - the traffic it reports equals the schedule's prediction;
+//   - a pool smaller than the layout is refused, naming the sizes.
+// clang-format off
+#include "tests/lib/emulated_device.h"
+// clang-format on
+
+#include "lib/cuda/gpu_executor.h"
+
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "attention/kernel.h"
+#include "attention/reference.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lib/communicator.h"
+#include "lib/cuda/buffer_pool.h"
+#include "lib/cuda/nccl_lowering.h"
+#include "lib/executor.h"
+#include "lib/host_transport.h"
+#include "lib/partition.h"
+#include "lib/schedule.h"
+#include "tests/lib/distributed_harness.h"
+#include "tests/lib/random_layouts.h"
+#include "tests/lib/recording_transport.h"
+#include "tests/tolerance.h"
+
+namespace hsap::cuda {
+namespace {
+
+using ::hsap::testing::DocMix;
+using ::hsap::testing::EmulatedDevice;
+using ::hsap::testing::EmulatedKernels;
+using ::hsap::testing::HostTensor;
+using ::testing::HasSubstr;
+
+// A configuration as jit/codegen_cuda emits it, with small tiles so that short rows still
+// span several tiles, chunks and segments.
+template <typename StorageT, bool kBand>
+struct TestCfg {
+  using T = StorageT;
+  static constexpr int kHeadDim = 32;
+  static constexpr int kGqa = 2;
+  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
+  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
+  static constexpr bool kHasBand = kBand;
+  static constexpr int kNumPeers = 0;
+  static constexpr unsigned int kNvlinkPeerMask = 0;
+  static constexpr int kMaxSteps = 0;
+  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
+  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
+};
+
+constexpr int kHeadsQ = 4, kHeadsKv = 2, kDim = 32;
+
+struct Outputs {
+  HostTensor out, dq, dk, dv;
+  std::vector<float> lse;  // [heads_q, T]
+};
+
+// One rank's shard of a full-row tensor (rows listed by the schedule's local runs).
+std::vector<uint8_t> Shard(const HostTensor& row, const Schedule& s) {
+  const size_t bpt = row.bytes_per_token();
+  std::vector<uint8_t> out(static_cast<size_t>(s.local_rows) * bpt + 1, 0);
+  for (const TokenRun& r : s.local_runs) {
+    std::memcpy(out.data() + r.local_begin * bpt, row.bytes.data() + r.global_begin * bpt,
+                r.length * bpt);
+  }
+  return out;
+}
+
+void Unshard(const std::vector<uint8_t>& shard, const Schedule& s, HostTensor& row) {
+  const size_t bpt = row.bytes_per_token();
+  for (const TokenRun& r : s.local_runs) {
+    std::memcpy(row.bytes.data() + r.global_begin * bpt, shard.data() + r.local_begin * bpt,
+                r.length * bpt);
+  }
+}
+
+struct RunResult {
+  Outputs outputs;
+  std::vector<Schedule> schedules;
+  std::vector<NcclProgram> forward, backward;  // as posted
+  std::vector<ExecTraffic> fwd_traffic, bwd_traffic;
+};
+
+// Forward + backward on R ranks of an emulated device each (one thread per rank).
+template <class Cfg>
+RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t pool_shortfall = 0,
+                 std::vector<absl::Status>* statuses = nullptr) {
+  RunResult res;
+  const int64_t T = layout.num_tokens();
+  testing::DistCase c;
+  c.dtype = dtype;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, T, seed);
+  res.outputs.out = HostTensor(dtype, T, kHeadsQ, kDim);
+  res.outputs.dq = HostTensor(dtype, T, kHeadsQ, kDim);
+  res.outputs.dk = HostTensor(dtype, T, kHeadsKv, kDim);
+  res.outputs.dv = HostTensor(dtype, T, kHeadsKv, kDim);
+  res.outputs.lse.assign(static_cast<size_t>(T) * kHeadsQ, 0.0f);
+
+  absl::StatusOr<Partition> partition = Partition::Create(layout, R);
+  EXPECT_TRUE(partition.ok()) << partition.status();
+  if (!partition.ok()) return res;
+  for (int r = 0; r < R; ++r) {
+    absl::StatusOr<Schedule> s = BuildSchedule(layout, *partition, r, kKernelBlockQ);
+    EXPECT_TRUE(s.ok()) << s.status();
+    res.schedules.push_back(*std::move(s));
+  }
+  auto transports = CreateHostTransports(R, absl::Seconds(120));
+  EXPECT_TRUE(transports.ok()) << transports.status();
+  std::vector<RecordingTransport*> recorders;
+  std::vector<std::unique_ptr<Transport>> wrapped;
+  for (auto& t : *transports) {
+    auto rec = std::make_unique<RecordingTransport>(std::move(t));
+    recorders.push_back(rec.get());
+    wrapped.push_back(std::move(rec));
+  }
+  res.forward.resize(R);
+  res.backward.resize(R);
+  res.fwd_traffic.resize(R);
+  res.bwd_traffic.resize(R);
+  std::vector<absl::Status> status(R);
+  AttentionDims dims;
+  dims.heads_q = kHeadsQ;
+  dims.heads_kv = kHeadsKv;
+  dims.head_dim = kDim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+
+  testing::OnEveryRank(R, [&](int r) {
+    const Schedule& sched = res.schedules[r];
+    EmulatedDevice device;
+    EmulatedKernels<Cfg> kernels;
+    const cudaStream stream = *device.CreateStream();
+    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
+        DeviceWorkLists::Upload(device, sched, stream);
+    if (!lists.ok()) {
+      status[r] = lists.status();
+      return;
+    }
+    absl::StatusOr<PoolLayout> layout_r = ComputePoolLayout(sched, dims, dtype);
+    DeviceBufferPool pool(device);
+    status[r] = pool.Reserve(layout_r->total_bytes() - pool_shortfall);
+    if (!status[r].ok()) return;
+
+    std::vector<uint8_t> q = Shard(in.q, sched), k = Shard(in.k, sched), v = Shard(in.v, sched),
+                         dout = Shard(in.dout, sched), out = Shard(res.outputs.out, sched),
+                         dq = Shard(res.outputs.dq, sched), dk = Shard(res.outputs.dk, sched),
+                         dv = Shard(res.outputs.dv, sched);
+    std::vector<float> lse(static_cast<size_t>(sched.local_rows) * kHeadsQ + 1, 0.0f);
+    GpuExecContext ctx;
+    ctx.device = &device;
+    ctx.kernels = &kernels;
+    ctx.transport = wrapped[r].get();
+    ctx.schedule = &sched;
+    ctx.lists = lists->get();
+    ctx.pool = pool.base();
+    ctx.pool_bytes = pool.size();
+    ctx.dims = dims;
+    ctx.dtype = dtype;
+    ctx.call_id = 7;
+    ctx.stream = stream;
+
+    const int64_t allocations = device.allocations();
+    status[r] = GpuExecuteForward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                  &res.fwd_traffic[r]);
+    res.forward[r] = recorders[r]->TakeRecorded();
+    if (!status[r].ok()) return;
+    ctx.call_id = 8;
+    status[r] =
+        GpuExecuteBackward(ctx, dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
+                           dq.data(), dk.data(), dv.data(), &res.bwd_traffic[r]);
+    res.backward[r] = recorders[r]->TakeRecorded();
+    EXPECT_EQ(device.allocations(), allocations) << "rank " << r << " allocated in a call";
+    EXPECT_EQ(device.events_alive(), 0) << "rank " << r;
+
+    // Gather (each rank writes its own rows of the shared row tensors).
+    Unshard(out, sched, res.outputs.out);
+    Unshard(dq, sched, res.outputs.dq);
+    Unshard(dk, sched, res.outputs.dk);
+    Unshard(dv, sched, res.outputs.dv);
+    const int64_t n = sched.local_rows;
+    for (const TokenRun& run : sched.local_runs) {
+      for (int h = 0; h < kHeadsQ; ++h) {
+        for (int64_t t = 0; t < run.length; ++t) {
+          res.outputs.lse[h * T + run.global_begin + t] = lse[h * n + run.local_begin + t];
+        }
+      }
+    }
+  });
+  if (statuses != nullptr) {
+    *statuses = status;
+  } else {
+    for (int r = 0; r < R; ++r) EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r];
+  }
+
+  // The reference on the same inputs.
+  if (statuses == nullptr) {
+    ReferenceInputs ri;
+    ri.dims = dims;
+    ri.dtype = dtype;
+    ri.q = in.q.bytes.data();
+    ri.k = in.k.bytes.data();
+    ri.v = in.v.bytes.data();
+    testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), res.outputs,
+                                    /*backward=*/true);
+  }
+  return res;
+}
+
+// The posted stages are the lowering's program, group for group and message for message.
+void ExpectPostedAsLowered(const RunResult& res, DType dtype) {
+  AttentionDims dims;
+  dims.heads_q = kHeadsQ;
+  dims.heads_kv = kHeadsKv;
+  dims.head_dim = kDim;
+  const int R = static_cast<int>(res.schedules.size());
+  for (int r = 0; r < R; ++r) {
+    for (int pass = 0; pass < 2; ++pass) {
+      const NcclProgram want = pass == 0 ? LowerForward(res.schedules[r], dims, dtype, 7)
+                                         : LowerBackward(res.schedules[r], dims, dtype, 8);
+      const NcclProgram& got = pass == 0 ? res.forward[r] : res.backward[r];
+      ASSERT_EQ(got.size(), want.size())
+          << "rank " << r << (pass ? " backward" : " forward") << "\nposted:\n"
+          << FormatNcclProgram(got) << "lowered:\n"
+          << FormatNcclProgram(want);
+      for (size_t g = 0; g < got.size(); ++g) {
+        EXPECT_EQ(got[g].ops, want[g].ops)
+            << "rank " << r << " group " << g << " (" << want[g].label << ", posted as "
+            << got[g].label << ")";
+      }
+    }
+  }
+  EXPECT_TRUE(CheckNcclPrograms(res.forward).ok());
+  EXPECT_TRUE(CheckNcclPrograms(res.backward).ok());
+}
+
+void ExpectPredictedTraffic(const RunResult& res, DType dtype) {
+  AttentionDims dims;
+  dims.heads_q = kHeadsQ;
+  dims.heads_kv = kHeadsKv;
+  dims.head_dim = kDim;
+  for (size_t r = 0; r < res.schedules.size(); ++r) {
+    const ExecTraffic f = ForwardTraffic(res.schedules[r], dims, dtype);
+    const ExecTraffic b = BackwardTraffic(res.schedules[r], dims, dtype);
+    EXPECT_EQ(res.fwd_traffic[r].bytes_sent, f.bytes_sent) << "rank " << r;
+    EXPECT_EQ(res.fwd_traffic[r].bytes_received, f.bytes_received) << "rank " << r;
+    EXPECT_EQ(res.bwd_traffic[r].bytes_sent, b.bytes_sent) << "rank " << r;
+    EXPECT_EQ(res.bwd_traffic[r].bytes_received, b.bytes_received) << "rank " << r;
+  }
+}
+
+struct Case {
+  int ranks;
+  DocMix mix;
+  uint64_t seed;
+  int64_t tokens;
+};
+
+class GpuExecutorTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GpuExecutorTest, PackedCausalFp32MatchesReference) {
+  const Case& c = GetParam();
+  const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.seed, /*causal_only=*/false);
+  const RunResult res = RunGpu<TestCfg<float, true>>(layout, c.ranks, DType::kF32, c.seed);
+  ExpectPostedAsLowered(res, DType::kF32);
+  ExpectPredictedTraffic(res, DType::kF32);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, GpuExecutorTest,
+    ::testing::Values(Case{1, DocMix::kUniform, 11, 150}, Case{2, DocMix::kSingle, 12, 160},
+                      Case{3, DocMix::kLongTail, 13, 200}, Case{4, DocMix::kUniform, 14, 190},
+                      Case{5, DocMix::kOneHuge, 15, 230}, Case{8, DocMix::kLongTail, 16, 260}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.ranks, "ranks_", testing::DocMixName(info.param.mix));
+    });
+
+TEST(GpuExecutor, Bf16AndFp16) {
+  const Layout layout = testing::RandomLayout(180, DocMix::kLongTail, 21, false);
+  RunGpu<TestCfg<hsap_dev::bf16, true>>(layout, 3, DType::kBF16, 21);
+  RunGpu<TestCfg<hsap_dev::f16, true>>(layout, 4, DType::kF16, 22);
+}
+
+TEST(GpuExecutor, FullOnlyVariantOnBidirectionalDocuments) {
+  // Every document full (bidirectional): the variant without band code suffices.
+  std::vector<int64_t> cu = {0};
+  for (int64_t len : {37, 5, 64, 1, 50, 23}) cu.push_back(cu.back() + len);
+  const std::vector<MaskKind> kinds(cu.size() - 1, MaskKind::kFull);
+  absl::StatusOr<Layout> layout = Layout::FromDocuments(cu, kinds);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const RunResult res = RunGpu<TestCfg<float, false>>(*layout, 4, DType::kF32, 31);
+  ExpectPostedAsLowered(res, DType::kF32);
+}
+
+TEST(GpuExecutor, SmallPoolIsRefused) {
+  const Layout layout = testing::RandomLayout(120, DocMix::kUniform, 41, false);
+  std::vector<absl::Status> statuses;
+  RunGpu<TestCfg<float, true>>(layout, 2, DType::kF32, 41, /*pool_shortfall=*/256, &statuses);
+  for (const absl::Status& s : statuses) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_THAT(s.message(), HasSubstr("pool holds"));
+  }
+}
+
+}  // namespace
+}  // namespace hsap::cuda
