@@ -36,6 +36,7 @@
 #include "lib/api_batch.h"
 #include "lib/api_plan.h"
 #include "lib/api_util.h"
+#include "lib/cuda/cuda_loader.h"
 #include "lib/hierarchy.h"
 #include "lib/partition.h"
 
@@ -74,6 +75,7 @@ struct Options {
   std::vector<std::vector<int>> group_heads;
   std::vector<double> seq_weights, token_weights;
   std::string plan_file;
+  std::string backend = "host";  // host | cuda-loopback
   bool ranks_set = false;
   bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
 };
@@ -112,7 +114,9 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "                         group's counts sum to the query heads; default: even split)\n"
       "      --seq-weights ...  per-group sequence weights (default equal)\n"
       "      --token-weights .. per-rank token weights inside the groups (default equal)\n"
-      "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n");
+      "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n"
+      "      --backend B        host (default) | cuda-loopback (all ranks on GPU 0, one\n"
+      "                         stream each, JIT CUDA kernels; batches without a plan)\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -173,6 +177,8 @@ Options ParseOptions(int argc, char** argv) {
       o.token_weights = ParseList(value, "--token-weights", true);
     } else if (arg == "--plan") {
       o.plan_file = value;
+    } else if (arg == "--backend") {
+      o.backend = value;
     } else if (arg == "--kv-heads") {
       o.kv_heads = static_cast<int>(need_int(1));
     } else if (arg == "--head-dim") {
@@ -241,6 +247,14 @@ Options ParseOptions(int argc, char** argv) {
     Usage("--heads with per-rank counts needs --groups");
   }
   if (!o.plan_file.empty() && !o.groups.empty()) Usage("give --plan or --groups, not both");
+  if (o.backend != "host" && o.backend != "cuda-loopback") {
+    Usage("--backend must be host or cuda-loopback");
+  }
+  if (o.backend != "host" && o.plan_mode()) {
+    Usage(
+        "--groups/--plan run on the host backend only (the hierarchical runtime has no GPU "
+        "executor yet)");
+  }
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
   }
@@ -307,6 +321,43 @@ struct Bytes {
   Bytes() = default;
   explicit Bytes(size_t n) : data(n + 1, 0) {}
   void* ptr() { return data.data(); }
+};
+
+// A rank's tensors: the host buffers themselves (host backend), or device copies of them
+// (--backend cuda-loopback) that Fetch copies back.
+class DeviceCopies {
+ public:
+  explicit DeviceCopies(const hsap::cuda::CudaRuntimeApi* rt) : rt_(rt) {}
+  ~DeviceCopies() {
+    for (const auto& [host, device] : placed_) rt_->Free(device);
+  }
+  void* Place(std::vector<uint8_t>& host) {
+    if (rt_ == nullptr) return host.data();
+    void* device = nullptr;
+    Check(rt_->Malloc(&device, host.size()), "cudaMalloc");
+    placed_.push_back({&host, device});
+    Check(rt_->Memcpy(device, host.data(), host.size(), hsap::cuda::kCudaMemcpyDefault),
+          "cudaMemcpy (upload)");
+    return device;
+  }
+  void Fetch(std::vector<uint8_t>& host) {
+    for (const auto& [h, device] : placed_) {
+      if (h == &host) {
+        Check(rt_->Memcpy(host.data(), device, host.size(), hsap::cuda::kCudaMemcpyDefault),
+              "cudaMemcpy (download)");
+      }
+    }
+  }
+
+ private:
+  void Check(hsap::cuda::cudaError e, const char* what) {
+    if (absl::Status s = rt_->Check(e, what); !s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+      std::exit(1);
+    }
+  }
+  const hsap::cuda::CudaRuntimeApi* rt_;
+  std::vector<std::pair<std::vector<uint8_t>*, void*>> placed_;
 };
 
 // Elements of `got` with |got - ref| > 2 * (max naive error) + 4 rounding units of the
@@ -430,15 +481,26 @@ int main(int argc, char** argv) {
   hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
   cc.timeoutMs = o.timeout_ms;
   cc.numThreads = o.threads;
-  Must(hsapCommInitAll(comms.data(), R, &cc), "hsapCommInitAll");
+  const bool on_gpu = o.backend == "cuda-loopback";
+  if (on_gpu) {
+    Must(hsapCommInitLoopback(comms.data(), R, &cc), "hsapCommInitLoopback");
+  } else {
+    Must(hsapCommInitAll(comms.data(), R, &cc), "hsapCommInitAll");
+  }
+  const hsap::cuda::CudaRuntimeApi* cuda_rt =
+      on_gpu ? *hsap::cuda::LoadCudaRuntime() : nullptr;  // loaded: the communicators exist
   const int threads_per_rank =
       o.threads > 0 ? o.threads
                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / R);
 
-  std::printf("# hsap_attn_perf (hsap %d): distributed attention over a packed row, host backend\n",
-              version);
-  std::printf("# ranks %d (threads of this process, %d compute threads each), weights ", R,
-              threads_per_rank);
+  std::printf("# hsap_attn_perf (hsap %d): distributed attention over a packed row, %s backend\n",
+              version, on_gpu ? "CUDA (loopback ranks on GPU 0, JIT CUDA kernels)" : "host");
+  if (on_gpu) {
+    std::printf("# ranks %d (threads of this process sharing GPU 0, a stream each), weights ", R);
+  } else {
+    std::printf("# ranks %d (threads of this process, %d compute threads each), weights ", R,
+                threads_per_rank);
+  }
   if (o.weights.empty()) {
     std::printf("equal");
   } else {
@@ -601,21 +663,22 @@ int main(int argc, char** argv) {
           return fail(e);
         }
         const int64_t n = local[r];
-        hsapTensor_t tq{sq.p[r], ToC(dtype), n, o.heads, o.head_dim};
-        hsapTensor_t tk{sk.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
-        hsapTensor_t tv{sv.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
-        hsapTensor_t tout{sout.p[r], ToC(dtype), n, o.heads, o.head_dim};
-        hsapTensor_t tdout{sdout.p[r], ToC(dtype), n, o.heads, o.head_dim};
-        hsapTensor_t tdq{sdq.p[r], ToC(dtype), n, o.heads, o.head_dim};
-        hsapTensor_t tdk{sdk.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
-        hsapTensor_t tdv{sdv.p[r], ToC(dtype), n, o.kv_heads, o.head_dim};
         lse[r].assign(static_cast<size_t>(n) * o.heads + 1, 0.0f);
-        auto forward = [&] {
-          return hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse[r].data());
-        };
+        DeviceCopies gpu(cuda_rt);
+        auto at = [&](Shards& s) { return gpu.Place(s.b[r].data); };
+        hsapTensor_t tq{at(sq), ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tk{at(sk), ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tv{at(sv), ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tout{at(sout), ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdout{at(sdout), ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdq{at(sdq), ToC(dtype), n, o.heads, o.head_dim};
+        hsapTensor_t tdk{at(sdk), ToC(dtype), n, o.kv_heads, o.head_dim};
+        hsapTensor_t tdv{at(sdv), ToC(dtype), n, o.kv_heads, o.head_dim};
+        std::vector<uint8_t> lse_bytes(lse[r].size() * sizeof(float));
+        float* tlse = static_cast<float*>(gpu.Place(lse_bytes));
+        auto forward = [&] { return hsapAttentionForward(batch, &tq, &tk, &tv, &tout, tlse); };
         auto backward = [&] {
-          return hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, lse[r].data(), &tdq,
-                                       &tdk, &tdv);
+          return hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, tlse, &tdq, &tdk, &tdv);
         };
         hsapResult_t e = hsapSuccess;
         for (int i = 0; i < o.warmup && !e; ++i) e = forward();
@@ -627,6 +690,9 @@ int main(int argc, char** argv) {
         for (int i = 0; i < o.iters && !e; ++i) e = backward();
         bwd_s[r] = Seconds(t0, Clock::now()) / o.iters;
         if (e) fail(e);
+        for (Shards* s : {&sout, &sdq, &sdk, &sdv}) gpu.Fetch(s->b[r].data);
+        gpu.Fetch(lse_bytes);
+        std::memcpy(lse[r].data(), lse_bytes.data(), lse_bytes.size());
         hsapBatchGetTraffic(batch, &traffic[r]);
         hsapBatchGetTrafficDetail(batch, &detail[r]);
         hsapBatchDestroy(batch);

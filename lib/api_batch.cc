@@ -17,7 +17,7 @@
 #include "jit/host_jit_kernels.h"
 #include "lib/api_util.h"
 #include "lib/batch.h"
-#include "lib/cuda/nccl_transport.h"
+#include "lib/cuda/gpu_batch.h"
 #include "lib/errors.h"
 
 namespace hsap {
@@ -61,6 +61,19 @@ std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, c
   return *std::move(kernels);
 }
 
+std::unique_ptr<BatchDevice> GpuBatchDeviceForCreate(std::shared_ptr<cuda::GpuComm> gpu,
+                                                     const BatchOptions& options,
+                                                     const Layout& layout, absl::Status& local) {
+  if (!local.ok()) return nullptr;
+  absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
+      cuda::JitKernelsForBatch(options, layout);
+  if (!kernels.ok()) {
+    local = kernels.status();
+    return nullptr;
+  }
+  return cuda::NewGpuBatchDevice(std::move(gpu), *std::move(kernels));
+}
+
 const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels) {
   return kernels != nullptr ? *kernels : HandWrittenKernels();
 }
@@ -84,9 +97,6 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
   return hsap::RunApi("hsapBatchCreate", [&]() -> absl::Status {
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
-    }
-    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport()); !s.ok()) {
-      return s;
     }
     hsap::Communicator& c = *comm->comm;
     hsap::BatchOptions options;
@@ -123,9 +133,15 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
-    std::shared_ptr<const hsap::KernelSet> kernels = hsap::KernelsForCreate(options, l, local);
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
-        hsap::Batch::Create(c, l, w, options, hsap::KernelsOrPlaceholder(kernels), local);
+    std::shared_ptr<const hsap::KernelSet> kernels;
+    std::unique_ptr<hsap::BatchDevice> device;
+    if (comm->gpu != nullptr) {
+      device = hsap::GpuBatchDeviceForCreate(comm->gpu, options, l, local);
+    } else {
+      kernels = hsap::KernelsForCreate(options, l, local);
+    }
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
+        c, l, w, options, hsap::KernelsOrPlaceholder(kernels), local, std::move(device));
     if (!b.ok()) return b.status();
     *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
     return absl::OkStatus();

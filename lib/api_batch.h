@@ -7,6 +7,7 @@
 #include "absl/status/statusor.h"
 #include "attention/kernel.h"
 #include "attention/layout.h"
+#include "lib/api_util.h"
 #include "lib/batch.h"
 #include "lib/partition.h"
 
@@ -39,6 +40,13 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const Bat
 std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, const Layout& layout,
                                                   absl::Status& local);
 const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels);
+
+// The same for a batch on a CUDA communicator: its CUDA kernels compiled and loaded now,
+// wrapped in the BatchDevice that runs the batch on `gpu`; null (with `local` set) on
+// failure.
+std::unique_ptr<BatchDevice> GpuBatchDeviceForCreate(std::shared_ptr<cuda::GpuComm> gpu,
+                                                     const BatchOptions& options,
+                                                     const Layout& layout, absl::Status& local);
 
 // The handle of a created batch; it owns the batch and keeps its kernels alive.
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,

@@ -2,12 +2,16 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "hsap/hsap.h"
 #include "lib/api_util.h"
 #include "lib/communicator.h"
 #include "lib/cuda/cuda_loader.h"
+#include "lib/cuda/device.h"
+#include "lib/cuda/gpu_batch.h"
+#include "lib/cuda/loopback_transport.h"
 #include "lib/cuda/nccl_transport.h"
 #include "lib/errors.h"
 
@@ -50,12 +54,28 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
   return out;
 }
 
-// Wraps a transport into a communicator handle (one compute thread: kernels run on the GPU).
-absl::Status Publish(std::unique_ptr<hsap::cuda::NcclTransport> transport, absl::Duration timeout,
-                     hsapComm_t* comm) {
+// Wraps a transport into a communicator handle with its GPU side (one compute thread:
+// kernels run on the GPU). `stream`: the caller's compute stream or null.
+absl::StatusOr<std::unique_ptr<hsapComm_st>> NewCudaComm(std::unique_ptr<hsap::Transport> transport,
+                                                         hsap::cuda::cudaStream stream,
+                                                         absl::Duration timeout) {
+  absl::StatusOr<std::unique_ptr<hsap::cuda::Device>> device = hsap::cuda::CreateCudaDevice();
+  if (!device.ok()) return device.status();
+  absl::StatusOr<std::shared_ptr<hsap::cuda::GpuComm>> gpu =
+      hsap::cuda::GpuComm::Create(*std::move(device), stream, timeout);
+  if (!gpu.ok()) return gpu.status();
   auto handle = std::make_unique<hsapComm_st>();
   handle->comm = std::make_unique<hsap::Communicator>(std::move(transport), timeout, 1);
-  *comm = handle.release();
+  handle->gpu = *std::move(gpu);
+  return handle;
+}
+
+absl::Status Publish(std::unique_ptr<hsap::cuda::NcclTransport> transport,
+                     hsap::cuda::cudaStream stream, absl::Duration timeout, hsapComm_t* comm) {
+  absl::StatusOr<std::unique_ptr<hsapComm_st>> handle =
+      NewCudaComm(std::move(transport), stream, timeout);
+  if (!handle.ok()) return handle.status();
+  *comm = handle->release();
   return absl::OkStatus();
 }
 
@@ -103,13 +123,13 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
       return s;
     }
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
-        hsap::cuda::NcclTransport::Create(nc, /*owns_comm=*/true, settings->stream,
+        hsap::cuda::NcclTransport::Create(nc, /*owns_comm=*/true, /*stream=*/nullptr,
                                           settings->timeout);
     if (!t.ok()) {
       nccl.CommDestroy(nc);
       return t.status();
     }
-    return Publish(*std::move(t), settings->timeout, comm);
+    return Publish(*std::move(t), settings->stream, settings->timeout, comm);
   });
 }
 
@@ -124,9 +144,10 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
     if (absl::Status s = hsap::cuda::CheckNcclDevice(); !s.ok()) return s;
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(static_cast<hsap::cuda::ncclComm>(ncclComm),
-                                          /*owns_comm=*/false, settings->stream, settings->timeout);
+                                          /*owns_comm=*/false, /*stream=*/nullptr,
+                                          settings->timeout);
     if (!t.ok()) return t.status();
-    return Publish(*std::move(t), settings->timeout, comm);
+    return Publish(*std::move(t), settings->stream, settings->timeout, comm);
   });
 }
 
@@ -160,13 +181,13 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
     }
     if (child == nullptr) return absl::OkStatus();  // this rank joined no group
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
-        hsap::cuda::NcclTransport::Create(child, /*owns_comm=*/true, settings->stream,
+        hsap::cuda::NcclTransport::Create(child, /*owns_comm=*/true, /*stream=*/nullptr,
                                           settings->timeout);
     if (!t.ok()) {
       nccl.CommDestroy(child);
       return t.status();
     }
-    return Publish(*std::move(t), settings->timeout, newcomm);
+    return Publish(*std::move(t), settings->stream, settings->timeout, newcomm);
   });
 }
 
@@ -177,6 +198,31 @@ hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda) {
       return absl::InvalidArgumentError("comm is null");
     }
     *isCuda = hsap::cuda::IsCudaTransport(comm->comm->transport()) ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config) {
+  return hsap::RunApi("hsapCommInitLoopback", [&]() -> absl::Status {
+    if (absl::Status s = hsap::CheckNotNull(comms, "comms"); !s.ok()) return s;
+    if (nranks < 1) {
+      return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
+    }
+    for (int r = 0; r < nranks; ++r) comms[r] = nullptr;
+    absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
+    if (!settings.ok()) return settings.status();
+    if (absl::Status s = hsap::cuda::CheckCudaDevice(); !s.ok()) return s;
+    absl::StatusOr<std::vector<std::unique_ptr<hsap::Transport>>> transports =
+        hsap::cuda::CreateLoopbackTransports(nranks, settings->timeout);
+    if (!transports.ok()) return transports.status();
+    std::vector<std::unique_ptr<hsapComm_st>> handles;
+    for (std::unique_ptr<hsap::Transport>& t : *transports) {
+      absl::StatusOr<std::unique_ptr<hsapComm_st>> h =
+          NewCudaComm(std::move(t), /*stream=*/nullptr, settings->timeout);
+      if (!h.ok()) return h.status();  // nothing published yet
+      handles.push_back(*std::move(h));
+    }
+    for (int r = 0; r < nranks; ++r) comms[r] = handles[r].release();
     return absl::OkStatus();
   });
 }

@@ -15,12 +15,19 @@
 #include "hsap/hsap.h"
 #include "lib/communicator.h"
 
+namespace hsap::cuda {
+class GpuComm;
+}  // namespace hsap::cuda
+
 // The objects behind the opaque handles of hsap.h.
 struct hsapLayout_st {
   hsap::Layout layout;
 };
 struct hsapComm_st {
   std::unique_ptr<hsap::Communicator> comm;
+  // The GPU side of a CUDA communicator (device, compute stream, pool); null for the host
+  // backend.
+  std::shared_ptr<hsap::cuda::GpuComm> gpu;
 };
 
 namespace hsap {

@@ -87,9 +87,11 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
                                                      absl::Span<const double> weights,
                                                      const BatchOptions& options,
                                                      const KernelSet& kernels,
-                                                     absl::Status local_check) {
+                                                     absl::Status local_check,
+                                                     std::unique_ptr<BatchDevice> device) {
   absl::Status local = local_check;
   std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
+  batch->device_ = std::move(device);
   if (local.ok()) {
     absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
     if (p.ok()) {
@@ -111,7 +113,32 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
       BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
   if (!schedule.ok()) return schedule.status();
   batch->schedule_ = *std::move(schedule);
+  if (batch->device_ != nullptr) {
+    const absl::Status prepared =
+        batch->device_->Prepare(batch->schedule_, batch->dims_, options.dtype);
+    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
+  }
   return batch;
+}
+
+absl::Status Batch::AgreeOnPrepared(const absl::Status& local) {
+  const uint64_t mine = local.ok() ? 1 : 0;
+  std::vector<uint64_t> all(comm_->size());
+  if (absl::Status s = comm_->transport().AllGather(&mine, all.data(), sizeof(uint64_t),
+                                                    "batch creation (device preparation)");
+      !s.ok()) {
+    return s;
+  }
+  if (!local.ok()) return local;
+  for (int r = 0; r < comm_->size(); ++r) {
+    if (all[r] == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r,
+          " could not prepare its device for the batch (its own error says why); no rank "
+          "created the batch"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
@@ -266,8 +293,13 @@ absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* o
     traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
     return s;
   }
-  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  absl::Status s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+  absl::Status s;
+  if (device_ != nullptr) {
+    s = device_->Forward(comm_->transport(), call, q, k, v, out, lse, &traffic_.forward);
+  } else {
+    ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+    s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+  }
   traffic_.hier_forward = {0, 0, traffic_.forward.bytes_sent, traffic_.forward.bytes_received};
   return s;
 }
@@ -284,8 +316,14 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
     traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
     return s;
   }
-  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  absl::Status s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+  absl::Status s;
+  if (device_ != nullptr) {
+    s = device_->Backward(comm_->transport(), call, dout, q, k, v, out, lse, dq, dk, dv,
+                          &traffic_.backward);
+  } else {
+    ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+    s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+  }
   traffic_.hier_backward = {0, 0, traffic_.backward.bytes_sent, traffic_.backward.bytes_received};
   return s;
 }

@@ -52,16 +52,35 @@ struct BatchTraffic {
   HierTraffic hier_forward, hier_backward;
 };
 
+// Runs a batch's schedule somewhere other than the host kernels: on a GPU
+// (lib/cuda/gpu_batch.h). Tensors are then that device's memory.
+class BatchDevice {
+ public:
+  virtual ~BatchDevice() = default;
+  // Called once on every rank after its schedule exists (uploads, pool reservation); the
+  // schedule outlives the device object.
+  virtual absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims,
+                               DType dtype) = 0;
+  virtual absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
+                               const void* v, void* out, float* lse, ExecTraffic* traffic) = 0;
+  virtual absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout,
+                                const void* q, const void* k, const void* v, const void* out,
+                                const float* lse, void* dq, void* dk, void* dv,
+                                ExecTraffic* traffic) = 0;
+};
+
 class Batch {
  public:
   // `comm` and `kernels` must outlive the batch. weights: one per rank or empty (equal).
   // `local_check`: the caller's verdict on its other arguments; when it is not OK the
   // rank still takes part in the agreement (so that its peers fail at once rather than
-  // time out) and returns it.
+  // time out) and returns it. `device`: run on it instead of `kernels` (every rank of the
+  // communicator passes one or none); its Prepare is followed by a second agreement, so a
+  // rank whose device cannot hold the batch makes every rank fail.
   static absl::StatusOr<std::unique_ptr<Batch>> Create(
       Communicator& comm, const Layout& layout, absl::Span<const double> weights,
       const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
-      absl::Status local_check = absl::OkStatus());
+      absl::Status local_check = absl::OkStatus(), std::unique_ptr<BatchDevice> device = nullptr);
 
   // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
   // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
@@ -96,6 +115,8 @@ class Batch {
   // already holds an error (a failure is stored in `local`).
   static std::unique_ptr<Batch> NewBatch(Communicator& comm, const BatchOptions& options,
                                          const KernelSet& kernels, absl::Status& local);
+  // After BatchDevice::Prepare: every rank learns whether every device is ready.
+  absl::Status AgreeOnPrepared(const absl::Status& local);
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
   // The creation agreement; `inputs` hashes what must be equal beyond layout and options
@@ -109,6 +130,7 @@ class Batch {
   std::shared_ptr<const Partition> partition_;
   Schedule schedule_;
   std::unique_ptr<const RankHierarchy> hierarchy_;  // set for a batch under a plan
+  std::unique_ptr<BatchDevice> device_;             // set for a batch on a device
   uint64_t fingerprint_ = 0;
   uint64_t calls_ = 0;
   BatchTraffic traffic_;

@@ -157,8 +157,11 @@ typedef struct {
   int timeoutMs;  /* every wait on a peer; 0: $HSAP_TIMEOUT_MS, else 300000 (5 minutes) */
   int numThreads; /* compute threads per rank; 0: hardware threads / ranks (at least 1) */
   /* Added in 0.1 for the CUDA backend (callers built against the older, shorter struct are
-   * told apart by `size`): the caller's cudaStream_t, on which a CUDA communicator enqueues
-   * its communication; NULL: a stream of its own. Ignored by the host backend. */
+   * told apart by `size`): the caller's cudaStream_t. A CUDA communicator enqueues the
+   * kernels of hsapAttentionForward/Backward on it and returns once they are enqueued
+   * (inputs are read, and outputs are ready, in that stream's order; transfers run on a
+   * stream of the communicator's, ordered with it by events). NULL: a stream of its own,
+   * and the calls return after their work finished. Ignored by the host backend. */
   void* cudaStream;
 } hsapCommConfig_t;
 
@@ -220,7 +223,11 @@ typedef struct {
 
 /* Collective: every rank of comm calls it with the same layout, weights and config (checked:
  * a mismatch returns hsapInvalidUsage on every rank). Partitions the row and builds this
- * rank's schedule. weights: one per rank, NULL for equal. */
+ * rank's schedule. weights: one per rank, NULL for equal. On a CUDA communicator it also
+ * compiles (NVRTC, cached on disk) and loads the CUDA kernels of the configuration, uploads
+ * the schedule's work lists and grows the communicator's device pool to what the batch
+ * needs, so that forward and backward allocate nothing; tensors and lse are then device
+ * memory of the rank's GPU. */
 hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                              const double* weights, const hsapBatchConfig_t* config);
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch);
@@ -324,8 +331,9 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
  * return hsapUnsupported and hsapGetLastError() says what is missing ("libcuda.so.1 not
  * found: no NVIDIA driver", "no CUDA device", "libnccl.so.2 not found"); the host backend
  * keeps working. $HSAP_CUDA_LIB_PATH (colon-separated directories) replaces the library
- * search path. Batches on CUDA communicators currently return hsapUnsupported (the GPU
- * executor is not part of this build yet). */
+ * search path. Batches without a plan run on CUDA communicators (hsapBatchCreate);
+ * hsapBatchCreateWithPlan returns hsapUnsupported there (the hierarchical runtime is host
+ * only for now). */
 
 /* Opaque bootstrap token, like ncclUniqueId (128 bytes, copied between processes). */
 typedef struct {
@@ -347,8 +355,14 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
  * rank joins none and *newcomm is set to NULL. Only for CUDA communicators. */
 hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newcomm,
                            const hsapCommConfig_t* config);
-/* 1 when comm is a CUDA (NCCL) communicator, 0 for the host backend. */
+/* 1 when comm is a CUDA communicator (NCCL or loopback), 0 for the host backend. */
 hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda);
+/* Creates nranks CUDA ranks that share the current GPU in this process (comms[0..nranks-1]),
+ * like hsapCommInitAll: one thread per rank, each with its own stream, data moved by
+ * device-to-device copies. For testing and benchmarking the CUDA backend on one GPU.
+ * config may be NULL; config->cudaStream is ignored (every rank uses a stream of its own,
+ * so calls return after their work finished). Needs a CUDA device, not NCCL. */
+hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
 
 #ifdef __cplusplus
 } /* extern "C" */

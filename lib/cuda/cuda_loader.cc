@@ -105,6 +105,8 @@ absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
   void* handle = *h;
   HSAP_BIND(handle, api, Init, "cuInit");
   HSAP_BIND(handle, api, GetErrorString, "cuGetErrorString");
+  HSAP_BIND(handle, api, CtxGetCurrent, "cuCtxGetCurrent");
+  HSAP_BIND(handle, api, CtxSetCurrent, "cuCtxSetCurrent");
   HSAP_BIND(handle, api, ModuleLoadData, "cuModuleLoadData");
   HSAP_BIND(handle, api, ModuleUnload, "cuModuleUnload");
   HSAP_BIND(handle, api, ModuleGetFunction, "cuModuleGetFunction");

@@ -104,6 +104,10 @@ class JitDeviceKernels : public DeviceKernels {
   absl::Status Launch(const Kernel& k, const char* what, unsigned grid_x, unsigned grid_y,
                       const Params* params, cudaStream s) const {
     void* args[] = {const_cast<Params*>(params)};
+    if (absl::Status st = driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent");
+        !st.ok()) {
+      return st;
+    }
     return driver_->Check(
         driver_->LaunchKernel(k.function, grid_x, grid_y, 1, static_cast<unsigned>(k.threads), 1, 1,
                               static_cast<unsigned>(k.smem), s, args, nullptr),
@@ -112,6 +116,7 @@ class JitDeviceKernels : public DeviceKernels {
   }
 
   const CudaDriverApi* driver_ = nullptr;
+  CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   long long helper_ctas_ = 1;
   Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_;
@@ -133,6 +138,11 @@ absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKer
   if (absl::Status s =
           (*rt)->Check((*rt)->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
                        "cudaDeviceGetAttribute(multiprocessor count)");
+      !s.ok()) {
+    return s;
+  }
+  // cudaFree(nullptr) initialises the device's primary context and makes it current.
+  if (absl::Status s = (*rt)->Check((*rt)->Free(nullptr), "cudaFree(nullptr) (context set-up)");
       !s.ok()) {
     return s;
   }

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "lib/cuda/loopback_transport.h"
 #include "lib/cuda/nccl_lowering.h"
 
 namespace hsap::cuda {
@@ -295,14 +296,15 @@ void NcclTransport::Abort(absl::string_view reason) {
 }
 
 bool IsCudaTransport(const Transport& t) {
-  return dynamic_cast<const NcclTransport*>(&t) != nullptr;
+  return dynamic_cast<const NcclTransport*>(&t) != nullptr || LoopbackStream(t) != nullptr;
 }
 
 absl::Status CheckHostExecutorTransport(const Transport& t) {
   if (!IsCudaTransport(t)) return absl::OkStatus();
   return absl::UnimplementedError(
-      "batches on CUDA communicators (hsapCommInitRank / hsapCommInitFromNccl) need the GPU "
-      "executor, which this build does not run yet; use hsapCommInitAll (host backend)");
+      "batches under a plan (hsapBatchCreateWithPlan) run on host communicators only for now: "
+      "the hierarchical runtime has no GPU executor yet; on a CUDA communicator create the "
+      "batch without a plan (hsapBatchCreate), or use hsapCommInitAll");
 }
 
 void NcclTransport::CountCompleted(const TrafficCounters& delta) {

@@ -86,11 +86,11 @@ class NcclTransport : public Transport {
   TrafficCounters counters_;
 };
 
-// True when `t` moves device memory (an NcclTransport): the host executor must not run on
-// it (batches on such communicators need the GPU executor).
+// True when `t` moves device memory (NCCL or loopback): the host executor must not run on
+// it (batches on such communicators run on the GPU executor).
 bool IsCudaTransport(const Transport& t);
-// Unimplemented for a CUDA transport ("batches on CUDA communicators need the GPU executor,
-// which this build does not run yet"), OK otherwise. Called by the batch entry points.
+// Unimplemented for a CUDA transport (the hierarchical runtime of plans is host only), OK
+// otherwise. Called by hsapBatchCreateWithPlan.
 absl::Status CheckHostExecutorTransport(const Transport& t);
 
 }  // namespace hsap::cuda

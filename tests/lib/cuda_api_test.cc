@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +17,8 @@
 #include "lib/cuda/cuda_loader.h"
 #include "lib/cuda/loopback_transport.h"
 #include "lib/cuda/nccl_transport.h"
+#include "tests/lib/distributed_harness.h"
+#include "tests/lib/random_layouts.h"
 
 namespace hsap::cuda {
 namespace {
@@ -189,14 +192,14 @@ TEST(CudaApi, HostCommunicatorsStayHost) {
 // ---- GPU tests ------------------------------------------------------------------------
 
 // Device buffer with upload/download through the loaded runtime.
-struct DeviceBuffer {
+struct GpuBuffer {
   const CudaRuntimeApi* rt = nullptr;
   void* p = nullptr;
   size_t bytes = 0;
-  DeviceBuffer(const CudaRuntimeApi* r, size_t n) : rt(r), bytes(n) {
+  GpuBuffer(const CudaRuntimeApi* r, size_t n) : rt(r), bytes(n) {
     EXPECT_TRUE(rt->Check(rt->Malloc(&p, n), "cudaMalloc").ok());
   }
-  ~DeviceBuffer() { rt->Free(p); }
+  ~GpuBuffer() { rt->Free(p); }
   void Upload(const std::vector<uint8_t>& h) {
     EXPECT_TRUE(rt->Check(rt->Memcpy(p, h.data(), bytes, kCudaMemcpyDefault), "upload").ok());
   }
@@ -226,7 +229,7 @@ TEST(CudaGpu, SingleRankCommunicatorSendsToItself) {
   int is_cuda = 0;
   ASSERT_EQ(hsapCommIsCuda(comm, &is_cuda), hsapSuccess);
   EXPECT_EQ(is_cuda, 1);
-  // Batches refuse CUDA communicators until the GPU executor exists.
+  // A batch without a plan runs on it; one under a plan is refused (host-only runtime).
   hsapLayout_t layout = nullptr;
   const int64_t cu[] = {0, 16};
   ASSERT_EQ(hsapLayoutCreate(&layout, cu, 1, nullptr, nullptr), hsapSuccess);
@@ -234,8 +237,17 @@ TEST(CudaGpu, SingleRankCommunicatorSendsToItself) {
   bc.numHeadsQ = bc.numHeadsKV = 1;
   bc.headDim = 64;
   hsapBatch_t batch = nullptr;
-  EXPECT_EQ(hsapBatchCreate(&batch, comm, layout, nullptr, &bc), hsapUnsupported);
-  EXPECT_THAT(LastError(), HasSubstr("GPU executor"));
+  EXPECT_EQ(hsapBatchCreate(&batch, comm, layout, nullptr, &bc), hsapSuccess) << LastError();
+  hsapBatchDestroy(batch);
+  hsapPlan_t plan = nullptr;
+  const int sizes[] = {1}, ranks[] = {0}, counts[] = {1}, heads[] = {0};
+  ASSERT_EQ(
+      hsapPlanCreate(&plan, 1, 1, 1, 1, sizes, ranks, nullptr, nullptr, counts, heads, nullptr),
+      hsapSuccess)
+      << LastError();
+  EXPECT_EQ(hsapBatchCreateWithPlan(&batch, comm, layout, plan, &bc), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("hierarchical runtime"));
+  hsapPlanDestroy(plan);
   hsapLayoutDestroy(layout);
   hsapCommDestroy(comm);
 }
@@ -267,7 +279,7 @@ TEST(CudaGpu, NcclTransportRingOnEveryGpu) {
       Transport& t = handle->comm->transport();
       const size_t kb = 4096 + 64 * r, vb = 1000;
       const int next = (r + 1) % R, prev = (r + R - 1) % R;
-      DeviceBuffer k(rt, kb), v(rt, vb), rk(rt, 4096 + 64 * prev), rv(rt, vb);
+      GpuBuffer k(rt, kb), v(rt, vb), rk(rt, 4096 + 64 * prev), rv(rt, vb);
       k.Upload(Pattern(kb, r));
       v.Upload(Pattern(vb, 100 + r));
       std::vector<SendOp> sends = {{next, v.p, vb, 2}, {next, k.p, kb, 1}};
@@ -313,7 +325,7 @@ TEST(CudaGpu, LoopbackRanksOnOneGpu) {
       Transport& t = *(*world)[r];
       const int next = (r + 1) % R, prev = (r + R - 1) % R;
       const size_t kb = 1024 + 16 * r;
-      DeviceBuffer k(rt, kb), rk(rt, 1024 + 16 * prev);
+      GpuBuffer k(rt, kb), rk(rt, 1024 + 16 * prev);
       k.Upload(Pattern(kb, r));
       std::vector<SendOp> sends = {{next, k.p, kb, 7}};
       std::vector<RecvOp> recvs = {{prev, rk.p, rk.bytes, 7}};
@@ -329,7 +341,7 @@ TEST(CudaGpu, LoopbackRanksOnOneGpu) {
   EXPECT_EQ((*world)[0]->counters().bytes_sent, 1024u);
 
   // Sizes disagree: both sides fail.
-  DeviceBuffer a(rt, 64), b(rt, 32);
+  GpuBuffer a(rt, 64), b(rt, 32);
   std::vector<SendOp> s0 = {{1, a.p, 64, 9}};
   std::vector<RecvOp> r1 = {{0, b.p, 32, 9}};
   auto p0 = (*world)[0]->Start(s0, {}, "mismatch");
@@ -343,11 +355,125 @@ TEST(CudaGpu, LoopbackTimeoutNamesThePeer) {
   auto world = CreateLoopbackTransports(2, absl::Milliseconds(200));
   ASSERT_TRUE(world.ok()) << world.status();
   const CudaRuntimeApi* rt = *LoadCudaRuntime();
-  DeviceBuffer b(rt, 16);
+  GpuBuffer b(rt, 16);
   std::vector<RecvOp> r = {{1, b.p, 16, 3}};
   absl::Status s = (*world)[0]->Exchange({}, r, "lonely");
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(s.message(), HasSubstr("waits for rank 1"));
+}
+
+// ---- Batches on CUDA communicators, through the C API --------------------------------
+
+TEST(CudaApi, LoopbackArgumentsAndMissingDevice) {
+  hsapComm_t comms[2] = {nullptr, nullptr};
+  EXPECT_EQ(hsapCommInitLoopback(nullptr, 2, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("comms"));
+  EXPECT_EQ(hsapCommInitLoopback(comms, 0, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("nranks = 0"));
+  ScopedLibPath path(EmptyDir());
+  EXPECT_EQ(hsapCommInitLoopback(comms, 2, nullptr), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("libcuda.so.1 not found"));
+  EXPECT_EQ(comms[0], nullptr);
+  EXPECT_EQ(comms[1], nullptr);
+}
+
+// Tensors in the current GPU's memory (one cudaMalloc per tensor, freed at the end).
+class DevicePlacement : public testing::TensorPlacement {
+ public:
+  explicit DevicePlacement(const CudaRuntimeApi* rt) : rt_(rt) {}
+  ~DevicePlacement() override {
+    for (void* p : placed_) rt_->Free(p);
+  }
+  void* Place(void* host, size_t bytes) override {
+    void* p = nullptr;
+    EXPECT_TRUE(rt_->Check(rt_->Malloc(&p, bytes), "cudaMalloc").ok());
+    EXPECT_TRUE(rt_->Check(rt_->Memcpy(p, host, bytes, kCudaMemcpyDefault), "upload").ok());
+    std::lock_guard<std::mutex> lock(mu_);
+    placed_.push_back(p);
+    return p;
+  }
+  void Fetch(const void* placed, void* host, size_t bytes) override {
+    EXPECT_TRUE(rt_->Check(rt_->Memcpy(host, placed, bytes, kCudaMemcpyDefault), "download").ok());
+  }
+
+ private:
+  const CudaRuntimeApi* rt_;
+  std::mutex mu_;
+  std::vector<void*> placed_;
+};
+
+struct GpuCase {
+  int ranks;
+  DType dtype;
+  int heads_q, heads_kv, head_dim;
+  hsap::testing::DocMix mix;
+  int64_t tokens;
+};
+
+// Loopback ranks on GPU 0: forward and backward against the fp64 reference.
+TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  using hsap::testing::DocMix;
+  const GpuCase cases[] = {
+      {1, DType::kF32, 2, 1, 64, DocMix::kUniform, 700},
+      {2, DType::kBF16, 8, 2, 128, DocMix::kSingle, 1500},
+      {3, DType::kF16, 4, 4, 64, DocMix::kLongTail, 1300},
+      {4, DType::kBF16, 8, 1, 128, DocMix::kLongTail, 3000},
+      {8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 2500},
+  };
+  uint64_t seed = 500;
+  for (const GpuCase& g : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
+                 << ", " << g.heads_q << "/" << g.heads_kv << " heads");
+    DevicePlacement placement(rt);
+    hsap::testing::DistCase c;
+    c.ranks = g.ranks;
+    c.dtype = g.dtype;
+    c.heads_q = g.heads_q;
+    c.heads_kv = g.heads_kv;
+    c.head_dim = g.head_dim;
+    c.init_comms = hsapCommInitLoopback;
+    c.placement = &placement;
+    c.enter_rank = [rt](int) { rt->SetDevice(0); };
+    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, ++seed, false);
+    hsap::testing::CheckAgainstReference(layout, c, seed);
+  }
+}
+
+// One NCCL rank per GPU (2..8 GPUs): the same check over NCCL.
+TEST(CudaGpu, NcclBatchesOnEveryGpuMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  int devices = 0;
+  ASSERT_TRUE(rt->Check(rt->GetDeviceCount(&devices), "cudaGetDeviceCount").ok());
+  if (devices < 2) GTEST_SKIP() << "no CUDA device: needs 2 GPUs, found " << devices;
+  DevicePlacement placement(rt);
+  hsap::testing::DistCase c;
+  c.ranks = std::min(devices, 8);
+  c.dtype = DType::kBF16;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 128;
+  c.placement = &placement;
+  c.enter_rank = [rt](int r) { rt->SetDevice(r); };
+  c.init_comms = [rt](hsapComm_t* comms, int n, const hsapCommConfig_t* config) {
+    hsapUniqueId_t id;
+    if (hsapResult_t e = hsapGetUniqueId(&id); e != hsapSuccess) return e;
+    std::vector<hsapResult_t> results(n, hsapSuccess);
+    hsap::testing::OnEveryRank(n, [&](int r) {
+      rt->SetDevice(r);
+      results[r] = hsapCommInitRank(&comms[r], n, id, r, config);
+    });
+    for (hsapResult_t e : results) {
+      if (e != hsapSuccess) return e;
+    }
+    return hsapSuccess;
+  };
+  const Layout layout =
+      hsap::testing::RandomLayout(4000, hsap::testing::DocMix::kLongTail, 77, false);
+  hsap::testing::CheckAgainstReference(layout, c, 77);
 }
 
 }  // namespace

@@ -13,8 +13,10 @@
 
 #include "attention/dtype.h"
 #include "attention/layout.h"
+#include "attention/reference.h"
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
+#include "tests/tolerance.h"
 
 namespace hsap::testing {
 
@@ -86,6 +88,17 @@ inline void OnEveryRank(int ranks, const std::function<void(int)>& fn) {
   for (std::thread& t : threads) t.join();
 }
 
+// Where the ranks' tensors live: host memory (this default) or a device (tests of the
+// CUDA backend override it).
+class TensorPlacement {
+ public:
+  virtual ~TensorPlacement() = default;
+  // The address the library is given for `bytes` bytes holding a copy of `host`.
+  virtual void* Place(void* host, size_t bytes) { return host; }
+  // Copies a placed buffer back into `host`.
+  virtual void Fetch(const void* placed, void* host, size_t bytes) {}
+};
+
 struct DistCase {
   int ranks = 1;
   std::vector<double> weights;  // empty: equal
@@ -93,6 +106,12 @@ struct DistCase {
   int heads_q = 2, heads_kv = 1, head_dim = 32;
   bool backward = true;
   int timeout_ms = 60000;
+  // The communicators (hsapCommInitAll: the host backend), where tensors live (null: host
+  // memory), and what each rank's thread does first (e.g. select its GPU).
+  std::function<hsapResult_t(hsapComm_t*, int, const hsapCommConfig_t*)> init_comms =
+      hsapCommInitAll;
+  TensorPlacement* placement = nullptr;
+  std::function<void(int)> enter_rank;
 };
 
 // Full-row inputs.
@@ -184,9 +203,12 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
   config.timeoutMs = c.timeout_ms;
   config.numThreads = 1;
-  EXPECT_EQ(hsapCommInitAll(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
+  EXPECT_EQ(c.init_comms(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
+  TensorPlacement host_memory;
+  TensorPlacement& place = c.placement != nullptr ? *c.placement : host_memory;
 
   OnEveryRank(R, [&](int r) {
+    if (c.enter_rank) c.enter_rank(r);
     auto fail = [&](hsapResult_t result) {
       res.results[r] = result;
       res.errors[r] = hsapGetLastError();
@@ -210,24 +232,34 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     res.ranges[r].resize(2 * num_ranges);
     hsapPartitionGetRanges(own, r, res.ranges[r].data(), &num_ranges, nullptr);
 
-    hsapTensor_t tq{q[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
-    hsapTensor_t tk{k[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
-    hsapTensor_t tv{v[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
-    hsapTensor_t tout{out[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
-    hsapTensor_t tdout{dout[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
-    hsapTensor_t tdq{dq[r].data(), ToC(c.dtype), n, c.heads_q, c.head_dim};
-    hsapTensor_t tdk{dk[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
-    hsapTensor_t tdv{dv[r].data(), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    auto placed = [&](std::vector<uint8_t>& shard) {
+      return place.Place(shard.data(), shard.size());
+    };
+    hsapTensor_t tq{placed(q[r]), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tk{placed(k[r]), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tv{placed(v[r]), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tout{placed(out[r]), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdout{placed(dout[r]), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdq{placed(dq[r]), ToC(c.dtype), n, c.heads_q, c.head_dim};
+    hsapTensor_t tdk{placed(dk[r]), ToC(c.dtype), n, c.heads_kv, c.head_dim};
+    hsapTensor_t tdv{placed(dv[r]), ToC(c.dtype), n, c.heads_kv, c.head_dim};
     lse[r].assign(static_cast<size_t>(n) * c.heads_q + 1, 0.0f);
-    if (hsapResult_t e = hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse[r].data()); e) {
+    const size_t lse_bytes = lse[r].size() * sizeof(float);
+    float* tlse = static_cast<float*>(place.Place(lse[r].data(), lse_bytes));
+    if (hsapResult_t e = hsapAttentionForward(batch, &tq, &tk, &tv, &tout, tlse); e) {
       fail(e);
     } else if (c.backward) {
-      if (hsapResult_t e2 = hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout,
-                                                  lse[r].data(), &tdq, &tdk, &tdv);
+      if (hsapResult_t e2 =
+              hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, tlse, &tdq, &tdk, &tdv);
           e2) {
         fail(e2);
       }
     }
+    place.Fetch(tout.data, out[r].data(), out[r].size());
+    place.Fetch(tlse, lse[r].data(), lse_bytes);
+    place.Fetch(tdq.data, dq[r].data(), dq[r].size());
+    place.Fetch(tdk.data, dk[r].data(), dk[r].size());
+    place.Fetch(tdv.data, dv[r].data(), dv[r].size());
     hsapBatchGetTraffic(batch, &res.traffic[r]);
     hsapBatchDestroy(batch);
   });
@@ -257,6 +289,30 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   }
   hsapPartitionDestroy(part);
   return res;
+}
+
+// Runs the case and checks every output against the fp64 reference (tests/tolerance.h).
+inline RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64_t seed) {
+  hsapLayout_t handle = ToCLayout(layout);
+  RowInputs in(c, layout.num_tokens(), seed);
+  RowOutputs got = RunDistributed(handle, c, in);
+  hsapLayoutDestroy(handle);
+  for (int r = 0; r < c.ranks; ++r) {
+    EXPECT_EQ(got.results[r], hsapSuccess) << "rank " << r << ": " << got.errors[r];
+  }
+  if (!got.ok()) return got;
+
+  ReferenceInputs ri;
+  ri.dims.heads_q = c.heads_q;
+  ri.dims.heads_kv = c.heads_kv;
+  ri.dims.head_dim = c.head_dim;
+  ri.dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  ri.dtype = c.dtype;
+  ri.q = in.q.bytes.data();
+  ri.k = in.k.bytes.data();
+  ri.v = in.v.bytes.data();
+  ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, c.backward);
+  return got;
 }
 
 }  // namespace hsap::testing

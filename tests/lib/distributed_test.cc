@@ -25,31 +25,7 @@ using ::hsap::testing::RandomSliceLayout;
 using ::hsap::testing::RowInputs;
 using ::hsap::testing::RowOutputs;
 
-using ::hsap::testing::ExpectMatchesReference;
-
-// Runs the case and checks every output against the references.
-RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c, uint64_t seed) {
-  hsapLayout_t handle = testing::ToCLayout(layout);
-  RowInputs in(c, layout.num_tokens(), seed);
-  RowOutputs got = testing::RunDistributed(handle, c, in);
-  hsapLayoutDestroy(handle);
-  for (int r = 0; r < c.ranks; ++r) {
-    EXPECT_EQ(got.results[r], hsapSuccess) << "rank " << r << ": " << got.errors[r];
-  }
-  if (!got.ok()) return got;
-
-  ReferenceInputs ri;
-  ri.dims.heads_q = c.heads_q;
-  ri.dims.heads_kv = c.heads_kv;
-  ri.dims.head_dim = c.head_dim;
-  ri.dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  ri.dtype = c.dtype;
-  ri.q = in.q.bytes.data();
-  ri.k = in.k.bytes.data();
-  ri.v = in.v.bytes.data();
-  ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, c.backward);
-  return got;
-}
+using ::hsap::testing::CheckAgainstReference;
 
 struct Scenario {
   std::string name;

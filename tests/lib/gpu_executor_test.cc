@@ -24,8 +24,10 @@
 #include "attention/reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/batch.h"
 #include "lib/communicator.h"
 #include "lib/cuda/buffer_pool.h"
+#include "lib/cuda/gpu_batch.h"
 #include "lib/cuda/nccl_lowering.h"
 #include "lib/executor.h"
 #include "lib/host_transport.h"
@@ -314,6 +316,135 @@ TEST(GpuExecutor, SmallPoolIsRefused) {
   for (const absl::Status& s : statuses) {
     EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
     EXPECT_THAT(s.message(), HasSubstr("pool holds"));
+  }
+}
+
+// ---- Batches on a device (lib/cuda/gpu_batch.h), through the Batch API ------------------
+
+// An emulated device whose allocations fail from the n-th on.
+class FailingDevice : public EmulatedDevice {
+ public:
+  explicit FailingDevice(int64_t fail_from) : fail_from_(fail_from) {}
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (allocations() >= fail_from_) {
+      return absl::ResourceExhaustedError(absl::StrCat("out of memory allocating ", bytes, " B"));
+    }
+    return EmulatedDevice::Allocate(bytes);
+  }
+
+ private:
+  int64_t fail_from_;
+};
+
+struct GpuWorld {
+  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::shared_ptr<GpuComm>> gpus;
+};
+
+// R host-transport ranks, each with an emulated device (rank `failing` fails to allocate).
+GpuWorld MakeGpuWorld(int R, int failing = -1) {
+  GpuWorld w;
+  auto comms = Communicator::CreateHostWorld(R, CommOptions{absl::Seconds(120), 1});
+  EXPECT_TRUE(comms.ok()) << comms.status();
+  w.comms = *std::move(comms);
+  for (int r = 0; r < R; ++r) {
+    std::unique_ptr<Device> device =
+        r == failing ? std::make_unique<FailingDevice>(0) : std::make_unique<EmulatedDevice>();
+    auto gpu = GpuComm::Create(std::move(device), nullptr, absl::Seconds(120));
+    EXPECT_TRUE(gpu.ok()) << gpu.status();
+    w.gpus.push_back(*std::move(gpu));
+  }
+  return w;
+}
+
+TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
+  using Cfg = TestCfg<float, true>;
+  const int R = 3;
+  const Layout layout = testing::RandomLayout(170, DocMix::kLongTail, 51, false);
+  GpuWorld w = MakeGpuWorld(R);
+  auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
+  BatchOptions options;
+  options.dtype = DType::kF32;
+  options.heads_q = kHeadsQ;
+  options.heads_kv = kHeadsKv;
+  options.head_dim = kDim;
+
+  testing::DistCase c;
+  c.dtype = DType::kF32;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, layout.num_tokens(), 51);
+  Outputs got;
+  got.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+  got.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+  got.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+  got.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+  got.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
+  std::vector<size_t> needed(R);
+  testing::OnEveryRank(R, [&](int r) {
+    auto batch = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
+                               absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels));
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    const Schedule& sched = (*batch)->schedule();
+    needed[r] = ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes();
+    std::vector<uint8_t> q = Shard(in.q, sched), k = Shard(in.k, sched), v = Shard(in.v, sched),
+                         dout = Shard(in.dout, sched), out = Shard(got.out, sched),
+                         dq = Shard(got.dq, sched), dk = Shard(got.dk, sched),
+                         dv = Shard(got.dv, sched);
+    std::vector<float> lse(sched.local_rows * kHeadsQ + 1);
+    ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
+    ASSERT_TRUE((*batch)
+                    ->Backward(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
+                               dq.data(), dk.data(), dv.data())
+                    .ok());
+    EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
+              ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
+    Unshard(out, sched, got.out);
+    Unshard(dq, sched, got.dq);
+    Unshard(dk, sched, got.dk);
+    Unshard(dv, sched, got.dv);
+    for (const TokenRun& run : sched.local_runs) {
+      for (int h = 0; h < kHeadsQ; ++h) {
+        for (int64_t t = 0; t < run.length; ++t) {
+          got.lse[h * layout.num_tokens() + run.global_begin + t] =
+              lse[h * sched.local_rows + run.local_begin + t];
+        }
+      }
+    }
+  });
+  for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
+  ReferenceInputs ri;
+  ri.dims = *DimsFromOptions(options);
+  ri.dtype = DType::kF32;
+  ri.q = in.q.bytes.data();
+  ri.k = in.k.bytes.data();
+  ri.v = in.v.bytes.data();
+  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true);
+}
+
+TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
+  const int R = 3, failing = 1;
+  const Layout layout = testing::RandomLayout(90, DocMix::kUniform, 61, false);
+  GpuWorld w = MakeGpuWorld(R, failing);
+  auto kernels = std::make_shared<const EmulatedKernels<TestCfg<float, true>>>();
+  BatchOptions options;
+  options.dtype = DType::kF32;
+  options.heads_q = kHeadsQ;
+  options.heads_kv = kHeadsKv;
+  options.head_dim = kDim;
+  std::vector<absl::Status> status(R);
+  testing::OnEveryRank(R, [&](int r) {
+    status[r] = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
+                              absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels))
+                    .status();
+  });
+  EXPECT_EQ(status[failing].code(), absl::StatusCode::kResourceExhausted) << status[failing];
+  EXPECT_THAT(status[failing].message(), HasSubstr("device pool"));
+  for (int r = 0; r < R; ++r) {
+    if (r == failing) continue;
+    EXPECT_EQ(status[r].code(), absl::StatusCode::kFailedPrecondition) << status[r];
+    EXPECT_THAT(status[r].message(), HasSubstr("rank 1 could not prepare its device"));
   }
 }
 

@@ -1,0 +1,154 @@
+#include "lib/cuda/gpu_batch.h"
+
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "jit/codegen_cuda.h"
+#include "lib/cuda/gpu_executor.h"
+#include "lib/cuda/jit_device_kernels.h"
+
+namespace hsap::cuda {
+namespace {
+
+class GpuBatchDevice : public BatchDevice {
+ public:
+  GpuBatchDevice(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
+      : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
+
+  absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims, DType dtype) override {
+    schedule_ = &schedule;
+    dims_ = dims;
+    dtype_ = dtype;
+    absl::StatusOr<PoolLayout> layout = ComputePoolLayout(schedule, dims, dtype);
+    if (!layout.ok()) return layout.status();
+    // Growing the pool frees the old block, which waits for the device.
+    if (absl::Status s = comm_->pool().Reserve(layout->total_bytes()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
+                                                 layout->DebugString(), "): ", s.message()));
+    }
+    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
+        DeviceWorkLists::Upload(comm_->device(), schedule, comm_->stream());
+    if (!lists.ok()) return lists.status();
+    lists_ = *std::move(lists);
+    return absl::OkStatus();
+  }
+
+  absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
+                       const void* v, void* out, float* lse, ExecTraffic* traffic) override {
+    const GpuExecContext ctx = Context(transport, call_id);
+    if (absl::Status s = GpuExecuteForward(ctx, q, k, v, out, lse, traffic); !s.ok()) return s;
+    return Finish("forward");
+  }
+
+  absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
+                        const void* k, const void* v, const void* out, const float* lse, void* dq,
+                        void* dk, void* dv, ExecTraffic* traffic) override {
+    const GpuExecContext ctx = Context(transport, call_id);
+    if (absl::Status s = GpuExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, traffic);
+        !s.ok()) {
+      return s;
+    }
+    return Finish("backward");
+  }
+
+ private:
+  GpuExecContext Context(Transport& transport, uint64_t call_id) const {
+    GpuExecContext ctx;
+    ctx.device = &comm_->device();
+    ctx.kernels = kernels_.get();
+    ctx.transport = &transport;
+    ctx.schedule = schedule_;
+    ctx.lists = lists_.get();
+    ctx.pool = comm_->pool().base();
+    ctx.pool_bytes = comm_->pool().size();
+    ctx.dims = dims_;
+    ctx.dtype = dtype_;
+    ctx.call_id = call_id;
+    ctx.stream = comm_->stream();
+    return ctx;
+  }
+
+  // A communicator without a caller's stream returns after the work finished.
+  absl::Status Finish(const char* pass) {
+    if (!comm_->synchronous()) return absl::OkStatus();
+    return comm_->device().Synchronize(comm_->stream(), absl::Now() + comm_->timeout(),
+                                       absl::StrCat(pass, " kernels"));
+  }
+
+  std::shared_ptr<GpuComm> comm_;
+  std::shared_ptr<const DeviceKernels> kernels_;
+  const Schedule* schedule_ = nullptr;
+  AttentionDims dims_;
+  DType dtype_ = DType::kBF16;
+  std::unique_ptr<DeviceWorkLists> lists_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device> device,
+                                                         cudaStream stream,
+                                                         absl::Duration timeout) {
+  std::shared_ptr<GpuComm> comm(new GpuComm());
+  comm->device_ = std::move(device);
+  comm->pool_ = std::make_unique<DeviceBufferPool>(*comm->device_);
+  comm->timeout_ = timeout;
+  if (stream != nullptr) {
+    comm->stream_ = stream;
+  } else {
+    absl::StatusOr<cudaStream> s = comm->device_->CreateStream();
+    if (!s.ok()) return s.status();
+    comm->stream_ = *s;
+    comm->owns_stream_ = true;
+  }
+  return comm;
+}
+
+GpuComm::~GpuComm() {
+  pool_.reset();  // waits for the device
+  if (owns_stream_) device_->DestroyStream(stream_);
+}
+
+std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
+                                               std::shared_ptr<const DeviceKernels> kernels) {
+  return std::make_unique<GpuBatchDevice>(std::move(comm), std::move(kernels));
+}
+
+absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
+                                                                        const Layout& layout) {
+  absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+  if (!dims.ok()) return dims.status();
+  absl::StatusOr<std::string> arch = CurrentCudaArch();
+  if (!arch.ok()) return arch.status();
+  jit::CudaKernelConfig config;
+  config.arch = *arch;
+  config.dtype = options.dtype;
+  config.head_dim = dims->head_dim;
+  config.gqa = dims->heads_q / dims->heads_kv;
+  config.has_band = false;
+  for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
+  if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("the CUDA kernels cannot serve this batch: ", s.message()));
+  }
+
+  // Loaded modules live as long as the process (one per configuration and device).
+  int device = 0;
+  if (absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime(); rt.ok()) {
+    (*rt)->GetDevice(&device);
+  }
+  static std::mutex mu;
+  static auto* loaded = new std::map<std::string, std::shared_ptr<const DeviceKernels>>();
+  const std::string key = absl::StrCat(device, "/", config.Name());
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  absl::StatusOr<std::unique_ptr<DeviceKernels>> kernels = LoadJitDeviceKernels(config);
+  if (!kernels.ok()) return kernels.status();
+  std::shared_ptr<const DeviceKernels> shared = *std::move(kernels);
+  loaded->emplace(key, shared);
+  return shared;
+}
+
+}  // namespace hsap::cuda
