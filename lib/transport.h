@@ -103,6 +103,11 @@ class Transport {
   virtual TrafficCounters counters() const = 0;
   virtual void ResetCounters() = 0;
 
+  // The CUDA stream (cudaStream_t) a device transport moves data on -- NCCL's
+  // communication stream, a loopback rank's stream -- or null for a transport that copies on
+  // the host. The GPU executor makes it wait for its compute stream before each stage.
+  virtual void* transfer_stream() const { return nullptr; }
+
  private:
   // Sequence number of the next AllGather (all ranks call collectives in the same order,
   // so equal sequence numbers meet; a rank one call ahead shows up as a timeout naming

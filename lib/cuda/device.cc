@@ -5,8 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "lib/cuda/loopback_transport.h"
-#include "lib/cuda/nccl_transport.h"
 
 namespace hsap::cuda {
 namespace {
@@ -127,8 +125,7 @@ absl::StatusOr<std::string> CurrentCudaArch() {
 }
 
 cudaStream TransferStream(const Transport& t) {
-  if (auto* nccl = dynamic_cast<const NcclTransport*>(&t); nccl != nullptr) return nccl->stream();
-  return LoopbackStream(t);
+  return static_cast<cudaStream>(t.transfer_stream());
 }
 
 }  // namespace hsap::cuda

@@ -73,9 +73,7 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
 // "sm_90" for the current CUDA device (its compute capability).
 absl::StatusOr<std::string> CurrentCudaArch();
 
-// The stream on which a device transport moves data (NCCL's communication stream, a
-// loopback rank's stream), or null for a transport that copies on the host (the host
-// transport). The executor makes it wait for the compute stream before each stage.
+// t.transfer_stream() as a CUDA stream (null for a host transport).
 cudaStream TransferStream(const Transport& t);
 
 // Owns a device allocation; frees it through its Device.

@@ -97,6 +97,7 @@ class LoopbackTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(w_->streams.size()); }
   cudaStream stream() const { return w_->streams[rank_]; }
+  void* transfer_stream() const override { return stream(); }
 
   class LoopbackPending : public Pending {
    public:

@@ -8,7 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "lib/cuda/loopback_transport.h"
 #include "lib/cuda/nccl_lowering.h"
 
 namespace hsap::cuda {
@@ -295,9 +294,7 @@ void NcclTransport::Abort(absl::string_view reason) {
   owns_comm_ = false;  // aborted: nothing left to destroy
 }
 
-bool IsCudaTransport(const Transport& t) {
-  return dynamic_cast<const NcclTransport*>(&t) != nullptr || LoopbackStream(t) != nullptr;
-}
+bool IsCudaTransport(const Transport& t) { return t.transfer_stream() != nullptr; }
 
 absl::Status CheckHostExecutorTransport(const Transport& t) {
   if (!IsCudaTransport(t)) return absl::OkStatus();

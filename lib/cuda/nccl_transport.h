@@ -57,6 +57,7 @@ class NcclTransport : public Transport {
 
   ncclComm comm() const { return comm_; }
   cudaStream stream() const { return stream_; }
+  void* transfer_stream() const override { return stream_; }
   const NcclApi& nccl() const { return *nccl_; }
   const CudaRuntimeApi& runtime() const { return *rt_; }
   absl::Duration timeout() const { return timeout_; }
@@ -86,8 +87,8 @@ class NcclTransport : public Transport {
   TrafficCounters counters_;
 };
 
-// True when `t` moves device memory (NCCL or loopback): the host executor must not run on
-// it (batches on such communicators run on the GPU executor).
+// True when `t` moves device memory (it has a transfer_stream: NCCL or loopback): the host
+// executor must not run on it (batches on such communicators run on the GPU executor).
 bool IsCudaTransport(const Transport& t);
 // Unimplemented for a CUDA transport (the hierarchical runtime of plans is host only), OK
 // otherwise. Called by hsapBatchCreateWithPlan.

@@ -1,9 +1,15 @@
 // A CPU stand-in for a CUDA device, for testing the GPU executor without a GPU.
 //
 // EmulatedDevice: "device memory" is host memory (256-byte aligned, every allocation
-// tracked), and every stream operation runs at once on the calling thread, so events are
-// complete as soon as they are recorded. It counts allocations, so tests can check that
-// forward and backward allocate nothing.
+// tracked); it counts allocations, so tests can check that forward and backward allocate
+// nothing. Streams come in two kinds:
+//   - synchronous (the default): every operation runs at once on the calling thread, so
+//     events are complete as soon as they are recorded;
+//   - asynchronous: each stream is a worker thread running its operations in order, events
+//     mark a point of a stream, StreamWaitEvent makes a stream wait for one, Free waits for
+//     every stream (as cudaFree does). With EmulatedDeviceTransport (a transport whose
+//     stages run on a stream of their own, like NCCL's communication stream), a missing
+//     event or host wait in the executor becomes a race that reads stale data.
 //
 // EmulatedKernels<Cfg>: the kernels of jit/device/hsap_attention.cuh for the configuration
 // Cfg, run by the emulator of tests/jit/cuda_emulator.h (one std::thread per CUDA thread).
@@ -21,21 +27,90 @@
 // clang-format on
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <set>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "lib/cuda/device.h"
+#include "lib/transport.h"
 
 namespace hsap::testing {
 
+// An in-order queue of operations run by a thread of its own.
+class EmuStream {
+ public:
+  EmuStream() : worker_([this] { Run(); }) {}
+  ~EmuStream() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  // Enqueues `op`; returns its sequence number (1, 2, ...).
+  uint64_t Enqueue(std::function<void()> op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(std::move(op));
+    cv_.notify_all();
+    return ++enqueued_;
+  }
+  uint64_t enqueued() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return enqueued_;
+  }
+  // Blocks until operation `seq` has run, or false at `deadline`.
+  bool WaitFor(uint64_t seq, absl::Time deadline) const {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (completed_ < seq) {
+      if (absl::Now() > deadline) return false;
+      cv_.wait_for(lock, std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, nothing left
+      std::function<void()> op = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      op();
+      lock.lock();
+      ++completed_;
+      cv_.notify_all();
+    }
+  }
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t enqueued_ = 0, completed_ = 0;
+  bool stop_ = false;
+  std::thread worker_;  // last: starts after the members above exist
+};
+
 class EmulatedDevice : public cuda::Device {
  public:
+  explicit EmulatedDevice(bool async = false) : async_(async) {}
   ~EmulatedDevice() override {
+    streams_.clear();  // joins the workers first
     for (void* p : live_) std::free(p);
   }
   absl::StatusOr<void*> Allocate(size_t bytes) override {
@@ -50,6 +125,7 @@ class EmulatedDevice : public cuda::Device {
   }
   void Free(void* p) override {
     if (p == nullptr) return;
+    Drain();
     std::lock_guard<std::mutex> lock(mu_);
     if (live_.erase(p) == 0) {
       ADD_FAILURE() << "Free of a pointer this device did not allocate";
@@ -59,29 +135,76 @@ class EmulatedDevice : public cuda::Device {
   }
   absl::Status CopyAsync(void* dst, const void* src, size_t bytes, cuda::cudaStream s) override {
     if (s == nullptr) return absl::InternalError("copy on a null stream");
-    if (bytes > 0) std::memmove(dst, src, bytes);
+    if (bytes > 0) Enqueue(s, [=] { std::memmove(dst, src, bytes); });
     return absl::OkStatus();
   }
   absl::Status ZeroAsync(void* dst, size_t bytes, cuda::cudaStream s) override {
     if (s == nullptr) return absl::InternalError("memset on a null stream");
-    if (bytes > 0) std::memset(dst, 0, bytes);
+    if (bytes > 0) Enqueue(s, [=] { std::memset(dst, 0, bytes); });
     return absl::OkStatus();
   }
   absl::StatusOr<cuda::cudaStream> CreateStream() override {
-    return reinterpret_cast<cuda::cudaStream>(next_handle_.fetch_add(16));
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.push_back(async_ ? std::make_unique<EmuStream>() : nullptr);
+    // Synchronous streams only need distinct non-null handles.
+    return async_ ? reinterpret_cast<cuda::cudaStream>(streams_.back().get())
+                  : reinterpret_cast<cuda::cudaStream>(uintptr_t{0x1000} + 16 * streams_.size());
   }
   void DestroyStream(cuda::cudaStream) override {}
   absl::StatusOr<cuda::cudaEvent> CreateEvent() override {
-    events_created_.fetch_add(1);
-    return reinterpret_cast<cuda::cudaEvent>(next_handle_.fetch_add(16));
+    std::lock_guard<std::mutex> lock(mu_);
+    events_.push_back(std::make_unique<Event>());
+    ++events_alive_;
+    return reinterpret_cast<cuda::cudaEvent>(events_.back().get());
   }
-  void DestroyEvent(cuda::cudaEvent) override { events_destroyed_.fetch_add(1); }
-  absl::Status RecordEvent(cuda::cudaEvent, cuda::cudaStream) override { return absl::OkStatus(); }
-  absl::Status StreamWaitEvent(cuda::cudaStream, cuda::cudaEvent) override {
+  void DestroyEvent(cuda::cudaEvent) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    --events_alive_;
+  }
+  absl::Status RecordEvent(cuda::cudaEvent e, cuda::cudaStream s) override {
+    if (async_) {
+      auto* ev = reinterpret_cast<Event*>(e);
+      ev->stream = reinterpret_cast<EmuStream*>(s);
+      ev->seq = ev->stream->enqueued();
+    }
     return absl::OkStatus();
   }
-  absl::Status Synchronize(cuda::cudaStream, absl::Time, absl::string_view) override {
+  absl::Status StreamWaitEvent(cuda::cudaStream waiter, cuda::cudaEvent e) override {
+    if (!async_) return absl::OkStatus();
+    const Event ev = *reinterpret_cast<Event*>(e);  // the record at the time of the call
+    if (ev.stream == nullptr) return absl::OkStatus();
+    Enqueue(waiter, [ev] { ev.stream->WaitFor(ev.seq, absl::InfiniteFuture()); });
     return absl::OkStatus();
+  }
+  absl::Status Synchronize(cuda::cudaStream s, absl::Time deadline,
+                           absl::string_view what) override {
+    if (!async_) return absl::OkStatus();
+    auto* stream = reinterpret_cast<EmuStream*>(s);
+    if (!stream->WaitFor(stream->enqueued(), deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat(what, ": emulated stream timed out"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Runs `op` on stream `s` (at once for a synchronous device).
+  void Enqueue(cuda::cudaStream s, std::function<void()> op) {
+    if (async_) {
+      reinterpret_cast<EmuStream*>(s)->Enqueue(std::move(op));
+    } else {
+      op();
+    }
+  }
+  bool async() const { return async_; }
+  // Waits until every stream has run what was enqueued so far.
+  void Drain() {
+    std::vector<EmuStream*> streams;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& s : streams_) {
+        if (s != nullptr) streams.push_back(s.get());
+      }
+    }
+    for (EmuStream* s : streams) s->WaitFor(s->enqueued(), absl::InfiniteFuture());
   }
 
   int64_t allocations() const {
@@ -92,66 +215,146 @@ class EmulatedDevice : public cuda::Device {
     std::lock_guard<std::mutex> lock(mu_);
     return live_.size();
   }
-  int64_t events_alive() const { return events_created_.load() - events_destroyed_.load(); }
+  int64_t events_alive() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return events_alive_;
+  }
 
  private:
+  struct Event {
+    EmuStream* stream = nullptr;
+    uint64_t seq = 0;
+  };
+  const bool async_;
   mutable std::mutex mu_;
   std::set<void*> live_;
   int64_t allocations_ = 0;
-  std::atomic<uintptr_t> next_handle_{0x1000};
-  std::atomic<int64_t> events_created_{0}, events_destroyed_{0};
+  std::vector<std::unique_ptr<EmuStream>> streams_;
+  std::vector<std::unique_ptr<Event>> events_;
+  int64_t events_alive_ = 0;
+};
+
+// A transport whose stages run on a stream of an asynchronous EmulatedDevice, like NCCL
+// groups on a communication stream: Start() enqueues the stage (the inner transport's
+// Start and Wait, in the stream's order), Pending::Wait() waits on the host for it.
+class EmulatedDeviceTransport : public Transport {
+ public:
+  EmulatedDeviceTransport(std::unique_ptr<Transport> inner, EmulatedDevice& device)
+      : inner_(std::move(inner)), device_(device), stream_(*device.CreateStream()) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
+                                                 absl::Span<const RecvOp> recvs,
+                                                 std::string stage) override {
+    auto state = std::make_shared<State>();
+    std::vector<SendOp> s(sends.begin(), sends.end());
+    std::vector<RecvOp> r(recvs.begin(), recvs.end());
+    Transport* inner = inner_.get();
+    device_.Enqueue(stream_, [state, s, r, stage, inner] {
+      absl::StatusOr<std::unique_ptr<Pending>> p = inner->Start(s, r, stage);
+      state->status = p.ok() ? (*p)->Wait() : p.status();
+      state->done.Notify();
+    });
+    return std::unique_ptr<Pending>(new StagePending(state));
+  }
+  void Abort(absl::string_view reason) override { inner_->Abort(reason); }
+  bool aborted() const override { return inner_->aborted(); }
+  TrafficCounters counters() const override { return inner_->counters(); }
+  void ResetCounters() override { inner_->ResetCounters(); }
+  void* transfer_stream() const override { return stream_; }
+
+ private:
+  struct State {
+    absl::Notification done;
+    absl::Status status;
+  };
+  class StagePending : public Pending {
+   public:
+    explicit StagePending(std::shared_ptr<State> s) : state_(std::move(s)) {}
+    ~StagePending() override { state_->done.WaitForNotification(); }
+    absl::Status Wait() override {
+      state_->done.WaitForNotification();
+      return state_->status;
+    }
+
+   private:
+    std::shared_ptr<State> state_;
+  };
+  std::unique_ptr<Transport> inner_;
+  EmulatedDevice& device_;
+  cuda::cudaStream stream_;
 };
 
 template <class Cfg>
 class EmulatedKernels : public cuda::DeviceKernels {
  public:
-  absl::Status Forward(const hsap_dev::FwdParams& p, cuda::cudaStream) const override {
-    return Run("forward", p, p.num_blocks, p.heads_q, Cfg::kThreads, Cfg::kFwdSmemBytes,
-               [](const hsap_dev::FwdParams& q) { hsap_dev::attn_fwd_kernel<Cfg>(q); });
+  // Launches run on `device`'s streams (at once when null or synchronous).
+  explicit EmulatedKernels(EmulatedDevice* device = nullptr) : device_(device) {}
+
+  absl::Status Forward(const hsap_dev::FwdParams& p, cuda::cudaStream s) const override {
+    return Attention("forward", p, p.num_blocks, p.heads_q, Cfg::kThreads, Cfg::kFwdSmemBytes, s,
+                     [](const hsap_dev::FwdParams& q) { hsap_dev::attn_fwd_kernel<Cfg>(q); });
   }
-  absl::Status Backward(const hsap_dev::BwdParams& p, cuda::cudaStream) const override {
-    return Run("backward", p, p.num_blocks, p.heads_q, Cfg::kBwdThreads, Cfg::kBwdSmemBytes,
-               [](const hsap_dev::BwdParams& q) { hsap_dev::attn_bwd_kernel<Cfg>(q); });
+  absl::Status Backward(const hsap_dev::BwdParams& p, cuda::cudaStream s) const override {
+    return Attention("backward", p, p.num_blocks, p.heads_q, Cfg::kBwdThreads, Cfg::kBwdSmemBytes,
+                     s, [](const hsap_dev::BwdParams& q) { hsap_dev::attn_bwd_kernel<Cfg>(q); });
   }
-  absl::Status Delta(const hsap_dev::DeltaParams& p, cuda::cudaStream) const override {
-    return Helper([&] { hsap_dev::attn_delta_kernel<Cfg>(p); });
+  absl::Status Delta(const hsap_dev::DeltaParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::attn_delta_kernel<Cfg>(p); });
   }
-  absl::Status Init(const hsap_dev::InitParams& p, cuda::cudaStream) const override {
-    return Helper([&] { hsap_dev::init_partial_kernel<Cfg>(p); });
+  absl::Status Init(const hsap_dev::InitParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::init_partial_kernel<Cfg>(p); });
   }
-  absl::Status Convert(const hsap_dev::ConvertParams& p, cuda::cudaStream) const override {
-    return Helper([&] { hsap_dev::convert_out_kernel<Cfg>(p); });
+  absl::Status Convert(const hsap_dev::ConvertParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::convert_out_kernel<Cfg>(p); });
   }
-  absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cuda::cudaStream) const override {
-    return Helper([&] { hsap_dev::accumulate_kernel<Cfg>(p); });
+  absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::accumulate_kernel<Cfg>(p); });
   }
   int64_t launches() const { return launches_.load(); }
+  // The first contract violation a kernel reported ("" when none).
+  std::string error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
 
  private:
+  void Run(cuda::cudaStream s, std::function<void()> op) const {
+    launches_.fetch_add(1);
+    if (device_ != nullptr) {
+      device_->Enqueue(s, std::move(op));
+    } else {
+      op();
+    }
+  }
   // Attention kernels: grid (num_blocks, heads_q), with an error word of the launch's own.
   template <typename Params, typename Fn>
-  absl::Status Run(const char* what, Params p, int grid_x, int grid_y, int threads, int smem,
-                   Fn kernel) const {
+  absl::Status Attention(const char* what, Params p, int grid_x, int grid_y, int threads, int smem,
+                         cuda::cudaStream s, Fn kernel) const {
     if (grid_x == 0 || grid_y == 0) return absl::OkStatus();
-    launches_.fetch_add(1);
-    unsigned int error = 0;
-    p.error_flag = &error;
-    hsap_emu::Launch(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), threads,
-                     static_cast<size_t>(smem), /*all_concurrent=*/false, [&] { kernel(p); });
-    if (error != 0) {
-      return absl::InternalError(absl::StrCat(what, " kernel reported error bits ", error));
-    }
+    Run(s, [this, what, p, grid_x, grid_y, threads, smem, kernel]() mutable {
+      unsigned int error = 0;
+      p.error_flag = &error;
+      hsap_emu::Launch(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), threads,
+                       static_cast<size_t>(smem), /*all_concurrent=*/false, [&] { kernel(p); });
+      if (error != 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (error_.empty()) error_ = absl::StrCat(what, " kernel reported error bits ", error);
+      }
+    });
     return absl::OkStatus();
   }
   // Row-wise helpers: two CTAs of 256 threads (their loops are grid-stride).
   template <typename Fn>
-  absl::Status Helper(Fn kernel) const {
-    launches_.fetch_add(1);
-    hsap_emu::Launch(2, 1, 256, 0, /*all_concurrent=*/false, kernel);
+  absl::Status Helper(cuda::cudaStream s, Fn kernel) const {
+    Run(s, [kernel] { hsap_emu::Launch(2, 1, 256, 0, /*all_concurrent=*/false, kernel); });
     return absl::OkStatus();
   }
 
+  EmulatedDevice* device_;
   mutable std::atomic<int64_t> launches_{0};
+  mutable std::mutex mu_;
+  mutable std::string error_;
 };
 
 }  // namespace hsap::testing

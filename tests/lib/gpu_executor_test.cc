@@ -97,10 +97,11 @@ struct RunResult {
   std::vector<ExecTraffic> fwd_traffic, bwd_traffic;
 };
 
-// Forward + backward on R ranks of an emulated device each (one thread per rank).
+// Forward + backward on R ranks of an emulated device each (one thread per rank). async:
+// asynchronous emulated streams, with the transport's stages on a stream of their own.
 template <class Cfg>
 RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t pool_shortfall = 0,
-                 std::vector<absl::Status>* statuses = nullptr) {
+                 std::vector<absl::Status>* statuses = nullptr, bool async = false) {
   RunResult res;
   const int64_t T = layout.num_tokens();
   testing::DistCase c;
@@ -127,7 +128,11 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
   EXPECT_TRUE(transports.ok()) << transports.status();
   std::vector<RecordingTransport*> recorders;
   std::vector<std::unique_ptr<Transport>> wrapped;
+  std::vector<std::unique_ptr<EmulatedDevice>> devices;
   for (auto& t : *transports) {
+    devices.push_back(std::make_unique<EmulatedDevice>(async));
+    if (async)
+      t = std::make_unique<testing::EmulatedDeviceTransport>(std::move(t), *devices.back());
     auto rec = std::make_unique<RecordingTransport>(std::move(t));
     recorders.push_back(rec.get());
     wrapped.push_back(std::move(rec));
@@ -145,8 +150,8 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
 
   testing::OnEveryRank(R, [&](int r) {
     const Schedule& sched = res.schedules[r];
-    EmulatedDevice device;
-    EmulatedKernels<Cfg> kernels;
+    EmulatedDevice& device = *devices[r];
+    EmulatedKernels<Cfg> kernels(&device);
     const cudaStream stream = *device.CreateStream();
     absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
         DeviceWorkLists::Upload(device, sched, stream);
@@ -182,11 +187,17 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
                                   &res.fwd_traffic[r]);
     res.forward[r] = recorders[r]->TakeRecorded();
     if (!status[r].ok()) return;
+    // Each call starts by waiting for the caller's earlier work only through events: keep
+    // the inputs of backward (out, lse) untouched until forward is done.
+    status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "forward");
+    if (!status[r].ok()) return;
     ctx.call_id = 8;
     status[r] =
         GpuExecuteBackward(ctx, dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
                            dq.data(), dk.data(), dv.data(), &res.bwd_traffic[r]);
     res.backward[r] = recorders[r]->TakeRecorded();
+    if (status[r].ok()) status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
+    EXPECT_EQ(kernels.error(), "") << "rank " << r;
     EXPECT_EQ(device.allocations(), allocations) << "rank " << r << " allocated in a call";
     EXPECT_EQ(device.events_alive(), 0) << "rank " << r;
 
@@ -291,6 +302,21 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return absl::StrCat(info.param.ranks, "ranks_", testing::DocMixName(info.param.mix));
     });
+
+// Streams that really run asynchronously (worker threads), with every transport stage on a
+// stream of its own: the executor's events and host waits must order packing, transfers,
+// kernels and buffer reuse, or stale data shows in the results.
+TEST(GpuExecutor, AsynchronousStreams) {
+  for (auto [R, mix, seed] : {std::tuple{3, DocMix::kLongTail, 71},
+                              {4, DocMix::kUniform, 72},
+                              {6, DocMix::kOneHuge, 73}}) {
+    SCOPED_TRACE(::testing::Message() << R << " ranks, seed " << seed);
+    const Layout layout = testing::RandomLayout(40 * R + 60, mix, seed, false);
+    const RunResult res = RunGpu<TestCfg<float, true>>(layout, R, DType::kF32, seed, 0, nullptr,
+                                                       /*async=*/true);
+    ExpectPostedAsLowered(res, DType::kF32);
+  }
+}
 
 TEST(GpuExecutor, Bf16AndFp16) {
   const Layout layout = testing::RandomLayout(180, DocMix::kLongTail, 21, false);

@@ -28,6 +28,7 @@ class RecordingTransport : public Transport {
   bool aborted() const override { return inner_->aborted(); }
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
+  void* transfer_stream() const override { return inner_->transfer_stream(); }
   NcclProgram TakeRecorded() { return std::exchange(recorded_, {}); }
 
  private:
