@@ -37,6 +37,7 @@
 #include "lib/api_plan.h"
 #include "lib/api_util.h"
 #include "lib/cuda/cuda_loader.h"
+#include "lib/cuda/gpu_batch.h"
 #include "lib/hierarchy.h"
 #include "lib/partition.h"
 
@@ -534,6 +535,12 @@ int main(int argc, char** argv) {
         "plan, 'bytes max/mean' count both (a2a + p2p), so their ratio to the naive ring can "
         "exceed 1\n");
   }
+  if (on_gpu) {
+    std::printf(
+        "# fwdHid%%, bwdHid%%: share of the transfer time hidden behind compute, (C + X - F) / X "
+        "with F the time of the full call, C of the same call without transfers and X without "
+        "attention kernels (each the slowest rank's mean), clamped to [0, 100]\n");
+  }
   std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
               o.iters, o.warmup);
   std::printf(
@@ -555,9 +562,11 @@ int main(int argc, char** argv) {
   if (plan != nullptr) {
     std::printf(" %10s %10s %10s %10s", "a2a", "p2p", "TE a2a", "TE p2p");
   }
+  if (on_gpu) std::printf(" %8s %8s", "fwdHid%", "bwdHid%");
   std::printf(" %7s\n", "#wrong");
 
   int64_t total_wrong = 0;
+  size_t max_pool = 0;  // device pool of a rank (CUDA backend)
   double sum_fwd_tflops = 0, sum_bwd_tflops = 0, sum_ratio = 0;
   int rows = 0;
   const double* weights = o.weights.empty() ? nullptr : o.weights.data();
@@ -643,6 +652,10 @@ int main(int argc, char** argv) {
     std::vector<hsapTrafficDetail_t> detail(R);
     std::vector<hsapResult_t> result(R, hsapSuccess);
     std::vector<std::string> error(R);
+    std::vector<size_t> pool_bytes(R, 0);
+    // CUDA backend: [0] compute only, [1] transfers only (seconds per call, per rank).
+    std::vector<double> part_fwd_s[2] = {std::vector<double>(R), std::vector<double>(R)};
+    std::vector<double> part_bwd_s[2] = {std::vector<double>(R), std::vector<double>(R)};
     std::vector<std::thread> workers;
     for (int r = 0; r < R; ++r) {
       workers.emplace_back([&, r] {
@@ -690,9 +703,28 @@ int main(int argc, char** argv) {
         for (int i = 0; i < o.iters && !e; ++i) e = backward();
         bwd_s[r] = Seconds(t0, Clock::now()) / o.iters;
         if (e) fail(e);
+        hsapCommGetPoolBytes(comms[r], &pool_bytes[r]);
         for (Shards* s : {&sout, &sdq, &sdk, &sdv}) gpu.Fetch(s->b[r].data);
         gpu.Fetch(lse_bytes);
         std::memcpy(lse[r].data(), lse_bytes.data(), lse_bytes.size());
+        // The same calls without transfers, then without kernels (outputs are garbage from
+        // here on): how much of the transfer time the full calls hid behind compute.
+        if (on_gpu && !e) {
+          using hsap::cuda::GpuExecMode;
+          for (GpuExecMode mode : {GpuExecMode::kComputeOnly, GpuExecMode::kTransfersOnly}) {
+            hsap::cuda::SetGpuExecMode(batch->batch->device(), mode);
+            const int m = mode == GpuExecMode::kComputeOnly ? 0 : 1;
+            for (int i = 0; i < o.warmup && !e; ++i) e = forward();
+            auto t1 = Clock::now();
+            for (int i = 0; i < o.iters && !e; ++i) e = forward();
+            part_fwd_s[m][r] = Seconds(t1, Clock::now()) / o.iters;
+            for (int i = 0; i < o.warmup && !e; ++i) e = backward();
+            t1 = Clock::now();
+            for (int i = 0; i < o.iters && !e; ++i) e = backward();
+            part_bwd_s[m][r] = Seconds(t1, Clock::now()) / o.iters;
+          }
+          if (e) fail(e);
+        }
         hsapBatchGetTraffic(batch, &traffic[r]);
         hsapBatchGetTrafficDetail(batch, &detail[r]);
         hsapBatchDestroy(batch);
@@ -707,6 +739,7 @@ int main(int argc, char** argv) {
       }
     }
 
+    max_pool = std::max(max_pool, *std::max_element(pool_bytes.begin(), pool_bytes.end()));
     const double fwd = *std::max_element(fwd_s.begin(), fwd_s.end());
     const double bwd = *std::max_element(bwd_s.begin(), bwd_s.end());
     const double fwd_flop = 4.0 * o.head_dim * static_cast<double>(pairs) * o.heads;
@@ -792,6 +825,17 @@ int main(int argc, char** argv) {
       std::printf(" %10s %10s %10s %10s", HumanBytes(a2a).c_str(), HumanBytes(p2p).c_str(),
                   HumanBytes(te.a2a).c_str(), HumanBytes(te.p2p).c_str());
     }
+    if (on_gpu) {
+      // Share of the transfer-only time that the full call hid: (compute + transfers - full)
+      // / transfers, each the slowest rank's, clamped to [0, 100] %.
+      auto hidden = [&](const std::vector<double>* parts, double full) {
+        const double comp = *std::max_element(parts[0].begin(), parts[0].end());
+        const double xfer = *std::max_element(parts[1].begin(), parts[1].end());
+        if (xfer <= 0) return 100.0;
+        return std::clamp((comp + xfer - full) / xfer, 0.0, 1.0) * 100.0;
+      };
+      std::printf(" %8.1f %8.1f", hidden(part_fwd_s, fwd), hidden(part_bwd_s, bwd));
+    }
     std::printf(" %7s\n", wrong_col);
     std::fflush(stdout);
     sum_fwd_tflops += fwd_tflops;
@@ -807,7 +851,9 @@ int main(int argc, char** argv) {
               total_wrong == 0 ? "OK" : "FAILED");
   std::printf("# Avg fwd TFLOP/s : %.4f\n# Avg bwd TFLOP/s : %.4f\n",
               rows ? sum_fwd_tflops / rows : 0.0, rows ? sum_bwd_tflops / rows : 0.0);
-  std::printf("# Avg bytes moved vs naive ring : %.4f (%.1f%% saved)\n#\n",
+  std::printf("# Avg bytes moved vs naive ring : %.4f (%.1f%% saved)\n",
               rows ? sum_ratio / rows : 0.0, rows ? 100.0 * (1.0 - sum_ratio / rows) : 0.0);
+  if (on_gpu) std::printf("# Device pool per rank (max) : %s\n", HumanBytes(max_pool).c_str());
+  std::printf("#\n");
   return total_wrong == 0 ? 0 : 1;
 }

@@ -227,4 +227,15 @@ hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommC
   });
 }
 
+hsapResult_t hsapCommGetPoolBytes(hsapComm_t comm, size_t* bytes) {
+  return hsap::RunApi("hsapCommGetPoolBytes", [&]() -> absl::Status {
+    if (absl::Status s = hsap::CheckNotNull(bytes, "bytes"); !s.ok()) return s;
+    if (comm == nullptr || comm->comm == nullptr) {
+      return absl::InvalidArgumentError("comm is null");
+    }
+    *bytes = comm->gpu != nullptr ? comm->gpu->pool_bytes() : 0;
+    return absl::OkStatus();
+  });
+}
+
 }  // extern "C"

@@ -104,6 +104,8 @@ class Batch {
   }
   // This rank's hierarchical layout; null for a batch created without a plan.
   const RankHierarchy* hierarchy() const { return hierarchy_.get(); }
+  // The device the batch runs on; null for the host kernels.
+  BatchDevice* device() const { return device_.get(); }
   const AttentionDims& dims() const { return dims_; }
   DType dtype() const { return options_.dtype; }
   const BatchTraffic& traffic() const { return traffic_; }

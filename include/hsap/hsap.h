@@ -363,6 +363,10 @@ hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda);
  * config may be NULL; config->cudaStream is ignored (every rank uses a stream of its own,
  * so calls return after their work finished). Needs a CUDA device, not NCCL. */
 hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
+/* Device memory held by comm's buffer pool, in bytes: the largest need of the batches
+ * created on it so far (their double-buffered K/V slots, fp32 accumulators and gradient
+ * partials); 0 for a host communicator. */
+hsapResult_t hsapCommGetPoolBytes(hsapComm_t comm, size_t* bytes);
 
 #ifdef __cplusplus
 } /* extern "C" */

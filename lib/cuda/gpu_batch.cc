@@ -54,6 +54,8 @@ class GpuBatchDevice : public BatchDevice {
     return Finish("backward");
   }
 
+  void set_mode(GpuExecMode mode) { mode_ = mode; }
+
  private:
   GpuExecContext Context(Transport& transport, uint64_t call_id) const {
     GpuExecContext ctx;
@@ -68,6 +70,7 @@ class GpuBatchDevice : public BatchDevice {
     ctx.dtype = dtype_;
     ctx.call_id = call_id;
     ctx.stream = comm_->stream();
+    ctx.mode = mode_;
     return ctx;
   }
 
@@ -84,6 +87,7 @@ class GpuBatchDevice : public BatchDevice {
   AttentionDims dims_;
   DType dtype_ = DType::kBF16;
   std::unique_ptr<DeviceWorkLists> lists_;
+  GpuExecMode mode_ = GpuExecMode::kFull;
 };
 
 }  // namespace
@@ -109,6 +113,13 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
 GpuComm::~GpuComm() {
   pool_.reset();  // waits for the device
   if (owns_stream_) device_->DestroyStream(stream_);
+}
+
+bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode) {
+  auto* gpu = dynamic_cast<GpuBatchDevice*>(device);
+  if (gpu == nullptr) return false;
+  gpu->set_mode(mode);
+  return true;
 }
 
 std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,

@@ -23,6 +23,7 @@
 #include "lib/batch.h"
 #include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/device.h"
+#include "lib/cuda/gpu_executor.h"
 
 namespace hsap::cuda {
 
@@ -56,6 +57,11 @@ class GpuComm {
 // A BatchDevice for `comm` with `kernels` (both shared with other batches).
 std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
                                                std::shared_ptr<const DeviceKernels> kernels);
+
+// Sets the mode of the later calls of a batch on `device` (GpuExecMode: the bench measures
+// the share of transfer time hidden behind compute with it). False when `device` is not a
+// GPU batch device.
+bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode);
 
 // The JIT kernels of a batch on the current CUDA device: the configuration of (device
 // architecture, dtype, head dim, heads_q / heads_kv, whether the layout has banded

@@ -195,6 +195,53 @@ class GpuCall {
   ExecTraffic moved_;
 };
 
+// kTransfersOnly: kernels that are not launched.
+class SkippedKernels : public DeviceKernels {
+ public:
+  absl::Status Forward(const hsap_dev::FwdParams&, cudaStream) const override { return {}; }
+  absl::Status Backward(const hsap_dev::BwdParams&, cudaStream) const override { return {}; }
+  absl::Status Delta(const hsap_dev::DeltaParams&, cudaStream) const override { return {}; }
+  absl::Status Init(const hsap_dev::InitParams&, cudaStream) const override { return {}; }
+  absl::Status Convert(const hsap_dev::ConvertParams&, cudaStream) const override { return {}; }
+  absl::Status Accumulate(const hsap_dev::AccumulateParams&, cudaStream) const override {
+    return {};
+  }
+};
+
+// kComputeOnly: stages that complete at once without moving anything.
+class SkippedTransport : public Transport {
+ public:
+  explicit SkippedTransport(const Transport& inner) : rank_(inner.rank()), size_(inner.size()) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp>, absl::Span<const RecvOp>,
+                                                 std::string) override {
+    return std::unique_ptr<Pending>(new Done());
+  }
+  void Abort(absl::string_view) override {}
+  bool aborted() const override { return false; }
+  TrafficCounters counters() const override { return {}; }
+  void ResetCounters() override {}
+
+ private:
+  struct Done : Pending {
+    absl::Status Wait() override { return absl::OkStatus(); }
+  };
+  int rank_, size_;
+};
+
+// The context a mode runs with (the stand-ins live in `kernels` / `transport`).
+GpuExecContext ForMode(const GpuExecContext& ctx, SkippedKernels& kernels,
+                       std::unique_ptr<SkippedTransport>& transport) {
+  GpuExecContext out = ctx;
+  if (ctx.mode == GpuExecMode::kTransfersOnly) out.kernels = &kernels;
+  if (ctx.mode == GpuExecMode::kComputeOnly && ctx.transport != nullptr) {
+    transport = std::make_unique<SkippedTransport>(*ctx.transport);
+    out.transport = transport.get();
+  }
+  return out;
+}
+
 // Rounds `count` fp32 values to the storage dtype of the kernels.
 absl::Status Store(const GpuExecContext& ctx, const float* from, void* to, size_t count) {
   if (count == 0) return absl::OkStatus();
@@ -248,8 +295,11 @@ absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device&
   return out;
 }
 
-absl::Status GpuExecuteForward(const GpuExecContext& ctx, const void* q, const void* k,
+absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, const void* k,
                                const void* v, void* out, float* lse, ExecTraffic* traffic) {
+  SkippedKernels skipped_kernels;
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "forward");
   PoolLayout layout;
   if (absl::Status s = call.Init(layout); !s.ok()) return s;
@@ -310,9 +360,12 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx, const void* q, const v
   return absl::OkStatus();
 }
 
-absl::Status GpuExecuteBackward(const GpuExecContext& ctx, const void* dout, const void* q,
+absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, const void* q,
                                 const void* k, const void* v, const void* out, const float* lse,
                                 void* dq, void* dk, void* dv, ExecTraffic* traffic) {
+  SkippedKernels skipped_kernels;
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "backward");
   PoolLayout layout;
   if (absl::Status s = call.Init(layout); !s.ok()) return s;

@@ -66,6 +66,12 @@ class DeviceWorkLists {
   std::vector<List> lists_;
 };
 
+// What a call runs. The two partial modes exist to measure how much transfer time the
+// executor hides behind compute (bench/hsap_attn_perf): kComputeOnly posts no transfer (the
+// kernels read whatever the receive buffers hold: results are garbage), kTransfersOnly
+// launches no attention kernel (outputs are garbage). Every rank must use the same mode.
+enum class GpuExecMode { kFull, kComputeOnly, kTransfersOnly };
+
 struct GpuExecContext {
   Device* device = nullptr;
   const DeviceKernels* kernels = nullptr;
@@ -79,6 +85,7 @@ struct GpuExecContext {
   DType dtype = DType::kBF16;
   uint64_t call_id = 0;         // as ExecContext::call_id (tags)
   cudaStream stream = nullptr;  // the compute stream
+  GpuExecMode mode = GpuExecMode::kFull;
 };
 
 // Tensors as in lib/executor.h, in device memory, ordered on ctx.stream.

@@ -238,6 +238,9 @@ TEST(CudaGpu, SingleRankCommunicatorSendsToItself) {
   bc.headDim = 64;
   hsapBatch_t batch = nullptr;
   EXPECT_EQ(hsapBatchCreate(&batch, comm, layout, nullptr, &bc), hsapSuccess) << LastError();
+  size_t pool = 0;
+  EXPECT_EQ(hsapCommGetPoolBytes(comm, &pool), hsapSuccess);
+  EXPECT_GT(pool, 0u);
   hsapBatchDestroy(batch);
   hsapPlan_t plan = nullptr;
   const int sizes[] = {1}, ranks[] = {0}, counts[] = {1}, heads[] = {0};
@@ -363,6 +366,18 @@ TEST(CudaGpu, LoopbackTimeoutNamesThePeer) {
 }
 
 // ---- Batches on CUDA communicators, through the C API --------------------------------
+
+TEST(CudaApi, PoolBytesOfHostCommunicatorsIsZero) {
+  hsapComm_t comms[2] = {nullptr, nullptr};
+  ASSERT_EQ(hsapCommInitAll(comms, 2, nullptr), hsapSuccess) << LastError();
+  size_t bytes = 123;
+  EXPECT_EQ(hsapCommGetPoolBytes(comms[0], &bytes), hsapSuccess);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_EQ(hsapCommGetPoolBytes(comms[0], nullptr), hsapInvalidArgument);
+  EXPECT_THAT(LastError(), HasSubstr("bytes"));
+  EXPECT_EQ(hsapCommGetPoolBytes(nullptr, &bytes), hsapInvalidArgument);
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+}
 
 TEST(CudaApi, LoopbackArgumentsAndMissingDevice) {
   hsapComm_t comms[2] = {nullptr, nullptr};

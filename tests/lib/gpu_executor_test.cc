@@ -95,13 +95,15 @@ struct RunResult {
   std::vector<Schedule> schedules;
   std::vector<NcclProgram> forward, backward;  // as posted
   std::vector<ExecTraffic> fwd_traffic, bwd_traffic;
+  std::vector<int64_t> launches;  // kernel launches per rank
 };
 
 // Forward + backward on R ranks of an emulated device each (one thread per rank). async:
 // asynchronous emulated streams, with the transport's stages on a stream of their own.
 template <class Cfg>
 RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t pool_shortfall = 0,
-                 std::vector<absl::Status>* statuses = nullptr, bool async = false) {
+                 std::vector<absl::Status>* statuses = nullptr, bool async = false,
+                 GpuExecMode mode = GpuExecMode::kFull) {
   RunResult res;
   const int64_t T = layout.num_tokens();
   testing::DistCase c;
@@ -141,6 +143,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
   res.backward.resize(R);
   res.fwd_traffic.resize(R);
   res.bwd_traffic.resize(R);
+  res.launches.resize(R);
   std::vector<absl::Status> status(R);
   AttentionDims dims;
   dims.heads_q = kHeadsQ;
@@ -181,6 +184,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     ctx.dtype = dtype;
     ctx.call_id = 7;
     ctx.stream = stream;
+    ctx.mode = mode;
 
     const int64_t allocations = device.allocations();
     status[r] = GpuExecuteForward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
@@ -198,6 +202,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     res.backward[r] = recorders[r]->TakeRecorded();
     if (status[r].ok()) status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
     EXPECT_EQ(kernels.error(), "") << "rank " << r;
+    res.launches[r] = kernels.launches();
     EXPECT_EQ(device.allocations(), allocations) << "rank " << r << " allocated in a call";
     EXPECT_EQ(device.events_alive(), 0) << "rank " << r;
 
@@ -222,7 +227,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
   }
 
   // The reference on the same inputs.
-  if (statuses == nullptr) {
+  if (statuses == nullptr && mode == GpuExecMode::kFull) {
     ReferenceInputs ri;
     ri.dims = dims;
     ri.dtype = dtype;
@@ -316,6 +321,27 @@ TEST(GpuExecutor, AsynchronousStreams) {
                                                        /*async=*/true);
     ExpectPostedAsLowered(res, DType::kF32);
   }
+}
+
+// The measurement modes of the bench: no transfer at all, or every transfer and no kernel.
+TEST(GpuExecutor, ComputeOnlyAndTransfersOnlyModes) {
+  const Layout layout = testing::RandomLayout(160, DocMix::kLongTail, 81, false);
+  const RunResult compute = RunGpu<TestCfg<float, true>>(layout, 4, DType::kF32, 81, 0, nullptr,
+                                                         false, GpuExecMode::kComputeOnly);
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(compute.forward[r].empty()) << "rank " << r;
+    EXPECT_TRUE(compute.backward[r].empty()) << "rank " << r;
+    EXPECT_GT(compute.launches[r], 0) << "rank " << r;
+  }
+  const RunResult transfers = RunGpu<TestCfg<float, true>>(layout, 4, DType::kF32, 81, 0, nullptr,
+                                                           false, GpuExecMode::kTransfersOnly);
+  ExpectPostedAsLowered(transfers, DType::kF32);
+  size_t groups = 0;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(transfers.launches[r], 0) << "rank " << r;
+    groups += transfers.forward[r].size() + transfers.backward[r].size();
+  }
+  EXPECT_GT(groups, 0u) << "the layout must move something for this test to mean anything";
 }
 
 TEST(GpuExecutor, Bf16AndFp16) {
