@@ -117,7 +117,7 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "      --token-weights .. per-rank token weights inside the groups (default equal)\n"
       "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n"
       "      --backend B        host (default) | cuda-loopback (all ranks on GPU 0, one\n"
-      "                         stream each, JIT CUDA kernels; batches without a plan)\n");
+      "                         stream each, JIT CUDA kernels)\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -250,11 +250,6 @@ Options ParseOptions(int argc, char** argv) {
   if (!o.plan_file.empty() && !o.groups.empty()) Usage("give --plan or --groups, not both");
   if (o.backend != "host" && o.backend != "cuda-loopback") {
     Usage("--backend must be host or cuda-loopback");
-  }
-  if (o.backend != "host" && o.plan_mode()) {
-    Usage(
-        "--groups/--plan run on the host backend only (the hierarchical runtime has no GPU "
-        "executor yet)");
   }
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");

@@ -251,6 +251,8 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
       {"init", "init_partial_kernel", "hsap_dev::InitParams", 256, 0},
       {"convert", "convert_out_kernel", "hsap_dev::ConvertParams", 256, 0},
       {"accumulate", "accumulate_kernel", "hsap_dev::AccumulateParams", 256, 0},
+      {"copy_chunks", "copy_chunks_kernel", "hsap_dev::ChunksParams", 256, 0},
+      {"add_chunks", "add_chunks_kernel", "hsap_dev::ChunksParams", 256, 0},
   };
   std::string fused_params;
   if (max_steps > 0) {

@@ -69,7 +69,9 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
 
 // One kernel of a generated program.
 struct CudaKernelEntry {
-  std::string role;  // "fwd", "bwd", "delta", "merge", "init", "convert", "accumulate", "fused_fwd"
+  // "fwd", "bwd", "delta", "merge", "init", "convert", "accumulate", "copy_chunks",
+  // "add_chunks", "fused_fwd"
+  std::string role;
   std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
   int threads = 0;              // blockDim.x
   int dynamic_smem_bytes = 0;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <utility>
@@ -123,23 +124,20 @@ absl::StatusOr<size_t> CheckGroup(const Transport& transport, const AllToAllVPla
 
 }  // namespace
 
-absl::Status CopyChunks(const void* src, absl::Span<const ByteChunk> src_chunks, void* dst,
-                        absl::Span<const ByteChunk> dst_chunks) {
+absl::Status ForEachPiece(absl::Span<const ByteChunk> src_chunks,
+                          absl::Span<const ByteChunk> dst_chunks,
+                          const std::function<void(size_t, size_t, size_t)>& fn) {
   if (Total(src_chunks) != Total(dst_chunks)) {
     return absl::InvalidArgumentError(absl::StrCat("source chunks hold ", Total(src_chunks),
                                                    " bytes but destination chunks ",
                                                    Total(dst_chunks)));
   }
-  const auto* s = static_cast<const unsigned char*>(src);
-  auto* d = static_cast<unsigned char*>(dst);
   size_t si = 0, di = 0, s_used = 0, d_used = 0;
   while (si < src_chunks.size() && di < dst_chunks.size()) {
     const size_t s_left = src_chunks[si].bytes - s_used;
     const size_t d_left = dst_chunks[di].bytes - d_used;
     const size_t n = std::min(s_left, d_left);
-    if (n > 0) {
-      std::memcpy(d + dst_chunks[di].offset + d_used, s + src_chunks[si].offset + s_used, n);
-    }
+    if (n > 0) fn(src_chunks[si].offset + s_used, dst_chunks[di].offset + d_used, n);
     s_used += n;
     d_used += n;
     if (s_used == src_chunks[si].bytes) {
@@ -152,6 +150,14 @@ absl::Status CopyChunks(const void* src, absl::Span<const ByteChunk> src_chunks,
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status CopyChunks(const void* src, absl::Span<const ByteChunk> src_chunks, void* dst,
+                        absl::Span<const ByteChunk> dst_chunks) {
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  return ForEachPiece(src_chunks, dst_chunks,
+                      [&](size_t from, size_t to, size_t n) { std::memcpy(d + to, s + from, n); });
 }
 
 absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send, size_t send_bytes,

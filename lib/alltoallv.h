@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,13 @@ absl::Status PackThd(const void* tensor, const ThdShape& shape, absl::Span<const
 absl::Status UnpackThd(const void* staging, size_t staging_bytes, const ThdShape& shape,
                        absl::Span<const TokenRange> ranges, absl::Span<const int> heads,
                        void* tensor);
+
+// Calls fn(src_offset, dst_offset, bytes) for each piece of copying the concatenation of
+// `src_chunks` into the concatenation of `dst_chunks` (pieces split where either list's
+// chunks end), in order; the totals must be equal (InvalidArgument otherwise).
+absl::Status ForEachPiece(absl::Span<const ByteChunk> src_chunks,
+                          absl::Span<const ByteChunk> dst_chunks,
+                          const std::function<void(size_t, size_t, size_t)>& fn);
 
 // Copies the concatenation of `src_chunks` of `src` into the concatenation of
 // `dst_chunks` of `dst`; the totals must be equal (checked). Bounds are the caller's.

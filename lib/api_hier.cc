@@ -11,7 +11,6 @@
 #include "lib/api_plan.h"
 #include "lib/api_util.h"
 #include "lib/batch.h"
-#include "lib/cuda/nccl_transport.h"
 #include "lib/errors.h"
 
 namespace hsap {
@@ -62,18 +61,21 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
     }
-    if (absl::Status s = hsap::cuda::CheckHostExecutorTransport(comm->comm->transport()); !s.ok()) {
-      return s;
-    }
     hsap::BatchOptions options;
     absl::Status local = hsap::CheckCreateArgs(batch, layout, plan, config, options);
     static const hsap::Layout* const kNoLayout = new hsap::Layout();
     static const hsap::Plan* const kNoPlan = new hsap::Plan();
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
-    std::shared_ptr<const hsap::KernelSet> kernels = hsap::KernelsForCreate(options, l, local);
+    std::shared_ptr<const hsap::KernelSet> kernels;
+    std::unique_ptr<hsap::BatchDevice> device;
+    if (comm->gpu != nullptr) {
+      device = hsap::GpuBatchDeviceForCreate(comm->gpu, options, l, local);
+    } else {
+      kernels = hsap::KernelsForCreate(options, l, local);
+    }
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
-        *comm->comm, l, p, options, hsap::KernelsOrPlaceholder(kernels), local);
+        *comm->comm, l, p, options, hsap::KernelsOrPlaceholder(kernels), local, std::move(device));
     if (!b.ok()) return b.status();
     *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
     return absl::OkStatus();

@@ -195,13 +195,12 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
-                                                             const Layout& layout, const Plan& plan,
-                                                             const BatchOptions& options,
-                                                             const KernelSet& kernels,
-                                                             absl::Status local_check) {
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(
+    Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
+    const KernelSet& kernels, absl::Status local_check, std::unique_ptr<BatchDevice> device) {
   absl::Status local = local_check;
   std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
+  batch->device_ = std::move(device);
   if (local.ok()) local = plan.Validate();
   if (local.ok() && plan.num_ranks != comm.size()) {
     local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,
@@ -247,6 +246,11 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
   batch->schedule_.rank = comm.rank();
   batch->schedule_.num_ranks = comm.size();
   batch->schedule_.local_rows = batch->hierarchy_->shard_tokens;
+  if (batch->device_ != nullptr) {
+    const absl::Status prepared =
+        batch->device_->PrepareHierarchy(*batch->hierarchy_, batch->dims_, options.dtype);
+    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
+  }
   return batch;
 }
 
@@ -287,19 +291,20 @@ absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* o
                             absl::Status local_check) {
   const uint64_t call = calls_;
   if (absl::Status s = AgreeOnCall(1, local_check); !s.ok()) return s;
+  if (device_ != nullptr) {
+    absl::Status s =
+        device_->Forward(comm_->transport(), call, q, k, v, out, lse, &traffic_.hier_forward);
+    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
+    return s;
+  }
   if (hierarchy_ != nullptr) {
     HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
     absl::Status s = HierarchicalForward(hctx, q, k, v, out, lse, &traffic_.hier_forward);
     traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
     return s;
   }
-  absl::Status s;
-  if (device_ != nullptr) {
-    s = device_->Forward(comm_->transport(), call, q, k, v, out, lse, &traffic_.forward);
-  } else {
-    ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-    s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
-  }
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  absl::Status s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
   traffic_.hier_forward = {0, 0, traffic_.forward.bytes_sent, traffic_.forward.bytes_received};
   return s;
 }
@@ -309,6 +314,12 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
                              absl::Status local_check) {
   const uint64_t call = calls_;
   if (absl::Status s = AgreeOnCall(2, local_check); !s.ok()) return s;
+  if (device_ != nullptr) {
+    absl::Status s = device_->Backward(comm_->transport(), call, dout, q, k, v, out, lse, dq, dk,
+                                       dv, &traffic_.hier_backward);
+    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
+    return s;
+  }
   if (hierarchy_ != nullptr) {
     HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
     absl::Status s =
@@ -316,14 +327,8 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
     traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
     return s;
   }
-  absl::Status s;
-  if (device_ != nullptr) {
-    s = device_->Backward(comm_->transport(), call, dout, q, k, v, out, lse, dq, dk, dv,
-                          &traffic_.backward);
-  } else {
-    ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-    s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
-  }
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  absl::Status s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
   traffic_.hier_backward = {0, 0, traffic_.backward.bytes_sent, traffic_.backward.bytes_received};
   return s;
 }

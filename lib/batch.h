@@ -52,21 +52,25 @@ struct BatchTraffic {
   HierTraffic hier_forward, hier_backward;
 };
 
-// Runs a batch's schedule somewhere other than the host kernels: on a GPU
-// (lib/cuda/gpu_batch.h). Tensors are then that device's memory.
+// Runs a batch somewhere other than the host kernels: on a GPU (lib/cuda/gpu_batch.h).
+// Tensors are then that device's memory.
 class BatchDevice {
  public:
   virtual ~BatchDevice() = default;
-  // Called once on every rank after its schedule exists (uploads, pool reservation); the
-  // schedule outlives the device object.
+  // Called once on every rank, after its schedule (batch without a plan) or its part of the
+  // hierarchy (batch under a plan) exists: uploads, pool reservation. The schedule or
+  // hierarchy outlives the device object.
   virtual absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims,
                                DType dtype) = 0;
+  virtual absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
+                                        DType dtype) = 0;
+  // Traffic: a batch without a plan reports all of it as ring bytes.
   virtual absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
-                               const void* v, void* out, float* lse, ExecTraffic* traffic) = 0;
+                               const void* v, void* out, float* lse, HierTraffic* traffic) = 0;
   virtual absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout,
                                 const void* q, const void* k, const void* v, const void* out,
                                 const float* lse, void* dq, void* dk, void* dv,
-                                ExecTraffic* traffic) = 0;
+                                HierTraffic* traffic) = 0;
 };
 
 class Batch {
@@ -88,7 +92,8 @@ class Batch {
   // Tensors are this rank's shard: local_tokens() rows, all heads.
   static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPlan(
       Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
-      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus());
+      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus(),
+      std::unique_ptr<BatchDevice> device = nullptr);
 
   // Tensors as in executor.h, sized by local_tokens(). local_check as above.
   absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,

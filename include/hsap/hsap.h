@@ -331,9 +331,8 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
  * return hsapUnsupported and hsapGetLastError() says what is missing ("libcuda.so.1 not
  * found: no NVIDIA driver", "no CUDA device", "libnccl.so.2 not found"); the host backend
  * keeps working. $HSAP_CUDA_LIB_PATH (colon-separated directories) replaces the library
- * search path. Batches without a plan run on CUDA communicators (hsapBatchCreate);
- * hsapBatchCreateWithPlan returns hsapUnsupported there (the hierarchical runtime is host
- * only for now). */
+ * search path. Batches, with or without a plan, run on CUDA communicators: the same
+ * schedules with the JIT CUDA kernels (see hsapBatchCreate). */
 
 /* Opaque bootstrap token, like ncclUniqueId (128 bytes, copied between processes). */
 typedef struct {

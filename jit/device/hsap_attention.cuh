@@ -448,6 +448,32 @@ __global__ void __launch_bounds__(256) accumulate_kernel(const AccumulateParams 
   }
 }
 
+template <class Cfg>
+__global__ void __launch_bounds__(256) copy_chunks_kernel(const ChunksParams p) {
+  for (long long c = blockIdx.x; c < p.num_chunks; c += gridDim.x) {
+    const CopyChunk k = p.chunks[c];
+    const char* src = static_cast<const char*>(p.src) + k.src;
+    char* dst = static_cast<char*>(p.dst) + k.dst;
+    if (((k.src | k.dst | k.bytes) & 3) == 0) {
+      const unsigned int* s = reinterpret_cast<const unsigned int*>(src);
+      unsigned int* d = reinterpret_cast<unsigned int*>(dst);
+      for (long long i = threadIdx.x; i < k.bytes / 4; i += blockDim.x) d[i] = s[i];
+    } else {
+      for (long long i = threadIdx.x; i < k.bytes; i += blockDim.x) dst[i] = src[i];
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) add_chunks_kernel(const ChunksParams p) {
+  for (long long c = blockIdx.x; c < p.num_chunks; c += gridDim.x) {
+    const CopyChunk k = p.chunks[c];
+    const float* src = static_cast<const float*>(p.src) + k.src / 4;
+    float* dst = static_cast<float*>(p.dst) + k.dst / 4;
+    for (long long i = threadIdx.x; i < k.bytes / 4; i += blockDim.x) dst[i] += src[i];
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Fused forward: copy CTAs stage the next step's K/V from peers while compute CTAs attend
 // to the current one (see FusedFwdParamsT).

@@ -139,6 +139,22 @@ struct AccumulateParams {
   long long count;
 };
 
+// copy_chunks_kernel<Cfg> / add_chunks_kernel<Cfg>: for each chunk c, dst + c.dst receives
+// (copy) or has added to it (add: fp32 elements, offsets and sizes multiples of 4) the
+// c.bytes bytes at src + c.src. Chunks must not overlap in dst. One CTA per chunk in a
+// grid-stride loop: any grid, 256 threads. These move the head/row selections of the
+// hierarchical runtime (all-to-all packing, sub-ring messages, gradient sums); the lists
+// are built once per batch.
+struct CopyChunk {
+  long long src, dst, bytes;
+};
+struct ChunksParams {
+  const void* src;
+  void* dst;
+  const CopyChunk* chunks;
+  long long num_chunks;
+};
+
 // One step of the fused forward: the K/V this rank attends to in step s, and where it
 // comes from. k_src/v_src ([k_rows, heads_kv, D], storage dtype) are usually a PEER
 // pointer to the owner's K/V (NVLink); for a step fed by the network they point to the

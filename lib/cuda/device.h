@@ -65,6 +65,8 @@ class DeviceKernels {
   virtual absl::Status Init(const hsap_dev::InitParams& p, cudaStream s) const = 0;
   virtual absl::Status Convert(const hsap_dev::ConvertParams& p, cudaStream s) const = 0;
   virtual absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const = 0;
+  virtual absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
+  virtual absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
 };
 
 // The current CUDA device through the CUDA runtime. Unimplemented without one.

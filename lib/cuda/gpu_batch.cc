@@ -8,6 +8,7 @@
 #include "absl/time/clock.h"
 #include "jit/codegen_cuda.h"
 #include "lib/cuda/gpu_executor.h"
+#include "lib/cuda/gpu_hier_executor.h"
 #include "lib/cuda/jit_device_kernels.h"
 
 namespace hsap::cuda {
@@ -36,21 +37,46 @@ class GpuBatchDevice : public BatchDevice {
     return absl::OkStatus();
   }
 
+  absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
+                                DType dtype) override {
+    absl::StatusOr<std::unique_ptr<DeviceHierProgram>> program =
+        DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream());
+    if (!program.ok()) return program.status();
+    if (absl::Status s = comm_->pool().Reserve((*program)->pool_bytes()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
+                                                 (*program)->pool_bytes(), " B): ", s.message()));
+    }
+    hier_ = *std::move(program);
+    return absl::OkStatus();
+  }
+
   absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
-                       const void* v, void* out, float* lse, ExecTraffic* traffic) override {
-    const GpuExecContext ctx = Context(transport, call_id);
-    if (absl::Status s = GpuExecuteForward(ctx, q, k, v, out, lse, traffic); !s.ok()) return s;
+                       const void* v, void* out, float* lse, HierTraffic* traffic) override {
+    absl::Status s;
+    if (hier_ != nullptr) {
+      s = GpuHierarchicalForward(HierContext(transport, call_id), q, k, v, out, lse, traffic);
+    } else {
+      ExecTraffic t;
+      s = GpuExecuteForward(Context(transport, call_id), q, k, v, out, lse, &t);
+      *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
+    }
+    if (!s.ok()) return s;
     return Finish("forward");
   }
 
   absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
                         const void* k, const void* v, const void* out, const float* lse, void* dq,
-                        void* dk, void* dv, ExecTraffic* traffic) override {
-    const GpuExecContext ctx = Context(transport, call_id);
-    if (absl::Status s = GpuExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, traffic);
-        !s.ok()) {
-      return s;
+                        void* dk, void* dv, HierTraffic* traffic) override {
+    absl::Status s;
+    if (hier_ != nullptr) {
+      s = GpuHierarchicalBackward(HierContext(transport, call_id), dout, q, k, v, out, lse, dq, dk,
+                                  dv, traffic);
+    } else {
+      ExecTraffic t;
+      s = GpuExecuteBackward(Context(transport, call_id), dout, q, k, v, out, lse, dq, dk, dv, &t);
+      *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
     }
+    if (!s.ok()) return s;
     return Finish("backward");
   }
 
@@ -74,6 +100,20 @@ class GpuBatchDevice : public BatchDevice {
     return ctx;
   }
 
+  GpuHierContext HierContext(Transport& transport, uint64_t call_id) const {
+    GpuHierContext ctx;
+    ctx.device = &comm_->device();
+    ctx.kernels = kernels_.get();
+    ctx.transport = &transport;
+    ctx.program = hier_.get();
+    ctx.pool = comm_->pool().base();
+    ctx.pool_bytes = comm_->pool().size();
+    ctx.call_id = call_id;
+    ctx.stream = comm_->stream();
+    ctx.mode = mode_;
+    return ctx;
+  }
+
   // A communicator without a caller's stream returns after the work finished.
   absl::Status Finish(const char* pass) {
     if (!comm_->synchronous()) return absl::OkStatus();
@@ -86,7 +126,8 @@ class GpuBatchDevice : public BatchDevice {
   const Schedule* schedule_ = nullptr;
   AttentionDims dims_;
   DType dtype_ = DType::kBF16;
-  std::unique_ptr<DeviceWorkLists> lists_;
+  std::unique_ptr<DeviceWorkLists> lists_;   // a batch without a plan
+  std::unique_ptr<DeviceHierProgram> hier_;  // a batch under a plan
   GpuExecMode mode_ = GpuExecMode::kFull;
 };
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "lib/cuda/exec_util.h"
 #include "lib/cuda/nccl_lowering.h"
 #include "lib/staged.h"
 
@@ -48,25 +49,6 @@ class PoolCursor {
  private:
   char* base_;
   size_t offset_ = 0;
-};
-
-// Events created for one call and destroyed at its end (destroying an event whose work is
-// pending is allowed: CUDA releases it on completion).
-class CallEvents {
- public:
-  explicit CallEvents(Device& device) : device_(device) {}
-  ~CallEvents() {
-    for (cudaEvent e : events_) device_.DestroyEvent(e);
-  }
-  absl::StatusOr<cudaEvent> New() {
-    absl::StatusOr<cudaEvent> e = device_.CreateEvent();
-    if (e.ok()) events_.push_back(*e);
-    return e;
-  }
-
- private:
-  Device& device_;
-  std::vector<cudaEvent> events_;
 };
 
 // Common state of a forward or backward call.
@@ -195,41 +177,6 @@ class GpuCall {
   ExecTraffic moved_;
 };
 
-// kTransfersOnly: kernels that are not launched.
-class SkippedKernels : public DeviceKernels {
- public:
-  absl::Status Forward(const hsap_dev::FwdParams&, cudaStream) const override { return {}; }
-  absl::Status Backward(const hsap_dev::BwdParams&, cudaStream) const override { return {}; }
-  absl::Status Delta(const hsap_dev::DeltaParams&, cudaStream) const override { return {}; }
-  absl::Status Init(const hsap_dev::InitParams&, cudaStream) const override { return {}; }
-  absl::Status Convert(const hsap_dev::ConvertParams&, cudaStream) const override { return {}; }
-  absl::Status Accumulate(const hsap_dev::AccumulateParams&, cudaStream) const override {
-    return {};
-  }
-};
-
-// kComputeOnly: stages that complete at once without moving anything.
-class SkippedTransport : public Transport {
- public:
-  explicit SkippedTransport(const Transport& inner) : rank_(inner.rank()), size_(inner.size()) {}
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-  absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp>, absl::Span<const RecvOp>,
-                                                 std::string) override {
-    return std::unique_ptr<Pending>(new Done());
-  }
-  void Abort(absl::string_view) override {}
-  bool aborted() const override { return false; }
-  TrafficCounters counters() const override { return {}; }
-  void ResetCounters() override {}
-
- private:
-  struct Done : Pending {
-    absl::Status Wait() override { return absl::OkStatus(); }
-  };
-  int rank_, size_;
-};
-
 // The context a mode runs with (the stand-ins live in `kernels` / `transport`).
 GpuExecContext ForMode(const GpuExecContext& ctx, SkippedKernels& kernels,
                        std::unique_ptr<SkippedTransport>& transport) {
@@ -297,7 +244,7 @@ absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device&
 
 absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, const void* k,
                                const void* v, void* out, float* lse, ExecTraffic* traffic) {
-  SkippedKernels skipped_kernels;
+  SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "forward");
@@ -363,7 +310,7 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
 absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, const void* q,
                                 const void* k, const void* v, const void* out, const float* lse,
                                 void* dq, void* dk, void* dv, ExecTraffic* traffic) {
-  SkippedKernels skipped_kernels;
+  SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "backward");

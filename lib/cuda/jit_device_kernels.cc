@@ -43,7 +43,8 @@ class JitDeviceKernels : public DeviceKernels {
     };
     for (Slot slot : {Slot{"fwd", &k->fwd_}, Slot{"bwd", &k->bwd_}, Slot{"delta", &k->delta_},
                       Slot{"init", &k->init_}, Slot{"convert", &k->convert_},
-                      Slot{"accumulate", &k->accumulate_}}) {
+                      Slot{"accumulate", &k->accumulate_}, Slot{"copy_chunks", &k->copy_chunks_},
+                      Slot{"add_chunks", &k->add_chunks_}}) {
       absl::StatusOr<jit::CudaKernelEntry> entry = c.Entry(slot.role);
       if (!entry.ok()) return entry.status();
       absl::StatusOr<std::string> name = c.LoweredName(slot.role);
@@ -90,6 +91,14 @@ class JitDeviceKernels : public DeviceKernels {
   absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const override {
     return Launch(accumulate_, "accumulate", HelperGrid(p.count), 1, &p, s);
   }
+  absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    if (p.num_chunks == 0) return absl::OkStatus();
+    return Launch(copy_chunks_, "copy chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+  }
+  absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    if (p.num_chunks == 0) return absl::OkStatus();
+    return Launch(add_chunks_, "add chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+  }
 
  private:
   JitDeviceKernels() = default;
@@ -119,7 +128,7 @@ class JitDeviceKernels : public DeviceKernels {
   CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   long long helper_ctas_ = 1;
-  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_;
+  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_;
 };
 
 }  // namespace

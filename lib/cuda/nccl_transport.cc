@@ -296,14 +296,6 @@ void NcclTransport::Abort(absl::string_view reason) {
 
 bool IsCudaTransport(const Transport& t) { return t.transfer_stream() != nullptr; }
 
-absl::Status CheckHostExecutorTransport(const Transport& t) {
-  if (!IsCudaTransport(t)) return absl::OkStatus();
-  return absl::UnimplementedError(
-      "batches under a plan (hsapBatchCreateWithPlan) run on host communicators only for now: "
-      "the hierarchical runtime has no GPU executor yet; on a CUDA communicator create the "
-      "batch without a plan (hsapBatchCreate), or use hsapCommInitAll");
-}
-
 void NcclTransport::CountCompleted(const TrafficCounters& delta) {
   std::lock_guard<std::mutex> lock(mu_);
   counters_.bytes_sent += delta.bytes_sent;

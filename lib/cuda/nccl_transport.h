@@ -90,9 +90,6 @@ class NcclTransport : public Transport {
 // True when `t` moves device memory (it has a transfer_stream: NCCL or loopback): the host
 // executor must not run on it (batches on such communicators run on the GPU executor).
 bool IsCudaTransport(const Transport& t);
-// Unimplemented for a CUDA transport (the hierarchical runtime of plans is host only), OK
-// otherwise. Called by hsapBatchCreateWithPlan.
-absl::Status CheckHostExecutorTransport(const Transport& t);
 
 }  // namespace hsap::cuda
 

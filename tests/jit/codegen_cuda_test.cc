@@ -89,7 +89,7 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
     EXPECT_THAT(s->source, HasSubstr(k.name_expression.substr(std::string("hsap_dev::").size())));
   }
   EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert",
-                                            "accumulate"));
+                                            "accumulate", "copy_chunks", "add_chunks"));
 
   c.role = {3, 0x5};
   s = GenerateCudaKernels(c);

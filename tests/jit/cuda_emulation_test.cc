@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
+#include "tests/tolerance.h"
 
 namespace hsap {
 namespace {
@@ -138,14 +139,6 @@ Problem MakeProblem(Layout layout, DType dtype, uint64_t seed, int heads_kv = kH
   return p;
 }
 
-double MaxAbs(const std::vector<double>& x) {
-  double m = 0;
-  for (double v : x) {
-    if (std::isfinite(v)) m = std::max(m, std::abs(v));
-  }
-  return m;
-}
-
 template <typename A>
 double MaxError(const std::vector<A>& a, const std::vector<double>& ref, const char* name) {
   EXPECT_EQ(a.size(), ref.size()) << name;
@@ -165,7 +158,8 @@ void ExpectWithinRule(const std::string& name, const std::vector<float>& kernel,
                       const std::vector<double>& naive, const std::vector<double>& ref) {
   const double kernel_err = MaxError(kernel, ref, name.c_str());
   const double naive_err = MaxError(naive, ref, "naive");
-  const double bound = 2 * naive_err + 1e-6 * std::max(1.0, MaxAbs(ref));
+  const double bound =
+      2 * naive_err + testing::kCudaKernelFloor * std::max(1.0, testing::MaxAbs(ref));
   EXPECT_LE(kernel_err, bound) << name << ": kernel error " << kernel_err << ", naive error "
                                << naive_err;
 }

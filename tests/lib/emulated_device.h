@@ -311,6 +311,12 @@ class EmulatedKernels : public cuda::DeviceKernels {
   absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cuda::cudaStream s) const override {
     return Helper(s, [p] { hsap_dev::accumulate_kernel<Cfg>(p); });
   }
+  absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::copy_chunks_kernel<Cfg>(p); });
+  }
+  absl::Status AddChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
+    return Helper(s, [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
+  }
   int64_t launches() const { return launches_.load(); }
   // The first contract violation a kernel reported ("" when none).
   std::string error() const {

@@ -235,7 +235,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     ri.k = in.k.bytes.data();
     ri.v = in.v.bytes.data();
     testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), res.outputs,
-                                    /*backward=*/true);
+                                    /*backward=*/true, testing::kCudaKernelFloor);
   }
   return res;
 }
@@ -472,7 +472,8 @@ TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
   ri.q = in.q.bytes.data();
   ri.k = in.k.bytes.data();
   ri.v = in.v.bytes.data();
-  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true);
+  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
+                                  testing::kCudaKernelFloor);
 }
 
 TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
