@@ -65,6 +65,11 @@ std::unique_ptr<BatchDevice> GpuBatchDeviceForCreate(std::shared_ptr<cuda::GpuCo
                                                      const BatchOptions& options,
                                                      const Layout& layout, absl::Status& local) {
   if (!local.ok()) return nullptr;
+  cuda::ScopedDevice on(gpu->device());  // the kernels load into the communicator's GPU
+  if (!on.status().ok()) {
+    local = on.status();
+    return nullptr;
+  }
   absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
       cuda::JitKernelsForBatch(options, layout);
   if (!kernels.ok()) {

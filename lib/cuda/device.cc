@@ -11,7 +11,22 @@ namespace {
 
 class CudaDevice : public Device {
  public:
-  explicit CudaDevice(const CudaRuntimeApi* rt) : rt_(rt) {}
+  CudaDevice(const CudaRuntimeApi* rt, int ordinal) : rt_(rt), ordinal_(ordinal) {}
+
+  absl::StatusOr<int> MakeCurrent() override {
+    int previous = 0;
+    if (absl::Status s = rt_->Check(rt_->GetDevice(&previous), "cudaGetDevice"); !s.ok()) return s;
+    if (previous == ordinal_) return previous;
+    if (absl::Status s =
+            rt_->Check(rt_->SetDevice(ordinal_), absl::StrCat("cudaSetDevice(", ordinal_, ")"));
+        !s.ok()) {
+      return s;
+    }
+    return previous;
+  }
+  void Restore(int previous) override {
+    if (previous != ordinal_) rt_->SetDevice(previous);
+  }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
@@ -91,6 +106,7 @@ class CudaDevice : public Device {
 
  private:
   const CudaRuntimeApi* rt_;
+  int ordinal_;
 };
 
 }  // namespace
@@ -99,7 +115,11 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
   if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
   absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
   if (!rt.ok()) return rt.status();
-  return std::unique_ptr<Device>(new CudaDevice(*rt));
+  int ordinal = 0;
+  if (absl::Status s = (*rt)->Check((*rt)->GetDevice(&ordinal), "cudaGetDevice"); !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<Device>(new CudaDevice(*rt, ordinal));
 }
 
 absl::StatusOr<std::string> CurrentCudaArch() {

@@ -51,6 +51,33 @@ class Device {
   // Blocks the host until the work enqueued on `s` has completed, or DeadlineExceeded
   // naming `what` at `deadline`.
   virtual absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) = 0;
+
+  // Makes this device the calling thread's current one and returns the device that was
+  // current before (to hand back to Restore), so that a call from a thread set to another
+  // GPU still works on this one and leaves the thread as it found it.
+  virtual absl::StatusOr<int> MakeCurrent() { return 0; }
+  virtual void Restore(int previous) {}
+};
+
+// MakeCurrent for a scope.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(Device& device) : device_(device) {
+    absl::StatusOr<int> previous = device.MakeCurrent();
+    status_ = previous.status();
+    if (previous.ok()) previous_ = *previous;
+  }
+  ~ScopedDevice() {
+    if (status_.ok()) device_.Restore(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  Device& device_;
+  absl::Status status_;
+  int previous_ = 0;
 };
 
 // The kernels of one configuration (dtype, head dim, GQA ratio, mask kinds), with the
@@ -69,7 +96,8 @@ class DeviceKernels {
   virtual absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
 };
 
-// The current CUDA device through the CUDA runtime. Unimplemented without one.
+// The current CUDA device through the CUDA runtime (remembered: MakeCurrent selects it
+// again). Unimplemented without one.
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
 
 // "sm_90" for the current CUDA device (its compute capability).

@@ -39,6 +39,8 @@ class GpuBatchDevice : public BatchDevice {
 
   absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
                                 DType dtype) override {
+    ScopedDevice on(comm_->device());
+    if (!on.status().ok()) return on.status();
     absl::StatusOr<std::unique_ptr<DeviceHierProgram>> program =
         DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream());
     if (!program.ok()) return program.status();
@@ -52,6 +54,8 @@ class GpuBatchDevice : public BatchDevice {
 
   absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
                        const void* v, void* out, float* lse, HierTraffic* traffic) override {
+    ScopedDevice on(comm_->device());
+    if (!on.status().ok()) return on.status();
     absl::Status s;
     if (hier_ != nullptr) {
       s = GpuHierarchicalForward(HierContext(transport, call_id), q, k, v, out, lse, traffic);
@@ -67,6 +71,8 @@ class GpuBatchDevice : public BatchDevice {
   absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
                         const void* k, const void* v, const void* out, const float* lse, void* dq,
                         void* dk, void* dv, HierTraffic* traffic) override {
+    ScopedDevice on(comm_->device());
+    if (!on.status().ok()) return on.status();
     absl::Status s;
     if (hier_ != nullptr) {
       s = GpuHierarchicalBackward(HierContext(transport, call_id), dout, q, k, v, out, lse, dq, dk,
@@ -152,6 +158,7 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
 }
 
 GpuComm::~GpuComm() {
+  ScopedDevice on(*device_);
   pool_.reset();  // waits for the device
   if (owns_stream_) device_->DestroyStream(stream_);
 }
