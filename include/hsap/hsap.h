@@ -310,7 +310,8 @@ hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ,
  * across groups, and returns the outputs in the same shard layout. The plan's numRanks
  * must equal the communicator's size and its head counts config's numHeadsQ/numHeadsKV.
  * Use the batch with hsapAttentionForward/Backward, hsapBatchGetTraffic and
- * hsapBatchGetTrafficDetail; the plan may be destroyed afterwards. */
+ * hsapBatchGetTrafficDetail; the plan may be destroyed afterwards. On a CUDA communicator
+ * the batch is prepared as hsapBatchCreate says (kernels, uploads, device pool). */
 hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                                      hsapPlan_t plan, const hsapBatchConfig_t* config);
 
