@@ -42,7 +42,9 @@ void ExpectExactCover(const Layout& layout, const std::vector<TokenRun>& q_runs,
       ASSERT_LT(seg.k_begin, seg.k_end);
       ASSERT_LE(seg.k_end, k_rows);
       ASSERT_LE(seg.diag_lo, seg.diag_hi);
-      if (s > b.seg_begin) ASSERT_LE(work.segments[s - 1].k_begin, seg.k_begin);
+      if (s > b.seg_begin) {
+        ASSERT_LE(work.segments[s - 1].k_begin, seg.k_begin);
+      }
       int64_t seg_pairs = 0;
       for (int64_t qr = b.q_begin; qr < b.q_end; ++qr) {
         for (int64_t kr = seg.k_begin; kr < seg.k_end; ++kr) {

@@ -201,7 +201,9 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
   }
   uint64_t ring = 0;
   for (const HierTraffic& t : res.forward) ring += t.ring_received;
-  if (plan.groups.size() > 1) EXPECT_GT(ring, 0u) << "no sub-ring step: the layout tests nothing";
+  if (plan.groups.size() > 1) {
+    EXPECT_GT(ring, 0u) << "no sub-ring step: the layout tests nothing";
+  }
   EXPECT_TRUE(CheckNcclPrograms(res.posted_forward).ok()) << CheckNcclPrograms(res.posted_forward);
   EXPECT_TRUE(CheckNcclPrograms(res.posted_backward).ok())
       << CheckNcclPrograms(res.posted_backward);
