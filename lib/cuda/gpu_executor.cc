@@ -67,9 +67,9 @@ class GpuCall {
       return absl::InternalError("GPU executor context is incomplete");
     }
     if (!ctx_.dims.kv_head_of_q.empty()) {
-      return absl::UnimplementedError(
-          "the GPU executor runs batches without a plan; explicit kv heads per query head "
-          "(plans) are not supported on CUDA communicators yet");
+      return absl::InternalError(
+          "the ring executor takes no kv-head map; batches under a plan run on "
+          "GpuHierarchicalForward/Backward");
     }
     absl::StatusOr<PoolLayout> l = ComputePoolLayout(*ctx_.schedule, ctx_.dims, ctx_.dtype);
     if (!l.ok()) return l.status();
