@@ -50,37 +50,37 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const Bat
   return jit::HostKernelsForBatch(*dims, options.dtype, layout);
 }
 
-std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, const Layout& layout,
-                                                  absl::Status& local) {
-  if (!local.ok()) return nullptr;
-  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = HostKernelsForOptions(options, layout);
-  if (!kernels.ok()) {
-    local = kernels.status();
-    return nullptr;
-  }
-  return *std::move(kernels);
+const KernelSet& BatchBackend::kernel_set() const {
+  return kernels != nullptr ? *kernels : HandWrittenKernels();
 }
 
-std::unique_ptr<BatchDevice> GpuBatchDeviceForCreate(std::shared_ptr<cuda::GpuComm> gpu,
-                                                     const BatchOptions& options,
-                                                     const Layout& layout, absl::Status& local) {
-  if (!local.ok()) return nullptr;
-  cuda::ScopedDevice on(gpu->device());  // the kernels load into the communicator's GPU
+BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
+                              const Layout& layout, absl::Status& local) {
+  BatchBackend backend;
+  if (!local.ok()) return backend;
+  if (comm.gpu == nullptr) {
+    absl::StatusOr<std::shared_ptr<const KernelSet>> kernels =
+        HostKernelsForOptions(options, layout);
+    if (kernels.ok()) {
+      backend.kernels = *std::move(kernels);
+    } else {
+      local = kernels.status();
+    }
+    return backend;
+  }
+  cuda::ScopedDevice on(comm.gpu->device());  // the kernels load into the communicator's GPU
   if (!on.status().ok()) {
     local = on.status();
-    return nullptr;
+    return backend;
   }
   absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
       cuda::JitKernelsForBatch(options, layout);
   if (!kernels.ok()) {
     local = kernels.status();
-    return nullptr;
+    return backend;
   }
-  return cuda::NewGpuBatchDevice(std::move(gpu), *std::move(kernels));
-}
-
-const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels) {
-  return kernels != nullptr ? *kernels : HandWrittenKernels();
+  backend.device = cuda::NewGpuBatchDevice(comm.gpu, *std::move(kernels));
+  return backend;
 }
 
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
@@ -138,17 +138,11 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
-    std::shared_ptr<const hsap::KernelSet> kernels;
-    std::unique_ptr<hsap::BatchDevice> device;
-    if (comm->gpu != nullptr) {
-      device = hsap::GpuBatchDeviceForCreate(comm->gpu, options, l, local);
-    } else {
-      kernels = hsap::KernelsForCreate(options, l, local);
-    }
+    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
-        c, l, w, options, hsap::KernelsOrPlaceholder(kernels), local, std::move(device));
+        c, l, w, options, backend.kernel_set(), local, std::move(backend.device));
     if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
     return absl::OkStatus();
   });
 }

@@ -33,20 +33,20 @@ namespace hsap {
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
                                                                        const Layout& layout);
 
-// The kernels of a batch being created, compiled now (at creation, not in the first forward
-// call) unless `local` already holds an error. A compile failure is stored in `local` and
-// null is returned: the rank still takes part in the collective creation, so that its peers
-// fail promptly too, with KernelsOrPlaceholder() standing in for the kernels.
-std::shared_ptr<const KernelSet> KernelsForCreate(const BatchOptions& options, const Layout& layout,
-                                                  absl::Status& local);
-const KernelSet& KernelsOrPlaceholder(const std::shared_ptr<const KernelSet>& kernels);
-
-// The same for a batch on a CUDA communicator: its CUDA kernels compiled and loaded now,
-// wrapped in the BatchDevice that runs the batch on `gpu`; null (with `local` set) on
-// failure.
-std::unique_ptr<BatchDevice> GpuBatchDeviceForCreate(std::shared_ptr<cuda::GpuComm> gpu,
-                                                     const BatchOptions& options,
-                                                     const Layout& layout, absl::Status& local);
+// What a batch being created runs on, prepared now (at creation, not in the first forward
+// call) unless `local` already holds an error: on a host communicator its host kernels
+// (`kernels`), on a CUDA one its CUDA kernels compiled and loaded, wrapped in the
+// BatchDevice that runs the batch on the communicator's GPU (`device`). A failure is stored
+// in `local` and both stay null: the rank still takes part in the collective creation, so
+// that its peers fail promptly too, with kernels() standing in.
+struct BatchBackend {
+  std::shared_ptr<const KernelSet> kernels;
+  std::unique_ptr<BatchDevice> device;
+  // The kernels to hand to Batch::Create (a placeholder when there are none).
+  const KernelSet& kernel_set() const;
+};
+BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
+                              const Layout& layout, absl::Status& local);
 
 // The handle of a created batch; it owns the batch and keeps its kernels alive.
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,

@@ -67,17 +67,11 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     static const hsap::Plan* const kNoPlan = new hsap::Plan();
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
-    std::shared_ptr<const hsap::KernelSet> kernels;
-    std::unique_ptr<hsap::BatchDevice> device;
-    if (comm->gpu != nullptr) {
-      device = hsap::GpuBatchDeviceForCreate(comm->gpu, options, l, local);
-    } else {
-      kernels = hsap::KernelsForCreate(options, l, local);
-    }
+    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
-        *comm->comm, l, p, options, hsap::KernelsOrPlaceholder(kernels), local, std::move(device));
+        *comm->comm, l, p, options, backend.kernel_set(), local, std::move(backend.device));
     if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(kernels));
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
     return absl::OkStatus();
   });
 }

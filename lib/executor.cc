@@ -21,15 +21,6 @@ uint64_t Tag(uint64_t call_id, Payload payload, int step) {
          static_cast<uint64_t>(step);
 }
 
-std::string StageName(const char* pass, const Stage& st, const char* what) {
-  std::string name = absl::StrCat(pass, " step ", st.step, " (", what);
-  if (st.recv_from >= 0) absl::StrAppend(&name, " from rank ", st.recv_from);
-  if (st.send_to >= 0)
-    absl::StrAppend(&name, st.recv_from >= 0 ? ", " : " ", "to rank ", st.send_to);
-  absl::StrAppend(&name, ")");
-  return name;
-}
-
 // Rows of a tensor [rows, row_bytes] listed by runs (local rows), packed or referenced.
 class RowSource {
  public:

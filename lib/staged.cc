@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+
 namespace hsap {
 
 absl::Status RunStaged(size_t num_stages, const PostStage& post,
@@ -25,6 +27,15 @@ absl::Status RunStaged(size_t num_stages, const PostStage& post,
     current = std::move(next);
   }
   return absl::OkStatus();
+}
+
+std::string StageName(const char* pass, const Stage& st, const char* what) {
+  std::string name = absl::StrCat(pass, " step ", st.step, " (", what);
+  if (st.recv_from >= 0) absl::StrAppend(&name, " from rank ", st.recv_from);
+  if (st.send_to >= 0)
+    absl::StrAppend(&name, st.recv_from >= 0 ? ", " : " ", "to rank ", st.send_to);
+  absl::StrAppend(&name, ")");
+  return name;
 }
 
 void StoreRows(DType dtype, const std::vector<float>& from, void* to) {

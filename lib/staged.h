@@ -7,11 +7,13 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attention/dtype.h"
+#include "lib/schedule.h"
 #include "lib/transport.h"
 
 namespace hsap {
@@ -27,6 +29,9 @@ using PostStage = std::function<absl::StatusOr<std::unique_ptr<Transport::Pendin
 absl::Status RunStaged(size_t num_stages, const PostStage& post,
                        const std::function<absl::Status()>& local,
                        const std::function<absl::Status(size_t)>& on_stage);
+
+// The name of a stage in error messages: "forward step 3 (kv from rank 1, to rank 5)".
+std::string StageName(const char* pass, const Stage& st, const char* what);
 
 // Rounds fp32 values to `dtype` into `to` (from.size() elements).
 void StoreRows(DType dtype, const std::vector<float>& from, void* to);

@@ -4,12 +4,17 @@
 #ifndef HSAP_LIB_CUDA_EXEC_UTIL_H_
 #define HSAP_LIB_CUDA_EXEC_UTIL_H_
 
+#include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "attention/worklist.h"
+#include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/device.h"
+#include "lib/cuda/gpu_executor.h"
 #include "lib/transport.h"
 
 namespace hsap::cuda {
@@ -78,6 +83,68 @@ class SkippedTransport : public Transport {
   };
   int rank_, size_;
 };
+
+// Consecutive regions of the pool, each aligned to kPoolAlignment; with a null base only
+// the sizes add up (for sizing the pool).
+class PoolCursor {
+ public:
+  explicit PoolCursor(void* base) : base_(static_cast<char*>(base)) {}
+  char* Take(size_t bytes) {
+    char* p = base_ == nullptr ? nullptr : base_ + used_;
+    used_ += AlignPool(bytes);
+    return p;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+// Arrays gathered into one host image and uploaded with one allocation and one copy (the
+// per-batch data: work lists, kv-head maps, copy lists).
+class HostImage {
+ public:
+  // Appends `v` (aligned to kPoolAlignment); returns its byte offset in the image.
+  template <typename T>
+  size_t Add(const std::vector<T>& v) {
+    const size_t at = AlignPool(bytes_.size());
+    bytes_.resize(at + v.size() * sizeof(T));
+    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
+    return at;
+  }
+  // A work list's blocks and segments.
+  struct WorkListAt {
+    size_t blocks = 0, segments = 0;
+    int num_blocks = 0;
+  };
+  WorkListAt Add(const WorkList& w) {
+    WorkListAt at;
+    at.blocks = Add(w.blocks);
+    at.segments = Add(w.segments);
+    at.num_blocks = static_cast<int>(w.blocks.size());
+    return at;
+  }
+  static DeviceWorkLists::List At(const char* base, const WorkListAt& at);
+
+  // The image in device memory; blocks the host until the copy is done.
+  absl::StatusOr<DeviceBuffer> Upload(Device& device, cudaStream stream,
+                                      absl::string_view what) const;
+
+ private:
+  std::vector<char> bytes_;
+};
+
+// The attention kernels over one work list against k/v of k_rows rows; `p` carries the rest
+// (queries, accumulators, heads, scale, kv-head map). Nothing to do for an empty list or a
+// rank without query heads.
+absl::Status LaunchForward(const DeviceKernels& kernels, hsap_dev::FwdParams p,
+                           const DeviceWorkLists::List& list, const void* k, const void* v,
+                           int64_t k_rows, cudaStream stream);
+// dk/dv: fp32 [k_rows, heads_kv, D], added into.
+absl::Status LaunchBackward(const DeviceKernels& kernels, hsap_dev::BwdParams p,
+                            const DeviceWorkLists::List& list, const void* k, const void* v,
+                            int64_t k_rows, float* dk, float* dv, cudaStream stream);
 
 }  // namespace hsap::cuda
 

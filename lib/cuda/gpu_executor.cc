@@ -25,32 +25,6 @@ namespace {
 
 enum Payload { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
 
-std::string StageName(const char* pass, const Stage& st, const char* what) {
-  std::string name = absl::StrCat(pass, " step ", st.step, " (", what);
-  if (st.recv_from >= 0) absl::StrAppend(&name, " from rank ", st.recv_from);
-  if (st.send_to >= 0)
-    absl::StrAppend(&name, st.recv_from >= 0 ? ", " : " ", "to rank ", st.send_to);
-  absl::StrAppend(&name, ")");
-  return name;
-}
-
-// Carves the pool into the regions of PoolLayout (buffer_pool.h).
-class PoolCursor {
- public:
-  explicit PoolCursor(void* base) : base_(static_cast<char*>(base)) {}
-  // The next `bytes` (aligned) bytes.
-  char* Take(size_t bytes) {
-    char* p = base_ + offset_;
-    offset_ += AlignPool(bytes);
-    return p;
-  }
-  size_t used() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
-
 // Common state of a forward or backward call.
 class GpuCall {
  public:
@@ -200,44 +174,15 @@ absl::Status Store(const GpuExecContext& ctx, const float* from, void* to, size_
 absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device& device,
                                                                          const Schedule& schedule,
                                                                          cudaStream stream) {
-  std::vector<const WorkList*> lists = {&schedule.local_work};
-  for (const Stage& st : schedule.stages) lists.push_back(&st.recv_work);
-  // Offsets of each list's blocks and segments in one buffer.
-  std::vector<std::pair<size_t, size_t>> offsets;
-  size_t bytes = 0;
-  for (const WorkList* w : lists) {
-    const size_t blocks = AlignPool(bytes);
-    const size_t segments = AlignPool(blocks + w->blocks.size() * sizeof(QueryBlock));
-    bytes = segments + w->segments.size() * sizeof(KeySegment);
-    offsets.push_back({blocks, segments});
-  }
-  std::vector<char> host(bytes);
-  for (size_t i = 0; i < lists.size(); ++i) {
-    if (!lists[i]->blocks.empty()) {
-      std::memcpy(host.data() + offsets[i].first, lists[i]->blocks.data(),
-                  lists[i]->blocks.size() * sizeof(QueryBlock));
-    }
-    if (!lists[i]->segments.empty()) {
-      std::memcpy(host.data() + offsets[i].second, lists[i]->segments.data(),
-                  lists[i]->segments.size() * sizeof(KeySegment));
-    }
-  }
-  auto out = std::unique_ptr<DeviceWorkLists>(new DeviceWorkLists());
-  absl::StatusOr<void*> memory = device.Allocate(std::max<size_t>(bytes, 1));
+  HostImage image;
+  std::vector<HostImage::WorkListAt> at = {image.Add(schedule.local_work)};
+  for (const Stage& st : schedule.stages) at.push_back(image.Add(st.recv_work));
+  absl::StatusOr<DeviceBuffer> memory = image.Upload(device, stream, "work-list upload");
   if (!memory.ok()) return memory.status();
-  out->memory_ = DeviceBuffer(&device, *memory);
-  char* base = static_cast<char*>(*memory);
-  if (absl::Status s = device.CopyAsync(base, host.data(), bytes, stream); !s.ok()) return s;
-  if (absl::Status s = device.Synchronize(stream, absl::InfiniteFuture(), "work-list upload");
-      !s.ok()) {
-    return s;
-  }
-  for (size_t i = 0; i < lists.size(); ++i) {
-    List l;
-    l.blocks = reinterpret_cast<const hsap_dev::QueryBlock*>(base + offsets[i].first);
-    l.segments = reinterpret_cast<const hsap_dev::KeySegment*>(base + offsets[i].second);
-    l.num_blocks = static_cast<int>(lists[i]->blocks.size());
-    out->lists_.push_back(l);
+  auto out = std::unique_ptr<DeviceWorkLists>(new DeviceWorkLists());
+  out->memory_ = *std::move(memory);
+  for (const HostImage::WorkListAt& w : at) {
+    out->lists_.push_back(HostImage::At(static_cast<const char*>(out->memory_.get()), w));
   }
   return out;
 }
@@ -276,15 +221,8 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   p.heads_kv = dims.heads_kv;
   p.scale = dims.scale;
   auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                    int64_t k_rows) -> absl::Status {
-    if (list.num_blocks == 0) return absl::OkStatus();
-    p.k = kk;
-    p.v = vv;
-    p.k_rows = k_rows;
-    p.blocks = list.blocks;
-    p.segments = list.segments;
-    p.num_blocks = list.num_blocks;
-    return ctx.kernels->Forward(p, ctx.stream);
+                    int64_t k_rows) {
+    return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 
   if (absl::Status s = RunStaged(
@@ -371,28 +309,14 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   p.heads_kv = dims.heads_kv;
   p.scale = dims.scale;
   auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                      int64_t k_rows, float* gk, float* gv) -> absl::Status {
-    if (list.num_blocks == 0) return absl::OkStatus();
-    p.k = kk;
-    p.v = vv;
-    p.k_rows = k_rows;
-    p.dk = gk;
-    p.dv = gv;
-    p.blocks = list.blocks;
-    p.segments = list.segments;
-    p.num_blocks = list.num_blocks;
-    return ctx.kernels->Backward(p, ctx.stream);
+                      int64_t k_rows, float* gk, float* gv) {
+    return LaunchBackward(*ctx.kernels, p, list, kk, vv, k_rows, gk, gv, ctx.stream);
   };
 
-  // The lowering's global order: kv(t) has key 2t, grad(t) key 2t + 3 (between kv(t + 1)
-  // and kv(t + 2)); a rank posts its own stages' groups sorted by key.
+  // The groups in the lowering's global order (BackwardPostingOrder).
   const size_t n = sched.stages.size();
-  std::vector<std::tuple<int, bool, size_t>> order;  // (key, is_grad, stage index)
-  for (size_t i = 0; i < n; ++i) {
-    order.emplace_back(2 * sched.stages[i].step, false, i);
-    order.emplace_back(2 * sched.stages[i].step + 3, true, i);
-  }
-  std::sort(order.begin(), order.end());
+  std::vector<int> steps;
+  for (const auto& st : sched.stages) steps.push_back(st.step);
 
   std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
   ExecTraffic grad_moved;
@@ -460,8 +384,9 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     local_done = true;
     return backward(ctx.lists->local(), k, v, rows, dk32, dv32);
   };
-  for (const auto& [key, is_grad, i] : order) {
-    if (is_grad) {
+  for (const BackwardGroup& group : BackwardPostingOrder(steps)) {
+    const size_t i = group.index;
+    if (group.is_grad) {
       if (absl::Status s = grad_stage(i); !s.ok()) return s;
     } else {
       absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.PostKv(i, k, v);

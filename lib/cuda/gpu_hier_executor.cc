@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/exec_util.h"
+#include "lib/cuda/nccl_lowering.h"
 #include "lib/staged.h"
 
 namespace hsap::cuda {
@@ -203,44 +204,12 @@ absl::StatusOr<ExchangeProgram> RingGradProgram(const RankHierarchy& r, const Su
   return std::move(b).Build();
 }
 
-// Arrays appended into one host image, uploaded with one copy.
-class Image {
- public:
-  template <typename T>
-  size_t Add(const std::vector<T>& v) {
-    const size_t at = AlignPool(bytes_.size());
-    bytes_.resize(at + v.size() * sizeof(T));
-    if (!v.empty()) std::memcpy(bytes_.data() + at, v.data(), v.size() * sizeof(T));
-    return at;
-  }
-  const std::vector<char>& bytes() const { return bytes_; }
-
- private:
-  std::vector<char> bytes_;
-};
-
-// Pool regions of one call, carved in a fixed order.
-class Cursor {
- public:
-  explicit Cursor(void* base) : base_(static_cast<char*>(base)) {}
-  char* Take(size_t bytes) {
-    char* p = base_ == nullptr ? nullptr : base_ + used_;
-    used_ += AlignPool(bytes);
-    return p;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
-
 struct ForwardRegions {
   char *gq, *gkv, *out32, *lse32, *gout, *kv[2], *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2];
   size_t used;
 };
 ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
-  Cursor c(base);
+  PoolCursor c(base);
   ForwardRegions f;
   f.gq = c.Take(z.gq);
   f.gkv = c.Take(z.gkv);
@@ -264,7 +233,7 @@ struct BackwardRegions {
   size_t used;
 };
 BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
-  Cursor c(base);
+  PoolCursor c(base);
   BackwardRegions b;
   b.gq = c.Take(z.gq);
   b.gdout = c.Take(z.gq);
@@ -330,7 +299,7 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
   }
 
   // Upload: copy lists, the kv-head map, the work lists.
-  Image image;
+  HostImage image;
   struct Lists {
     size_t pack, unpack, self;
   };
@@ -340,22 +309,12 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     at.push_back({image.Add(e.pack), image.Add(e.unpack), image.Add(e.self)});
   }
   const size_t kv_map_at = image.Add(r.kv_head_of_q);
-  std::vector<std::pair<size_t, size_t>> work_at;  // blocks, segments
-  std::vector<const WorkList*> works = {&r.local_work};
-  for (const SubRingStep& s : r.steps) works.push_back(&s.recv_work);
-  for (const WorkList* w : works) work_at.push_back({image.Add(w->blocks), image.Add(w->segments)});
-  absl::StatusOr<void*> memory = device.Allocate(std::max<size_t>(image.bytes().size(), 1));
+  std::vector<HostImage::WorkListAt> work_at = {image.Add(r.local_work)};
+  for (const SubRingStep& s : r.steps) work_at.push_back(image.Add(s.recv_work));
+  absl::StatusOr<DeviceBuffer> memory = image.Upload(device, stream, "hierarchy upload");
   if (!memory.ok()) return memory.status();
-  p->memory_ = DeviceBuffer(&device, *memory);
-  char* base = static_cast<char*>(*memory);
-  if (absl::Status s = device.CopyAsync(base, image.bytes().data(), image.bytes().size(), stream);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = device.Synchronize(stream, absl::InfiniteFuture(), "hierarchy upload");
-      !s.ok()) {
-    return s;
-  }
+  p->memory_ = *std::move(memory);
+  const char* base = static_cast<const char*>(p->memory_.get());
   for (size_t i = 0; i < programs.size(); ++i) {
     Exchange& e = *programs[i].ex;
     auto list = [&](size_t offset, size_t n) {
@@ -369,15 +328,9 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     e.self = list(at[i].self, e.program.self.size());
   }
   p->kv_map_ = reinterpret_cast<const int*>(base + kv_map_at);
-  auto work = [&](size_t i) {
-    DeviceWorkLists::List l;
-    l.blocks = reinterpret_cast<const hsap_dev::QueryBlock*>(base + work_at[i].first);
-    l.segments = reinterpret_cast<const hsap_dev::KeySegment*>(base + work_at[i].second);
-    l.num_blocks = static_cast<int>(works[i]->blocks.size());
-    return l;
-  };
-  p->local_work_ = work(0);
-  for (size_t i = 0; i < r.steps.size(); ++i) p->steps_[i].work = work(i + 1);
+  p->local_work_ = HostImage::At(base, work_at[0]);
+  for (size_t i = 0; i < r.steps.size(); ++i)
+    p->steps_[i].work = HostImage::At(base, work_at[i + 1]);
 
   // Region sizes.
   Sizes& z = p->sizes_;
@@ -580,15 +533,8 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
   fp.heads_kv = static_cast<int>(hkv);
   fp.scale = p.dims().scale;
   auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                    int64_t k_rows) -> absl::Status {
-    if (list.num_blocks == 0 || hq == 0) return absl::OkStatus();
-    fp.k = kk;
-    fp.v = vv;
-    fp.k_rows = k_rows;
-    fp.blocks = list.blocks;
-    fp.segments = list.segments;
-    fp.num_blocks = list.num_blocks;
-    return ctx.kernels->Forward(fp, ctx.stream);
+                    int64_t k_rows) {
+    return LaunchForward(*ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
   };
   auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
   if (absl::Status s = RunStaged(
@@ -683,28 +629,14 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   bp.heads_kv = static_cast<int>(hkv);
   bp.scale = p.dims().scale;
   auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                      int64_t k_rows, float* gk32, float* gv32) -> absl::Status {
-    if (list.num_blocks == 0 || hq == 0) return absl::OkStatus();
-    bp.k = kk;
-    bp.v = vv;
-    bp.k_rows = k_rows;
-    bp.dk = gk32;
-    bp.dv = gv32;
-    bp.blocks = list.blocks;
-    bp.segments = list.segments;
-    bp.num_blocks = list.num_blocks;
-    return ctx.kernels->Backward(bp, ctx.stream);
+                      int64_t k_rows, float* gk32, float* gv32) {
+    return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
   };
 
-  // The sub-rings in the lowering's global order (gpu_executor.cc): kv(t) key 2t, grad(t)
-  // key 2t + 3.
+  // The sub-rings in the lowering's global order (BackwardPostingOrder).
   const size_t n = r.steps.size();
-  std::vector<std::tuple<int, bool, size_t>> order;
-  for (size_t i = 0; i < n; ++i) {
-    order.emplace_back(2 * r.steps[i].step, false, i);
-    order.emplace_back(2 * r.steps[i].step + 3, true, i);
-  }
-  std::sort(order.begin(), order.end());
+  std::vector<int> steps;
+  for (const auto& st : r.steps) steps.push_back(st.step);
   std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
   auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
   auto grad_leg = [&](size_t i) {
@@ -745,8 +677,9 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     local_done = true;
     return backward(p.local_work(), gk, gv, N, dk32, dv32);
   };
-  for (const auto& [key, is_grad, i] : order) {
-    if (is_grad) {
+  for (const BackwardGroup& group : BackwardPostingOrder(steps)) {
+    const size_t i = group.index;
+    if (group.is_grad) {
       if (absl::Status s = grad_step(i); !s.ok()) return s;
     } else {
       absl::StatusOr<std::unique_ptr<Transport::Pending>> posted =

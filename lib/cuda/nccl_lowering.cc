@@ -109,6 +109,18 @@ NcclProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, D
   return program;
 }
 
+std::vector<BackwardGroup> BackwardPostingOrder(absl::Span<const int> steps) {
+  std::vector<std::tuple<int, bool, size_t>> keyed;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    keyed.emplace_back(2 * steps[i], false, i);
+    keyed.emplace_back(2 * steps[i] + 3, true, i);
+  }
+  std::sort(keyed.begin(), keyed.end());
+  std::vector<BackwardGroup> order;
+  for (const auto& [key, is_grad, index] : keyed) order.push_back({is_grad, index});
+  return order;
+}
+
 absl::Status CheckNcclPrograms(absl::Span<const NcclProgram> programs) {
   const int R = static_cast<int>(programs.size());
   // Where each op sits, per directed pair in stream order: (group index, op index).

@@ -68,6 +68,16 @@ NcclProgram LowerForward(const Schedule& schedule, const AttentionDims& dims, DT
 NcclProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
                           uint64_t call_id);
 
+// A rank's backward groups in the global order above, as the executors post them: for its
+// stages with steps `steps` (increasing), the K/V group (is_grad false) or the gradient
+// group of the stage at `index`. kv(t) sorts as 2t, grad(t) as 2t + 3 (after kv(t + 1),
+// before kv(t + 2)).
+struct BackwardGroup {
+  bool is_grad = false;
+  size_t index = 0;
+};
+std::vector<BackwardGroup> BackwardPostingOrder(absl::Span<const int> steps);
+
 // Simulates programs[r] (rank r's groups, in stream order) under NCCL semantics. Errors
 // (FailedPrecondition): a send and a receive that meet with different sizes or tags, a
 // message without partner, a peer outside [0, R), or a deadlock (naming every blocked

@@ -285,6 +285,23 @@ class EmulatedDeviceTransport : public Transport {
   cuda::cudaStream stream_;
 };
 
+// A kernel configuration as jit/codegen_cuda emits it, with small tiles so that short rows
+// still span several tiles, chunks and segments; head dim 32, no fused kernel.
+template <typename StorageT, int kG, bool kBand>
+struct SmallTileCfg {
+  using T = StorageT;
+  static constexpr int kHeadDim = 32;
+  static constexpr int kGqa = kG;
+  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
+  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
+  static constexpr bool kHasBand = kBand;
+  static constexpr int kNumPeers = 0;
+  static constexpr unsigned int kNvlinkPeerMask = 0;
+  static constexpr int kMaxSteps = 0;
+  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
+  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
+};
+
 template <class Cfg>
 class EmulatedKernels : public cuda::DeviceKernels {
  public:

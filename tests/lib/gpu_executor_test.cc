@@ -47,22 +47,9 @@ using ::hsap::testing::EmulatedKernels;
 using ::hsap::testing::HostTensor;
 using ::testing::HasSubstr;
 
-// A configuration as jit/codegen_cuda emits it, with small tiles so that short rows still
-// span several tiles, chunks and segments.
+// The emulator's configuration: GQA 2, with or without band code.
 template <typename StorageT, bool kBand>
-struct TestCfg {
-  using T = StorageT;
-  static constexpr int kHeadDim = 32;
-  static constexpr int kGqa = 2;
-  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
-  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
-  static constexpr bool kHasBand = kBand;
-  static constexpr int kNumPeers = 0;
-  static constexpr unsigned int kNvlinkPeerMask = 0;
-  static constexpr int kMaxSteps = 0;
-  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
-  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
-};
+using TestCfg = testing::SmallTileCfg<StorageT, 2, kBand>;
 
 constexpr int kHeadsQ = 4, kHeadsKv = 2, kDim = 32;
 

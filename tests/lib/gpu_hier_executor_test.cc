@@ -45,21 +45,9 @@ using ::hsap::testing::HostTensor;
 using ::hsap::testing::MakePlan;
 using ::hsap::testing::PlanSpec;
 
-// The emulator's configuration: small tiles, head dim 32, every mask kind; the heads come
-// from the kv-head map, so kGqa is unused.
-struct Cfg {
-  using T = float;
-  static constexpr int kHeadDim = 32;
-  static constexpr int kGqa = 1;
-  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
-  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
-  static constexpr bool kHasBand = true;
-  static constexpr int kNumPeers = 0;
-  static constexpr unsigned int kNvlinkPeerMask = 0;
-  static constexpr int kMaxSteps = 0;
-  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
-  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
-};
+// The emulator's configuration; the heads come from the kv-head map, so the GQA ratio of
+// the configuration is unused.
+using Cfg = testing::SmallTileCfg<float, 1, true>;
 constexpr int kDim = 32;
 
 struct Outputs {
