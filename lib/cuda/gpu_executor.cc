@@ -379,27 +379,17 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     return i > 0 ? add_returned(i - 1) : absl::OkStatus();
   };
 
-  bool local_done = false;
-  auto local = [&]() -> absl::Status {
-    local_done = true;
-    return backward(ctx.lists->local(), k, v, rows, dk32, dv32);
-  };
-  for (const BackwardGroup& group : BackwardPostingOrder(steps)) {
-    const size_t i = group.index;
-    if (group.is_grad) {
-      if (absl::Status s = grad_stage(i); !s.ok()) return s;
-    } else {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.PostKv(i, k, v);
-      if (!posted.ok()) return posted.status();
-      kv_pending[i % 2] = *std::move(posted);
-    }
-    // The local work overlaps the first transfers.
-    if (!local_done) {
-      if (absl::Status s = local(); !s.ok()) return s;
-    }
-  }
-  if (!local_done) {
-    if (absl::Status s = local(); !s.ok()) return s;
+  if (absl::Status s = RunBackwardGroups(
+          steps,
+          [&](size_t i) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.PostKv(i, k, v);
+            if (!posted.ok()) return posted.status();
+            kv_pending[i % 2] = *std::move(posted);
+            return absl::OkStatus();
+          },
+          grad_stage, [&] { return backward(ctx.lists->local(), k, v, rows, dk32, dv32); });
+      !s.ok()) {
+    return s;
   }
   if (n > 0) {
     if (absl::Status s = add_returned(n - 1); !s.ok()) return s;

@@ -672,28 +672,19 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     grad_pending[slot] = *std::move(posted);
     return i > 0 ? add_returned(i - 1) : absl::OkStatus();
   };
-  bool local_done = false;
-  auto local = [&]() -> absl::Status {
-    local_done = true;
-    return backward(p.local_work(), gk, gv, N, dk32, dv32);
-  };
-  for (const BackwardGroup& group : BackwardPostingOrder(steps)) {
-    const size_t i = group.index;
-    if (group.is_grad) {
-      if (absl::Status s = grad_step(i); !s.ok()) return s;
-    } else {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> posted =
-          call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
-                    /*ring=*/true);
-      if (!posted.ok()) return posted.status();
-      kv_pending[i % 2] = *std::move(posted);
-    }
-    if (!local_done) {
-      if (absl::Status s = local(); !s.ok()) return s;
-    }
-  }
-  if (!local_done) {
-    if (absl::Status s = local(); !s.ok()) return s;
+  if (absl::Status s = RunBackwardGroups(
+          steps,
+          [&](size_t i) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.Post(
+                kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
+                /*ring=*/true);
+            if (!posted.ok()) return posted.status();
+            kv_pending[i % 2] = *std::move(posted);
+            return absl::OkStatus();
+          },
+          grad_step, [&] { return backward(p.local_work(), gk, gv, N, dk32, dv32); });
+      !s.ok()) {
+    return s;
   }
   if (n > 0) {
     if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
