@@ -49,7 +49,8 @@ grep -E '\(Skipped\)|\(Failed\)|Skipped$' "$RESULTS/ctest_cuda.log" | sed 's/^/ 
 # The reason of a skip, once.
 grep -m1 -h 'no CUDA device' "$BUILD"/Testing/Temporary/LastTest.log 2>/dev/null \
   | sed 's/^/  skip reason: /' | tee -a "$SUMMARY"
-ctest --test-dir "$BUILD" -R 'Nvrtc|CudaCodegen|CudaEmulation|ShippedCuda|GpuExecutor|GpuBatch' --timeout 300 \
+ctest --test-dir "$BUILD" -R 'Nvrtc|CudaCodegen|CudaEmulation|ShippedCuda|GpuExecutor|GpuBatch|GpuHier' \
+  --timeout 300 \
   > "$RESULTS/ctest_nvrtc.log" 2>&1 || status=1
 say "NVRTC / kernel tests: $(grep -E 'tests passed|tests failed' "$RESULTS/ctest_nvrtc.log" | tail -1) ($(elapsed))"
 
@@ -67,6 +68,11 @@ for layout in causal packed; do
     > "$RESULTS/attn_perf_$layout.txt" 2>&1 || status=1
   tee -a "$SUMMARY" < "$RESULTS/attn_perf_$layout.txt"
 done
+say "## hsap_attn_perf --backend cuda-loopback, plan: 2 groups of 2 (all-to-all inside, sub-rings across)"
+timeout 120 "$PERF" --backend cuda-loopback --groups 2,2 --dtype bf16 --head-dim 128 --heads 16 \
+  --kv-heads 4 -b 16384 -e 32768 -f 2 -n 5 -w 2 --ref-max-gflop 12 --docs-dist longtail \
+  --tokens-per-doc 4096 > "$RESULTS/attn_perf_plan.txt" 2>&1 || status=1
+tee -a "$SUMMARY" < "$RESULTS/attn_perf_plan.txt"
 say "cuDNN comparison: not built (no cuDNN fused-attention call in this tree)."
 
 say "done in $(elapsed), status $status; results in $RESULTS"
