@@ -20,6 +20,8 @@ class GpuBatchDevice : public BatchDevice {
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
 
   absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims, DType dtype) override {
+    ScopedDevice on(comm_->device());
+    if (!on.status().ok()) return on.status();
     schedule_ = &schedule;
     dims_ = dims;
     dtype_ = dtype;
