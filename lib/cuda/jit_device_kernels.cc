@@ -31,6 +31,15 @@ class JitDeviceKernels : public DeviceKernels {
     k->driver_ = *driver;
     k->helper_ctas_ = std::max(1, 8 * sm_count);
     const CudaDriverApi& d = **driver;
+    // The module belongs to the context current now (the primary context of the current
+    // device, made current by LoadJitDeviceKernels); launches bind it again, since a caller
+    // may launch from a thread that never made a CUDA runtime call.
+    if (absl::Status s = d.Check(d.CtxGetCurrent(&k->context_), "cuCtxGetCurrent"); !s.ok()) {
+      return s;
+    }
+    if (k->context_ == nullptr) {
+      return absl::InternalError("no current CUDA context to load the kernels into");
+    }
     if (absl::Status s = d.Check(
             d.ModuleLoadData(&k->module_, c.binary.image.c_str()),
             absl::StrCat("cuModuleLoadData(", c.source.program_name, ", ", c.binary.target, ")"));
