@@ -434,8 +434,8 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
       {1, DType::kF32, 2, 1, 64, DocMix::kUniform, 700},
       {2, DType::kBF16, 8, 2, 128, DocMix::kSingle, 1500},
       {3, DType::kF16, 4, 4, 64, DocMix::kLongTail, 1300},
-      {4, DType::kBF16, 8, 1, 128, DocMix::kLongTail, 3000},
-      {8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 2500},
+      {4, DType::kBF16, 8, 1, 128, DocMix::kLongTail, 2000},
+      {8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 1600},
   };
   uint64_t seed = 500;
   for (const GpuCase& g : cases) {
@@ -487,7 +487,7 @@ TEST(CudaGpu, NcclBatchesOnEveryGpuMatchTheReference) {
     return hsapSuccess;
   };
   const Layout layout =
-      hsap::testing::RandomLayout(4000, hsap::testing::DocMix::kLongTail, 77, false);
+      hsap::testing::RandomLayout(2500, hsap::testing::DocMix::kLongTail, 77, false);
   hsap::testing::CheckAgainstReference(layout, c, 77, hsap::testing::kCudaKernelFloor);
 }
 
