@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -53,94 +54,71 @@ ByteChunk RowsChunk(const GroupMember& m, size_t heads, int width, size_t es) {
   return {Bytes(m.row_begin, heads, width, es), Bytes(m.tokens, heads, width, es)};
 }
 
-// Shard tensor [n_me, full, width] -> group buffer [N, mine, width] (the all-to-all in).
-absl::StatusOr<ExchangeProgram> ScatterProgram(const RankHierarchy& r, int full, int width,
-                                               size_t es, bool q_like, Kind kind) {
-  const size_t mine = HeadsOf(r.members[r.index], q_like).size();
-  const ThdShape shape{r.shard_tokens, full, width, es};
-  const TokenRange all{0, r.shard_tokens};
-  ExchangeBuilder b;
+// One exchange inside the group: `chunks(m)` gives the source chunks of the message to member
+// m and the destination chunks of the message from m; this rank's own share is copied
+// locally. `add`: fp32 partial sums added into the destination.
+using SrcDst = std::pair<std::vector<ByteChunk>, std::vector<ByteChunk>>;
+absl::StatusOr<ExchangeProgram> GroupProgram(
+    const RankHierarchy& r, Kind kind, bool add,
+    const std::function<absl::StatusOr<SrcDst>(const GroupMember&)>& chunks) {
+  ExchangeBuilder b(add);
   for (const GroupMember& m : r.members) {
-    absl::StatusOr<std::vector<ByteChunk>> src =
-        ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
-    if (!src.ok()) return src.status();
-    const std::vector<ByteChunk> dst = {RowsChunk(m, mine, width, es)};
+    absl::StatusOr<SrcDst> c = chunks(m);
+    if (!c.ok()) return c.status();
     if (m.rank == r.rank) {
-      if (absl::Status s = b.Self(*src, dst); !s.ok()) return s;
+      if (absl::Status s = b.Self(c->first, c->second); !s.ok()) return s;
     } else {
-      b.Send(m.rank, Payload(kind), *src);
-      b.Receive(m.rank, Payload(kind), dst);
+      b.Send(m.rank, Payload(kind), c->first);
+      b.Receive(m.rank, Payload(kind), c->second);
     }
   }
   return std::move(b).Build();
 }
 
-// The inverse (the all-to-all back); `add`: fp32 partial sums added by the owner.
-absl::StatusOr<ExchangeProgram> GatherProgram(const RankHierarchy& r, int full, int width,
-                                              size_t es, bool q_like, Kind kind, bool add) {
+// The all-to-all of one tensor: shard [n_me, full, width] -> group buffer [N, mine, width]
+// (in), or back (`back`; `add`: fp32 partial sums added by the owner).
+absl::StatusOr<ExchangeProgram> AllToAllProgram(const RankHierarchy& r, int full, int width,
+                                                size_t es, bool q_like, Kind kind, bool back,
+                                                bool add = false) {
   const size_t mine = HeadsOf(r.members[r.index], q_like).size();
   const ThdShape shape{r.shard_tokens, full, width, es};
   const TokenRange all{0, r.shard_tokens};
-  ExchangeBuilder b(add);
-  for (const GroupMember& m : r.members) {
-    absl::StatusOr<std::vector<ByteChunk>> dst =
+  return GroupProgram(r, kind, add, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    absl::StatusOr<std::vector<ByteChunk>> shard =
         ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
-    if (!dst.ok()) return dst.status();
-    const std::vector<ByteChunk> src = {RowsChunk(m, mine, width, es)};
-    if (m.rank == r.rank) {
-      if (absl::Status s = b.Self(src, *dst); !s.ok()) return s;
-    } else {
-      b.Send(m.rank, Payload(kind), src);
-      b.Receive(m.rank, Payload(kind), *dst);
-    }
-  }
-  return std::move(b).Build();
+    if (!shard.ok()) return shard.status();
+    std::vector<ByteChunk> rows = {RowsChunk(m, mine, width, es)};
+    return back ? SrcDst{std::move(rows), *std::move(shard)}
+                : SrcDst{*std::move(shard), std::move(rows)};
+  });
 }
 
 // lse of the holder [hq, N] fp32 -> the owner's lse [HQ, n_me] (one piece per head).
 absl::StatusOr<ExchangeProgram> LseBackProgram(const RankHierarchy& r) {
   const int64_t N = r.group_tokens, n_me = r.shard_tokens;
-  const size_t hq = r.q_heads.size();
-  ExchangeBuilder b;
-  for (const GroupMember& m : r.members) {
-    std::vector<ByteChunk> src, dst;
-    for (size_t l = 0; l < hq; ++l) {
-      src.push_back({(l * N + m.row_begin) * sizeof(float), m.tokens * sizeof(float)});
-    }
-    for (int h : m.q_heads) dst.push_back({h * n_me * sizeof(float), n_me * sizeof(float)});
-    if (m.rank == r.rank) {
-      if (absl::Status s = b.Self(src, dst); !s.ok()) return s;
-    } else {
-      b.Send(m.rank, Payload(kOutLse), src);
-      b.Receive(m.rank, Payload(kOutLse), dst);
-    }
-  }
-  return std::move(b).Build();
+  const size_t hq = r.q_heads.size(), f = sizeof(float);
+  return GroupProgram(r, kOutLse, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    SrcDst c;
+    for (size_t l = 0; l < hq; ++l) c.first.push_back({(l * N + m.row_begin) * f, m.tokens * f});
+    for (int h : m.q_heads) c.second.push_back({h * n_me * f, n_me * f});
+    return c;
+  });
 }
 
 // The owner's (lse, delta) [2, HQ, n_me] -> the holders' [2, hq, N] (one piece per head).
 absl::StatusOr<ExchangeProgram> StatsInProgram(const RankHierarchy& r, int HQ) {
   const int64_t N = r.group_tokens, n_me = r.shard_tokens;
-  const size_t hq = r.q_heads.size();
-  ExchangeBuilder b;
-  for (const GroupMember& m : r.members) {
-    std::vector<ByteChunk> src, dst;
-    for (size_t c = 0; c < 2; ++c) {
-      for (int h : m.q_heads) {
-        src.push_back({((c * HQ + h) * n_me) * sizeof(float), n_me * sizeof(float)});
-      }
+  const size_t hq = r.q_heads.size(), f = sizeof(float);
+  return GroupProgram(r, kInStats, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    SrcDst c;
+    for (size_t k = 0; k < 2; ++k) {
+      for (int h : m.q_heads) c.first.push_back({((k * HQ + h) * n_me) * f, n_me * f});
       for (size_t l = 0; l < hq; ++l) {
-        dst.push_back({((c * hq + l) * N + m.row_begin) * sizeof(float), m.tokens * sizeof(float)});
+        c.second.push_back({((k * hq + l) * N + m.row_begin) * f, m.tokens * f});
       }
     }
-    if (m.rank == r.rank) {
-      if (absl::Status s = b.Self(src, dst); !s.ok()) return s;
-    } else {
-      b.Send(m.rank, Payload(kInStats), src);
-      b.Receive(m.rank, Payload(kInStats), dst);
-    }
-  }
-  return std::move(b).Build();
+    return c;
+  });
 }
 
 // `chunks` again at `shift` bytes further (the V half after the K half).
@@ -276,18 +254,18 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     absl::StatusOr<ExchangeProgram> program;
   };
   std::vector<Named> programs;
-  programs.push_back({&p->in_q_, ScatterProgram(r, HQ, D, es, true, kInQ)});
-  programs.push_back({&p->in_k_, ScatterProgram(r, HKV, D, es, false, kInK)});
-  programs.push_back({&p->in_v_, ScatterProgram(r, HKV, D, es, false, kInV)});
-  programs.push_back({&p->in_dout_, ScatterProgram(r, HQ, D, es, true, kInDout)});
+  programs.push_back({&p->in_q_, AllToAllProgram(r, HQ, D, es, true, kInQ, false)});
+  programs.push_back({&p->in_k_, AllToAllProgram(r, HKV, D, es, false, kInK, false)});
+  programs.push_back({&p->in_v_, AllToAllProgram(r, HKV, D, es, false, kInV, false)});
+  programs.push_back({&p->in_dout_, AllToAllProgram(r, HQ, D, es, true, kInDout, false)});
   programs.push_back({&p->in_stats_, StatsInProgram(r, HQ)});
-  programs.push_back({&p->out_o_, GatherProgram(r, HQ, D, es, true, kOutO, false)});
+  programs.push_back({&p->out_o_, AllToAllProgram(r, HQ, D, es, true, kOutO, true)});
   programs.push_back({&p->out_lse_, LseBackProgram(r)});
-  programs.push_back({&p->out_dq_, GatherProgram(r, HQ, D, es, true, kOutDq, false)});
+  programs.push_back({&p->out_dq_, AllToAllProgram(r, HQ, D, es, true, kOutDq, true)});
   programs.push_back(
-      {&p->out_dk_, GatherProgram(r, HKV, D, partial ? f : es, false, kOutDk, partial)});
+      {&p->out_dk_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDk, true, partial)});
   programs.push_back(
-      {&p->out_dv_, GatherProgram(r, HKV, D, partial ? f : es, false, kOutDv, partial)});
+      {&p->out_dv_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDv, true, partial)});
   p->steps_.resize(r.steps.size());
   for (size_t i = 0; i < r.steps.size(); ++i) {
     programs.push_back({&p->steps_[i].kv, RingKvProgram(r, r.steps[i], D, es)});
