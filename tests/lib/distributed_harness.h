@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -16,6 +17,7 @@
 #include "attention/reference.h"
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
+#include "lib/partition.h"
 #include "tests/tolerance.h"
 
 namespace hsap::testing {
@@ -79,6 +81,38 @@ inline hsapLayout_t ToCLayout(const Layout& layout) {
             hsapSuccess)
       << hsapGetLastError();
   return handle;
+}
+
+// A rank's rows (global token ranges, in local order) of a full-row tensor, and back.
+inline std::vector<uint8_t> SliceRows(const HostTensor& row, const std::vector<TokenRange>& shard) {
+  std::vector<uint8_t> out(1);  // one spare byte: empty shards still have a data pointer
+  for (const TokenRange& r : shard) {
+    out.insert(out.end() - 1, row.bytes.begin() + r.begin * row.bytes_per_token(),
+               row.bytes.begin() + r.end * row.bytes_per_token());
+  }
+  return out;
+}
+inline void UnsliceRows(const std::vector<uint8_t>& part, const std::vector<TokenRange>& shard,
+                        HostTensor& row) {
+  size_t at = 0;
+  for (const TokenRange& r : shard) {
+    const size_t bytes = r.size() * row.bytes_per_token();
+    std::memcpy(row.bytes.data() + r.begin * row.bytes_per_token(), part.data() + at, bytes);
+    at += bytes;
+  }
+}
+// A shard's lse [heads, rows of the shard] into the row's lse [heads, row.size() / heads].
+inline void UnsliceLse(const std::vector<float>& part, const std::vector<TokenRange>& shard,
+                       int heads, std::vector<float>& row) {
+  const int64_t T = static_cast<int64_t>(row.size()) / heads;
+  int64_t n = 0;
+  for (const TokenRange& r : shard) n += r.size();
+  int64_t at = 0;
+  for (const TokenRange& r : shard) {
+    for (int64_t t = r.begin; t < r.end; ++t, ++at) {
+      for (int h = 0; h < heads; ++h) row[h * T + t] = part[h * n + at];
+    }
+  }
 }
 
 // Runs fn(rank) on one thread per rank and joins them.

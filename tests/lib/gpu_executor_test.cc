@@ -53,32 +53,16 @@ using TestCfg = testing::SmallTileCfg<StorageT, 2, kBand>;
 
 constexpr int kHeadsQ = 4, kHeadsKv = 2, kDim = 32;
 
-struct Outputs {
-  HostTensor out, dq, dk, dv;
-  std::vector<float> lse;  // [heads_q, T]
-};
-
-// One rank's shard of a full-row tensor (rows listed by the schedule's local runs).
-std::vector<uint8_t> Shard(const HostTensor& row, const Schedule& s) {
-  const size_t bpt = row.bytes_per_token();
-  std::vector<uint8_t> out(static_cast<size_t>(s.local_rows) * bpt + 1, 0);
-  for (const TokenRun& r : s.local_runs) {
-    std::memcpy(out.data() + r.local_begin * bpt, row.bytes.data() + r.global_begin * bpt,
-                r.length * bpt);
-  }
-  return out;
-}
-
-void Unshard(const std::vector<uint8_t>& shard, const Schedule& s, HostTensor& row) {
-  const size_t bpt = row.bytes_per_token();
-  for (const TokenRun& r : s.local_runs) {
-    std::memcpy(row.bytes.data() + r.global_begin * bpt, shard.data() + r.local_begin * bpt,
-                r.length * bpt);
-  }
+// A rank's rows of the row (global ranges in local order): its schedule's local runs.
+std::vector<TokenRange> ShardOf(const Schedule& s) {
+  std::vector<TokenRange> shard;
+  for (const TokenRun& r : s.local_runs)
+    shard.push_back({r.global_begin, r.global_begin + r.length});
+  return shard;
 }
 
 struct RunResult {
-  Outputs outputs;
+  testing::RowOutputs outputs;
   std::vector<Schedule> schedules;
   std::vector<NcclProgram> forward, backward;  // as posted
   std::vector<ExecTraffic> fwd_traffic, bwd_traffic;
@@ -154,10 +138,14 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     status[r] = pool.Reserve(layout_r->total_bytes() - pool_shortfall);
     if (!status[r].ok()) return;
 
-    std::vector<uint8_t> q = Shard(in.q, sched), k = Shard(in.k, sched), v = Shard(in.v, sched),
-                         dout = Shard(in.dout, sched), out = Shard(res.outputs.out, sched),
-                         dq = Shard(res.outputs.dq, sched), dk = Shard(res.outputs.dk, sched),
-                         dv = Shard(res.outputs.dv, sched);
+    std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
+                         k = testing::SliceRows(in.k, ShardOf(sched)),
+                         v = testing::SliceRows(in.v, ShardOf(sched)),
+                         dout = testing::SliceRows(in.dout, ShardOf(sched)),
+                         out = testing::SliceRows(res.outputs.out, ShardOf(sched)),
+                         dq = testing::SliceRows(res.outputs.dq, ShardOf(sched)),
+                         dk = testing::SliceRows(res.outputs.dk, ShardOf(sched)),
+                         dv = testing::SliceRows(res.outputs.dv, ShardOf(sched));
     std::vector<float> lse(static_cast<size_t>(sched.local_rows) * kHeadsQ + 1, 0.0f);
     GpuExecContext ctx;
     ctx.device = &device;
@@ -194,18 +182,11 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     EXPECT_EQ(device.events_alive(), 0) << "rank " << r;
 
     // Gather (each rank writes its own rows of the shared row tensors).
-    Unshard(out, sched, res.outputs.out);
-    Unshard(dq, sched, res.outputs.dq);
-    Unshard(dk, sched, res.outputs.dk);
-    Unshard(dv, sched, res.outputs.dv);
-    const int64_t n = sched.local_rows;
-    for (const TokenRun& run : sched.local_runs) {
-      for (int h = 0; h < kHeadsQ; ++h) {
-        for (int64_t t = 0; t < run.length; ++t) {
-          res.outputs.lse[h * T + run.global_begin + t] = lse[h * n + run.local_begin + t];
-        }
-      }
-    }
+    testing::UnsliceRows(out, ShardOf(sched), res.outputs.out);
+    testing::UnsliceRows(dq, ShardOf(sched), res.outputs.dq);
+    testing::UnsliceRows(dk, ShardOf(sched), res.outputs.dk);
+    testing::UnsliceRows(dv, ShardOf(sched), res.outputs.dv);
+    testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, res.outputs.lse);
   });
   if (statuses != nullptr) {
     *statuses = status;
@@ -414,7 +395,7 @@ TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
   c.heads_kv = kHeadsKv;
   c.head_dim = kDim;
   testing::RowInputs in(c, layout.num_tokens(), 51);
-  Outputs got;
+  testing::RowOutputs got;
   got.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
   got.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
   got.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
@@ -427,10 +408,14 @@ TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
     ASSERT_TRUE(batch.ok()) << batch.status();
     const Schedule& sched = (*batch)->schedule();
     needed[r] = ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes();
-    std::vector<uint8_t> q = Shard(in.q, sched), k = Shard(in.k, sched), v = Shard(in.v, sched),
-                         dout = Shard(in.dout, sched), out = Shard(got.out, sched),
-                         dq = Shard(got.dq, sched), dk = Shard(got.dk, sched),
-                         dv = Shard(got.dv, sched);
+    std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
+                         k = testing::SliceRows(in.k, ShardOf(sched)),
+                         v = testing::SliceRows(in.v, ShardOf(sched)),
+                         dout = testing::SliceRows(in.dout, ShardOf(sched)),
+                         out = testing::SliceRows(got.out, ShardOf(sched)),
+                         dq = testing::SliceRows(got.dq, ShardOf(sched)),
+                         dk = testing::SliceRows(got.dk, ShardOf(sched)),
+                         dv = testing::SliceRows(got.dv, ShardOf(sched));
     std::vector<float> lse(sched.local_rows * kHeadsQ + 1);
     ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
     ASSERT_TRUE((*batch)
@@ -439,18 +424,11 @@ TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
                     .ok());
     EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
               ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
-    Unshard(out, sched, got.out);
-    Unshard(dq, sched, got.dq);
-    Unshard(dk, sched, got.dk);
-    Unshard(dv, sched, got.dv);
-    for (const TokenRun& run : sched.local_runs) {
-      for (int h = 0; h < kHeadsQ; ++h) {
-        for (int64_t t = 0; t < run.length; ++t) {
-          got.lse[h * layout.num_tokens() + run.global_begin + t] =
-              lse[h * sched.local_rows + run.local_begin + t];
-        }
-      }
-    }
+    testing::UnsliceRows(out, ShardOf(sched), got.out);
+    testing::UnsliceRows(dq, ShardOf(sched), got.dq);
+    testing::UnsliceRows(dk, ShardOf(sched), got.dk);
+    testing::UnsliceRows(dv, ShardOf(sched), got.dv);
+    testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, got.lse);
   });
   for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
   ReferenceInputs ri;

@@ -50,32 +50,8 @@ using ::hsap::testing::PlanSpec;
 using Cfg = testing::SmallTileCfg<float, 1, true>;
 constexpr int kDim = 32;
 
-struct Outputs {
-  HostTensor out, dq, dk, dv;
-  std::vector<float> lse;  // [heads_q, T]
-};
-
-std::vector<uint8_t> Slice(const HostTensor& row, const std::vector<TokenRange>& shard) {
-  std::vector<uint8_t> out(1);
-  for (const TokenRange& r : shard) {
-    out.insert(out.end() - 1, row.bytes.begin() + r.begin * row.bytes_per_token(),
-               row.bytes.begin() + r.end * row.bytes_per_token());
-  }
-  return out;
-}
-
-void Unslice(const std::vector<uint8_t>& part, const std::vector<TokenRange>& shard,
-             HostTensor& row) {
-  size_t at = 0;
-  for (const TokenRange& r : shard) {
-    const size_t bytes = r.size() * row.bytes_per_token();
-    std::memcpy(row.bytes.data() + r.begin * row.bytes_per_token(), part.data() + at, bytes);
-    at += bytes;
-  }
-}
-
 struct RunResult {
-  Outputs outputs;
+  testing::RowOutputs outputs;
   std::vector<HierTraffic> forward, backward, predicted_forward, predicted_backward;
   std::vector<NcclProgram> posted_forward, posted_backward;
 };
@@ -89,7 +65,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
   c.heads_kv = plan.heads_kv;
   c.head_dim = kDim;
   testing::RowInputs in(c, T, seed);
-  Outputs& o = res.outputs;
+  testing::RowOutputs& o = res.outputs;
   o.out = HostTensor(DType::kF32, T, plan.heads_q, kDim);
   o.dq = HostTensor(DType::kF32, T, plan.heads_q, kDim);
   o.dk = HostTensor(DType::kF32, T, plan.heads_kv, kDim);
@@ -130,9 +106,12 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     ASSERT_TRUE(pool.Reserve((*program)->pool_bytes()).ok());
 
     const std::vector<TokenRange>& shard = h->shard(r);
-    std::vector<uint8_t> q = Slice(in.q, shard), k = Slice(in.k, shard), v = Slice(in.v, shard),
-                         dout = Slice(in.dout, shard), out = Slice(o.out, shard),
-                         dq = Slice(o.dq, shard), dk = Slice(o.dk, shard), dv = Slice(o.dv, shard);
+    std::vector<uint8_t> q = testing::SliceRows(in.q, shard), k = testing::SliceRows(in.k, shard),
+                         v = testing::SliceRows(in.v, shard),
+                         dout = testing::SliceRows(in.dout, shard),
+                         out = testing::SliceRows(o.out, shard),
+                         dq = testing::SliceRows(o.dq, shard), dk = testing::SliceRows(o.dk, shard),
+                         dv = testing::SliceRows(o.dv, shard);
     const int64_t n = rh->shard_tokens;
     std::vector<float> lse(static_cast<size_t>(n) * plan.heads_q + 1, 0.0f);
     GpuHierContext ctx;
@@ -161,18 +140,11 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     res.predicted_forward[r] = PredictForwardTraffic(*rh, kDim, DType::kF32);
     res.predicted_backward[r] = PredictBackwardTraffic(*rh, kDim, DType::kF32);
 
-    Unslice(out, shard, o.out);
-    Unslice(dq, shard, o.dq);
-    Unslice(dk, shard, o.dk);
-    Unslice(dv, shard, o.dv);
-    int64_t at = 0;
-    for (const TokenRange& range : shard) {
-      for (int64_t t = range.begin; t < range.end; ++t, ++at) {
-        for (int head = 0; head < plan.heads_q; ++head) {
-          o.lse[head * T + t] = lse[head * n + at];
-        }
-      }
-    }
+    testing::UnsliceRows(out, shard, o.out);
+    testing::UnsliceRows(dq, shard, o.dq);
+    testing::UnsliceRows(dk, shard, o.dk);
+    testing::UnsliceRows(dv, shard, o.dv);
+    testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
   });
 
   ReferenceInputs ri;
@@ -257,7 +229,7 @@ TEST(GpuHier, BatchUnderAPlan) {
   c.heads_kv = plan.heads_kv;
   c.head_dim = kDim;
   testing::RowInputs in(c, T, 21);
-  Outputs o;
+  testing::RowOutputs o;
   o.out = HostTensor(DType::kF32, T, plan.heads_q, kDim);
   o.dq = HostTensor(DType::kF32, T, plan.heads_q, kDim);
   o.dk = HostTensor(DType::kF32, T, plan.heads_kv, kDim);
@@ -271,9 +243,12 @@ TEST(GpuHier, BatchUnderAPlan) {
     ASSERT_TRUE(batch.ok()) << batch.status();
     EXPECT_GT((*gpu)->pool_bytes(), 0u);
     const std::vector<TokenRange> shard = (*batch)->partition()->ranges(r);
-    std::vector<uint8_t> q = Slice(in.q, shard), k = Slice(in.k, shard), v = Slice(in.v, shard),
-                         dout = Slice(in.dout, shard), out = Slice(o.out, shard),
-                         dq = Slice(o.dq, shard), dk = Slice(o.dk, shard), dv = Slice(o.dv, shard);
+    std::vector<uint8_t> q = testing::SliceRows(in.q, shard), k = testing::SliceRows(in.k, shard),
+                         v = testing::SliceRows(in.v, shard),
+                         dout = testing::SliceRows(in.dout, shard),
+                         out = testing::SliceRows(o.out, shard),
+                         dq = testing::SliceRows(o.dq, shard), dk = testing::SliceRows(o.dk, shard),
+                         dv = testing::SliceRows(o.dv, shard);
     const int64_t n = (*batch)->local_tokens();
     std::vector<float> lse(static_cast<size_t>(n) * plan.heads_q + 1);
     ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
@@ -283,16 +258,11 @@ TEST(GpuHier, BatchUnderAPlan) {
                     .ok());
     EXPECT_EQ((*batch)->traffic().hier_forward,
               PredictForwardTraffic(*(*batch)->hierarchy(), kDim, DType::kF32));
-    Unslice(out, shard, o.out);
-    Unslice(dq, shard, o.dq);
-    Unslice(dk, shard, o.dk);
-    Unslice(dv, shard, o.dv);
-    int64_t at = 0;
-    for (const TokenRange& range : shard) {
-      for (int64_t t = range.begin; t < range.end; ++t, ++at) {
-        for (int head = 0; head < plan.heads_q; ++head) o.lse[head * T + t] = lse[head * n + at];
-      }
-    }
+    testing::UnsliceRows(out, shard, o.out);
+    testing::UnsliceRows(dq, shard, o.dq);
+    testing::UnsliceRows(dk, shard, o.dk);
+    testing::UnsliceRows(dv, shard, o.dv);
+    testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
   });
   ReferenceInputs ri;
   ri.dims = *DimsFromOptions(options);
