@@ -32,6 +32,7 @@
 #include "attention/layout.h"
 #include "attention/reference.h"
 #include "bench/bench_util.h"
+#include "bench/cudnn_attention.h"
 #include "hsap/hsap.h"
 #include "lib/api_batch.h"
 #include "lib/api_plan.h"
@@ -77,6 +78,7 @@ struct Options {
   std::vector<double> seq_weights, token_weights;
   std::string plan_file;
   std::string backend = "host";  // host | cuda-loopback
+  int cudnn = -1;                // cuDNN comparison; -1: on with cuda-loopback
   bool ranks_set = false;
   bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
 };
@@ -117,7 +119,9 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "      --token-weights .. per-rank token weights inside the groups (default equal)\n"
       "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n"
       "      --backend B        host (default) | cuda-loopback (all ranks on GPU 0, one\n"
-      "                         stream each, JIT CUDA kernels)\n");
+      "                         stream each, JIT CUDA kernels)\n"
+      "      --cudnn 0|1        cuda-loopback: also time cuDNN's fused attention forward on\n"
+      "                         the whole row (default 1)\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -180,6 +184,8 @@ Options ParseOptions(int argc, char** argv) {
       o.plan_file = value;
     } else if (arg == "--backend") {
       o.backend = value;
+    } else if (arg == "--cudnn") {
+      o.cudnn = static_cast<int>(need_int(0));
     } else if (arg == "--kv-heads") {
       o.kv_heads = static_cast<int>(need_int(1));
     } else if (arg == "--head-dim") {
@@ -251,6 +257,9 @@ Options ParseOptions(int argc, char** argv) {
   if (o.backend != "host" && o.backend != "cuda-loopback") {
     Usage("--backend must be host or cuda-loopback");
   }
+  if (o.cudnn < 0) o.cudnn = o.backend == "cuda-loopback" ? 1 : 0;
+  if (o.cudnn != 0 && o.backend != "cuda-loopback")
+    Usage("--cudnn 1 needs --backend cuda-loopback");
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
   }
@@ -536,6 +545,25 @@ int main(int argc, char** argv) {
         "with F the time of the full call, C of the same call without transfers and X without "
         "attention kernels (each the slowest rank's mean), clamped to [0, 100]\n");
   }
+  // cuDNN's fused attention on the whole row, after each row (cuda-loopback only).
+  bool use_cudnn = on_gpu && o.cudnn != 0;
+  if (use_cudnn && o.mask != "causal") {
+    std::printf("# cuDNN: unavailable (--mask %s: the comparison builds causal documents only)\n",
+                o.mask.c_str());
+    use_cudnn = false;
+  }
+  if (use_cudnn && dtype == hsap::DType::kF32) {
+    std::printf("# cuDNN: unavailable (fp32: cuDNN's fused attention takes bf16 or fp16)\n");
+    use_cudnn = false;
+  }
+  if (use_cudnn) {
+    std::printf(
+        "# cuDNN line after each row: cuDNN's fused flash-attention forward (backend graph API, "
+        "documents as ragged batch entries, causal inside each) in one call over the whole row on "
+        "GPU 0, same Q/K/V; fwd(ms) per call over the same iterations (CUDA events), fwdTF/s with "
+        "the same FLOP count, ours/cuDNN = our fwdTF/s / cuDNN's (> 1: ours faster), #wrong and "
+        "max|err| of its out under the rule below ('-' when not checked)\n");
+  }
   std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
               o.iters, o.warmup);
   std::printf(
@@ -563,7 +591,8 @@ int main(int argc, char** argv) {
   int64_t total_wrong = 0;
   size_t max_pool = 0;  // device pool of a rank (CUDA backend)
   double sum_fwd_tflops = 0, sum_bwd_tflops = 0, sum_ratio = 0;
-  int rows = 0;
+  double sum_cudnn_tflops = 0, sum_ours_vs_cudnn = 0;
+  int rows = 0, cudnn_rows = 0;
   const double* weights = o.weights.empty() ? nullptr : o.weights.data();
   for (double t = static_cast<double>(o.tokens_begin);
        t <= static_cast<double>(o.tokens_end) * 1.0000001; t *= o.factor) {
@@ -734,6 +763,30 @@ int main(int argc, char** argv) {
       }
     }
 
+    // cuDNN on the whole row (same inputs, one GPU), after our row.
+    Bytes cudnn_out;
+    hsap::bench::CudnnForwardRun cudnn_run;
+    bool cudnn_ran = false;
+    if (use_cudnn) {
+      hsap::bench::CudnnAttentionShape shape;
+      shape.doc_lengths = lengths;
+      shape.heads_q = o.heads;
+      shape.heads_kv = o.kv_heads;
+      shape.head_dim = o.head_dim;
+      shape.dtype = dtype;
+      shape.causal = true;
+      cudnn_out = Bytes(T * q_row);
+      absl::StatusOr<hsap::bench::CudnnForwardRun> run = hsap::bench::RunCudnnForward(
+          shape, q.ptr(), k.ptr(), v.ptr(), o.warmup, o.iters, cudnn_out.ptr());
+      if (run.ok()) {
+        cudnn_run = *run;
+        cudnn_ran = true;
+      } else {
+        std::printf("# cuDNN: unavailable (%s)\n", std::string(run.status().message()).c_str());
+        use_cudnn = false;  // said once; the rows go on without it
+      }
+    }
+
     max_pool = std::max(max_pool, *std::max_element(pool_bytes.begin(), pool_bytes.end()));
     const double fwd = *std::max_element(fwd_s.begin(), fwd_s.end());
     const double bwd = *std::max_element(bwd_s.begin(), bwd_s.end());
@@ -773,6 +826,7 @@ int main(int argc, char** argv) {
     }
 
     char wrong_col[32] = "-";
+    char cudnn_wrong[32] = "-", cudnn_err[32] = "-";
     if (o.check != 0 && fwd_flop * 1e-9 <= o.ref_max_gflop) {
       Bytes out(T * q_row), dq(T * q_row), dk(T * kv_row), dv(T * kv_row);
       std::vector<const void*> ptrs(R);
@@ -804,6 +858,19 @@ int main(int argc, char** argv) {
                             CountWrong(dtype, dv.data.data(), gref.dv, gnaive.dv);
       total_wrong += wrong;
       std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)wrong);
+      if (cudnn_ran) {
+        // cuDNN's out under the same rule (not added to the table's #wrong).
+        const int64_t cw = CountWrong(dtype, cudnn_out.data.data(), ref.out, naive.out);
+        double max_err = 0;
+        for (size_t i = 0; i < ref.out.size(); ++i) {
+          const double e =
+              std::abs(hsap::LoadAsFloat(dtype, cudnn_out.data.data(), i) - ref.out[i]);
+          max_err = std::isnan(e) ? e : std::max(max_err, e);
+          if (std::isnan(e)) break;
+        }
+        std::snprintf(cudnn_wrong, sizeof(cudnn_wrong), "%lld", (long long)cw);
+        std::snprintf(cudnn_err, sizeof(cudnn_err), "%.3g", max_err);
+      }
     }
     std::printf("  %9lld %6zu %6lld %10.3f %10.3f %9.4f %9.4f %10s %10s %10s %7.4f", (long long)T,
                 lengths.size(), (long long)split, fwd * 1e3, bwd * 1e3, fwd_tflops, bwd_tflops,
@@ -832,6 +899,22 @@ int main(int argc, char** argv) {
       std::printf(" %8.1f %8.1f", hidden(part_fwd_s, fwd), hidden(part_bwd_s, bwd));
     }
     std::printf(" %7s\n", wrong_col);
+    if (cudnn_ran) {
+      const double cudnn_s = cudnn_run.forward_ms * 1e-3;
+      const double cudnn_tflops = cudnn_s > 0 ? fwd_flop / cudnn_s * 1e-12 : 0.0;
+      const double ours_vs = cudnn_tflops > 0 ? fwd_tflops / cudnn_tflops : 0.0;
+      if (cudnn_rows == 0) {
+        std::printf("# cuDNN %d.%d.%d, workspace %s\n", cudnn_run.version / 10000,
+                    cudnn_run.version / 100 % 100, cudnn_run.version % 100,
+                    HumanBytes(static_cast<double>(cudnn_run.workspace_bytes)).c_str());
+      }
+      std::printf(
+          "# cuDNN %9lld fwd(ms) %10.3f fwdTF/s %9.4f ours/cuDNN %7.3f #wrong %s max|err| %s\n",
+          (long long)T, cudnn_run.forward_ms, cudnn_tflops, ours_vs, cudnn_wrong, cudnn_err);
+      sum_cudnn_tflops += cudnn_tflops;
+      sum_ours_vs_cudnn += ours_vs;
+      ++cudnn_rows;
+    }
     std::fflush(stdout);
     sum_fwd_tflops += fwd_tflops;
     sum_bwd_tflops += bwd_tflops;
@@ -849,6 +932,10 @@ int main(int argc, char** argv) {
   std::printf("# Avg bytes moved vs naive ring : %.4f (%.1f%% saved)\n",
               rows ? sum_ratio / rows : 0.0, rows ? 100.0 * (1.0 - sum_ratio / rows) : 0.0);
   if (on_gpu) std::printf("# Device pool per rank (max) : %s\n", HumanBytes(max_pool).c_str());
+  if (cudnn_rows > 0) {
+    std::printf("# Avg cuDNN fwd TFLOP/s : %.4f (ours/cuDNN %.3f over %d rows)\n",
+                sum_cudnn_tflops / cudnn_rows, sum_ours_vs_cudnn / cudnn_rows, cudnn_rows);
+  }
   std::printf("#\n");
   return total_wrong == 0 ? 0 : 1;
 }
