@@ -7,8 +7,10 @@
 #   3. hsap_attn_perf on the GPU (4 loopback ranks) for bf16, head dim 128, one causal
 #      document and packed causal documents, then a plan of 2 groups of 2, checked against
 #      the fp64 reference, with the share of transfer time hidden behind compute (fwdHid%,
-#      bwdHid%). Not measured (said in the summary): cuDNN's fused attention on the same
-#      inputs (no cuDNN call in this tree).
+#      bwdHid%). The two single-plan runs also time cuDNN's fused flash-attention forward on the
+#      whole row with the same inputs (bench/cudnn_attention.h: '# cuDNN' lines after each row,
+#      fwd ms, TFLOP/s, ours/cuDNN, its #wrong against the reference), or say why it was
+#      unavailable; the summary ends with those figures.
 # Results go to $OUT (when set) or ./device_check_out: build log, test logs, summary.txt.
 # Usage: bench/device_check.sh [build-dir]
 set -u -o pipefail
@@ -73,7 +75,17 @@ timeout 120 "$PERF" --backend cuda-loopback --groups 2,2 --dtype bf16 --head-dim
   --kv-heads 4 -b 16384 -e 32768 -f 2 -n 5 -w 2 --ref-max-gflop 4 --docs-dist longtail \
   --tokens-per-doc 4096 > "$RESULTS/attn_perf_plan.txt" 2>&1 || status=1
 tee -a "$SUMMARY" < "$RESULTS/attn_perf_plan.txt"
-say "cuDNN comparison: not built (no cuDNN fused-attention call in this tree)."
+# cuDNN's figures, from the hsap_attn_perf runs above (forward only).
+say "## cuDNN fused attention forward (whole row, one call) next to ours"
+for layout in causal packed; do
+  f="$RESULTS/attn_perf_$layout.txt"
+  if grep -q '^# cuDNN ' "$f" 2>/dev/null; then
+    grep -E '^# (cuDNN |Avg cuDNN)' "$f" | sed "s/^/  $layout: /" | tee -a "$SUMMARY"
+  else
+    reason=$(grep -m1 -h '^# cuDNN: unavailable' "$f" 2>/dev/null)
+    say "  $layout: ${reason:-no cuDNN figures (hsap_attn_perf did not reach them; see attn_perf_$layout.txt)}"
+  fi
+done
 
 say "done in $(elapsed), status $status; results in $RESULTS"
 exit $status
