@@ -8,7 +8,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
+#include <string_view>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -73,8 +75,14 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
     local = on.status();
     return backend;
   }
+  // Ranks that share memory (loopback) run forward through peer windows unless
+  // $HSAP_FUSED_FORWARD is 0 (every rank of such a communicator is in this process, so all
+  // of them see the same value).
+  const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
+  const bool fused = comm.comm->transport().peers_share_memory() &&
+                     !(fused_env != nullptr && std::string_view(fused_env) == "0");
   absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
-      cuda::JitKernelsForBatch(options, layout);
+      cuda::JitKernelsForBatch(options, layout, fused);
   if (!kernels.ok()) {
     local = kernels.status();
     return backend;

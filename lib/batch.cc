@@ -115,7 +115,7 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
   batch->schedule_ = *std::move(schedule);
   if (batch->device_ != nullptr) {
     const absl::Status prepared =
-        batch->device_->Prepare(batch->schedule_, batch->dims_, options.dtype);
+        batch->device_->Prepare(comm.transport(), batch->schedule_, batch->dims_, options.dtype);
     if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
   }
   return batch;

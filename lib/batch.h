@@ -59,9 +59,10 @@ class BatchDevice {
   virtual ~BatchDevice() = default;
   // Called once on every rank, after its schedule (batch without a plan) or its part of the
   // hierarchy (batch under a plan) exists: uploads, pool reservation. The schedule or
-  // hierarchy outlives the device object.
-  virtual absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims,
-                               DType dtype) = 0;
+  // hierarchy outlives the device object. Prepare may run collectives on `transport`
+  // (every rank's device takes part, in the same order).
+  virtual absl::Status Prepare(Transport& transport, const Schedule& schedule,
+                               const AttentionDims& dims, DType dtype) = 0;
   virtual absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
                                         DType dtype) = 0;
   // Traffic: a batch without a plan reports all of it as ring bytes.

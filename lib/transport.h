@@ -108,6 +108,11 @@ class Transport {
   // the host. The GPU executor makes it wait for its compute stream before each stage.
   virtual void* transfer_stream() const { return nullptr; }
 
+  // True when every rank of this transport runs in this process on the same GPU (loopback
+  // ranks), so each can read the others' device memory directly: batches on it use the
+  // fused forward (peer_window.h) instead of moving K/V with Start().
+  virtual bool peers_share_memory() const { return false; }
+
  private:
   // Sequence number of the next AllGather (all ranks call collectives in the same order,
   // so equal sequence numbers meet; a rank one call ahead shows up as a timeout naming

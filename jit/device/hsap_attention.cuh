@@ -507,31 +507,41 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   static_assert(Cfg::kMaxSteps >= 1, "hsap: fused kernel generated without steps");
   static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
-  using T = typename Cfg::T;
+  const FusedFwdHead& h = p.head;
   float* smem = dynamic_smem();
-  const int num_copy = p.num_copy_ctas;
+  const int num_copy = h.num_copy_ctas;
   const int num_compute = static_cast<int>(gridDim.x) - num_copy;
-  if (num_copy < 1 || num_compute < 1 || p.num_steps < 0 || p.num_steps > Cfg::kMaxSteps) {
-    report(p.error_flag, kErrorRowsOutOfRange);
+  if (num_copy < 1 || num_compute < 1 || h.num_steps < 0 || h.num_steps > Cfg::kMaxSteps) {
+    report(h.error_flag, kErrorRowsOutOfRange);
     return;  // every CTA takes this branch: nobody waits
   }
-  unsigned int* ready = p.counters;         // [2]: copy CTAs done with buffer b, cumulative
-  unsigned int* consumed = p.counters + 2;  // [2]: compute CTAs done with buffer b, cumulative
+  unsigned int* ready = h.counters;         // [2]: copy CTAs done with buffer b, cumulative
+  unsigned int* consumed = h.counters + 2;  // [2]: compute CTAs done with buffer b, cumulative
 
   if (static_cast<int>(blockIdx.x) < num_copy) {
-    for (int s = 0; s < p.num_steps; ++s) {
+    // Copy CTAs use no shared memory for data: word 0 carries thread 0's verdict.
+    volatile int* arrived = reinterpret_cast<volatile int*>(smem);
+    for (int s = 0; s < h.num_steps; ++s) {
       const int b = s & 1;
       const FusedStep& step = p.steps[s];
       // Buffer b last held step s - 2: after it, consumed[b] = (s / 2) * num_compute.
       if (s >= 2) cta_wait_geq_gpu(&consumed[b], static_cast<unsigned int>((s >> 1) * num_compute));
+      bool copy = true;
       if (step.ready_flag != nullptr) {
-        if (threadIdx.x == 0) wait_geq_sys(step.ready_flag, step.ready_value);
+        if (threadIdx.x == 0) {
+          *arrived = wait_geq_sys_until(step.ready_flag, step.ready_value, h.ready_timeout_ns);
+          if (!*arrived) report(h.error_flag, kErrorPeerTimeout);
+        }
         __syncthreads();
+        copy = *arrived != 0;
+        __syncthreads();  // everyone read the verdict before thread 0 writes the next one
       }
-      const long long bytes =
-          step.k_rows * p.heads_kv * Cfg::kHeadDim * static_cast<long long>(sizeof(T));
-      copy_slice<Cfg::kThreads>(p.stage_k[b], step.k_src, bytes, blockIdx.x, num_copy);
-      copy_slice<Cfg::kThreads>(p.stage_v[b], step.v_src, bytes, blockIdx.x, num_copy);
+      if (copy) {
+        const long long bytes =
+            step.k_rows * h.heads_kv * Cfg::kHeadDim * static_cast<long long>(sizeof(typename Cfg::T));
+        copy_slice<Cfg::kThreads>(h.stage_k[b], step.k_src, bytes, blockIdx.x, num_copy);
+        copy_slice<Cfg::kThreads>(h.stage_v[b], step.v_src, bytes, blockIdx.x, num_copy);
+      }
       cta_signal_add_gpu(&ready[b], 1);
       if (step.consumed_flag != nullptr) cta_signal_add_sys(step.consumed_flag, 1);
     }
@@ -539,7 +549,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 
   const int c = static_cast<int>(blockIdx.x) - num_copy;
-  for (int s = 0; s < p.num_steps; ++s) {
+  for (int s = 0; s < h.num_steps; ++s) {
     const int b = s & 1;
     // Steps merge into the same output rows: all of step s - 1 must be finished.
     if (s >= 1) {
@@ -549,15 +559,15 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     }
     cta_wait_geq_gpu(&ready[b], static_cast<unsigned int>(((s >> 1) + 1) * num_copy));
     const FusedStep& step = p.steps[s];
-    const long long items = static_cast<long long>(step.num_blocks) * p.heads_q;
+    const long long items = static_cast<long long>(step.num_blocks) * h.heads_q;
     for (long long w = c; w < items; w += num_compute) {
       const int block = static_cast<int>(w % step.num_blocks);
-      const int h = static_cast<int>(w / step.num_blocks);
-      const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
+      const int hq = static_cast<int>(w / step.num_blocks);
+      const int kvh = kv_head<Cfg>(h.kv_head_of_q, h.heads_q, h.heads_kv, hq, h.error_flag);
       if (kvh < 0) continue;
-      attend_block_fwd<Cfg, true>(smem, p.q, p.stage_k[b], p.stage_v[b], p.out, p.lse, p.q_rows,
-                                  step.k_rows, p.heads_q, p.heads_kv, h, kvh, p.scale,
-                                  step.blocks[block], step.segments, p.error_flag);
+      attend_block_fwd<Cfg, true>(smem, h.q, h.stage_k[b], h.stage_v[b], h.out, h.lse, h.q_rows,
+                                  step.k_rows, h.heads_q, h.heads_kv, hq, kvh, h.scale,
+                                  step.blocks[block], step.segments, h.error_flag);
     }
     cta_signal_add_gpu(&consumed[b], 1);
   }

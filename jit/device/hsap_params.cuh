@@ -39,6 +39,8 @@ enum ErrorBits : unsigned int {
   kErrorRowsOutOfRange = 2u,         // a block or segment outside [0, q_rows) / [0, k_rows)
   kErrorHeads = 4u,  // kv_head_of_q is null but heads_q != heads_kv * Cfg::kGqa, or a kv head
                      // out of [0, heads_kv)
+  kErrorPeerTimeout = 8u,  // fused kernel: a peer's ready flag did not arrive in time (the
+                           // step was not copied: its results are garbage)
 };
 
 // attn_fwd_kernel<Cfg>. Grid (num_blocks, heads_q), Cfg::kThreads threads, dynamic shared
@@ -182,13 +184,17 @@ struct FusedStep {
 // 1 to counters[2 + b] (consumed). Copies of step s + 1 thus overlap compute of step s.
 // Compute CTAs also wait for all of step s - 1 before starting step s, because two steps may
 // merge into the same output rows.
+// A copy CTA gives up waiting for a step's ready_flag after ready_timeout_ns (0: never),
+// reports kErrorPeerTimeout, skips that step's copy and carries on, so a peer that failed
+// never hangs the device.
 // Launch: Cfg::kThreads threads, Cfg::kFwdSmemBytes dynamic shared memory, and a grid whose
 // CTAs are ALL resident at once (cooperative launch, or at most the occupancy-derived
 // number of CTAs); otherwise waiting CTAs can starve the ones they wait for.
 // counters: 4 words, zero at launch (memset them before each launch).
 // stage_k/stage_v: each at least max_s(k_rows) * heads_kv * D elements, 16-byte aligned.
-template <int kMaxSteps>
-struct FusedFwdParamsT {
+// The parameters are a head and the step array, so the host can fill them for any
+// kMaxSteps: the steps start at the same offset whatever their count.
+struct FusedFwdHead {
   const void* q;
   float* out;
   float* lse;
@@ -198,10 +204,15 @@ struct FusedFwdParamsT {
   void* stage_v[2];
   unsigned int* counters;
   long long q_rows;
+  unsigned long long ready_timeout_ns;
   int heads_q, heads_kv;
   float scale;
   int num_steps;      // <= kMaxSteps
   int num_copy_ctas;  // >= 1, < gridDim.x
+};
+template <int kMaxSteps>
+struct FusedFwdParamsT {
+  FusedFwdHead head;
   FusedStep steps[kMaxSteps];
 };
 

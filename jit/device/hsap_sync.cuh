@@ -36,7 +36,13 @@ __device__ __forceinline__ unsigned int add_release_gpu(unsigned int* p, unsigne
 __device__ __forceinline__ unsigned int add_release_sys(unsigned int* p, unsigned int v) {
   return hsap_emu_fetch_add_release(p, v);
 }
+__device__ __forceinline__ unsigned long long globaltimer_ns() { return hsap_emu_globaltimer_ns(); }
 #else
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 __device__ __forceinline__ unsigned int ld_acquire_gpu(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -79,6 +85,17 @@ __device__ __forceinline__ void wait_geq_gpu(const unsigned int* flag, unsigned 
 }
 __device__ __forceinline__ void wait_geq_sys(const unsigned int* flag, unsigned int value) {
   while (!counter_reached(ld_acquire_sys(flag), value)) __nanosleep(128);
+}
+
+// Spin until *flag >= value, or false once timeout_ns (0: never) have passed. ONE thread.
+__device__ __forceinline__ bool wait_geq_sys_until(const unsigned int* flag, unsigned int value,
+                                                   unsigned long long timeout_ns) {
+  const unsigned long long start = timeout_ns != 0 ? globaltimer_ns() : 0;
+  while (!counter_reached(ld_acquire_sys(flag), value)) {
+    if (timeout_ns != 0 && globaltimer_ns() - start > timeout_ns) return false;
+    __nanosleep(128);
+  }
+  return true;
 }
 
 // CTA-wide: wait (thread 0) then barrier.

@@ -112,6 +112,10 @@ absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
   HSAP_BIND(handle, api, ModuleGetFunction, "cuModuleGetFunction");
   HSAP_BIND(handle, api, FuncSetAttribute, "cuFuncSetAttribute");
   HSAP_BIND(handle, api, LaunchKernel, "cuLaunchKernel");
+  HSAP_BIND(handle, api, OccupancyMaxActiveBlocksPerMultiprocessor,
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  HSAP_BIND(handle, api, StreamWriteValue32, "cuStreamWriteValue32_v2");
+  HSAP_BIND(handle, api, StreamWaitValue32, "cuStreamWaitValue32_v2");
   if (absl::Status s = api->Check(api->Init(0), "cuInit(0)"); !s.ok()) {
     // A driver without a usable device (or a stub library) is "no CUDA device".
     return absl::UnimplementedError(absl::StrCat("no CUDA device: ", s.message()));

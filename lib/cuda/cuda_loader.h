@@ -85,10 +85,18 @@ struct CudaDriverApi {
   CUresult (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            unsigned, cudaStream, void**, void**) = nullptr;
+  // (numBlocks, function, blockSize, dynamicSMemSize)
+  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t) = nullptr;
+  // Stream memory operations (stream, CUdeviceptr, value, flags), the _v2 entry points.
+  CUresult (*StreamWriteValue32)(cudaStream, unsigned long long, unsigned, unsigned) = nullptr;
+  CUresult (*StreamWaitValue32)(cudaStream, unsigned long long, unsigned, unsigned) = nullptr;
   absl::Status Check(CUresult r, absl::string_view what) const;
 };
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 inline constexpr int kCuFuncAttributeMaxDynamicSharedSize = 8;
+// CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0; CU_STREAM_WRITE_VALUE_DEFAULT.
+inline constexpr unsigned kCuStreamWaitValueGeq = 0;
+inline constexpr unsigned kCuStreamWriteValueDefault = 0;
 
 // NCCL types.
 using ncclResult = int;  // 0: ncclSuccess; 7: ncclInProgress

@@ -51,6 +51,20 @@ class CudaDevice : public Device {
     return rt_->Check(rt_->MemsetAsync(dst, 0, bytes, s),
                       absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
   }
+  absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
+    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
+    if (!d.ok()) return d.status();
+    return (*d)->Check((*d)->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
+                                                kCuStreamWriteValueDefault),
+                       "cuStreamWriteValue32");
+  }
+  absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
+    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
+    if (!d.ok()) return d.status();
+    return (*d)->Check(
+        (*d)->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
+        "cuStreamWaitValue32 (GEQ)");
+  }
   absl::StatusOr<cudaStream> CreateStream() override {
     cudaStream s = nullptr;
     if (absl::Status st = rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),

@@ -15,7 +15,9 @@
 #define HSAP_LIB_CUDA_DEVICE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -52,6 +54,19 @@ class Device {
   // naming `what` at `deadline`.
   virtual absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) = 0;
 
+  // Stream memory operations on 32-bit flags in device memory, for signalling between the
+  // ranks' streams without the host. WriteValueAsync: *flag = value once the work enqueued
+  // on `s` before it has completed, with that work's writes visible to peers first.
+  // WaitValueAsync: work enqueued on `s` after it starts once (int32_t)(*flag - value) >= 0
+  // (a counter that may wrap). Unimplemented where the device cannot (the fused forward is
+  // then not offered).
+  virtual absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) {
+    return absl::UnimplementedError("this device has no stream memory operations");
+  }
+  virtual absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) {
+    return absl::UnimplementedError("this device has no stream memory operations");
+  }
+
   // Makes this device the calling thread's current one and returns the device that was
   // current before (to hand back to Restore), so that a call from a thread set to another
   // GPU still works on this one and leaves the thread as it found it.
@@ -80,6 +95,17 @@ class ScopedDevice {
   int previous_ = 0;
 };
 
+// One launch of the fused forward (fused_fwd_kernel of jit/device/hsap_attention.cuh): the
+// launcher sets head.num_steps and head.num_copy_ctas.
+struct FusedForwardLaunch {
+  hsap_dev::FusedFwdHead head{};
+  std::vector<hsap_dev::FusedStep> steps;  // at most DeviceKernels::max_fused_steps()
+  // Fused kernels of this many ranks run on the device at once (loopback ranks sharing one
+  // GPU): each launch takes at most 1/share of the CTAs the device keeps resident, so that
+  // all of them are resident together and none waits on a CTA that cannot start.
+  int share = 1;
+};
+
 // The kernels of one configuration (dtype, head dim, GQA ratio, mask kinds), with the
 // Params of jit/device/hsap_params.cuh. Each launch picks its grid from the Params (see
 // there) and is enqueued on `s`.
@@ -94,6 +120,16 @@ class DeviceKernels {
   virtual absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const = 0;
   virtual absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
   virtual absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
+
+  // The fused forward, in configurations generated with a topology role: at most
+  // max_fused_steps() steps per launch (0: this configuration has no fused kernel), each
+  // launch with fused_copy_ctas() copy CTAs (the same on every rank of a configuration:
+  // owners count their readers' copies by it).
+  virtual int max_fused_steps() const { return 0; }
+  virtual int fused_copy_ctas() const { return 1; }
+  virtual absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const {
+    return absl::UnimplementedError("these kernels have no fused forward");
+  }
 };
 
 // The current CUDA device through the CUDA runtime (remembered: MakeCurrent selects it

@@ -19,23 +19,23 @@ class GpuBatchDevice : public BatchDevice {
   GpuBatchDevice(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
 
-  absl::Status Prepare(const Schedule& schedule, const AttentionDims& dims, DType dtype) override {
+  absl::Status Prepare(Transport& transport, const Schedule& schedule, const AttentionDims& dims,
+                       DType dtype) override {
     ScopedDevice on(comm_->device());
-    if (!on.status().ok()) return on.status();
-    schedule_ = &schedule;
-    dims_ = dims;
-    dtype_ = dtype;
-    absl::StatusOr<PoolLayout> layout = ComputePoolLayout(schedule, dims, dtype);
-    if (!layout.ok()) return layout.status();
-    // Growing the pool frees the old block, which waits for the device.
-    if (absl::Status s = comm_->pool().Reserve(layout->total_bytes()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
-                                                 layout->DebugString(), "): ", s.message()));
-    }
-    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
-        DeviceWorkLists::Upload(comm_->device(), schedule, comm_->stream());
-    if (!lists.ok()) return lists.status();
-    lists_ = *std::move(lists);
+    const absl::Status local = on.status().ok() ? PrepareLocal(schedule, dims, dtype) : on.status();
+    // Every rank of a shared-memory transport exchanges peer windows, also after a local
+    // failure, so that the collectives stay in step.
+    if (!transport.peers_share_memory() || kernels_->max_fused_steps() == 0) return local;
+    PeerWindow& window = comm_->peer_window(transport.rank(), transport.size());
+    const size_t kv_row_bytes =
+        static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
+    absl::StatusOr<FusedRoutes> routes =
+        window.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
+                        comm_->stream(), comm_->timeout(), local);
+    if (!routes.ok()) return routes.status();
+    routes_ = *std::move(routes);
+    window_ = &window;
+    share_ = transport.size();
     return absl::OkStatus();
   }
 
@@ -89,8 +89,27 @@ class GpuBatchDevice : public BatchDevice {
   }
 
   void set_mode(GpuExecMode mode) { mode_ = mode; }
+  bool fused() const { return window_ != nullptr; }
 
  private:
+  absl::Status PrepareLocal(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
+    schedule_ = &schedule;
+    dims_ = dims;
+    dtype_ = dtype;
+    absl::StatusOr<PoolLayout> layout = ComputePoolLayout(schedule, dims, dtype);
+    if (!layout.ok()) return layout.status();
+    // Growing the pool frees the old block, which waits for the device.
+    if (absl::Status s = comm_->pool().Reserve(layout->total_bytes()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
+                                                 layout->DebugString(), "): ", s.message()));
+    }
+    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
+        DeviceWorkLists::Upload(comm_->device(), schedule, comm_->stream());
+    if (!lists.ok()) return lists.status();
+    lists_ = *std::move(lists);
+    return absl::OkStatus();
+  }
+
   GpuExecContext Context(Transport& transport, uint64_t call_id) const {
     GpuExecContext ctx;
     ctx.device = &comm_->device();
@@ -105,6 +124,10 @@ class GpuBatchDevice : public BatchDevice {
     ctx.call_id = call_id;
     ctx.stream = comm_->stream();
     ctx.mode = mode_;
+    ctx.window = window_;
+    ctx.routes = &routes_;
+    ctx.share = share_;
+    ctx.peer_timeout = comm_->timeout();
     return ctx;
   }
 
@@ -137,6 +160,9 @@ class GpuBatchDevice : public BatchDevice {
   std::unique_ptr<DeviceWorkLists> lists_;   // a batch without a plan
   std::unique_ptr<DeviceHierProgram> hier_;  // a batch under a plan
   GpuExecMode mode_ = GpuExecMode::kFull;
+  PeerWindow* window_ = nullptr;  // the communicator's, when forward is fused
+  FusedRoutes routes_;
+  int share_ = 1;
 };
 
 }  // namespace
@@ -159,10 +185,21 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
   return comm;
 }
 
+PeerWindow& GpuComm::peer_window(int rank, int size) {
+  if (window_ == nullptr) window_ = std::make_unique<PeerWindow>(*device_, rank, size);
+  return *window_;
+}
+
 GpuComm::~GpuComm() {
   ScopedDevice on(*device_);
-  pool_.reset();  // waits for the device
+  window_.reset();  // waits until the peers finished reading it
+  pool_.reset();    // waits for the device
   if (owns_stream_) device_->DestroyStream(stream_);
+}
+
+bool UsesFusedForward(const BatchDevice* device) {
+  const auto* gpu = dynamic_cast<const GpuBatchDevice*>(device);
+  return gpu != nullptr && gpu->fused();
 }
 
 bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode) {
@@ -178,7 +215,8 @@ std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
 }
 
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
-                                                                        const Layout& layout) {
+                                                                        const Layout& layout,
+                                                                        bool fused) {
   absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
   if (!dims.ok()) return dims.status();
   absl::StatusOr<std::string> arch = CurrentCudaArch();
@@ -190,6 +228,8 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   config.gqa = dims->heads_q / dims->heads_kv;
   config.has_band = false;
   for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
+  // The fused kernel takes up to 8 stages per launch (more run as further launches).
+  if (fused) config.role = {7, 0x7f};
   if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
     return absl::Status(s.code(),
                         absl::StrCat("the CUDA kernels cannot serve this batch: ", s.message()));

@@ -8,6 +8,10 @@
 // communicator uses a stream of its own and the calls return after their work finished.
 // Transfers run on the transport's stream (TransferStream), never on the caller's.
 //
+// Fused forward. On a transport whose ranks share memory (loopback), with kernels that have
+// the fused forward (JitKernelsForBatch(..., fused = true)), batches without a plan move
+// forward's K/V through the communicator's peer window (peer_window.h) instead of stages.
+//
 // Memory. The communicator's pool grows at batch creation to the largest PoolLayout of its
 // batches (the size is reported by GpuComm::pool_bytes); forward and backward allocate
 // nothing.
@@ -24,6 +28,7 @@
 #include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/device.h"
 #include "lib/cuda/gpu_executor.h"
+#include "lib/cuda/peer_window.h"
 
 namespace hsap::cuda {
 
@@ -44,11 +49,14 @@ class GpuComm {
   DeviceBufferPool& pool() { return *pool_; }
   // Device bytes held by the pool.
   size_t pool_bytes() const { return pool_->size(); }
+  // This rank's peer window (peer_window.h), created on first use for rank `rank` of `size`.
+  PeerWindow& peer_window(int rank, int size);
 
  private:
   GpuComm() = default;
   std::unique_ptr<Device> device_;
   std::unique_ptr<DeviceBufferPool> pool_;
+  std::unique_ptr<PeerWindow> window_;
   cudaStream stream_ = nullptr;
   bool owns_stream_ = false;
   absl::Duration timeout_;
@@ -65,9 +73,15 @@ bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode);
 
 // The JIT kernels of a batch on the current CUDA device: the configuration of (device
 // architecture, dtype, head dim, heads_q / heads_kv, whether the layout has banded
-// slices), compiled through the compile cache and loaded once per process.
+// slices, fused), compiled through the compile cache and loaded once per process.
+// `fused`: with the fused forward (for communicators whose transport shares memory).
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
-                                                                        const Layout& layout);
+                                                                        const Layout& layout,
+                                                                        bool fused = false);
+
+// Whether the batch on `device` runs its forward through peer windows (false when `device`
+// is not a GPU batch device).
+bool UsesFusedForward(const BatchDevice* device);
 
 }  // namespace hsap::cuda
 

@@ -169,6 +169,106 @@ absl::Status Store(const GpuExecContext& ctx, const float* from, void* to, size_
   return ctx.kernels->Convert({from, to, static_cast<long long>(count)}, ctx.stream);
 }
 
+// The fused forward's stages (see the header): publish this rank's rows in its window,
+// then one fused kernel per max_fused_steps() stages reads the senders' windows.
+absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const void* k,
+                                const void* v, const hsap_dev::FwdParams& fwd) {
+  PeerWindow& w = *ctx.window;
+  const FusedRoutes& routes = *ctx.routes;
+  const Schedule& sched = *ctx.schedule;
+  const int me = sched.rank;
+  const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.dtype);
+  const uint32_t call_number = w.NextCall();
+  Device& device = *ctx.device;
+
+  // Owner: the export is free once every reader copied the previous call's rows.
+  for (const Stage& st : sched.stages) {
+    if (st.send_to < 0) continue;
+    if (absl::Status s =
+            device.WaitValueAsync(w.consumed(me, st.send_to), w.copies_by(st.send_to), ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (size_t i = 0; i < sched.stages.size(); ++i) {
+    const Stage& st = sched.stages[i];
+    if (st.send_to < 0) continue;
+    char* dst_k = w.export_area(me) + routes.write_offset[i];
+    char* dst_v = dst_k + static_cast<size_t>(st.send_rows) * row_bytes;
+    for (const TokenRun& r : st.send_runs) {
+      const size_t at = static_cast<size_t>(r.local_begin) * row_bytes;
+      const size_t bytes = static_cast<size_t>(r.length) * row_bytes;
+      for (auto [dst, src] : {std::pair{dst_k, static_cast<const char*>(k)},
+                              std::pair{dst_v, static_cast<const char*>(v)}}) {
+        if (absl::Status s = device.CopyAsync(dst, src + at, bytes, ctx.stream); !s.ok()) return s;
+      }
+      dst_k += bytes;
+      dst_v += bytes;
+    }
+    call.moved().bytes_sent += 2 * static_cast<uint64_t>(st.send_rows) * row_bytes;
+    w.copies_by(st.send_to) += static_cast<uint32_t>(routes.copy_ctas);
+  }
+  if (absl::Status s = device.WriteValueAsync(w.ready(me), call_number, ctx.stream); !s.ok()) {
+    return s;
+  }
+  // Local keys, then the peers' in fused launches.
+  if (absl::Status s =
+          LaunchForward(*ctx.kernels, fwd, ctx.lists->local(), k, v, sched.local_rows, ctx.stream);
+      !s.ok()) {
+    return s;
+  }
+  FusedForwardLaunch launch;
+  hsap_dev::FusedFwdHead& h = launch.head;
+  h.q = fwd.q;
+  h.out = fwd.out;
+  h.lse = fwd.lse;
+  h.kv_head_of_q = nullptr;
+  h.error_flag = w.error_word();
+  for (int b = 0; b < 2; ++b) {
+    h.stage_k[b] = call.recv_k(b);
+    h.stage_v[b] = call.recv_v(b);
+  }
+  h.counters = w.counters();
+  h.q_rows = fwd.q_rows;
+  h.ready_timeout_ns = static_cast<unsigned long long>(absl::ToInt64Nanoseconds(ctx.peer_timeout));
+  h.heads_q = fwd.heads_q;
+  h.heads_kv = fwd.heads_kv;
+  h.scale = fwd.scale;
+  launch.share = ctx.share;
+  auto flush = [&]() -> absl::Status {
+    if (launch.steps.empty()) return absl::OkStatus();
+    if (absl::Status s = device.ZeroAsync(w.counters(), 4 * sizeof(uint32_t), ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+    absl::Status s = ctx.kernels->FusedForward(launch, ctx.stream);
+    launch.steps.clear();
+    return s;
+  };
+  for (size_t i = 0; i < sched.stages.size(); ++i) {
+    const Stage& st = sched.stages[i];
+    if (st.recv_from < 0) continue;
+    const DeviceWorkLists::List& list = ctx.lists->stage(i);
+    hsap_dev::FusedStep step{};
+    step.k_src = w.export_area(st.recv_from) + routes.read_offset[i];
+    step.v_src =
+        static_cast<const char*>(step.k_src) + static_cast<size_t>(st.recv_rows) * row_bytes;
+    step.ready_flag = w.ready(st.recv_from);
+    step.ready_value = call_number;
+    step.consumed_flag = w.consumed(st.recv_from, me);
+    step.blocks = list.blocks;
+    step.segments = list.segments;
+    step.k_rows = st.recv_rows;
+    step.num_blocks = list.num_blocks;
+    launch.steps.push_back(step);
+    call.moved().bytes_received += 2 * static_cast<uint64_t>(st.recv_rows) * row_bytes;
+    if (static_cast<int>(launch.steps.size()) == ctx.kernels->max_fused_steps()) {
+      if (absl::Status s = flush(); !s.ok()) return s;
+    }
+  }
+  return flush();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device& device,
@@ -225,17 +325,18 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
     return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 
-  if (absl::Status s = RunStaged(
-          sched.stages.size(), [&](size_t i) { return call.PostKv(i, k, v); },
-          [&] { return attend(ctx.lists->local(), k, v, rows); },
-          [&](size_t i) {
-            const Stage& st = sched.stages[i];
-            if (st.recv_from < 0) return absl::OkStatus();
-            return attend(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
-          });
-      !s.ok()) {
-    return s;
-  }
+  const absl::Status staged =
+      ctx.window != nullptr && ctx.mode == GpuExecMode::kFull
+          ? FusedForwardStages(ctx, call, k, v, p)
+          : RunStaged(
+                sched.stages.size(), [&](size_t i) { return call.PostKv(i, k, v); },
+                [&] { return attend(ctx.lists->local(), k, v, rows); },
+                [&](size_t i) {
+                  const Stage& st = sched.stages[i];
+                  if (st.recv_from < 0) return absl::OkStatus();
+                  return attend(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
+                });
+  if (!staged.ok()) return staged;
   if (absl::Status s = Store(ctx, out32, out, out_elems); !s.ok()) return s;
   if (absl::Status s = ctx.device->CopyAsync(lse, lse32, lse_elems * sizeof(float), ctx.stream);
       !s.ok()) {

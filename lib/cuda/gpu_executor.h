@@ -20,6 +20,11 @@
 // messages by posting order; the tests check the posted stages against LowerForward /
 // LowerBackward.
 //
+// Fused forward. With ctx.window set, forward posts no stage: the rank packs the rows its
+// peers need into its peer window and publishes them with a flag; fused_fwd_kernel copies
+// each stage's rows from the sender's window (waiting on its flag) and attends to them, the
+// copy of stage i + 1 overlapping the attention of stage i (peer_window.h has the protocol).
+//
 // Results. Forward merges every partial into fp32 (out, lse) in the pool and rounds out to
 // the storage dtype at the end. Backward: dq from this rank's queries, dk/dv from the
 // local keys plus the partials returned by the ranks that used them, added in step order.
@@ -39,6 +44,7 @@
 #include "attention/kernel.h"
 #include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/device.h"
+#include "lib/cuda/peer_window.h"
 #include "lib/executor.h"
 #include "lib/schedule.h"
 #include "lib/transport.h"
@@ -86,6 +92,14 @@ struct GpuExecContext {
   uint64_t call_id = 0;         // as ExecContext::call_id (tags)
   cudaStream stream = nullptr;  // the compute stream
   GpuExecMode mode = GpuExecMode::kFull;
+  // The fused forward (peer_window.h), when the batch was set up for it: forward moves K/V
+  // through the peer windows inside fused_fwd_kernel and posts no stage; backward is
+  // unchanged. `share`: ranks whose fused kernels run on this device at once;
+  // `peer_timeout`: how long a copy CTA waits for a sender before giving up.
+  PeerWindow* window = nullptr;
+  const FusedRoutes* routes = nullptr;
+  int share = 1;
+  absl::Duration peer_timeout = absl::Minutes(5);
 };
 
 // Tensors as in lib/executor.h, in device memory, ordered on ctx.stream.

@@ -1,8 +1,11 @@
 #include "lib/cuda/jit_device_kernels.h"
 
 #include <algorithm>
+#include <cstddef>
+#include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "jit/cache.h"
@@ -50,10 +53,19 @@ class JitDeviceKernels : public DeviceKernels {
       const char* role;
       Kernel* kernel;
     };
-    for (Slot slot : {Slot{"fwd", &k->fwd_}, Slot{"bwd", &k->bwd_}, Slot{"delta", &k->delta_},
-                      Slot{"init", &k->init_}, Slot{"convert", &k->convert_},
-                      Slot{"accumulate", &k->accumulate_}, Slot{"copy_chunks", &k->copy_chunks_},
-                      Slot{"add_chunks", &k->add_chunks_}}) {
+    std::vector<Slot> slots = {Slot{"fwd", &k->fwd_},
+                               Slot{"bwd", &k->bwd_},
+                               Slot{"delta", &k->delta_},
+                               Slot{"init", &k->init_},
+                               Slot{"convert", &k->convert_},
+                               Slot{"accumulate", &k->accumulate_},
+                               Slot{"copy_chunks", &k->copy_chunks_},
+                               Slot{"add_chunks", &k->add_chunks_}};
+    // Configurations with a topology role have the fused forward, kMaxSteps = peers + 1.
+    const int max_steps =
+        c.source.config.role.num_peers > 0 ? c.source.config.role.num_peers + 1 : 0;
+    if (max_steps > 0) slots.push_back(Slot{"fused_fwd", &k->fused_});
+    for (Slot slot : slots) {
       absl::StatusOr<jit::CudaKernelEntry> entry = c.Entry(slot.role);
       if (!entry.ok()) return entry.status();
       absl::StatusOr<std::string> name = c.LoweredName(slot.role);
@@ -76,6 +88,19 @@ class JitDeviceKernels : public DeviceKernels {
           return s;
         }
       }
+    }
+    if (max_steps > 0) {
+      int per_sm = 0;
+      if (absl::Status s = d.Check(d.OccupancyMaxActiveBlocksPerMultiprocessor(
+                                       &per_sm, k->fused_.function, k->fused_.threads,
+                                       static_cast<size_t>(k->fused_.smem)),
+                                   "cuOccupancyMaxActiveBlocksPerMultiprocessor(fused forward)");
+          !s.ok()) {
+        return s;
+      }
+      k->fused_resident_ = per_sm * sm_count;
+      k->max_fused_steps_ = max_steps;
+      k->fused_copy_ctas_ = std::clamp(sm_count / 16, 1, 8);
     }
     return std::unique_ptr<DeviceKernels>(std::move(k));
   }
@@ -109,7 +134,47 @@ class JitDeviceKernels : public DeviceKernels {
     return Launch(add_chunks_, "add chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
   }
 
+  int max_fused_steps() const override { return max_fused_steps_; }
+  int fused_copy_ctas() const override { return fused_copy_ctas_; }
+  absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const override {
+    const int steps = static_cast<int>(launch.steps.size());
+    if (max_fused_steps_ == 0 || steps > max_fused_steps_) {
+      return absl::InternalError(absl::StrCat("fused forward of ", steps, " steps; these kernels ",
+                                              "take at most ", max_fused_steps_));
+    }
+    if (steps == 0) return absl::OkStatus();
+    // Compute CTAs: enough for the largest step, within this launch's share of residency.
+    long long work = 1;
+    for (const hsap_dev::FusedStep& st : launch.steps) {
+      work = std::max<long long>(work, static_cast<long long>(st.num_blocks) * launch.head.heads_q);
+    }
+    const int resident = fused_resident_ / std::max(1, launch.share);
+    const long long compute = std::min<long long>(work, resident - fused_copy_ctas_);
+    if (compute < 1) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the fused forward needs ", fused_copy_ctas_ + 1, " resident CTAs; this GPU keeps ",
+          fused_resident_, " resident, shared by ", launch.share, " ranks"));
+    }
+    // FusedFwdParamsT<kMaxSteps>: the head, then kMaxSteps steps (unused ones zero).
+    std::vector<char> params(kFusedStepsOffset + max_fused_steps_ * sizeof(hsap_dev::FusedStep), 0);
+    hsap_dev::FusedFwdHead head = launch.head;
+    head.num_steps = steps;
+    head.num_copy_ctas = fused_copy_ctas_;
+    std::memcpy(params.data(), &head, sizeof(head));
+    std::memcpy(params.data() + kFusedStepsOffset, launch.steps.data(),
+                launch.steps.size() * sizeof(hsap_dev::FusedStep));
+    return Launch(fused_, "fused forward", static_cast<unsigned>(fused_copy_ctas_ + compute), 1,
+                  params.data(), s);
+  }
+
  private:
+  // Where the steps start in FusedFwdParamsT<N>, whatever N.
+  static constexpr size_t kFusedStepsOffset = offsetof(hsap_dev::FusedFwdParamsT<1>, steps);
+  static_assert(offsetof(hsap_dev::FusedFwdParamsT<16>, steps) == kFusedStepsOffset &&
+                    sizeof(hsap_dev::FusedFwdParamsT<16>) ==
+                        kFusedStepsOffset + 16 * sizeof(hsap_dev::FusedStep),
+                "the fused parameters must be a head followed by the steps");
+
   JitDeviceKernels() = default;
 
   // CTAs of 256 threads for `threads_wanted` threads of work, at most helper_ctas_.
@@ -121,7 +186,7 @@ class JitDeviceKernels : public DeviceKernels {
   template <typename Params>
   absl::Status Launch(const Kernel& k, const char* what, unsigned grid_x, unsigned grid_y,
                       const Params* params, cudaStream s) const {
-    void* args[] = {const_cast<Params*>(params)};
+    void* args[] = {const_cast<void*>(static_cast<const void*>(params))};
     if (absl::Status st = driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent");
         !st.ok()) {
       return st;
@@ -137,7 +202,8 @@ class JitDeviceKernels : public DeviceKernels {
   CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   long long helper_ctas_ = 1;
-  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_;
+  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_;
+  int max_fused_steps_ = 0, fused_copy_ctas_ = 1, fused_resident_ = 0;
 };
 
 }  // namespace

@@ -363,8 +363,10 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
 // buffers while compute CTAs attend; step 1's shard is ready from the start, the last one
 // becomes ready only later (a peer that is still writing). The result equals the reference
 // and every counter and flag ends where the protocol says.
+// never_ready: the last shard's flag is never published; its copy times out (reported in
+// the error word), the kernel still finishes and balances every counter.
 template <int kSteps>
-void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
+void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready = false) {
   using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, kSteps>;
   const Problem p = MakeProblem(MixedLayout(), DType::kBF16, seed);
   const int64_t T = p.T();
@@ -405,22 +407,23 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
   ready_flags[kSteps - 1] = 0;  // published later by the "peer" thread
   unsigned int error_flag = 0;
   hsap_dev::FusedFwdParamsT<kSteps> fp{};
-  fp.q = p.q.data();
-  fp.out = out.data();
-  fp.lse = lse.data();
-  fp.kv_head_of_q = nullptr;
-  fp.error_flag = &error_flag;
+  fp.head.q = p.q.data();
+  fp.head.out = out.data();
+  fp.head.lse = lse.data();
+  fp.head.kv_head_of_q = nullptr;
+  fp.head.error_flag = &error_flag;
   for (int b = 0; b < 2; ++b) {
-    fp.stage_k[b] = stage[b].data();
-    fp.stage_v[b] = stage[2 + b].data();
+    fp.head.stage_k[b] = stage[b].data();
+    fp.head.stage_v[b] = stage[2 + b].data();
   }
-  fp.counters = counters;
-  fp.q_rows = T;
-  fp.heads_q = kHeadsQ;
-  fp.heads_kv = kHeadsKv;
-  fp.scale = p.dims.scale;
-  fp.num_steps = kSteps;
-  fp.num_copy_ctas = copy_ctas;
+  fp.head.counters = counters;
+  fp.head.q_rows = T;
+  fp.head.heads_q = kHeadsQ;
+  fp.head.heads_kv = kHeadsKv;
+  fp.head.scale = p.dims.scale;
+  fp.head.num_steps = kSteps;
+  fp.head.num_copy_ctas = copy_ctas;
+  fp.head.ready_timeout_ns = never_ready ? 20'000'000ull : 0;
   for (int s = 0; s < kSteps; ++s) {
     hsap_dev::FusedStep& st = fp.steps[s];
     st.k_src = ks[s].data();
@@ -434,6 +437,7 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
     st.num_blocks = static_cast<int>(blocks[s].size());
   }
   std::thread peer([&] {
+    if (never_ready) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::atomic_ref<unsigned int>(ready_flags[kSteps - 1]).store(1, std::memory_order_release);
   });
@@ -441,13 +445,14 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
                    /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); });
   peer.join();
 
-  EXPECT_EQ(error_flag, 0u);
+  EXPECT_EQ(error_flag, never_ready ? hsap_dev::kErrorPeerTimeout : 0u);
   const unsigned int uses[2] = {(kSteps + 1) / 2, kSteps / 2};  // steps per staging buffer
   for (int b = 0; b < 2; ++b) {
     EXPECT_EQ(counters[b], uses[b] * copy_ctas) << "ready[" << b << "]";
     EXPECT_EQ(counters[2 + b], uses[b] * compute_ctas) << "consumed[" << b << "]";
   }
   for (unsigned int c : consumed_flags) EXPECT_EQ(c, static_cast<unsigned int>(copy_ctas));
+  if (never_ready) return;  // the last step was not copied: out is garbage
 
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
@@ -457,6 +462,9 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed) {
 }
 
 TEST(CudaEmulation, FusedForwardThreeSteps) { CheckFused<3>(1, 2, 6); }
+TEST(CudaEmulation, FusedForwardPeerTimeoutFinishes) {
+  CheckFused<3>(2, 2, 8, /*never_ready=*/true);
+}
 // Each staging buffer reused twice or more, several copy CTAs splitting each copy.
 TEST(CudaEmulation, FusedForwardFiveStepsTwoCopiers) { CheckFused<5>(2, 3, 9); }
 

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <barrier>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -144,6 +145,11 @@ inline unsigned int hsap_emu_load_acquire(const unsigned int* p) {
 }
 inline void hsap_emu_store_release(unsigned int* p, unsigned int v) {
   std::atomic_ref<unsigned int>(*p).store(v, std::memory_order_release);
+}
+inline unsigned long long hsap_emu_globaltimer_ns() {
+  return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::steady_clock::now().time_since_epoch())
+                                             .count());
 }
 inline unsigned int hsap_emu_fetch_add_release(unsigned int* p, unsigned int v) {
   return std::atomic_ref<unsigned int>(*p).fetch_add(v, std::memory_order_acq_rel);

@@ -26,6 +26,7 @@
 #include "jit/device/hsap_attention.cuh"
 // clang-format on
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -186,6 +187,31 @@ class EmulatedDevice : public cuda::Device {
     return absl::OkStatus();
   }
 
+  absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cuda::cudaStream s) override {
+    Enqueue(s, [=] { hsap_emu_store_release(flag, value); });
+    return absl::OkStatus();
+  }
+  // Waits up to a minute: a synchronous device returns DeadlineExceeded, an asynchronous
+  // one fails the test (its stream carries on).
+  absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cuda::cudaStream s) override {
+    auto reached = [flag, value] {
+      const absl::Time deadline = absl::Now() + absl::Minutes(1);
+      while (static_cast<int32_t>(hsap_emu_load_acquire(flag) - value) < 0) {
+        if (absl::Now() > deadline) return false;
+        std::this_thread::yield();
+      }
+      return true;
+    };
+    if (!async_) {
+      if (!reached()) return absl::DeadlineExceededError("emulated stream wait on a flag");
+      return absl::OkStatus();
+    }
+    Enqueue(s, [reached] {
+      if (!reached()) ADD_FAILURE() << "emulated stream wait on a flag timed out";
+    });
+    return absl::OkStatus();
+  }
+
   // Runs `op` on stream `s` (at once for a synchronous device).
   void Enqueue(cuda::cudaStream s, std::function<void()> op) {
     if (async_) {
@@ -239,8 +265,14 @@ class EmulatedDevice : public cuda::Device {
 // Start and Wait, in the stream's order), Pending::Wait() waits on the host for it.
 class EmulatedDeviceTransport : public Transport {
  public:
-  EmulatedDeviceTransport(std::unique_ptr<Transport> inner, EmulatedDevice& device)
-      : inner_(std::move(inner)), device_(device), stream_(*device.CreateStream()) {}
+  // share_memory: claim that the ranks can read each other's memory (they can: it is the
+  // host's), so that batches use the fused forward (peer_window.h).
+  EmulatedDeviceTransport(std::unique_ptr<Transport> inner, EmulatedDevice& device,
+                          bool share_memory = false)
+      : inner_(std::move(inner)),
+        device_(device),
+        stream_(*device.CreateStream()),
+        share_memory_(share_memory) {}
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
   absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
@@ -262,6 +294,7 @@ class EmulatedDeviceTransport : public Transport {
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
   void* transfer_stream() const override { return stream_; }
+  bool peers_share_memory() const override { return share_memory_; }
 
  private:
   struct State {
@@ -283,11 +316,13 @@ class EmulatedDeviceTransport : public Transport {
   std::unique_ptr<Transport> inner_;
   EmulatedDevice& device_;
   cuda::cudaStream stream_;
+  bool share_memory_;
 };
 
 // A kernel configuration as jit/codegen_cuda emits it, with small tiles so that short rows
-// still span several tiles, chunks and segments; head dim 32, no fused kernel.
-template <typename StorageT, int kG, bool kBand>
+// still span several tiles, chunks and segments; head dim 32; kSteps > 0: with the fused
+// forward of kSteps steps per launch.
+template <typename StorageT, int kG, bool kBand, int kSteps = 0>
 struct SmallTileCfg {
   using T = StorageT;
   static constexpr int kHeadDim = 32;
@@ -295,9 +330,9 @@ struct SmallTileCfg {
   static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
   static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
   static constexpr bool kHasBand = kBand;
-  static constexpr int kNumPeers = 0;
-  static constexpr unsigned int kNvlinkPeerMask = 0;
-  static constexpr int kMaxSteps = 0;
+  static constexpr int kNumPeers = kSteps > 0 ? kSteps - 1 : 0;
+  static constexpr unsigned int kNvlinkPeerMask = (1u << kNumPeers) - 1;
+  static constexpr int kMaxSteps = kSteps;
   static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
   static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
 };
@@ -333,6 +368,41 @@ class EmulatedKernels : public cuda::DeviceKernels {
   }
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
     return Helper(s, [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
+  }
+  // The fused forward (Cfg::kMaxSteps > 0): one copy CTA and up to two compute CTAs, all
+  // running at once as on a GPU.
+  int max_fused_steps() const override { return Cfg::kMaxSteps; }
+  int fused_copy_ctas() const override { return 1; }
+  absl::Status FusedForward(const cuda::FusedForwardLaunch& launch,
+                            cuda::cudaStream s) const override {
+    if constexpr (Cfg::kMaxSteps == 0) {
+      return absl::UnimplementedError("configuration without the fused forward");
+    } else {
+      const int steps = static_cast<int>(launch.steps.size());
+      if (steps > Cfg::kMaxSteps) return absl::InternalError("too many fused steps");
+      if (steps == 0) return absl::OkStatus();
+      hsap_dev::FusedFwdParamsT<Cfg::kMaxSteps> p{};
+      p.head = launch.head;
+      p.head.num_steps = steps;
+      p.head.num_copy_ctas = 1;
+      long long work = 1;
+      for (int i = 0; i < steps; ++i) {
+        p.steps[i] = launch.steps[i];
+        work = std::max<long long>(work, 1LL * launch.steps[i].num_blocks * launch.head.heads_q);
+      }
+      const unsigned grid = 1 + static_cast<unsigned>(std::min<long long>(work, 2));
+      Run(s, [this, p, grid]() mutable {
+        unsigned int error = 0;
+        p.head.error_flag = &error;
+        hsap_emu::Launch(grid, 1, Cfg::kThreads, Cfg::kFwdSmemBytes, /*all_concurrent=*/true,
+                         [&] { hsap_dev::fused_fwd_kernel<Cfg>(p); });
+        if (error != 0) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (error_.empty()) error_ = absl::StrCat("fused forward reported error bits ", error);
+        }
+      });
+      return absl::OkStatus();
+    }
   }
   int64_t launches() const { return launches_.load(); }
   // The first contract violation a kernel reported ("" when none).

@@ -29,6 +29,7 @@
 #include "lib/cuda/buffer_pool.h"
 #include "lib/cuda/gpu_batch.h"
 #include "lib/cuda/nccl_lowering.h"
+#include "lib/cuda/peer_window.h"
 #include "lib/executor.h"
 #include "lib/host_transport.h"
 #include "lib/partition.h"
@@ -74,7 +75,7 @@ struct RunResult {
 template <class Cfg>
 RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t pool_shortfall = 0,
                  std::vector<absl::Status>* statuses = nullptr, bool async = false,
-                 GpuExecMode mode = GpuExecMode::kFull) {
+                 GpuExecMode mode = GpuExecMode::kFull, bool fused = false) {
   RunResult res;
   const int64_t T = layout.num_tokens();
   testing::DistCase c;
@@ -160,10 +161,30 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     ctx.call_id = 7;
     ctx.stream = stream;
     ctx.mode = mode;
+    // Fused: the peer windows are set up as at batch creation (over the transport, whose
+    // gather is not part of the calls' programs).
+    PeerWindow window(device, r, R);
+    absl::StatusOr<FusedRoutes> routes;
+    if (fused) {
+      routes = window.Exchange(*wrapped[r], sched, kHeadsKv * kDim * DTypeSize(dtype),
+                               kernels.fused_copy_ctas(), stream, absl::Seconds(60));
+      recorders[r]->TakeRecorded();
+      if (!routes.ok()) {
+        status[r] = routes.status();
+        return;
+      }
+      ctx.window = &window;
+      ctx.routes = &*routes;
+      ctx.peer_timeout = absl::Seconds(60);
+    }
 
     const int64_t allocations = device.allocations();
-    status[r] = GpuExecuteForward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                  &res.fwd_traffic[r]);
+    // Fused forward runs twice: the second call reuses the windows only after every reader
+    // is done with the first (out and lse are the same both times).
+    for (int call = 0; call < (fused ? 2 : 1) && status[r].ok(); ++call) {
+      status[r] = GpuExecuteForward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                    &res.fwd_traffic[r]);
+    }
     res.forward[r] = recorders[r]->TakeRecorded();
     if (!status[r].ok()) return;
     // Each call starts by waiting for the caller's earlier work only through events: keep
@@ -176,6 +197,9 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
                            dq.data(), dk.data(), dv.data(), &res.bwd_traffic[r]);
     res.backward[r] = recorders[r]->TakeRecorded();
     if (status[r].ok()) status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
+    // Every reader signalled each copy it made of this rank's rows (the next call's owner
+    // waits for exactly that count).
+    if (fused && status[r].ok()) status[r] = window.WaitForReaders(absl::Now() + absl::Seconds(30));
     EXPECT_EQ(kernels.error(), "") << "rank " << r;
     res.launches[r] = kernels.launches();
     EXPECT_EQ(device.allocations(), allocations) << "rank " << r << " allocated in a call";
@@ -208,8 +232,9 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
   return res;
 }
 
-// The posted stages are the lowering's program, group for group and message for message.
-void ExpectPostedAsLowered(const RunResult& res, DType dtype) {
+// The posted stages are the lowering's program, group for group and message for message
+// (fused: forward posts nothing).
+void ExpectPostedAsLowered(const RunResult& res, DType dtype, bool fused = false) {
   AttentionDims dims;
   dims.heads_q = kHeadsQ;
   dims.heads_kv = kHeadsKv;
@@ -217,8 +242,9 @@ void ExpectPostedAsLowered(const RunResult& res, DType dtype) {
   const int R = static_cast<int>(res.schedules.size());
   for (int r = 0; r < R; ++r) {
     for (int pass = 0; pass < 2; ++pass) {
-      const NcclProgram want = pass == 0 ? LowerForward(res.schedules[r], dims, dtype, 7)
-                                         : LowerBackward(res.schedules[r], dims, dtype, 8);
+      const NcclProgram want = pass == 1 ? LowerBackward(res.schedules[r], dims, dtype, 8)
+                               : fused   ? NcclProgram{}
+                                         : LowerForward(res.schedules[r], dims, dtype, 7);
       const NcclProgram& got = pass == 0 ? res.forward[r] : res.backward[r];
       ASSERT_EQ(got.size(), want.size())
           << "rank " << r << (pass ? " backward" : " forward") << "\nposted:\n"
@@ -312,6 +338,25 @@ TEST(GpuExecutor, ComputeOnlyAndTransfersOnlyModes) {
   EXPECT_GT(groups, 0u) << "the layout must move something for this test to mean anything";
 }
 
+// The fused forward (peer windows, fused_fwd_kernel): against the reference, twice in a
+// row, on synchronous and asynchronous streams; forward posts no stage and moves the bytes
+// the schedule predicts. Two steps per launch, so that 3 or more ranks need several
+// launches.
+TEST(GpuExecutor, FusedForwardThroughPeerWindows) {
+  using FusedCfg = testing::SmallTileCfg<float, 2, true, 2>;
+  for (auto [R, mix, seed, async] : {std::tuple{2, DocMix::kSingle, 91, false},
+                                     {4, DocMix::kLongTail, 92, false},
+                                     {5, DocMix::kUniform, 93, true},
+                                     {3, DocMix::kOneHuge, 94, true}}) {
+    SCOPED_TRACE(::testing::Message() << R << " ranks, seed " << seed << (async ? ", async" : ""));
+    const Layout layout = testing::RandomLayout(40 * R + 70, mix, seed, false);
+    const RunResult res = RunGpu<FusedCfg>(layout, R, DType::kF32, seed, 0, nullptr, async,
+                                           GpuExecMode::kFull, /*fused=*/true);
+    ExpectPostedAsLowered(res, DType::kF32, /*fused=*/true);
+    ExpectPredictedTraffic(res, DType::kF32);
+  }
+}
+
 TEST(GpuExecutor, Bf16AndFp16) {
   const Layout layout = testing::RandomLayout(180, DocMix::kLongTail, 21, false);
   RunGpu<TestCfg<hsap_dev::bf16, true>>(layout, 3, DType::kBF16, 21);
@@ -357,19 +402,29 @@ class FailingDevice : public EmulatedDevice {
 };
 
 struct GpuWorld {
+  std::vector<std::unique_ptr<EmulatedDevice>> transport_devices;
   std::vector<std::unique_ptr<Communicator>> comms;
   std::vector<std::shared_ptr<GpuComm>> gpus;
 };
 
 // R host-transport ranks, each with an emulated device (rank `failing` fails to allocate).
-GpuWorld MakeGpuWorld(int R, int failing = -1) {
+// share_memory: the transports say the ranks can read each other's memory (as loopback
+// ranks can), so batches use the fused forward when their kernels have it.
+GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false) {
   GpuWorld w;
-  auto comms = Communicator::CreateHostWorld(R, CommOptions{absl::Seconds(120), 1});
-  EXPECT_TRUE(comms.ok()) << comms.status();
-  w.comms = *std::move(comms);
+  auto transports = CreateHostTransports(R, absl::Seconds(120));
+  EXPECT_TRUE(transports.ok()) << transports.status();
   for (int r = 0; r < R; ++r) {
     std::unique_ptr<Device> device =
         r == failing ? std::make_unique<FailingDevice>(0) : std::make_unique<EmulatedDevice>();
+    std::unique_ptr<Transport> t = std::move((*transports)[r]);
+    if (share_memory) {
+      // Stages run at once (a synchronous emulated device hosts the transport's stream).
+      w.transport_devices.push_back(std::make_unique<EmulatedDevice>());
+      t = std::make_unique<testing::EmulatedDeviceTransport>(
+          std::move(t), *w.transport_devices.back(), /*share_memory=*/true);
+    }
+    w.comms.push_back(std::make_unique<Communicator>(std::move(t), absl::Seconds(120), 1));
     auto gpu = GpuComm::Create(std::move(device), nullptr, absl::Seconds(120));
     EXPECT_TRUE(gpu.ok()) << gpu.status();
     w.gpus.push_back(*std::move(gpu));
@@ -377,92 +432,118 @@ GpuWorld MakeGpuWorld(int R, int failing = -1) {
   return w;
 }
 
-TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
-  using Cfg = TestCfg<float, true>;
+// A batch through the Batch API against the reference; fused: on transports that share
+// memory, with kernels that have the fused forward (two batches, the second needing a
+// larger peer window, each called twice).
+template <class Cfg>
+void RunThroughBatchApi(bool fused) {
   const int R = 3;
-  const Layout layout = testing::RandomLayout(170, DocMix::kLongTail, 51, false);
-  GpuWorld w = MakeGpuWorld(R);
+  GpuWorld w = MakeGpuWorld(R, -1, fused);
   auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
-  BatchOptions options;
-  options.dtype = DType::kF32;
-  options.heads_q = kHeadsQ;
-  options.heads_kv = kHeadsKv;
-  options.head_dim = kDim;
+  std::vector<size_t> needed(R);  // the largest pool layout of the batches so far
+  for (auto [tokens, seed] : {std::pair{170, 51}, {230, 52}}) {
+    SCOPED_TRACE(::testing::Message() << tokens << " tokens");
+    const Layout layout = testing::RandomLayout(tokens, DocMix::kLongTail, seed, false);
+    BatchOptions options;
+    options.dtype = DType::kF32;
+    options.heads_q = kHeadsQ;
+    options.heads_kv = kHeadsKv;
+    options.head_dim = kDim;
 
-  testing::DistCase c;
-  c.dtype = DType::kF32;
-  c.heads_q = kHeadsQ;
-  c.heads_kv = kHeadsKv;
-  c.head_dim = kDim;
-  testing::RowInputs in(c, layout.num_tokens(), 51);
-  testing::RowOutputs got;
-  got.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
-  got.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
-  got.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
-  got.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
-  got.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
-  std::vector<size_t> needed(R);
-  testing::OnEveryRank(R, [&](int r) {
-    auto batch = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
-                               absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels));
-    ASSERT_TRUE(batch.ok()) << batch.status();
-    const Schedule& sched = (*batch)->schedule();
-    needed[r] = ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes();
-    std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
-                         k = testing::SliceRows(in.k, ShardOf(sched)),
-                         v = testing::SliceRows(in.v, ShardOf(sched)),
-                         dout = testing::SliceRows(in.dout, ShardOf(sched)),
-                         out = testing::SliceRows(got.out, ShardOf(sched)),
-                         dq = testing::SliceRows(got.dq, ShardOf(sched)),
-                         dk = testing::SliceRows(got.dk, ShardOf(sched)),
-                         dv = testing::SliceRows(got.dv, ShardOf(sched));
-    std::vector<float> lse(sched.local_rows * kHeadsQ + 1);
-    ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
-    ASSERT_TRUE((*batch)
-                    ->Backward(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
-                               dq.data(), dk.data(), dv.data())
-                    .ok());
-    EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
-              ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
-    testing::UnsliceRows(out, ShardOf(sched), got.out);
-    testing::UnsliceRows(dq, ShardOf(sched), got.dq);
-    testing::UnsliceRows(dk, ShardOf(sched), got.dk);
-    testing::UnsliceRows(dv, ShardOf(sched), got.dv);
-    testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, got.lse);
-  });
-  for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
-  ReferenceInputs ri;
-  ri.dims = *DimsFromOptions(options);
-  ri.dtype = DType::kF32;
-  ri.q = in.q.bytes.data();
-  ri.k = in.k.bytes.data();
-  ri.v = in.v.bytes.data();
-  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
-                                  testing::kCudaKernelFloor);
+    testing::DistCase c;
+    c.dtype = DType::kF32;
+    c.heads_q = kHeadsQ;
+    c.heads_kv = kHeadsKv;
+    c.head_dim = kDim;
+    testing::RowInputs in(c, layout.num_tokens(), seed);
+    testing::RowOutputs got;
+    got.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+    got.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+    got.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+    got.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+    got.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
+    testing::OnEveryRank(R, [&](int r) {
+      std::unique_ptr<BatchDevice> device = NewGpuBatchDevice(w.gpus[r], kernels);
+      const BatchDevice* device_view = device.get();
+      auto batch = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
+                                 absl::OkStatus(), std::move(device));
+      ASSERT_TRUE(batch.ok()) << batch.status();
+      EXPECT_EQ(UsesFusedForward(device_view), fused) << "rank " << r;
+      const Schedule& sched = (*batch)->schedule();
+      needed[r] = std::max(needed[r],
+                           ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes());
+      std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
+                           k = testing::SliceRows(in.k, ShardOf(sched)),
+                           v = testing::SliceRows(in.v, ShardOf(sched)),
+                           dout = testing::SliceRows(in.dout, ShardOf(sched)),
+                           out = testing::SliceRows(got.out, ShardOf(sched)),
+                           dq = testing::SliceRows(got.dq, ShardOf(sched)),
+                           dk = testing::SliceRows(got.dk, ShardOf(sched)),
+                           dv = testing::SliceRows(got.dv, ShardOf(sched));
+      std::vector<float> lse(sched.local_rows * kHeadsQ + 1);
+      for (int call = 0; call < 2; ++call) {
+        ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
+      }
+      ASSERT_TRUE((*batch)
+                      ->Backward(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                 dq.data(), dk.data(), dv.data())
+                      .ok());
+      EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
+                ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
+      testing::UnsliceRows(out, ShardOf(sched), got.out);
+      testing::UnsliceRows(dq, ShardOf(sched), got.dq);
+      testing::UnsliceRows(dk, ShardOf(sched), got.dk);
+      testing::UnsliceRows(dv, ShardOf(sched), got.dv);
+      testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, got.lse);
+    });
+    for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
+    ReferenceInputs ri;
+    ri.dims = *DimsFromOptions(options);
+    ri.dtype = DType::kF32;
+    ri.q = in.q.bytes.data();
+    ri.k = in.k.bytes.data();
+    ri.v = in.v.bytes.data();
+    testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
+                                    testing::kCudaKernelFloor);
+  }
 }
 
+TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
+  RunThroughBatchApi<TestCfg<float, true>>(/*fused=*/false);
+}
+TEST(GpuBatch, FusedForwardThroughTheBatchApi) {
+  RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true);
+}
+
+// Also on transports that share memory, where the ranks exchange peer windows after the
+// failure.
 TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
-  const int R = 3, failing = 1;
-  const Layout layout = testing::RandomLayout(90, DocMix::kUniform, 61, false);
-  GpuWorld w = MakeGpuWorld(R, failing);
-  auto kernels = std::make_shared<const EmulatedKernels<TestCfg<float, true>>>();
-  BatchOptions options;
-  options.dtype = DType::kF32;
-  options.heads_q = kHeadsQ;
-  options.heads_kv = kHeadsKv;
-  options.head_dim = kDim;
-  std::vector<absl::Status> status(R);
-  testing::OnEveryRank(R, [&](int r) {
-    status[r] = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
-                              absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels))
-                    .status();
-  });
-  EXPECT_EQ(status[failing].code(), absl::StatusCode::kResourceExhausted) << status[failing];
-  EXPECT_THAT(status[failing].message(), HasSubstr("device pool"));
-  for (int r = 0; r < R; ++r) {
-    if (r == failing) continue;
-    EXPECT_EQ(status[r].code(), absl::StatusCode::kFailedPrecondition) << status[r];
-    EXPECT_THAT(status[r].message(), HasSubstr("rank 1 could not prepare its device"));
+  for (bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused" : "staged");
+    const int R = 3, failing = 1;
+    const Layout layout = testing::RandomLayout(90, DocMix::kUniform, 61, false);
+    GpuWorld w = MakeGpuWorld(R, failing, fused);
+    auto kernels =
+        std::make_shared<const EmulatedKernels<testing::SmallTileCfg<float, 2, true, 2>>>();
+    BatchOptions options;
+    options.dtype = DType::kF32;
+    options.heads_q = kHeadsQ;
+    options.heads_kv = kHeadsKv;
+    options.head_dim = kDim;
+    std::vector<absl::Status> status(R);
+    testing::OnEveryRank(R, [&](int r) {
+      status[r] = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
+                                absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels))
+                      .status();
+    });
+    EXPECT_EQ(status[failing].code(), absl::StatusCode::kResourceExhausted) << status[failing];
+    EXPECT_THAT(status[failing].message(), HasSubstr("device pool"));
+    for (int r = 0; r < R; ++r) {
+      if (r == failing) continue;
+      EXPECT_EQ(status[r].code(), absl::StatusCode::kFailedPrecondition) << status[r];
+      EXPECT_THAT(status[r].message(), HasSubstr(fused ? "rank 1 could not set up its peer window"
+                                                       : "rank 1 could not prepare its device"));
+    }
   }
 }
 
