@@ -10,7 +10,9 @@
 #      bwdHid%). The two single-plan runs also time cuDNN's fused flash-attention forward on the
 #      whole row with the same inputs (bench/cudnn_attention.h: '# cuDNN' lines after each row,
 #      fwd ms, TFLOP/s, ours/cuDNN, its #wrong against the reference), or say why it was
-#      unavailable; the summary ends with those figures.
+#      unavailable; the summary ends with those figures. Forward of batches without a plan
+#      runs fused (peer windows, lib/cuda/peer_window.h); the packed rows run once more with
+#      --fused 0 (forward through loopback transfer stages) for comparison.
 # Results go to $OUT (when set) or ./device_check_out: build log, test logs, summary.txt.
 # Usage: bench/device_check.sh [build-dir]
 set -u -o pipefail
@@ -70,6 +72,13 @@ for layout in causal packed; do
     > "$RESULTS/attn_perf_$layout.txt" 2>&1 || status=1
   tee -a "$SUMMARY" < "$RESULTS/attn_perf_$layout.txt"
 done
+# The same packed rows with forward through loopback transfer stages instead of the fused
+# kernel reading the peer windows: the two forward times side by side.
+say "## hsap_attn_perf --backend cuda-loopback, packed, --fused 0 (forward through transfer stages)"
+timeout 120 "$PERF" --backend cuda-loopback --ranks 4 --dtype bf16 --head-dim 128 --heads 16 \
+  --kv-heads 4 -b 16384 -e 65536 -f 2 -n 5 -w 2 -c 0 --cudnn 0 --fused 0 --docs-dist longtail \
+  --tokens-per-doc 2048 > "$RESULTS/attn_perf_packed_staged.txt" 2>&1 || status=1
+tee -a "$SUMMARY" < "$RESULTS/attn_perf_packed_staged.txt"
 say "## hsap_attn_perf --backend cuda-loopback, plan: 2 groups of 2 (all-to-all inside, sub-rings across)"
 timeout 120 "$PERF" --backend cuda-loopback --groups 2,2 --dtype bf16 --head-dim 128 --heads 16 \
   --kv-heads 4 -b 16384 -e 32768 -f 2 -n 5 -w 2 --ref-max-gflop 4 --docs-dist longtail \

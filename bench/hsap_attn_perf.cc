@@ -79,6 +79,7 @@ struct Options {
   std::string plan_file;
   std::string backend = "host";  // host | cuda-loopback
   int cudnn = -1;                // cuDNN comparison; -1: on with cuda-loopback
+  int fused = 1;                 // cuda-loopback: forward through peer windows
   bool ranks_set = false;
   bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
 };
@@ -121,7 +122,11 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "      --backend B        host (default) | cuda-loopback (all ranks on GPU 0, one\n"
       "                         stream each, JIT CUDA kernels)\n"
       "      --cudnn 0|1        cuda-loopback: also time cuDNN's fused attention forward on\n"
-      "                         the whole row (default 1)\n");
+      "                         the whole row (default 1)\n"
+      "      --fused 0|1        cuda-loopback batches without a plan: forward reads the\n"
+      "                         peers' K/V inside the fused kernel (1, default) or moves\n"
+      "                         it with loopback transfer stages (0); sets\n"
+      "                         $HSAP_FUSED_FORWARD\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -186,6 +191,8 @@ Options ParseOptions(int argc, char** argv) {
       o.backend = value;
     } else if (arg == "--cudnn") {
       o.cudnn = static_cast<int>(need_int(0));
+    } else if (arg == "--fused") {
+      o.fused = static_cast<int>(need_int(0));
     } else if (arg == "--kv-heads") {
       o.kv_heads = static_cast<int>(need_int(1));
     } else if (arg == "--head-dim") {
@@ -260,6 +267,7 @@ Options ParseOptions(int argc, char** argv) {
   if (o.cudnn < 0) o.cudnn = o.backend == "cuda-loopback" ? 1 : 0;
   if (o.cudnn != 0 && o.backend != "cuda-loopback")
     Usage("--cudnn 1 needs --backend cuda-loopback");
+  if (o.fused != 0 && o.fused != 1) Usage("--fused must be 0 or 1");
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
   }
@@ -488,6 +496,7 @@ int main(int argc, char** argv) {
   cc.numThreads = o.threads;
   const bool on_gpu = o.backend == "cuda-loopback";
   if (on_gpu) {
+    setenv("HSAP_FUSED_FORWARD", o.fused != 0 ? "1" : "0", /*overwrite=*/1);
     Must(hsapCommInitLoopback(comms.data(), R, &cc), "hsapCommInitLoopback");
   } else {
     Must(hsapCommInitAll(comms.data(), R, &cc), "hsapCommInitAll");
@@ -539,11 +548,19 @@ int main(int argc, char** argv) {
         "plan, 'bytes max/mean' count both (a2a + p2p), so their ratio to the naive ring can "
         "exceed 1\n");
   }
+  // Forward through peer windows: every loopback batch without a plan.
+  const bool fused_forward = on_gpu && o.fused != 0 && plan == nullptr;
   if (on_gpu) {
     std::printf(
         "# fwdHid%%, bwdHid%%: share of the transfer time hidden behind compute, (C + X - F) / X "
         "with F the time of the full call, C of the same call without transfers and X without "
         "attention kernels (each the slowest rank's mean), clamped to [0, 100]\n");
+    std::printf("# forward K/V: %s\n",
+                fused_forward
+                    ? "read from the peers' windows inside the fused kernel (fused_fwd_kernel; "
+                      "no transfer stage, so fwdHid% is '-')"
+                    : "loopback transfer stages (device-to-device copies) overlapped with the "
+                      "attention kernels");
   }
   // cuDNN's fused attention on the whole row, after each row (cuda-loopback only).
   bool use_cudnn = on_gpu && o.cudnn != 0;
@@ -896,7 +913,11 @@ int main(int argc, char** argv) {
         if (xfer <= 0) return 100.0;
         return std::clamp((comp + xfer - full) / xfer, 0.0, 1.0) * 100.0;
       };
-      std::printf(" %8.1f %8.1f", hidden(part_fwd_s, fwd), hidden(part_bwd_s, bwd));
+      if (fused_forward) {
+        std::printf(" %8s %8.1f", "-", hidden(part_bwd_s, bwd));
+      } else {
+        std::printf(" %8.1f %8.1f", hidden(part_fwd_s, fwd), hidden(part_bwd_s, bwd));
+      }
     }
     std::printf(" %7s\n", wrong_col);
     if (cudnn_ran) {

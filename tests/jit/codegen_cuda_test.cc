@@ -228,6 +228,28 @@ TEST(ShippedCudaKernels, PtxFallbackMentionsEveryEntry) {
   EXPECT_THAT(k->binary.image, HasSubstr("ld.acquire.gpu"));
   EXPECT_THAT(k->binary.image, HasSubstr("atom.release.gpu"));
   EXPECT_THAT(k->binary.image, HasSubstr("ld.acquire.sys"));
+  // A copy CTA's wait for a peer is bounded by the global timer.
+  EXPECT_THAT(k->binary.image, HasSubstr("%globaltimer"));
+}
+
+// Loopback batches compile their configuration with the role {7 peers, all NVLink} (the
+// fused forward, 8 steps per launch, gpu_batch.cc) for whatever dtype the batch has; the
+// shipped list only has bf16 roles, so fp32 and fp16 are compiled here.
+TEST(ShippedCudaKernels, FusedRoleOfLoopbackBatchesCompilesForFp32AndFp16) {
+  REQUIRE_NVRTC();
+  for (DType dtype : {DType::kF32, DType::kF16}) {
+    CudaKernelConfig c;
+    c.arch = "sm_90";
+    c.dtype = dtype;
+    c.head_dim = 64;
+    c.gqa = 2;
+    c.has_band = true;
+    c.role = {7, 0x7f};
+    absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());
+    ASSERT_TRUE(k.ok()) << k.status();
+    EXPECT_TRUE(k->LoweredName("fused_fwd").ok()) << c.Name();
+    EXPECT_TRUE(VerifyCubinSymbols(*k).ok()) << c.Name();
+  }
 }
 
 TEST(ShippedCudaKernels, LookupOfAnUnknownRoleIsNotFound) {

@@ -438,10 +438,16 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
       {8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 1600},
   };
   uint64_t seed = 500;
+  // Forward through the peer windows (the default for loopback ranks) and through transfer
+  // stages ($HSAP_FUSED_FORWARD=0), alternately.
+  bool fused = false;
   for (const GpuCase& g : cases) {
+    fused = !fused;
+    setenv("HSAP_FUSED_FORWARD", fused ? "1" : "0", 1);
     SCOPED_TRACE(::testing::Message()
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
-                 << ", " << g.heads_q << "/" << g.heads_kv << " heads");
+                 << ", " << g.heads_q << "/" << g.heads_kv << " heads, forward "
+                 << (fused ? "fused" : "staged"));
     DevicePlacement placement(rt);
     hsap::testing::DistCase c;
     c.ranks = g.ranks;
@@ -455,6 +461,7 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
     const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, ++seed, false);
     hsap::testing::CheckAgainstReference(layout, c, seed, hsap::testing::kCudaKernelFloor);
   }
+  unsetenv("HSAP_FUSED_FORWARD");
 }
 
 // One NCCL rank per GPU (2..8 GPUs): the same check over NCCL.
