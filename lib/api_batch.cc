@@ -75,11 +75,10 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
     local = on.status();
     return backend;
   }
-  // Ranks that share memory (loopback) run forward through peer windows unless
-  // $HSAP_FUSED_FORWARD is 0 (every rank of such a communicator is in this process, so all
-  // of them see the same value).
+  // Transports that offer peer windows (loopback, NCCL) run forward through them unless
+  // $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every rank fall back to stages).
   const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
-  const bool fused = comm.comm->transport().peers_share_memory() &&
+  const bool fused = comm.comm->transport().offers_peer_windows() &&
                      !(fused_env != nullptr && std::string_view(fused_env) == "0");
   absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
       cuda::JitKernelsForBatch(options, layout, fused);

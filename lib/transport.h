@@ -108,10 +108,11 @@ class Transport {
   // the host. The GPU executor makes it wait for its compute stream before each stage.
   virtual void* transfer_stream() const { return nullptr; }
 
-  // True when every rank of this transport runs in this process on the same GPU (loopback
-  // ranks), so each can read the others' device memory directly: batches on it use the
-  // fused forward (peer_window.h) instead of moving K/V with Start().
-  virtual bool peers_share_memory() const { return false; }
+  // Whether batches on this transport may move forward's K/V through peer windows
+  // (lib/cuda/peer_window.h): loopback ranks share one process and GPU; NCCL ranks on one
+  // host may open each other's windows with CUDA IPC. The exchange of the windows at batch
+  // creation decides, for all ranks alike, whether they actually can.
+  virtual bool offers_peer_windows() const { return false; }
 
  private:
   // Sequence number of the next AllGather (all ranks call collectives in the same order,

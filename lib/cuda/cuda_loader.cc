@@ -95,6 +95,12 @@ absl::StatusOr<std::unique_ptr<CudaRuntimeApi>> LoadRuntimeImpl() {
   HSAP_BIND(handle, api, EventElapsedTime, "cudaEventElapsedTime");
   HSAP_BIND(handle, api, DeviceSynchronize, "cudaDeviceSynchronize");
   HSAP_BIND(handle, api, DeviceGetAttribute, "cudaDeviceGetAttribute");
+  HSAP_BIND(handle, api, DeviceGetPCIBusId, "cudaDeviceGetPCIBusId");
+  HSAP_BIND(handle, api, DeviceGetByPCIBusId, "cudaDeviceGetByPCIBusId");
+  HSAP_BIND(handle, api, DeviceCanAccessPeer, "cudaDeviceCanAccessPeer");
+  HSAP_BIND(handle, api, IpcGetMemHandle, "cudaIpcGetMemHandle");
+  HSAP_BIND(handle, api, IpcOpenMemHandle, "cudaIpcOpenMemHandle");
+  HSAP_BIND(handle, api, IpcCloseMemHandle, "cudaIpcCloseMemHandle");
   return api;
 }
 

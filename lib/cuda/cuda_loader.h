@@ -40,6 +40,12 @@ inline constexpr int kCudaDevAttrMultiProcessorCount = 16;
 inline constexpr int kCudaDevAttrComputeCapabilityMajor = 75;
 inline constexpr int kCudaDevAttrComputeCapabilityMinor = 76;
 
+// cudaIpcMemHandle_t: 64 opaque bytes, passed by value.
+struct CudaIpcMemHandle {
+  char reserved[64];
+};
+inline constexpr unsigned kCudaIpcMemLazyEnablePeerAccess = 1;
+
 struct CudaRuntimeApi {
   std::string path;
   cudaError (*GetDeviceCount)(int*) = nullptr;
@@ -63,6 +69,12 @@ struct CudaRuntimeApi {
   cudaError (*EventElapsedTime)(float*, cudaEvent, cudaEvent) = nullptr;
   cudaError (*DeviceSynchronize)() = nullptr;
   cudaError (*DeviceGetAttribute)(int*, int, int) = nullptr;  // (value, cudaDeviceAttr, device)
+  cudaError (*DeviceGetPCIBusId)(char*, int, int) = nullptr;
+  cudaError (*DeviceGetByPCIBusId)(int*, const char*) = nullptr;
+  cudaError (*DeviceCanAccessPeer)(int*, int, int) = nullptr;
+  cudaError (*IpcGetMemHandle)(CudaIpcMemHandle*, void*) = nullptr;
+  cudaError (*IpcOpenMemHandle)(void**, CudaIpcMemHandle, unsigned) = nullptr;
+  cudaError (*IpcCloseMemHandle)(void*) = nullptr;
 
   // "cudaMalloc(1024 bytes) failed: out of memory (2)" style message; OK for success.
   absl::Status Check(cudaError e, absl::string_view what) const;

@@ -1,5 +1,8 @@
 #include "lib/cuda/device.h"
 
+#include <unistd.h>
+
+#include <cstring>
 #include <string>
 #include <thread>
 
@@ -64,6 +67,62 @@ class CudaDevice : public Device {
     return (*d)->Check(
         (*d)->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
         "cuStreamWaitValue32 (GEQ)");
+  }
+  absl::StatusOr<DeviceLocation> Location() override {
+    DeviceLocation at;
+    gethostname(at.host.data(), at.host.size() - 1);
+    at.process = static_cast<uint64_t>(getpid());
+    if (absl::Status s =
+            rt_->Check(rt_->DeviceGetPCIBusId(at.device.data(),
+                                              static_cast<int>(at.device.size()) - 1, ordinal_),
+                       "cudaDeviceGetPCIBusId");
+        !s.ok()) {
+      return s;
+    }
+    return at;
+  }
+  absl::StatusOr<IpcHandle> ExportMemory(void* p) override {
+    CudaIpcMemHandle h;
+    if (absl::Status s = rt_->Check(rt_->IpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"); !s.ok()) {
+      return s;
+    }
+    IpcHandle out;
+    std::memcpy(out.data(), h.reserved, out.size());
+    return out;
+  }
+  absl::StatusOr<void*> OpenPeerMemory(const IpcHandle& handle,
+                                       const DeviceLocation& owner) override {
+    int peer = -1, can = 0;
+    if (absl::Status s =
+            rt_->Check(rt_->DeviceGetByPCIBusId(&peer, owner.device.data()),
+                       absl::StrCat("cudaDeviceGetByPCIBusId(", owner.device.data(), ")"));
+        !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("GPU ", owner.device.data(), " is not visible here: ", s.message()));
+    }
+    if (peer != ordinal_) {
+      if (absl::Status s =
+              rt_->Check(rt_->DeviceCanAccessPeer(&can, ordinal_, peer), "cudaDeviceCanAccessPeer");
+          !s.ok()) {
+        return s;
+      }
+      if (can == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "GPU ", ordinal_, " has no peer access to GPU ", peer, " (", owner.device.data(), ")"));
+      }
+    }
+    CudaIpcMemHandle h;
+    std::memcpy(h.reserved, handle.data(), handle.size());
+    void* p = nullptr;
+    if (absl::Status s = rt_->Check(rt_->IpcOpenMemHandle(&p, h, kCudaIpcMemLazyEnablePeerAccess),
+                                    "cudaIpcOpenMemHandle");
+        !s.ok()) {
+      return absl::FailedPreconditionError(s.message());
+    }
+    return p;
+  }
+  void ClosePeerMemory(void* p) override {
+    if (p != nullptr) rt_->IpcCloseMemHandle(p);
   }
   absl::StatusOr<cudaStream> CreateStream() override {
     cudaStream s = nullptr;

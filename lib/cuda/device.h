@@ -14,6 +14,7 @@
 #ifndef HSAP_LIB_CUDA_DEVICE_H_
 #define HSAP_LIB_CUDA_DEVICE_H_
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,16 @@
 #include "lib/transport.h"
 
 namespace hsap::cuda {
+
+// Where a device is: two ranks may open each other's memory when they are on one host
+// (CUDA IPC between processes) or in one process on one device.
+struct DeviceLocation {
+  std::array<char, 64> host{};    // host name, NUL-terminated
+  uint64_t process = 0;           // process id
+  std::array<char, 32> device{};  // PCI bus id ("0000:3b:00.0"), NUL-terminated
+};
+// An exported allocation (cudaIpcMemHandle_t).
+using IpcHandle = std::array<char, 64>;
 
 class Device {
  public:
@@ -66,6 +77,23 @@ class Device {
   virtual absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) {
     return absl::UnimplementedError("this device has no stream memory operations");
   }
+
+  // Peer memory (peer windows, peer_window.h). Location: this device's. ExportMemory: a
+  // handle to an allocation of Allocate that a device in another process of this host can
+  // open. OpenPeerMemory: maps such a handle of the device at `owner`; FailedPrecondition
+  // when this device cannot reach that one (no peer access). ClosePeerMemory unmaps it.
+  // Unimplemented where the device has no such thing.
+  virtual absl::StatusOr<DeviceLocation> Location() {
+    return absl::UnimplementedError("this device has no location");
+  }
+  virtual absl::StatusOr<IpcHandle> ExportMemory(void* p) {
+    return absl::UnimplementedError("this device cannot export memory");
+  }
+  virtual absl::StatusOr<void*> OpenPeerMemory(const IpcHandle& handle,
+                                               const DeviceLocation& owner) {
+    return absl::UnimplementedError("this device cannot open peer memory");
+  }
+  virtual void ClosePeerMemory(void* p) {}
 
   // Makes this device the calling thread's current one and returns the device that was
   // current before (to hand back to Restore), so that a call from a thread set to another

@@ -23,19 +23,19 @@ class GpuBatchDevice : public BatchDevice {
                        DType dtype) override {
     ScopedDevice on(comm_->device());
     const absl::Status local = on.status().ok() ? PrepareLocal(schedule, dims, dtype) : on.status();
-    // Every rank of a shared-memory transport exchanges peer windows, also after a local
-    // failure, so that the collectives stay in step.
-    if (!transport.peers_share_memory() || kernels_->max_fused_steps() == 0) return local;
+    // Every rank of a transport that offers peer windows exchanges them, also after a local
+    // failure or without the fused kernel, so that the collectives stay in step.
+    if (!transport.offers_peer_windows()) return local;
     PeerWindow& window = comm_->peer_window(transport.rank(), transport.size());
     const size_t kv_row_bytes =
         static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
-    absl::StatusOr<FusedRoutes> routes =
-        window.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
-                        comm_->stream(), comm_->timeout(), local);
+    absl::StatusOr<std::optional<FusedRoutes>> routes = window.Exchange(
+        transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(), comm_->stream(),
+        comm_->timeout(), /*willing=*/kernels_->max_fused_steps() > 0, local);
     if (!routes.ok()) return routes.status();
-    routes_ = *std::move(routes);
+    if (!routes->has_value()) return absl::OkStatus();  // out of reach: stages, on every rank
+    routes_ = **std::move(routes);
     window_ = &window;
-    share_ = transport.size();
     return absl::OkStatus();
   }
 
@@ -126,7 +126,7 @@ class GpuBatchDevice : public BatchDevice {
     ctx.mode = mode_;
     ctx.window = window_;
     ctx.routes = &routes_;
-    ctx.share = share_;
+    ctx.share = routes_.share;
     ctx.peer_timeout = comm_->timeout();
     return ctx;
   }
@@ -162,7 +162,6 @@ class GpuBatchDevice : public BatchDevice {
   GpuExecMode mode_ = GpuExecMode::kFull;
   PeerWindow* window_ = nullptr;  // the communicator's, when forward is fused
   FusedRoutes routes_;
-  int share_ = 1;
 };
 
 }  // namespace

@@ -8,9 +8,10 @@
 // communicator uses a stream of its own and the calls return after their work finished.
 // Transfers run on the transport's stream (TransferStream), never on the caller's.
 //
-// Fused forward. On a transport whose ranks share memory (loopback), with kernels that have
-// the fused forward (JitKernelsForBatch(..., fused = true)), batches without a plan move
-// forward's K/V through the communicator's peer window (peer_window.h) instead of stages.
+// Fused forward. On a transport that offers peer windows (loopback, NCCL), with kernels
+// that have the fused forward (JitKernelsForBatch(..., fused = true)), batches without a
+// plan move forward's K/V through the communicator's peer window (peer_window.h) instead of
+// stages when every rank reaches every other's window (else stages, on every rank alike).
 //
 // Memory. The communicator's pool grows at batch creation to the largest PoolLayout of its
 // batches (the size is reported by GpuComm::pool_bytes); forward and backward allocate
@@ -74,7 +75,7 @@ bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode);
 // The JIT kernels of a batch on the current CUDA device: the configuration of (device
 // architecture, dtype, head dim, heads_q / heads_kv, whether the layout has banded
 // slices, fused), compiled through the compile cache and loaded once per process.
-// `fused`: with the fused forward (for communicators whose transport shares memory).
+// `fused`: with the fused forward (for communicators whose transport offers peer windows).
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
                                                                         const Layout& layout,
                                                                         bool fused = false);

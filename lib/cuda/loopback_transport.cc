@@ -98,7 +98,7 @@ class LoopbackTransport : public Transport {
   int size() const override { return static_cast<int>(w_->streams.size()); }
   cudaStream stream() const { return w_->streams[rank_]; }
   void* transfer_stream() const override { return stream(); }
-  bool peers_share_memory() const override { return true; }
+  bool offers_peer_windows() const override { return true; }
 
   class LoopbackPending : public Pending {
    public:

@@ -58,6 +58,7 @@ class NcclTransport : public Transport {
   ncclComm comm() const { return comm_; }
   cudaStream stream() const { return stream_; }
   void* transfer_stream() const override { return stream_; }
+  bool offers_peer_windows() const override { return true; }
   const NcclApi& nccl() const { return *nccl_; }
   const CudaRuntimeApi& runtime() const { return *rt_; }
   absl::Duration timeout() const { return timeout_; }

@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -17,10 +19,14 @@ size_t HeaderBytes(int size) { return (4 * (8 + static_cast<size_t>(size)) + 255
 // What each rank contributes to the exchange, followed by offset_of_step[size].
 struct Record {
   uint64_t ok = 0;
-  uint64_t pid = 0;
-  uint64_t base = 0;
+  uint64_t base = 0;  // in its own address space
   uint64_t copy_ctas = 0;
+  uint64_t exported = 0;  // `handle` holds the window
+  DeviceLocation location;
+  IpcHandle handle{};
 };
+
+bool SameText(const char* a, const char* b, size_t n) { return std::strncmp(a, b, n) == 0; }
 
 }  // namespace
 
@@ -45,8 +51,37 @@ PeerWindow::PeerWindow(Device& device, int rank, int size)
       copies_(size, 0) {}
 
 PeerWindow::~PeerWindow() {
-  if (memory_ == nullptr) return;
-  if (Drain(drain_stream_, absl::Now() + timeout_).ok()) device_.Free(memory_);
+  if (memory_ == nullptr) {
+    CloseAll();
+    return;
+  }
+  // Drain also waits for this rank's own kernels (it synchronizes the stream), which may
+  // read the peers' windows: only then are the mappings closed.
+  const bool drained = Drain(drain_stream_, absl::Now() + timeout_).ok();
+  if (drained) CloseAll();
+  if (drained) device_.Free(memory_);
+}
+
+void PeerWindow::CloseAll() {
+  for (Mapping& m : opened_) {
+    device_.ClosePeerMemory(m.base);
+    m = Mapping{};
+  }
+}
+
+absl::StatusOr<char*> PeerWindow::Open(int q, const IpcHandle& handle,
+                                       const DeviceLocation& owner) {
+  Mapping& m = opened_[q];
+  if (m.base != nullptr && m.handle == handle) return m.base;
+  if (m.base != nullptr) {
+    device_.ClosePeerMemory(m.base);
+    m = Mapping{};
+  }
+  absl::StatusOr<void*> p = device_.OpenPeerMemory(handle, owner);
+  if (!p.ok()) return p.status();
+  m.base = static_cast<char*>(*p);
+  m.handle = handle;
+  return m.base;
 }
 
 absl::Status PeerWindow::Drain(cudaStream stream, absl::Time deadline) {
@@ -90,29 +125,49 @@ absl::Status PeerWindow::Grow(size_t export_bytes, cudaStream stream, absl::Dura
   memory_ = *m;
   bases_[rank_] = static_cast<char*>(memory_);
   export_capacity_ = export_bytes;
+  // A device that cannot export (loopback ranks need not) only reaches its own process.
+  absl::StatusOr<IpcHandle> handle = device_.ExportMemory(memory_);
+  exported_ = handle.ok();
+  if (exported_) handle_ = *handle;
   // A fresh window: nothing ready, nothing consumed.
   std::fill(copies_.begin(), copies_.end(), 0u);
   if (absl::Status s = device_.ZeroAsync(memory_, header_bytes_, stream); !s.ok()) return s;
   return device_.Synchronize(stream, absl::Now() + timeout, "peer window set-up");
 }
 
-absl::StatusOr<FusedRoutes> PeerWindow::Exchange(Transport& transport, const Schedule& schedule,
-                                                 size_t kv_row_bytes, int copy_ctas,
-                                                 cudaStream stream, absl::Duration timeout,
-                                                 const absl::Status& local) {
+absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
+    Transport& transport, const Schedule& schedule, size_t kv_row_bytes, int copy_ctas,
+    cudaStream stream, absl::Duration timeout, bool willing, const absl::Status& local) {
   drain_stream_ = stream;
   timeout_ = timeout;
+  opened_.resize(size_);
   const FusedExportLayout layout = ExportLayoutOf(schedule, kv_row_bytes);
   // Every rank exchanges, even one that could not grow: its peers learn it and stop too.
-  const absl::Status grown = local.ok() ? Grow(layout.bytes, stream, timeout) : local;
+  absl::Status mine_ok = local;
+  if (mine_ok.ok()) {
+    // A device without a location (no host name, no bus id) is only reached by ranks of
+    // this process that have none either: loopback-like stand-ins.
+    absl::StatusOr<DeviceLocation> at = device_.Location();
+    if (at.ok()) {
+      location_ = *at;
+    } else if (at.status().code() == absl::StatusCode::kUnimplemented) {
+      location_ = DeviceLocation{};
+      location_.process = static_cast<uint64_t>(getpid());
+    } else {
+      mine_ok = at.status();
+    }
+  }
+  if (mine_ok.ok() && willing) mine_ok = Grow(layout.bytes, stream, timeout);
 
   const size_t record_bytes = sizeof(Record) + size_ * sizeof(uint64_t);
   std::vector<char> mine(record_bytes), all(record_bytes * size_);
   Record r;
-  r.ok = grown.ok() ? 1 : 0;
-  r.pid = static_cast<uint64_t>(getpid());
-  r.base = reinterpret_cast<uintptr_t>(bases_[rank_]);
+  r.ok = mine_ok.ok() ? 1 : 0;
+  r.base = reinterpret_cast<uintptr_t>(memory_);
   r.copy_ctas = static_cast<uint64_t>(copy_ctas);
+  r.exported = exported_ ? 1 : 0;
+  r.location = location_;
+  r.handle = handle_;
   std::memcpy(mine.data(), &r, sizeof(r));
   std::memcpy(mine.data() + sizeof(r), layout.offset_of_step.data(), size_ * sizeof(uint64_t));
   if (absl::Status s = transport.AllGather(mine.data(), all.data(), record_bytes,
@@ -120,8 +175,7 @@ absl::StatusOr<FusedRoutes> PeerWindow::Exchange(Transport& transport, const Sch
       !s.ok()) {
     return s;
   }
-  if (!grown.ok()) return grown;
-
+  if (!mine_ok.ok()) return mine_ok;
   std::vector<Record> records(size_);
   std::vector<std::vector<uint64_t>> offsets(size_, std::vector<uint64_t>(size_));
   for (int q = 0; q < size_; ++q) {
@@ -134,20 +188,52 @@ absl::StatusOr<FusedRoutes> PeerWindow::Exchange(Transport& transport, const Sch
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", q, " could not set up its peer window (its own error says why)"));
     }
-    if (records[q].pid != r.pid) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", q, " runs in another process: peer windows need one process"));
-    }
-    if (records[q].copy_ctas != r.copy_ctas) {
-      return absl::FailedPreconditionError(absl::StrCat("rank ", q, "'s fused kernels copy with ",
-                                                        records[q].copy_ctas, " CTAs, rank ", rank_,
-                                                        "'s with ", r.copy_ctas));
-    }
   }
-  for (int q = 0; q < size_; ++q) bases_[q] = reinterpret_cast<char*>(records[q].base);
+
+  // Map every peer's window: the same process and device use its address, another process
+  // of this host opens its handle; anything else is out of reach.
+  const DeviceLocation& me = r.location;
+  int share = 0;  // ranks whose fused kernels run on this device, whatever their process
+  // This rank's kernels may still read mappings about to change.
+  bool reach_all =
+      willing && device_.Synchronize(stream, absl::Now() + timeout, "peer window exchange").ok();
+  for (int q = 0; q < size_ && willing; ++q) {
+    const Record& p = records[q];
+    reach_all &= p.base != 0;  // a rank that is not willing has no window
+    const bool same_device = SameText(p.location.host.data(), me.host.data(), me.host.size()) &&
+                             SameText(p.location.device.data(), me.device.data(), me.device.size());
+    if (same_device) ++share;
+    if (p.location.process == me.process) {
+      if (q == rank_ || same_device) {
+        bases_[q] = reinterpret_cast<char*>(p.base);
+      } else {
+        reach_all = false;  // one process, two GPUs: peer access is not set up here
+      }
+    } else if (p.exported != 0 &&
+               SameText(p.location.host.data(), me.host.data(), me.host.size())) {
+      absl::StatusOr<char*> base = Open(q, p.handle, p.location);
+      reach_all &= base.ok();
+      if (base.ok()) bases_[q] = *base;
+    } else {
+      reach_all = false;
+    }
+    reach_all &= p.copy_ctas == r.copy_ctas;
+  }
+  // All or none: the ranks agree whether this batch uses the windows.
+  const uint64_t verdict = reach_all ? 1 : 0;
+  std::vector<uint64_t> verdicts(size_);
+  if (absl::Status s = transport.AllGather(&verdict, verdicts.data(), sizeof(uint64_t),
+                                           "batch creation (peer window reach)");
+      !s.ok()) {
+    return s;
+  }
+  for (uint64_t v : verdicts) {
+    if (v == 0) return std::optional<FusedRoutes>();
+  }
 
   FusedRoutes routes;
   routes.copy_ctas = copy_ctas;
+  routes.share = std::max(1, share);
   for (const Stage& st : schedule.stages) {
     routes.write_offset.push_back(st.send_to >= 0 ? layout.offset_of_step[st.step] : kNoExport);
     routes.read_offset.push_back(st.recv_from >= 0 ? offsets[st.recv_from][st.step] : kNoExport);
@@ -156,7 +242,7 @@ absl::StatusOr<FusedRoutes> PeerWindow::Exchange(Transport& transport, const Sch
                                               st.step, " that rank ", rank_, " reads"));
     }
   }
-  return routes;
+  return std::optional<FusedRoutes>(std::move(routes));
 }
 
 }  // namespace hsap::cuda

@@ -30,12 +30,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -212,6 +214,51 @@ class EmulatedDevice : public cuda::Device {
     return absl::OkStatus();
   }
 
+  // Where the device says it is. Unset: Location() is Unimplemented, as for a device
+  // without one (peer windows then reach only the ranks of this process).
+  void set_location(const std::string& host, uint64_t process, const std::string& device) {
+    cuda::DeviceLocation at;
+    std::snprintf(at.host.data(), at.host.size(), "%s", host.c_str());
+    at.process = process;
+    std::snprintf(at.device.data(), at.device.size(), "%s", device.c_str());
+    location_ = at;
+  }
+  absl::StatusOr<cuda::DeviceLocation> Location() override {
+    if (!location_.has_value()) return absl::UnimplementedError("no location");
+    return *location_;
+  }
+  // "IPC" between ranks that claim different processes: the handle carries the pointer
+  // (they are all in this process, really); opening needs the owner on the same host.
+  absl::StatusOr<cuda::IpcHandle> ExportMemory(void* p) override {
+    if (!location_.has_value()) return absl::UnimplementedError("no location");
+    cuda::IpcHandle h{};
+    std::memcpy(h.data(), &p, sizeof(p));
+    return h;
+  }
+  absl::StatusOr<void*> OpenPeerMemory(const cuda::IpcHandle& h,
+                                       const cuda::DeviceLocation& owner) override {
+    if (!location_.has_value() || std::strcmp(owner.host.data(), location_->host.data()) != 0) {
+      return absl::FailedPreconditionError("emulated peer memory on another host");
+    }
+    void* p = nullptr;
+    std::memcpy(&p, h.data(), sizeof(p));
+    std::lock_guard<std::mutex> lock(mu_);
+    ++opened_;
+    return p;
+  }
+  void ClosePeerMemory(void* p) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (p != nullptr) ++closed_;
+  }
+  int64_t peer_memory_opened() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return opened_;
+  }
+  int64_t peer_memory_closed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return closed_;
+  }
+
   // Runs `op` on stream `s` (at once for a synchronous device).
   void Enqueue(cuda::cudaStream s, std::function<void()> op) {
     if (async_) {
@@ -252,7 +299,9 @@ class EmulatedDevice : public cuda::Device {
     uint64_t seq = 0;
   };
   const bool async_;
+  std::optional<cuda::DeviceLocation> location_;
   mutable std::mutex mu_;
+  int64_t opened_ = 0, closed_ = 0;
   std::set<void*> live_;
   int64_t allocations_ = 0;
   std::vector<std::unique_ptr<EmuStream>> streams_;
@@ -294,7 +343,7 @@ class EmulatedDeviceTransport : public Transport {
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
   void* transfer_stream() const override { return stream_; }
-  bool peers_share_memory() const override { return share_memory_; }
+  bool offers_peer_windows() const override { return share_memory_; }
 
  private:
   struct State {

@@ -164,17 +164,18 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     // Fused: the peer windows are set up as at batch creation (over the transport, whose
     // gather is not part of the calls' programs).
     PeerWindow window(device, r, R);
-    absl::StatusOr<FusedRoutes> routes;
+    absl::StatusOr<std::optional<FusedRoutes>> routes;
     if (fused) {
       routes = window.Exchange(*wrapped[r], sched, kHeadsKv * kDim * DTypeSize(dtype),
                                kernels.fused_copy_ctas(), stream, absl::Seconds(60));
       recorders[r]->TakeRecorded();
-      if (!routes.ok()) {
-        status[r] = routes.status();
+      if (!routes.ok() || !routes->has_value()) {
+        status[r] =
+            routes.ok() ? absl::InternalError("peer windows out of reach") : routes.status();
         return;
       }
       ctx.window = &window;
-      ctx.routes = &*routes;
+      ctx.routes = &**routes;
       ctx.peer_timeout = absl::Seconds(60);
     }
 
@@ -402,21 +403,40 @@ class FailingDevice : public EmulatedDevice {
 };
 
 struct GpuWorld {
+  std::vector<EmulatedDevice*> devices;  // the ranks' (owned by gpus)
   std::vector<std::unique_ptr<EmulatedDevice>> transport_devices;
   std::vector<std::unique_ptr<Communicator>> comms;
   std::vector<std::shared_ptr<GpuComm>> gpus;
 };
 
+// Where the ranks of a world claim to be (EmulatedDevice::set_location).
+enum class Where {
+  kNowhere,   // devices without a location: one process, reached directly
+  kOneHost,   // a process and a GPU each, one host: reached through "IPC"
+  kTwoHosts,  // as kOneHost, on two hosts: out of reach
+};
+
 // R host-transport ranks, each with an emulated device (rank `failing` fails to allocate).
-// share_memory: the transports say the ranks can read each other's memory (as loopback
-// ranks can), so batches use the fused forward when their kernels have it.
-GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false) {
+// share_memory: the transports offer peer windows (as loopback and NCCL ones do), so
+// batches use the fused forward when their kernels have it and the ranks reach each other.
+GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
+                      Where where = Where::kNowhere) {
   GpuWorld w;
   auto transports = CreateHostTransports(R, absl::Seconds(120));
   EXPECT_TRUE(transports.ok()) << transports.status();
   for (int r = 0; r < R; ++r) {
-    std::unique_ptr<Device> device =
-        r == failing ? std::make_unique<FailingDevice>(0) : std::make_unique<EmulatedDevice>();
+    std::unique_ptr<Device> device;
+    if (r == failing) {
+      device = std::make_unique<FailingDevice>(0);
+    } else {
+      auto emulated = std::make_unique<EmulatedDevice>();
+      if (where != Where::kNowhere) {
+        const std::string host = where == Where::kTwoHosts && r >= R / 2 ? "node-b" : "node-a";
+        emulated->set_location(host, 1000 + r, absl::StrCat("0000:", r, ":00.0"));
+      }
+      w.devices.push_back(emulated.get());
+      device = std::move(emulated);
+    }
     std::unique_ptr<Transport> t = std::move((*transports)[r]);
     if (share_memory) {
       // Stages run at once (a synchronous emulated device hosts the transport's stream).
@@ -435,10 +455,12 @@ GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false) {
 // A batch through the Batch API against the reference; fused: on transports that share
 // memory, with kernels that have the fused forward (two batches, the second needing a
 // larger peer window, each called twice).
+// where: kTwoHosts expects the windows out of reach (stages instead).
 template <class Cfg>
-void RunThroughBatchApi(bool fused) {
+void RunThroughBatchApi(bool fused, Where where = Where::kNowhere) {
   const int R = 3;
-  GpuWorld w = MakeGpuWorld(R, -1, fused);
+  GpuWorld w = MakeGpuWorld(R, -1, fused, where);
+  const bool expect_fused = fused && where != Where::kTwoHosts && Cfg::kMaxSteps > 0;
   auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
   std::vector<size_t> needed(R);  // the largest pool layout of the batches so far
   for (auto [tokens, seed] : {std::pair{170, 51}, {230, 52}}) {
@@ -468,7 +490,7 @@ void RunThroughBatchApi(bool fused) {
       auto batch = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
                                  absl::OkStatus(), std::move(device));
       ASSERT_TRUE(batch.ok()) << batch.status();
-      EXPECT_EQ(UsesFusedForward(device_view), fused) << "rank " << r;
+      EXPECT_EQ(UsesFusedForward(device_view), expect_fused) << "rank " << r;
       const Schedule& sched = (*batch)->schedule();
       needed[r] = std::max(needed[r],
                            ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes());
@@ -506,6 +528,19 @@ void RunThroughBatchApi(bool fused) {
     testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
                                     testing::kCudaKernelFloor);
   }
+  // Through IPC every rank holds one mapping per peer of its host (a window that grew was
+  // mapped again and its old mapping closed; out of reach, the mappings made before the
+  // verdict stay for later batches); directly, none.
+  for (int r = 0; r < R; ++r) {
+    const EmulatedDevice& d = *w.devices[r];
+    const int same_host = where == Where::kOneHost    ? R - 1
+                          : where == Where::kTwoHosts ? (r >= R / 2 ? R - R / 2 - 1 : R / 2 - 1)
+                                                      : 0;
+    EXPECT_EQ(d.peer_memory_opened() - d.peer_memory_closed(), same_host) << "rank " << r;
+    if (where == Where::kOneHost) {
+      EXPECT_GE(d.peer_memory_opened(), R - 1) << "rank " << r;
+    }
+  }
 }
 
 TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
@@ -513,6 +548,20 @@ TEST(GpuBatch, ForwardBackwardThroughTheBatchApi) {
 }
 TEST(GpuBatch, FusedForwardThroughTheBatchApi) {
   RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true);
+}
+// Ranks as processes of one host, one GPU each (NCCL ranks of a node): the windows are
+// mapped through IPC, once per peer and window, and unmapped when the communicator goes.
+TEST(GpuBatch, FusedForwardAcrossProcessesOfOneHost) {
+  RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true, Where::kOneHost);
+}
+// Kernels without the fused forward on a transport that offers windows: the ranks still
+// exchange (so they stay in step) and move K/V with stages.
+TEST(GpuBatch, KernelsWithoutTheFusedForwardFallBackToStages) {
+  RunThroughBatchApi<TestCfg<float, true>>(/*fused=*/true);
+}
+// Ranks on two hosts: no rank uses the windows, the batch moves K/V with stages.
+TEST(GpuBatch, PeerWindowsOutOfReachFallBackToStages) {
+  RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true, Where::kTwoHosts);
 }
 
 // Also on transports that share memory, where the ranks exchange peer windows after the

@@ -29,7 +29,7 @@ class RecordingTransport : public Transport {
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
   void* transfer_stream() const override { return inner_->transfer_stream(); }
-  bool peers_share_memory() const override { return inner_->peers_share_memory(); }
+  bool offers_peer_windows() const override { return inner_->offers_peer_windows(); }
   NcclProgram TakeRecorded() { return std::exchange(recorded_, {}); }
 
  private:
