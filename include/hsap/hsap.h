@@ -227,7 +227,10 @@ typedef struct {
  * compiles (NVRTC, cached on disk) and loads the CUDA kernels of the configuration, uploads
  * the schedule's work lists and grows the communicator's device pool to what the batch
  * needs, so that forward and backward allocate nothing; tensors and lse are then device
- * memory of the rank's GPU. */
+ * memory of the rank's GPU. When every rank can map every other's memory (loopback ranks;
+ * NCCL ranks of one node with peer access, through CUDA IPC), forward reads the peers' K/V
+ * inside the fused kernel instead of sending it; $HSAP_FUSED_FORWARD=0 on any rank turns
+ * that off. */
 hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                              const double* weights, const hsapBatchConfig_t* config);
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch);

@@ -155,6 +155,8 @@ class DeviceKernels {
   // owners count their readers' copies by it).
   virtual int max_fused_steps() const { return 0; }
   virtual int fused_copy_ctas() const { return 1; }
+  // CTAs of the fused kernel the device keeps resident at once (0: no limit).
+  virtual int fused_resident_ctas() const { return 0; }
   virtual absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const {
     return absl::UnimplementedError("these kernels have no fused forward");
   }

@@ -29,9 +29,10 @@ class GpuBatchDevice : public BatchDevice {
     PeerWindow& window = comm_->peer_window(transport.rank(), transport.size());
     const size_t kv_row_bytes =
         static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
-    absl::StatusOr<std::optional<FusedRoutes>> routes = window.Exchange(
-        transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(), comm_->stream(),
-        comm_->timeout(), /*willing=*/kernels_->max_fused_steps() > 0, local);
+    absl::StatusOr<std::optional<FusedRoutes>> routes =
+        window.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
+                        kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
+                        /*willing=*/kernels_->max_fused_steps() > 0, local);
     if (!routes.ok()) return routes.status();
     if (!routes->has_value()) return absl::OkStatus();  // out of reach: stages, on every rank
     routes_ = **std::move(routes);

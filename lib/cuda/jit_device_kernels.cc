@@ -136,6 +136,7 @@ class JitDeviceKernels : public DeviceKernels {
 
   int max_fused_steps() const override { return max_fused_steps_; }
   int fused_copy_ctas() const override { return fused_copy_ctas_; }
+  int fused_resident_ctas() const override { return fused_resident_; }
   absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const override {
     const int steps = static_cast<int>(launch.steps.size());
     if (max_fused_steps_ == 0 || steps > max_fused_steps_) {

@@ -137,7 +137,8 @@ absl::Status PeerWindow::Grow(size_t export_bytes, cudaStream stream, absl::Dura
 
 absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
     Transport& transport, const Schedule& schedule, size_t kv_row_bytes, int copy_ctas,
-    cudaStream stream, absl::Duration timeout, bool willing, const absl::Status& local) {
+    int resident_ctas, cudaStream stream, absl::Duration timeout, bool willing,
+    const absl::Status& local) {
   drain_stream_ = stream;
   timeout_ = timeout;
   opened_.resize(size_);
@@ -219,6 +220,9 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
     }
     reach_all &= p.copy_ctas == r.copy_ctas;
   }
+  // Each fused kernel on this GPU gets 1/share of the resident CTAs: copy CTAs and at least
+  // one compute CTA must fit, or a launch would fail in the middle of a call.
+  reach_all &= resident_ctas == 0 || resident_ctas / std::max(1, share) > copy_ctas;
   // All or none: the ranks agree whether this batch uses the windows.
   const uint64_t verdict = reach_all ? 1 : 0;
   std::vector<uint64_t> verdicts(size_);

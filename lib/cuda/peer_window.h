@@ -75,18 +75,21 @@ class PeerWindow {
   // Collective over `transport` (every rank, at the same point of its collectives). Grows
   // this rank's export area to what `schedule` needs, then exchanges windows and export
   // layouts and maps the peers' windows. `copy_ctas`: this rank's
-  // DeviceKernels::fused_copy_ctas(). Returns the routes of the schedule; nullopt (on every
-  // rank alike) when some rank cannot reach some other's window or the ranks' kernels copy
-  // with different CTA counts: the batch then moves K/V with stages; FailedPrecondition (on
-  // every rank alike) when some rank could not take part (its own error says why); other
-  // errors are the transport's. `willing`: false when this rank will not use the windows
-  // (its kernels have no fused forward): it still exchanges, and every rank gets nullopt.
-  // `local`: this rank's verdict on the rest of its preparation; when it is not OK the rank
-  // still exchanges (so its peers fail at once) and returns it.
+  // DeviceKernels::fused_copy_ctas(); `resident_ctas`: its fused_resident_ctas(). Returns
+  // the routes of the schedule; nullopt (on every rank alike) when some rank cannot reach
+  // some other's window, the ranks' kernels copy with different CTA counts, or the fused
+  // kernels of the ranks sharing a GPU cannot all be resident with a compute CTA each: the
+  // batch then moves K/V with stages; FailedPrecondition (on every rank alike) when some
+  // rank could not take part (its own error says why); other errors are the transport's.
+  // `willing`: false when this rank will not use the windows (its kernels have no fused
+  // forward): it still exchanges, and every rank gets nullopt. `local`: this rank's verdict
+  // on the rest of its preparation; when it is not OK the rank still exchanges (so its peers
+  // fail at once) and returns it.
   absl::StatusOr<std::optional<FusedRoutes>> Exchange(Transport& transport,
                                                       const Schedule& schedule, size_t kv_row_bytes,
-                                                      int copy_ctas, cudaStream stream,
-                                                      absl::Duration timeout, bool willing = true,
+                                                      int copy_ctas, int resident_ctas,
+                                                      cudaStream stream, absl::Duration timeout,
+                                                      bool willing = true,
                                                       const absl::Status& local = absl::OkStatus());
 
   char* export_area(int rank) const { return bases_[rank] + header_bytes_; }

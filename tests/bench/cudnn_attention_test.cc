@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lib/cuda/cuda_loader.h"
+#include "tests/scoped_env.h"
 #include "tests/tolerance.h"
 
 namespace hsap::bench {
@@ -139,28 +140,6 @@ TEST(CudnnGeometryTest, RejectsWhatCudnnCannotTake) {
   EXPECT_THAT(big.status().message(), HasSubstr("int32"));
 }
 
-// Sets $HSAP_CUDA_LIB_PATH for the scope (restoring the old value).
-class ScopedLibPath {
- public:
-  explicit ScopedLibPath(const std::string& value) {
-    const char* old = std::getenv("HSAP_CUDA_LIB_PATH");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv("HSAP_CUDA_LIB_PATH", value.c_str(), 1);
-  }
-  ~ScopedLibPath() {
-    if (had_) {
-      setenv("HSAP_CUDA_LIB_PATH", old_.c_str(), 1);
-    } else {
-      unsetenv("HSAP_CUDA_LIB_PATH");
-    }
-  }
-
- private:
-  bool had_ = false;
-  std::string old_;
-};
-
 std::string EmptyDir() {
   const char* base = std::getenv("HSAP_TEST_TMPDIR");
   const std::filesystem::path dir =
@@ -171,7 +150,7 @@ std::string EmptyDir() {
 
 TEST(CudnnAttentionTest, SearchPathHonoursTheVariable) {
   {
-    ScopedLibPath path("/a:/b");
+    testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", "/a:/b");
     EXPECT_THAT(CudnnLibrarySearchPath(), ElementsAre("/a", "/b"));
   }
   if (std::getenv("HSAP_CUDA_LIB_PATH") == nullptr) {
@@ -183,7 +162,7 @@ TEST(CudnnAttentionTest, SearchPathHonoursTheVariable) {
 }
 
 TEST(CudnnAttentionTest, WithoutLibraryCreateSaysWhatIsMissing) {
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   absl::StatusOr<std::unique_ptr<CudnnAttention>> attn = CudnnAttention::Create(Shape({64, 32}));
   ASSERT_FALSE(attn.ok());
   EXPECT_EQ(attn.status().code(), absl::StatusCode::kUnimplemented);

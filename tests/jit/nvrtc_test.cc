@@ -14,6 +14,7 @@
 #include "jit/cache.h"
 #include "lib/errors.h"
 #include "test_files.h"
+#include "tests/scoped_env.h"
 
 namespace hsap::jit {
 namespace {
@@ -49,32 +50,6 @@ CudaCompileRequest TemplateRequest(const std::string& arch) {
     if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message(); \
   } while (0)
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    if (value == nullptr) {
-      unsetenv(name);
-    } else {
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 std::string TempDir() { return testing::MakeTestTempDir("nvrtc_test"); }
 
 TEST(ParseCudaArch, AcceptsSmAndComputeOnly) {
@@ -105,7 +80,7 @@ TEST(LoadNvrtc, FindsTheToolkitWithItsArchitectures) {
 TEST(LoadNvrtc, EmptySearchPathIsUnimplemented) {
   const std::string empty_dir = TempDir();
   for (const std::string& path : {empty_dir, std::string(), std::string(":")}) {
-    ScopedEnv env("HSAP_NVRTC_PATH", path.c_str());
+    testing::ScopedEnv env("HSAP_NVRTC_PATH", path.c_str());
     absl::StatusOr<const NvrtcApi*> api = LoadNvrtc();
     ASSERT_FALSE(api.ok()) << path;
     EXPECT_EQ(api.status().code(), absl::StatusCode::kUnimplemented);

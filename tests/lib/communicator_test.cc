@@ -10,53 +10,31 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/scoped_env.h"
 
 namespace hsap {
 namespace {
 
 using ::testing::HasSubstr;
 
-// Sets (or unsets) $HSAP_TIMEOUT_MS for the lifetime of the object, restoring it after.
-class ScopedTimeoutEnv {
- public:
-  explicit ScopedTimeoutEnv(std::optional<std::string> value) {
-    if (const char* old = std::getenv("HSAP_TIMEOUT_MS")) saved_ = old;
-    if (value) {
-      setenv("HSAP_TIMEOUT_MS", value->c_str(), 1);
-    } else {
-      unsetenv("HSAP_TIMEOUT_MS");
-    }
-  }
-  ~ScopedTimeoutEnv() {
-    if (saved_) {
-      setenv("HSAP_TIMEOUT_MS", saved_->c_str(), 1);
-    } else {
-      unsetenv("HSAP_TIMEOUT_MS");
-    }
-  }
-
- private:
-  std::optional<std::string> saved_;
-};
-
 TEST(ResolveTimeoutTest, RequestedWins) {
-  ScopedTimeoutEnv env("1234");
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", "1234");
   EXPECT_EQ(*ResolveTimeout(absl::Milliseconds(250)), absl::Milliseconds(250));
 }
 
 TEST(ResolveTimeoutTest, DefaultIsFiveMinutes) {
-  ScopedTimeoutEnv env(std::nullopt);
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", nullptr);
   EXPECT_EQ(*ResolveTimeout(absl::ZeroDuration()), absl::Minutes(5));
 }
 
 TEST(ResolveTimeoutTest, EnvironmentHonoured) {
-  ScopedTimeoutEnv env("1234");
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", "1234");
   EXPECT_EQ(*ResolveTimeout(absl::ZeroDuration()), absl::Milliseconds(1234));
 }
 
 TEST(ResolveTimeoutTest, MalformedOrNonPositiveEnvironmentRejected) {
   for (const char* bad : {"", "abc", "12ms", "1.5", "0", "-5", "99999999999999999999999"}) {
-    ScopedTimeoutEnv env(bad);
+    testing::ScopedEnv env("HSAP_TIMEOUT_MS", bad);
     absl::StatusOr<absl::Duration> t = ResolveTimeout(absl::ZeroDuration());
     EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
     EXPECT_THAT(t.status().message(), HasSubstr("HSAP_TIMEOUT_MS")) << "'" << bad << "'";
@@ -69,7 +47,7 @@ TEST(ResolveTimeoutTest, NegativeRequestRejected) {
 }
 
 TEST(CommunicatorTest, CreateHostWorld) {
-  ScopedTimeoutEnv env(std::nullopt);
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", nullptr);
   CommOptions options;
   options.timeout = absl::Milliseconds(700);
   auto comms = Communicator::CreateHostWorld(3, options);
@@ -90,7 +68,7 @@ TEST(CommunicatorTest, CreateHostWorld) {
 }
 
 TEST(CommunicatorTest, TimeoutFromEnvironmentReachesTheTransport) {
-  ScopedTimeoutEnv env("150");
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", "150");
   auto comms = Communicator::CreateHostWorld(2, CommOptions{});
   ASSERT_TRUE(comms.ok()) << comms.status();
   EXPECT_EQ((*comms)[0]->timeout(), absl::Milliseconds(150));
@@ -110,7 +88,7 @@ TEST(CommunicatorTest, AbortReachesEveryRank) {
 }
 
 TEST(CommunicatorTest, RejectsBadOptions) {
-  ScopedTimeoutEnv env(std::nullopt);
+  testing::ScopedEnv env("HSAP_TIMEOUT_MS", nullptr);
   EXPECT_EQ(Communicator::CreateHostWorld(0, {}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Communicator::CreateHostWorld(-3, {}).status().code(),
@@ -122,7 +100,7 @@ TEST(CommunicatorTest, RejectsBadOptions) {
       absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Communicator::CreateHostWorld(2, CommOptions{absl::ZeroDuration(), -1}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  ScopedTimeoutEnv bad_env("soon");
+  testing::ScopedEnv bad_env("HSAP_TIMEOUT_MS", "soon");
   absl::Status s = Communicator::CreateHostWorld(2, {}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("HSAP_TIMEOUT_MS"));

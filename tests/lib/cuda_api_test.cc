@@ -19,6 +19,7 @@
 #include "lib/cuda/nccl_transport.h"
 #include "tests/lib/distributed_harness.h"
 #include "tests/lib/random_layouts.h"
+#include "tests/scoped_env.h"
 
 namespace hsap::cuda {
 namespace {
@@ -27,27 +28,6 @@ using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 std::string LastError() { return hsapGetLastError(); }
-
-// Sets $HSAP_CUDA_LIB_PATH for the scope (restoring the old value).
-class ScopedLibPath {
- public:
-  explicit ScopedLibPath(const std::string& value) {
-    if (const char* old = std::getenv("HSAP_CUDA_LIB_PATH"); old != nullptr) old_ = old;
-    had_ = std::getenv("HSAP_CUDA_LIB_PATH") != nullptr;
-    setenv("HSAP_CUDA_LIB_PATH", value.c_str(), 1);
-  }
-  ~ScopedLibPath() {
-    if (had_) {
-      setenv("HSAP_CUDA_LIB_PATH", old_.c_str(), 1);
-    } else {
-      unsetenv("HSAP_CUDA_LIB_PATH");
-    }
-  }
-
- private:
-  std::string old_;
-  bool had_ = false;
-};
 
 std::string EmptyDir() {
   const auto dir = std::filesystem::temp_directory_path() / "hsap_cuda_empty_libdir";
@@ -69,7 +49,7 @@ std::string NoGpuReason() {
   } while (0)
 
 TEST(CudaLoader, MissingLibrariesAreNamed) {
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   absl::StatusOr<const CudaDriverApi*> driver = LoadCudaDriver();
   EXPECT_EQ(driver.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(driver.status().message(), HasSubstr("libcuda.so.1 not found: no NVIDIA driver"));
@@ -83,11 +63,11 @@ TEST(CudaLoader, MissingLibrariesAreNamed) {
 
 TEST(CudaLoader, SearchPathHonoursOverrideAndDefaults) {
   {
-    ScopedLibPath path("/a:/b::");
+    testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", "/a:/b::");
     EXPECT_EQ(CudaLibrarySearchPath(), (std::vector<std::string>{"/a", "/b"}));
   }
   {
-    ScopedLibPath path("");
+    testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", "");
     EXPECT_EQ(CudaLibrarySearchPath().size(), 1u);  // only a directory that does not exist
   }
   if (std::getenv("HSAP_CUDA_LIB_PATH") != nullptr) {
@@ -126,7 +106,7 @@ TEST(CudaApi, UniqueIdWhereNcclLoads) {
 }
 
 TEST(CudaApi, UniqueIdWithoutNccl) {
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   hsapUniqueId_t id;
   EXPECT_EQ(hsapGetUniqueId(&id), hsapUnsupported);
   EXPECT_THAT(LastError(), HasSubstr("libnccl.so.2 not found"));
@@ -150,7 +130,7 @@ TEST(CudaApi, InitRankChecksArgumentsFirst) {
 }
 
 TEST(CudaApi, InitRankWithoutDriverIsUnsupported) {
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   hsapUniqueId_t id{};
   hsapComm_t comm = nullptr;
   hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
@@ -306,7 +286,7 @@ TEST(CudaLoopback, ArgumentsAndMissingDevice) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CreateLoopbackTransports(2, absl::Seconds(1), {nullptr}).status().code(),
             absl::StatusCode::kInvalidArgument);
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   absl::Status s = CreateLoopbackTransports(2, absl::Seconds(1)).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(s.message(), HasSubstr("libcuda.so.1 not found"));
@@ -385,7 +365,7 @@ TEST(CudaApi, LoopbackArgumentsAndMissingDevice) {
   EXPECT_THAT(LastError(), HasSubstr("comms"));
   EXPECT_EQ(hsapCommInitLoopback(comms, 0, nullptr), hsapInvalidArgument);
   EXPECT_THAT(LastError(), HasSubstr("nranks = 0"));
-  ScopedLibPath path(EmptyDir());
+  testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   EXPECT_EQ(hsapCommInitLoopback(comms, 2, nullptr), hsapUnsupported);
   EXPECT_THAT(LastError(), HasSubstr("libcuda.so.1 not found"));
   EXPECT_EQ(comms[0], nullptr);
@@ -441,9 +421,10 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
   // Forward through the peer windows (the default for loopback ranks) and through transfer
   // stages ($HSAP_FUSED_FORWARD=0), alternately.
   bool fused = false;
+  testing::ScopedEnv fused_env("HSAP_FUSED_FORWARD", nullptr);
   for (const GpuCase& g : cases) {
     fused = !fused;
-    setenv("HSAP_FUSED_FORWARD", fused ? "1" : "0", 1);
+    fused_env.Set(fused ? "1" : "0");
     SCOPED_TRACE(::testing::Message()
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
                  << ", " << g.heads_q << "/" << g.heads_kv << " heads, forward "
@@ -461,7 +442,6 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
     const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, ++seed, false);
     hsap::testing::CheckAgainstReference(layout, c, seed, hsap::testing::kCudaKernelFloor);
   }
-  unsetenv("HSAP_FUSED_FORWARD");
 }
 
 // One NCCL rank per GPU (2..8 GPUs): the same check over NCCL.

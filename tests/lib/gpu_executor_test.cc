@@ -167,7 +167,8 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     absl::StatusOr<std::optional<FusedRoutes>> routes;
     if (fused) {
       routes = window.Exchange(*wrapped[r], sched, kHeadsKv * kDim * DTypeSize(dtype),
-                               kernels.fused_copy_ctas(), stream, absl::Seconds(60));
+                               kernels.fused_copy_ctas(), kernels.fused_resident_ctas(), stream,
+                               absl::Seconds(60));
       recorders[r]->TakeRecorded();
       if (!routes.ok() || !routes->has_value()) {
         status[r] =
@@ -455,13 +456,27 @@ GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
 // A batch through the Batch API against the reference; fused: on transports that share
 // memory, with kernels that have the fused forward (two batches, the second needing a
 // larger peer window, each called twice).
-// where: kTwoHosts expects the windows out of reach (stages instead).
+// Emulated kernels that claim a device keeping only `resident` fused CTAs at once.
 template <class Cfg>
-void RunThroughBatchApi(bool fused, Where where = Where::kNowhere) {
+class LimitedResidencyKernels : public EmulatedKernels<Cfg> {
+ public:
+  explicit LimitedResidencyKernels(int resident) : resident_(resident) {}
+  int fused_resident_ctas() const override { return resident_; }
+
+ private:
+  int resident_;
+};
+
+// where: kTwoHosts expects the windows out of reach (stages instead). resident: the fused
+// CTAs the "device" keeps resident (0: no limit); with 3 ranks on it and 1 copy CTA each,
+// fewer than 6 leave no compute CTA: stages instead.
+template <class Cfg>
+void RunThroughBatchApi(bool fused, Where where = Where::kNowhere, int resident = 0) {
   const int R = 3;
   GpuWorld w = MakeGpuWorld(R, -1, fused, where);
-  const bool expect_fused = fused && where != Where::kTwoHosts && Cfg::kMaxSteps > 0;
-  auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
+  const bool fits = resident == 0 || where == Where::kOneHost || resident / R > 1;
+  const bool expect_fused = fused && where != Where::kTwoHosts && Cfg::kMaxSteps > 0 && fits;
+  auto kernels = std::make_shared<const LimitedResidencyKernels<Cfg>>(resident);
   std::vector<size_t> needed(R);  // the largest pool layout of the batches so far
   for (auto [tokens, seed] : {std::pair{170, 51}, {230, 52}}) {
     SCOPED_TRACE(::testing::Message() << tokens << " tokens");
@@ -558,6 +573,12 @@ TEST(GpuBatch, FusedForwardAcrossProcessesOfOneHost) {
 // exchange (so they stay in step) and move K/V with stages.
 TEST(GpuBatch, KernelsWithoutTheFusedForwardFallBackToStages) {
   RunThroughBatchApi<TestCfg<float, true>>(/*fused=*/true);
+}
+// Three ranks on one GPU whose fused kernels could not all be resident with a compute CTA
+// each: stages; with room for them: fused.
+TEST(GpuBatch, FusedForwardNeedsRoomForEveryRanksKernel) {
+  RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(true, Where::kNowhere, 5);
+  RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(true, Where::kNowhere, 6);
 }
 // Ranks on two hosts: no rank uses the windows, the batch moves K/V with stages.
 TEST(GpuBatch, PeerWindowsOutOfReachFallBackToStages) {
