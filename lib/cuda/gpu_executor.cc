@@ -178,8 +178,15 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   const Schedule& sched = *ctx.schedule;
   const int me = sched.rank;
   const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.dtype);
-  const uint32_t call_number = w.NextCall();
   Device& device = *ctx.device;
+  for (const Stage& st : sched.stages) {
+    if (st.recv_from >= 0 && !w.reachable(st.recv_from)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me, ": the peer window of rank ", st.recv_from,
+          " could not be mapped at a later batch's creation; create this batch again"));
+    }
+  }
+  const uint32_t call_number = w.NextCall();
 
   // Owner: the export is free once every reader copied the previous call's rows.
   for (const Stage& st : sched.stages) {

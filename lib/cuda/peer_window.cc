@@ -212,9 +212,11 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
       }
     } else if (p.exported != 0 &&
                SameText(p.location.host.data(), me.host.data(), me.host.size())) {
+      // A window that cannot be mapped is nobody's to read any more, also for batches
+      // made before (their calls then fail instead of reading a freed window).
       absl::StatusOr<char*> base = Open(q, p.handle, p.location);
       reach_all &= base.ok();
-      if (base.ok()) bases_[q] = *base;
+      bases_[q] = base.ok() ? *base : nullptr;
     } else {
       reach_all = false;
     }

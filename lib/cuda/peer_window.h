@@ -92,6 +92,8 @@ class PeerWindow {
                                                       bool willing = true,
                                                       const absl::Status& local = absl::OkStatus());
 
+  // Whether `rank`'s window is mapped here.
+  bool reachable(int rank) const { return bases_[rank] != nullptr; }
   char* export_area(int rank) const { return bases_[rank] + header_bytes_; }
   uint32_t* ready(int rank) const { return Word(rank, 0); }
   uint32_t* error_word() const { return Word(rank_, 1); }
