@@ -357,6 +357,10 @@ TEST(GpuExecutor, FusedForwardThroughPeerWindows) {
     ExpectPostedAsLowered(res, DType::kF32, /*fused=*/true);
     ExpectPredictedTraffic(res, DType::kF32);
   }
+  // bf16 storage through the windows.
+  const Layout layout = testing::RandomLayout(190, DocMix::kLongTail, 95, false);
+  RunGpu<testing::SmallTileCfg<hsap_dev::bf16, 2, true, 2>>(
+      layout, 4, DType::kBF16, 95, 0, nullptr, /*async=*/false, GpuExecMode::kFull, true);
 }
 
 TEST(GpuExecutor, Bf16AndFp16) {
