@@ -98,6 +98,7 @@ absl::StatusOr<std::unique_ptr<CudaRuntimeApi>> LoadRuntimeImpl() {
   HSAP_BIND(handle, api, DeviceGetPCIBusId, "cudaDeviceGetPCIBusId");
   HSAP_BIND(handle, api, DeviceGetByPCIBusId, "cudaDeviceGetByPCIBusId");
   HSAP_BIND(handle, api, DeviceCanAccessPeer, "cudaDeviceCanAccessPeer");
+  HSAP_BIND(handle, api, DeviceGetP2PAttribute, "cudaDeviceGetP2PAttribute");
   HSAP_BIND(handle, api, IpcGetMemHandle, "cudaIpcGetMemHandle");
   HSAP_BIND(handle, api, IpcOpenMemHandle, "cudaIpcOpenMemHandle");
   HSAP_BIND(handle, api, IpcCloseMemHandle, "cudaIpcCloseMemHandle");

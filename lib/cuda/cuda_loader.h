@@ -45,6 +45,7 @@ struct CudaIpcMemHandle {
   char reserved[64];
 };
 inline constexpr unsigned kCudaIpcMemLazyEnablePeerAccess = 1;
+inline constexpr int kCudaDevP2PAttrNativeAtomicSupported = 3;
 
 struct CudaRuntimeApi {
   std::string path;
@@ -72,6 +73,7 @@ struct CudaRuntimeApi {
   cudaError (*DeviceGetPCIBusId)(char*, int, int) = nullptr;
   cudaError (*DeviceGetByPCIBusId)(int*, const char*) = nullptr;
   cudaError (*DeviceCanAccessPeer)(int*, int, int) = nullptr;
+  cudaError (*DeviceGetP2PAttribute)(int*, int, int, int) = nullptr;  // (value, attr, src, dst)
   cudaError (*IpcGetMemHandle)(CudaIpcMemHandle*, void*) = nullptr;
   cudaError (*IpcOpenMemHandle)(void**, CudaIpcMemHandle, unsigned) = nullptr;
   cudaError (*IpcCloseMemHandle)(void*) = nullptr;

@@ -110,6 +110,19 @@ class CudaDevice : public Device {
         return absl::FailedPreconditionError(absl::StrCat(
             "GPU ", ordinal_, " has no peer access to GPU ", peer, " (", owner.device.data(), ")"));
       }
+      // The fused kernel's copy CTAs count their copies with atomics in the owner's window.
+      int atomics = 0;
+      if (absl::Status s =
+              rt_->Check(rt_->DeviceGetP2PAttribute(&atomics, kCudaDevP2PAttrNativeAtomicSupported,
+                                                    ordinal_, peer),
+                         "cudaDeviceGetP2PAttribute(native atomics)");
+          !s.ok()) {
+        return s;
+      }
+      if (atomics == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the link from GPU ", ordinal_, " to GPU ", peer, " has no native atomics"));
+      }
     }
     CudaIpcMemHandle h;
     std::memcpy(h.reserved, handle.data(), handle.size());

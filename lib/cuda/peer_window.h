@@ -11,7 +11,8 @@
 //           (K rows, then V rows), at offsets given by FusedExportLayout.
 // A rank reaches a peer's window directly when both are in one process on one device
 // (loopback ranks), or through CUDA IPC when they are processes of one host whose GPUs have
-// peer access (NVLink or PCIe P2P: NCCL ranks of one node).
+// peer access and native atomics over the link (NVLink, or PCIe P2P with atomics: the NCCL
+// ranks of one node).
 //
 // A fused forward call (gpu_executor.cc), numbered n on every rank alike:
 //   owner  -- waits on its stream until consumed[q] reached what every reader q of the
