@@ -68,7 +68,8 @@ class GpuBatchDevice : public BatchDevice {
       *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
     }
     if (!s.ok()) return s;
-    return Finish("forward");
+    if (absl::Status done = Finish("forward"); !done.ok()) return done;
+    return CheckPeers();
   }
 
   absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
@@ -151,6 +152,44 @@ class GpuBatchDevice : public BatchDevice {
     if (!comm_->synchronous()) return absl::OkStatus();
     return comm_->device().Synchronize(comm_->stream(), absl::Now() + comm_->timeout(),
                                        absl::StrCat(pass, " kernels"));
+  }
+
+  // After a fused forward that finished (synchronous communicator): a copy CTA that gave up
+  // on a peer marked the window's error word; the call's outputs are then invalid. (With a
+  // caller's stream the call returns before the kernels ran, and the word is not read.)
+  absl::Status CheckPeers() {
+    if (window_ == nullptr || !comm_->synchronous() || mode_ != GpuExecMode::kFull) {
+      return absl::OkStatus();
+    }
+    Device& device = comm_->device();
+    uint32_t bits = 0;
+    const absl::Time deadline = absl::Now() + comm_->timeout();
+    if (absl::Status s =
+            device.CopyAsync(&bits, window_->error_word(), sizeof(bits), comm_->stream());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = device.Synchronize(comm_->stream(), deadline, "fused forward check");
+        !s.ok()) {
+      return s;
+    }
+    if (bits == 0) return absl::OkStatus();
+    if (absl::Status s = device.ZeroAsync(window_->error_word(), sizeof(bits), comm_->stream());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = device.Synchronize(comm_->stream(), deadline, "fused forward check");
+        !s.ok()) {
+      return s;
+    }
+    if ((bits & hsap_dev::kErrorPeerTimeout) != 0) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("fused forward: a peer did not publish its K/V within ",
+                       absl::FormatDuration(comm_->timeout()),
+                       " (it failed or stopped calling); this call's outputs are invalid"));
+    }
+    return absl::InternalError(
+        absl::StrCat("fused forward: the kernel reported error bits ", bits));
   }
 
   std::shared_ptr<GpuComm> comm_;

@@ -190,9 +190,12 @@ class EmulatedDevice : public cuda::Device {
   }
 
   absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cuda::cudaStream s) override {
+    if (drop_flag_writes_) return absl::OkStatus();
     Enqueue(s, [=] { hsap_emu_store_release(flag, value); });
     return absl::OkStatus();
   }
+  // Fault injection: flag writes are lost (a rank whose peers never see it publish).
+  void set_drop_flag_writes(bool drop) { drop_flag_writes_ = drop; }
   // Waits up to a minute: a synchronous device returns DeadlineExceeded, an asynchronous
   // one fails the test (its stream carries on).
   absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cuda::cudaStream s) override {
@@ -300,6 +303,7 @@ class EmulatedDevice : public cuda::Device {
   };
   const bool async_;
   std::optional<cuda::DeviceLocation> location_;
+  bool drop_flag_writes_ = false;
   mutable std::mutex mu_;
   int64_t opened_ = 0, closed_ = 0;
   std::set<void*> live_;
@@ -442,9 +446,14 @@ class EmulatedKernels : public cuda::DeviceKernels {
       const unsigned grid = 1 + static_cast<unsigned>(std::min<long long>(work, 2));
       Run(s, [this, p, grid]() mutable {
         unsigned int error = 0;
+        unsigned int* caller_flag = p.head.error_flag;
         p.head.error_flag = &error;
         hsap_emu::Launch(grid, 1, Cfg::kThreads, Cfg::kFwdSmemBytes, /*all_concurrent=*/true,
                          [&] { hsap_dev::fused_fwd_kernel<Cfg>(p); });
+        // The caller's word sees the bits too (the executor reads it back).
+        if (error != 0 && caller_flag != nullptr) {
+          std::atomic_ref<unsigned int>(*caller_flag).fetch_or(error);
+        }
         if (error != 0) {
           std::lock_guard<std::mutex> lock(mu_);
           if (error_.empty()) error_ = absl::StrCat("fused forward reported error bits ", error);

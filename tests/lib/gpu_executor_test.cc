@@ -425,9 +425,9 @@ enum class Where {
 // share_memory: the transports offer peer windows (as loopback and NCCL ones do), so
 // batches use the fused forward when their kernels have it and the ranks reach each other.
 GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
-                      Where where = Where::kNowhere) {
+                      Where where = Where::kNowhere, absl::Duration timeout = absl::Seconds(120)) {
   GpuWorld w;
-  auto transports = CreateHostTransports(R, absl::Seconds(120));
+  auto transports = CreateHostTransports(R, timeout);
   EXPECT_TRUE(transports.ok()) << transports.status();
   for (int r = 0; r < R; ++r) {
     std::unique_ptr<Device> device;
@@ -449,8 +449,8 @@ GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
       t = std::make_unique<testing::EmulatedDeviceTransport>(
           std::move(t), *w.transport_devices.back(), /*share_memory=*/true);
     }
-    w.comms.push_back(std::make_unique<Communicator>(std::move(t), absl::Seconds(120), 1));
-    auto gpu = GpuComm::Create(std::move(device), nullptr, absl::Seconds(120));
+    w.comms.push_back(std::make_unique<Communicator>(std::move(t), timeout, 1));
+    auto gpu = GpuComm::Create(std::move(device), nullptr, timeout);
     EXPECT_TRUE(gpu.ok()) << gpu.status();
     w.gpus.push_back(*std::move(gpu));
   }
@@ -584,6 +584,46 @@ TEST(GpuBatch, FusedForwardNeedsRoomForEveryRanksKernel) {
   RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(true, Where::kNowhere, 5);
   RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(true, Where::kNowhere, 6);
 }
+// A rank whose flag writes are lost: its readers' copy CTAs give up after the timeout and
+// their forward fails with DeadlineExceeded instead of returning garbage; the silent rank's
+// own forward (it reads the others fine) succeeds.
+TEST(GpuBatch, FusedForwardReportsASilentPeer) {
+  using Cfg = testing::SmallTileCfg<float, 2, true, 2>;
+  const int R = 3, silent = 1;
+  GpuWorld w = MakeGpuWorld(R, -1, /*share_memory=*/true, Where::kNowhere, absl::Seconds(2));
+  w.devices[silent]->set_drop_flag_writes(true);
+  auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
+  BatchOptions options;
+  options.dtype = DType::kF32;
+  options.heads_q = kHeadsQ;
+  options.heads_kv = kHeadsKv;
+  options.head_dim = kDim;
+  // One document over all ranks: every rank reads every other.
+  absl::StatusOr<Layout> layout = Layout::FromDocuments({0, 96}, {MaskKind::kFull});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  std::vector<absl::Status> status(R);
+  testing::OnEveryRank(R, [&](int r) {
+    std::unique_ptr<BatchDevice> device = NewGpuBatchDevice(w.gpus[r], kernels);
+    const BatchDevice* device_view = device.get();
+    auto batch = Batch::Create(*w.comms[r], *layout, {}, options, HandWrittenKernels(),
+                               absl::OkStatus(), std::move(device));
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    ASSERT_TRUE(UsesFusedForward(device_view));
+    const size_t rows = (*batch)->schedule().local_rows;
+    std::vector<float> q(rows * kHeadsQ * kDim, 0.5f), kv(rows * kHeadsKv * kDim, 0.25f),
+        out(q.size()), lse(rows * kHeadsQ);
+    status[r] = (*batch)->Forward(q.data(), kv.data(), kv.data(), out.data(), lse.data());
+  });
+  for (int r = 0; r < R; ++r) {
+    if (r == silent) {
+      EXPECT_TRUE(status[r].ok()) << status[r];
+    } else {
+      EXPECT_EQ(status[r].code(), absl::StatusCode::kDeadlineExceeded) << "rank " << r;
+      EXPECT_THAT(status[r].message(), HasSubstr("did not publish its K/V"));
+    }
+  }
+}
+
 // Ranks on two hosts: no rank uses the windows, the batch moves K/V with stages.
 TEST(GpuBatch, PeerWindowsOutOfReachFallBackToStages) {
   RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true, Where::kTwoHosts);
