@@ -162,6 +162,16 @@ struct RowInputs {
     v.Randomize(rng);
     dout.Randomize(rng);
   }
+  // The reference's view of q, k, v (the row's tensors, pointing into this object).
+  ReferenceInputs Reference(const AttentionDims& dims, DType dtype) const {
+    ReferenceInputs ri;
+    ri.dims = dims;
+    ri.dtype = dtype;
+    ri.q = q.bytes.data();
+    ri.k = k.bytes.data();
+    ri.v = v.bytes.data();
+    return ri;
+  }
 };
 
 // Full-row outputs gathered from the ranks.
@@ -337,16 +347,13 @@ inline RowOutputs CheckAgainstReference(const Layout& layout, const DistCase& c,
   }
   if (!got.ok()) return got;
 
-  ReferenceInputs ri;
-  ri.dims.heads_q = c.heads_q;
-  ri.dims.heads_kv = c.heads_kv;
-  ri.dims.head_dim = c.head_dim;
-  ri.dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  ri.dtype = c.dtype;
-  ri.q = in.q.bytes.data();
-  ri.k = in.k.bytes.data();
-  ri.v = in.v.bytes.data();
-  ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, c.backward, min_floor);
+  AttentionDims dims;
+  dims.heads_q = c.heads_q;
+  dims.heads_kv = c.heads_kv;
+  dims.head_dim = c.head_dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  ExpectMatchesReference(layout, in.Reference(dims, c.dtype), in.dout.bytes.data(), got, c.backward,
+                         min_floor);
   return got;
 }
 

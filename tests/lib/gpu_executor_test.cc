@@ -222,12 +222,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
 
   // The reference on the same inputs.
   if (statuses == nullptr && mode == GpuExecMode::kFull) {
-    ReferenceInputs ri;
-    ri.dims = dims;
-    ri.dtype = dtype;
-    ri.q = in.q.bytes.data();
-    ri.k = in.k.bytes.data();
-    ri.v = in.v.bytes.data();
+    const ReferenceInputs ri = in.Reference(dims, dtype);
     testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), res.outputs,
                                     /*backward=*/true, testing::kCudaKernelFloor);
   }
@@ -538,12 +533,7 @@ void RunThroughBatchApi(bool fused, Where where = Where::kNowhere, int resident 
       testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, got.lse);
     });
     for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
-    ReferenceInputs ri;
-    ri.dims = *DimsFromOptions(options);
-    ri.dtype = DType::kF32;
-    ri.q = in.q.bytes.data();
-    ri.k = in.k.bytes.data();
-    ri.v = in.v.bytes.data();
+    const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
     testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
                                     testing::kCudaKernelFloor);
   }

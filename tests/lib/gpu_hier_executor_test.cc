@@ -147,12 +147,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
   });
 
-  ReferenceInputs ri;
-  ri.dims = dims;
-  ri.dtype = DType::kF32;
-  ri.q = in.q.bytes.data();
-  ri.k = in.k.bytes.data();
-  ri.v = in.v.bytes.data();
+  const ReferenceInputs ri = in.Reference(dims, DType::kF32);
   testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), o, /*backward=*/true,
                                   testing::kCudaKernelFloor);
   for (int r = 0; r < R; ++r) {
@@ -264,12 +259,7 @@ TEST(GpuHier, BatchUnderAPlan) {
     testing::UnsliceRows(dv, shard, o.dv);
     testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
   });
-  ReferenceInputs ri;
-  ri.dims = *DimsFromOptions(options);
-  ri.dtype = DType::kF32;
-  ri.q = in.q.bytes.data();
-  ri.k = in.k.bytes.data();
-  ri.v = in.v.bytes.data();
+  const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
   testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), o, /*backward=*/true,
                                   testing::kCudaKernelFloor);
 }
