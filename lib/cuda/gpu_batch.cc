@@ -128,7 +128,6 @@ class GpuBatchDevice : public BatchDevice {
     ctx.mode = mode_;
     ctx.window = window_;
     ctx.routes = &routes_;
-    ctx.share = routes_.share;
     ctx.peer_timeout = comm_->timeout();
     return ctx;
   }

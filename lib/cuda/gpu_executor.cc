@@ -241,7 +241,7 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   h.heads_q = fwd.heads_q;
   h.heads_kv = fwd.heads_kv;
   h.scale = fwd.scale;
-  launch.share = ctx.share;
+  launch.share = routes.share;
   auto flush = [&]() -> absl::Status {
     if (launch.steps.empty()) return absl::OkStatus();
     if (absl::Status s = device.ZeroAsync(w.counters(), 4 * sizeof(uint32_t), ctx.stream);

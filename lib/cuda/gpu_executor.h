@@ -94,11 +94,9 @@ struct GpuExecContext {
   GpuExecMode mode = GpuExecMode::kFull;
   // The fused forward (peer_window.h), when the batch was set up for it: forward moves K/V
   // through the peer windows inside fused_fwd_kernel and posts no stage; backward is
-  // unchanged. `share`: ranks whose fused kernels run on this device at once;
-  // `peer_timeout`: how long a copy CTA waits for a sender before giving up.
+  // unchanged. `peer_timeout`: how long a copy CTA waits for a sender before giving up.
   PeerWindow* window = nullptr;
   const FusedRoutes* routes = nullptr;
-  int share = 1;
   absl::Duration peer_timeout = absl::Minutes(5);
 };
 
