@@ -68,8 +68,20 @@ class GpuBatchDevice : public BatchDevice {
       *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
     }
     if (!s.ok()) return s;
+    // A fused forward that finishes here also reads its window's error word back, in the
+    // same wait as its kernels. (With a caller's stream the call returns before the kernels
+    // ran, and the word is not read.)
+    uint32_t peer_errors = 0;
+    const bool check = window_ != nullptr && comm_->synchronous() && mode_ == GpuExecMode::kFull;
+    if (check) {
+      if (absl::Status e = comm_->device().CopyAsync(&peer_errors, window_->error_word(),
+                                                     sizeof(peer_errors), comm_->stream());
+          !e.ok()) {
+        return e;
+      }
+    }
     if (absl::Status done = Finish("forward"); !done.ok()) return done;
-    return CheckPeers();
+    return check ? PeerErrors(peer_errors) : absl::OkStatus();
   }
 
   absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
@@ -153,26 +165,12 @@ class GpuBatchDevice : public BatchDevice {
                                        absl::StrCat(pass, " kernels"));
   }
 
-  // After a fused forward that finished (synchronous communicator): a copy CTA that gave up
-  // on a peer marked the window's error word; the call's outputs are then invalid. (With a
-  // caller's stream the call returns before the kernels ran, and the word is not read.)
-  absl::Status CheckPeers() {
-    if (window_ == nullptr || !comm_->synchronous() || mode_ != GpuExecMode::kFull) {
-      return absl::OkStatus();
-    }
-    Device& device = comm_->device();
-    uint32_t bits = 0;
-    const absl::Time deadline = absl::Now() + comm_->timeout();
-    if (absl::Status s =
-            device.CopyAsync(&bits, window_->error_word(), sizeof(bits), comm_->stream());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = device.Synchronize(comm_->stream(), deadline, "fused forward check");
-        !s.ok()) {
-      return s;
-    }
+  // The error word of a finished fused forward: a copy CTA that gave up on a peer marked
+  // it, and the call's outputs are then invalid. Clears the word.
+  absl::Status PeerErrors(uint32_t bits) {
     if (bits == 0) return absl::OkStatus();
+    Device& device = comm_->device();
+    const absl::Time deadline = absl::Now() + comm_->timeout();
     if (absl::Status s = device.ZeroAsync(window_->error_word(), sizeof(bits), comm_->stream());
         !s.ok()) {
       return s;
