@@ -57,9 +57,10 @@ PeerWindow::~PeerWindow() {
   }
   // Drain also waits for this rank's own kernels (it synchronizes the stream), which may
   // read the peers' windows: only then are the mappings closed.
-  const bool drained = Drain(drain_stream_, absl::Now() + timeout_).ok();
-  if (drained) CloseAll();
-  if (drained) device_.Free(memory_);
+  if (Drain(drain_stream_, absl::Now() + timeout_).ok()) {
+    CloseAll();
+    device_.Free(memory_);
+  }
 }
 
 void PeerWindow::CloseAll() {
@@ -201,8 +202,9 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
   for (int q = 0; q < size_ && willing; ++q) {
     const Record& p = records[q];
     reach_all &= p.base != 0;  // a rank that is not willing has no window
-    const bool same_device = SameText(p.location.host.data(), me.host.data(), me.host.size()) &&
-                             SameText(p.location.device.data(), me.device.data(), me.device.size());
+    const bool same_host = SameText(p.location.host.data(), me.host.data(), me.host.size());
+    const bool same_device =
+        same_host && SameText(p.location.device.data(), me.device.data(), me.device.size());
     if (same_device) ++share;
     if (p.location.process == me.process) {
       if (q == rank_ || same_device) {
@@ -210,8 +212,7 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
       } else {
         reach_all = false;  // one process, two GPUs: peer access is not set up here
       }
-    } else if (p.exported != 0 &&
-               SameText(p.location.host.data(), me.host.data(), me.host.size())) {
+    } else if (p.exported != 0 && same_host) {
       // A window that cannot be mapped is nobody's to read any more, also for batches
       // made before (their calls then fail instead of reading a freed window).
       absl::StatusOr<char*> base = Open(q, p.handle, p.location);
