@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "attention/dtype.h"
@@ -189,6 +190,38 @@ struct RowOutputs {
     }
     return true;
   }
+};
+
+// One rank's slices of a row's inputs and outputs: the buffers its calls read and write
+// (lse: [heads_q, rows of the shard], one spare element), and back into the row's outputs.
+struct ShardTensors {
+  ShardTensors(const RowInputs& in, const RowOutputs& row, std::vector<TokenRange> rows, int heads)
+      : shard(std::move(rows)),
+        heads_q(heads),
+        q(SliceRows(in.q, shard)),
+        k(SliceRows(in.k, shard)),
+        v(SliceRows(in.v, shard)),
+        dout(SliceRows(in.dout, shard)),
+        out(SliceRows(row.out, shard)),
+        dq(SliceRows(row.dq, shard)),
+        dk(SliceRows(row.dk, shard)),
+        dv(SliceRows(row.dv, shard)) {
+    int64_t n = 0;
+    for (const TokenRange& r : shard) n += r.size();
+    lse.assign(static_cast<size_t>(n) * heads_q + 1, 0.0f);
+  }
+  void Unslice(RowOutputs& row) const {
+    UnsliceRows(out, shard, row.out);
+    UnsliceRows(dq, shard, row.dq);
+    UnsliceRows(dk, shard, row.dk);
+    UnsliceRows(dv, shard, row.dv);
+    UnsliceLse(lse, shard, heads_q, row.lse);
+  }
+
+  std::vector<TokenRange> shard;
+  int heads_q;
+  std::vector<uint8_t> q, k, v, dout, out, dq, dk, dv;
+  std::vector<float> lse;
 };
 
 inline std::vector<std::vector<uint8_t>> ScatterRow(hsapPartition_t part, int ranks,

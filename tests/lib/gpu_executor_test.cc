@@ -139,15 +139,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     status[r] = pool.Reserve(layout_r->total_bytes() - pool_shortfall);
     if (!status[r].ok()) return;
 
-    std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
-                         k = testing::SliceRows(in.k, ShardOf(sched)),
-                         v = testing::SliceRows(in.v, ShardOf(sched)),
-                         dout = testing::SliceRows(in.dout, ShardOf(sched)),
-                         out = testing::SliceRows(res.outputs.out, ShardOf(sched)),
-                         dq = testing::SliceRows(res.outputs.dq, ShardOf(sched)),
-                         dk = testing::SliceRows(res.outputs.dk, ShardOf(sched)),
-                         dv = testing::SliceRows(res.outputs.dv, ShardOf(sched));
-    std::vector<float> lse(static_cast<size_t>(sched.local_rows) * kHeadsQ + 1, 0.0f);
+    testing::ShardTensors t(in, res.outputs, ShardOf(sched), kHeadsQ);
     GpuExecContext ctx;
     ctx.device = &device;
     ctx.kernels = &kernels;
@@ -184,8 +176,8 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     // Fused forward runs twice: the second call reuses the windows only after every reader
     // is done with the first (out and lse are the same both times).
     for (int call = 0; call < (fused ? 2 : 1) && status[r].ok(); ++call) {
-      status[r] = GpuExecuteForward(ctx, q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                    &res.fwd_traffic[r]);
+      status[r] = GpuExecuteForward(ctx, t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                                    t.lse.data(), &res.fwd_traffic[r]);
     }
     res.forward[r] = recorders[r]->TakeRecorded();
     if (!status[r].ok()) return;
@@ -194,9 +186,9 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "forward");
     if (!status[r].ok()) return;
     ctx.call_id = 8;
-    status[r] =
-        GpuExecuteBackward(ctx, dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
-                           dq.data(), dk.data(), dv.data(), &res.bwd_traffic[r]);
+    status[r] = GpuExecuteBackward(ctx, t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
+                                   t.out.data(), t.lse.data(), t.dq.data(), t.dk.data(),
+                                   t.dv.data(), &res.bwd_traffic[r]);
     res.backward[r] = recorders[r]->TakeRecorded();
     if (status[r].ok()) status[r] = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
     // Every reader signalled each copy it made of this rank's rows (the next call's owner
@@ -208,11 +200,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     EXPECT_EQ(device.events_alive(), 0) << "rank " << r;
 
     // Gather (each rank writes its own rows of the shared row tensors).
-    testing::UnsliceRows(out, ShardOf(sched), res.outputs.out);
-    testing::UnsliceRows(dq, ShardOf(sched), res.outputs.dq);
-    testing::UnsliceRows(dk, ShardOf(sched), res.outputs.dk);
-    testing::UnsliceRows(dv, ShardOf(sched), res.outputs.dv);
-    testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, res.outputs.lse);
+    t.Unslice(res.outputs);
   });
   if (statuses != nullptr) {
     *statuses = status;
@@ -508,29 +496,18 @@ void RunThroughBatchApi(bool fused, Where where = Where::kNowhere, int resident 
       const Schedule& sched = (*batch)->schedule();
       needed[r] = std::max(needed[r],
                            ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes());
-      std::vector<uint8_t> q = testing::SliceRows(in.q, ShardOf(sched)),
-                           k = testing::SliceRows(in.k, ShardOf(sched)),
-                           v = testing::SliceRows(in.v, ShardOf(sched)),
-                           dout = testing::SliceRows(in.dout, ShardOf(sched)),
-                           out = testing::SliceRows(got.out, ShardOf(sched)),
-                           dq = testing::SliceRows(got.dq, ShardOf(sched)),
-                           dk = testing::SliceRows(got.dk, ShardOf(sched)),
-                           dv = testing::SliceRows(got.dv, ShardOf(sched));
-      std::vector<float> lse(sched.local_rows * kHeadsQ + 1);
+      testing::ShardTensors t(in, got, ShardOf(sched), kHeadsQ);
       for (int call = 0; call < 2; ++call) {
-        ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
+        ASSERT_TRUE(
+            (*batch)->Forward(t.q.data(), t.k.data(), t.v.data(), t.out.data(), t.lse.data()).ok());
       }
       ASSERT_TRUE((*batch)
-                      ->Backward(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                 dq.data(), dk.data(), dv.data())
+                      ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                                 t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
                       .ok());
       EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
                 ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
-      testing::UnsliceRows(out, ShardOf(sched), got.out);
-      testing::UnsliceRows(dq, ShardOf(sched), got.dq);
-      testing::UnsliceRows(dk, ShardOf(sched), got.dk);
-      testing::UnsliceRows(dv, ShardOf(sched), got.dv);
-      testing::UnsliceLse(lse, ShardOf(sched), kHeadsQ, got.lse);
+      t.Unslice(got);
     });
     for (int r = 0; r < R; ++r) EXPECT_EQ(w.gpus[r]->pool_bytes(), needed[r]) << "rank " << r;
     const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);

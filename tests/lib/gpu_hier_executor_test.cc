@@ -106,14 +106,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     ASSERT_TRUE(pool.Reserve((*program)->pool_bytes()).ok());
 
     const std::vector<TokenRange>& shard = h->shard(r);
-    std::vector<uint8_t> q = testing::SliceRows(in.q, shard), k = testing::SliceRows(in.k, shard),
-                         v = testing::SliceRows(in.v, shard),
-                         dout = testing::SliceRows(in.dout, shard),
-                         out = testing::SliceRows(o.out, shard),
-                         dq = testing::SliceRows(o.dq, shard), dk = testing::SliceRows(o.dk, shard),
-                         dv = testing::SliceRows(o.dv, shard);
-    const int64_t n = rh->shard_tokens;
-    std::vector<float> lse(static_cast<size_t>(n) * plan.heads_q + 1, 0.0f);
+    testing::ShardTensors t(in, o, shard, plan.heads_q);
     GpuHierContext ctx;
     ctx.device = &device;
     ctx.kernels = &kernels;
@@ -124,14 +117,15 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     ctx.call_id = 1;
     ctx.stream = stream;
     const int64_t allocations = device.allocations();
-    absl::Status s = GpuHierarchicalForward(ctx, q.data(), k.data(), v.data(), out.data(),
-                                            lse.data(), &res.forward[r]);
+    absl::Status s = GpuHierarchicalForward(ctx, t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                                            t.lse.data(), &res.forward[r]);
     res.posted_forward[r] = recorders[r]->TakeRecorded();
     if (s.ok()) s = device.Synchronize(stream, absl::InfiniteFuture(), "forward");
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
     ctx.call_id = 2;
-    s = GpuHierarchicalBackward(ctx, dout.data(), q.data(), k.data(), v.data(), out.data(),
-                                lse.data(), dq.data(), dk.data(), dv.data(), &res.backward[r]);
+    s = GpuHierarchicalBackward(ctx, t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
+                                t.out.data(), t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data(),
+                                &res.backward[r]);
     res.posted_backward[r] = recorders[r]->TakeRecorded();
     if (s.ok()) s = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
@@ -140,11 +134,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     res.predicted_forward[r] = PredictForwardTraffic(*rh, kDim, DType::kF32);
     res.predicted_backward[r] = PredictBackwardTraffic(*rh, kDim, DType::kF32);
 
-    testing::UnsliceRows(out, shard, o.out);
-    testing::UnsliceRows(dq, shard, o.dq);
-    testing::UnsliceRows(dk, shard, o.dk);
-    testing::UnsliceRows(dv, shard, o.dv);
-    testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
+    t.Unslice(o);
   });
 
   const ReferenceInputs ri = in.Reference(dims, DType::kF32);
@@ -238,26 +228,16 @@ TEST(GpuHier, BatchUnderAPlan) {
     ASSERT_TRUE(batch.ok()) << batch.status();
     EXPECT_GT((*gpu)->pool_bytes(), 0u);
     const std::vector<TokenRange> shard = (*batch)->partition()->ranges(r);
-    std::vector<uint8_t> q = testing::SliceRows(in.q, shard), k = testing::SliceRows(in.k, shard),
-                         v = testing::SliceRows(in.v, shard),
-                         dout = testing::SliceRows(in.dout, shard),
-                         out = testing::SliceRows(o.out, shard),
-                         dq = testing::SliceRows(o.dq, shard), dk = testing::SliceRows(o.dk, shard),
-                         dv = testing::SliceRows(o.dv, shard);
-    const int64_t n = (*batch)->local_tokens();
-    std::vector<float> lse(static_cast<size_t>(n) * plan.heads_q + 1);
-    ASSERT_TRUE((*batch)->Forward(q.data(), k.data(), v.data(), out.data(), lse.data()).ok());
+    testing::ShardTensors t(in, o, shard, plan.heads_q);
+    ASSERT_TRUE(
+        (*batch)->Forward(t.q.data(), t.k.data(), t.v.data(), t.out.data(), t.lse.data()).ok());
     ASSERT_TRUE((*batch)
-                    ->Backward(dout.data(), q.data(), k.data(), v.data(), out.data(), lse.data(),
-                               dq.data(), dk.data(), dv.data())
+                    ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                               t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
                     .ok());
     EXPECT_EQ((*batch)->traffic().hier_forward,
               PredictForwardTraffic(*(*batch)->hierarchy(), kDim, DType::kF32));
-    testing::UnsliceRows(out, shard, o.out);
-    testing::UnsliceRows(dq, shard, o.dq);
-    testing::UnsliceRows(dk, shard, o.dk);
-    testing::UnsliceRows(dv, shard, o.dv);
-    testing::UnsliceLse(lse, shard, plan.heads_q, o.lse);
+    t.Unslice(o);
   });
   const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
   testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), o, /*backward=*/true,
