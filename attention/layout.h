@@ -22,6 +22,13 @@ enum class MaskKind {
   kSlidingWindow = 3,  // causal within the last `param` tokens: (i - param, i]
 };
 
+// Half-open token positions [begin, end) of the packed row.
+struct TokenRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+  friend bool operator==(const TokenRange&, const TokenRange&) = default;
+};
+
 // Larger than any token count; stands for "no limit" on a diagonal bound.
 inline constexpr int64_t kNoDiagLimit = int64_t{1} << 60;
 

@@ -209,7 +209,7 @@ absl::StatusOr<std::unique_ptr<CudnnApi>> LoadCudnnImpl() {
   return api;
 }
 
-// Loaded once per search path and never unloaded (as lib/cuda/cuda_loader.cc does).
+// Loaded once per search path and never unloaded (as lib/cuda/runtime/cuda_loader.cc does).
 absl::StatusOr<const CudnnApi*> LoadCudnn() {
   static std::mutex mu;
   static auto* cache = new std::map<std::string, absl::StatusOr<const CudnnApi*>>();

@@ -32,7 +32,7 @@
 //
 // Loading. libcudnn.so.9 is dlopen()ed, only the functions used are resolved, so binaries
 // start on machines without cuDNN. Search: $HSAP_CUDA_LIB_PATH (only its directories, as in
-// lib/cuda/cuda_loader.h; tests point it at an empty directory), else $CUDA_HOME/lib64,
+// lib/cuda/runtime/cuda_loader.h; tests point it at an empty directory), else $CUDA_HOME/lib64,
 // $CUDA_HOME/lib, /usr/local/cuda/lib64, /usr/local/cuda/lib, /usr/local/cuda-13.0/lib, then
 // the default loader path. The descriptor code needs cudnn_graph.h at build time
 // (HSAP_HAVE_CUDNN_HEADERS, set by CMake when it finds the header); without it Create says
@@ -57,7 +57,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "attention/dtype.h"
-#include "lib/cuda/cuda_loader.h"
+#include "lib/cuda/runtime/cuda_loader.h"
 
 namespace hsap::bench {
 

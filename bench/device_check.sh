@@ -11,7 +11,7 @@
 #      whole row with the same inputs (bench/cudnn_attention.h: '# cuDNN' lines after each row,
 #      fwd ms, TFLOP/s, ours/cuDNN, its #wrong against the reference), or say why it was
 #      unavailable; the summary ends with those figures. Forward of batches without a plan
-#      runs fused (peer windows, lib/cuda/peer_window.h); the packed rows run once more with
+#      runs fused (peer windows, lib/cuda/runtime/peer_window.h); the packed rows run once more with
 #      --fused 0 (forward through loopback transfer stages) for comparison.
 # Results go to $OUT (when set) or ./device_check_out: build log, test logs, summary.txt.
 # Usage: bench/device_check.sh [build-dir]

@@ -23,7 +23,7 @@
 #include "attention/reference.h"
 #include "bench/bench_util.h"
 #include "hsap/hsap.h"
-#include "lib/api_util.h"
+#include "lib/api/checks.h"
 
 namespace {
 

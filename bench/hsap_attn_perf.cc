@@ -34,13 +34,13 @@
 #include "bench/bench_util.h"
 #include "bench/cudnn_attention.h"
 #include "hsap/hsap.h"
-#include "lib/api_batch.h"
-#include "lib/api_plan.h"
-#include "lib/api_util.h"
-#include "lib/cuda/cuda_loader.h"
-#include "lib/cuda/gpu_batch.h"
-#include "lib/hierarchy.h"
-#include "lib/partition.h"
+#include "lib/api/batch.h"
+#include "lib/api/checks.h"
+#include "lib/api/handles.h"
+#include "lib/cuda/exec/gpu_batch.h"
+#include "lib/cuda/runtime/cuda_loader.h"
+#include "lib/sched/hierarchy.h"
+#include "lib/sched/partition.h"
 
 namespace {
 

@@ -17,12 +17,12 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
-#include "lib/baselines.h"
-#include "lib/cluster.h"
-#include "lib/cost_model.h"
-#include "lib/plan.h"
-#include "lib/planner.h"
-#include "lib/simulator.h"
+#include "lib/planner/baselines.h"
+#include "lib/planner/cluster.h"
+#include "lib/planner/cost_model.h"
+#include "lib/planner/planner.h"
+#include "lib/planner/simulator.h"
+#include "lib/sched/plan.h"
 
 namespace {
 

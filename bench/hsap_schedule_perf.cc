@@ -17,8 +17,8 @@
 
 #include "attention/kernel.h"
 #include "attention/layout.h"
-#include "lib/partition.h"
-#include "lib/schedule.h"
+#include "lib/sched/partition.h"
+#include "lib/sched/schedule.h"
 
 namespace {
 

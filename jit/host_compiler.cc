@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "jit/compile_error.h"
 #include "jit/subprocess.h"
-#include "lib/errors.h"
 
 #ifndef HSAP_CXX_COMPILER
 #define HSAP_CXX_COMPILER "c++"

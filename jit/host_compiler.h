@@ -13,7 +13,7 @@
 // by path), falling back to a uniquely named temporary file that is unlinked right after
 // dlopen. Nothing is left on disk except the cache entry.
 //
-// A failed compile returns CompileError (lib/errors.h -> hsapCompileError) whose message
+// A failed compile returns CompileError (jit/compile_error.h -> hsapCompileError) whose message
 // holds the compiler's command, its full output and the path of the kept source.
 #ifndef HSAP_JIT_HOST_COMPILER_H_
 #define HSAP_JIT_HOST_COMPILER_H_

@@ -16,7 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "jit/cache.h"
-#include "lib/errors.h"
+#include "jit/compile_error.h"
 
 namespace hsap::jit {
 namespace {

@@ -14,7 +14,7 @@
 //     architecture is unknown to this NVRTC or when PTX is asked for; the driver JITs it.
 // Name expressions (e.g. "hsap_dev::attn_fwd_kernel<Cfg>") are registered before the
 // compile and their lowered (mangled) names returned with the binary. A failed compile is
-// CompileError (lib/errors.h, hsapCompileError) whose message holds the full NVRTC log and
+// CompileError (jit/compile_error.h, hsapCompileError) whose message holds the full NVRTC log and
 // the path where the generated source was kept. Every compile is timed.
 //
 // Caching. Binaries go through jit/cache.h (kind "cubin"/"ptx"), keyed by the source, the

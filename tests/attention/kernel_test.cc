@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "attention/attention_test_util.h"
 #include "attention/reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/attention_test_util.h"
 
 namespace hsap {
 namespace {

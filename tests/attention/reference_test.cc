@@ -4,8 +4,8 @@
 #include <random>
 #include <vector>
 
-#include "attention/attention_test_util.h"
 #include "gtest/gtest.h"
+#include "tests/support/attention_test_util.h"
 
 namespace hsap {
 namespace {

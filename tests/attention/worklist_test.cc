@@ -4,9 +4,9 @@
 #include <random>
 #include <vector>
 
-#include "attention/attention_test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/attention_test_util.h"
 
 namespace hsap {
 namespace {

@@ -15,9 +15,9 @@
 #include "attention/reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "lib/cuda/cuda_loader.h"
-#include "tests/scoped_env.h"
-#include "tests/tolerance.h"
+#include "lib/cuda/runtime/cuda_loader.h"
+#include "tests/support/scoped_env.h"
+#include "tests/support/tolerance.h"
 
 namespace hsap::bench {
 namespace {

@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "test_files.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::jit {
 namespace {

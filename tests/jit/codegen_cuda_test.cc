@@ -17,11 +17,12 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/cache.h"
+#include "jit/compile_error.h"
 #include "jit/cuda_kernels.h"
 #include "jit/device/hsap_params.cuh"
 #include "jit/nvrtc.h"
-#include "lib/errors.h"
-#include "test_files.h"
+#include "lib/api/result.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::jit {
 namespace {

@@ -8,7 +8,7 @@
 // several tiles, chunks and segments occur on short rows.
 // The emulator must come before the device code.
 // clang-format off
-#include "tests/jit/cuda_emulator.h"
+#include "tests/support/cuda_emulator.h"
 #include "jit/device/hsap_attention.cuh"
 // clang-format on
 
@@ -20,13 +20,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "attention/attention_test_util.h"
 #include "attention/reference.h"
 #include "attention/worklist.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
-#include "tests/tolerance.h"
+#include "tests/support/attention_test_util.h"
+#include "tests/support/tolerance.h"
 
 namespace hsap {
 namespace {

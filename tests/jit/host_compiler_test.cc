@@ -12,10 +12,11 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_host.h"
+#include "jit/compile_error.h"
 #include "jit/host_abi.h"
 #include "jit/subprocess.h"
-#include "lib/errors.h"
-#include "test_files.h"
+#include "lib/api/result.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::jit {
 namespace {

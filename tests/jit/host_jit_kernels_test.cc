@@ -17,16 +17,17 @@
 #include <tuple>
 #include <vector>
 
-#include "attention/attention_test_util.h"
 #include "attention/kernel.h"
 #include "attention/merge.h"
 #include "attention/reference.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_host.h"
+#include "jit/compile_error.h"
 #include "jit/host_compiler.h"
-#include "lib/errors.h"
-#include "test_files.h"
+#include "lib/api/result.h"
+#include "tests/support/attention_test_util.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::jit {
 namespace {

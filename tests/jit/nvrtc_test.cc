@@ -12,9 +12,10 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/cache.h"
-#include "lib/errors.h"
-#include "test_files.h"
-#include "tests/scoped_env.h"
+#include "jit/compile_error.h"
+#include "lib/api/result.h"
+#include "tests/support/scoped_env.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::jit {
 namespace {

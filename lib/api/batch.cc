@@ -1,0 +1,254 @@
+// Batch entry points of the C ABI: distributed attention over one packed row.
+//
+// The collective calls keep a rank in step with its peers even when its own arguments are
+// wrong: the argument checks run first, and their verdict travels with the rank's part of
+// the agreement, so that every rank fails at once instead of waiting for a timeout. Only a
+// null communicator or batch handle (nothing to take part with) returns without it.
+#include "lib/api/batch.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string_view>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "hsap/hsap.h"
+#include "jit/host_jit_kernels.h"
+#include "lib/api/checks.h"
+#include "lib/api/result.h"
+#include "lib/cuda/exec/gpu_batch.h"
+#include "lib/exec/batch.h"
+
+namespace hsap {
+namespace {
+
+// Size of version 1 of hsapBatchConfig_t.
+constexpr size_t kBatchConfigV1Size = sizeof(hsapBatchConfig_t);
+
+absl::StatusOr<Batch*> BatchFromHandle(hsapBatch_t batch) {
+  if (batch == nullptr || batch->batch == nullptr) {
+    return absl::InvalidArgumentError("batch is null; create one with hsapBatchCreate");
+  }
+  return batch->batch.get();
+}
+
+// First failing check of a list, or OK.
+template <typename... Checks>
+absl::Status FirstError(Checks&&... checks) {
+  absl::Status result;
+  ((result.ok() ? (void)(result = checks()) : (void)0), ...);
+  return result;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
+                                                                       const Layout& layout) {
+  absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+  if (!dims.ok()) return dims.status();
+  return jit::HostKernelsForBatch(*dims, options.dtype, layout);
+}
+
+const KernelSet& BatchBackend::kernel_set() const {
+  return kernels != nullptr ? *kernels : HandWrittenKernels();
+}
+
+BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
+                              const Layout& layout, absl::Status& local) {
+  BatchBackend backend;
+  if (!local.ok()) return backend;
+  if (comm.gpu == nullptr) {
+    absl::StatusOr<std::shared_ptr<const KernelSet>> kernels =
+        HostKernelsForOptions(options, layout);
+    if (kernels.ok()) {
+      backend.kernels = *std::move(kernels);
+    } else {
+      local = kernels.status();
+    }
+    return backend;
+  }
+  cuda::ScopedDevice on(comm.gpu->device());  // the kernels load into the communicator's GPU
+  if (!on.status().ok()) {
+    local = on.status();
+    return backend;
+  }
+  // Transports that offer peer windows (loopback, NCCL) run forward through them unless
+  // $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every rank fall back to stages).
+  const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
+  const bool fused = comm.comm->transport().offers_peer_windows() &&
+                     !(fused_env != nullptr && std::string_view(fused_env) == "0");
+  absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
+      cuda::JitKernelsForBatch(options, layout, fused);
+  if (!kernels.ok()) {
+    local = kernels.status();
+    return backend;
+  }
+  backend.device = cuda::NewGpuBatchDevice(comm.gpu, *std::move(kernels));
+  return backend;
+}
+
+hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
+                             std::shared_ptr<const KernelSet> kernels) {
+  auto handle = std::make_unique<hsapBatch_st>();
+  handle->partition.partition = batch->partition();
+  handle->partition.owned_by_batch = true;
+  handle->batch = std::move(batch);
+  handle->kernels = std::move(kernels);
+  return handle.release();
+}
+
+}  // namespace hsap
+
+extern "C" {
+
+hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                             const double* weights, const hsapBatchConfig_t* config) {
+  return hsap::RunApi("hsapBatchCreate", [&]() -> absl::Status {
+    if (comm == nullptr || comm->comm == nullptr) {
+      return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    hsap::Communicator& c = *comm->comm;
+    hsap::BatchOptions options;
+    absl::Status local = hsap::FirstError(
+        [&] { return hsap::CheckNotNull(batch, "batch"); },
+        [&]() -> absl::Status {
+          if (layout == nullptr) {
+            return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
+          }
+          return absl::OkStatus();
+        },
+        [&]() -> absl::Status {
+          if (config == nullptr) {
+            return absl::InvalidArgumentError(
+                "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and "
+                "set dtype, numHeadsQ, numHeadsKV and headDim");
+          }
+          if (absl::Status s = hsap::CheckConfigHeader(config->size, config->magic, "config",
+                                                       hsap::kBatchConfigV1Size,
+                                                       "HSAP_BATCH_CONFIG_INITIALIZER");
+              !s.ok()) {
+            return s;
+          }
+          absl::StatusOr<hsap::DType> dtype = hsap::DTypeFromC(config->dtype, "config->dtype");
+          if (!dtype.ok()) return dtype.status();
+          options.dtype = *dtype;
+          options.heads_q = config->numHeadsQ;
+          options.heads_kv = config->numHeadsKV;
+          options.head_dim = config->headDim;
+          options.scale = config->softmaxScale;
+          return absl::OkStatus();
+        });
+    static const hsap::Layout* const kNoLayout = new hsap::Layout();
+    const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
+    absl::Span<const double> w;
+    if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
+    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
+        c, l, w, options, backend.kernel_set(), local, std::move(backend.device));
+    if (!b.ok()) return b.status();
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchDestroy(hsapBatch_t batch) {
+  return hsap::RunApi("hsapBatchDestroy", [&]() -> absl::Status {
+    delete batch;
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchGetPartition(hsapBatch_t batch, hsapPartition_t* partition) {
+  return hsap::RunApi("hsapBatchGetPartition", [&]() -> absl::Status {
+    if (absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch); !b.ok()) return b.status();
+    if (absl::Status s = hsap::CheckNotNull(partition, "partition"); !s.ok()) return s;
+    *partition = &batch->partition;
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens) {
+  return hsap::RunApi("hsapBatchGetLocalTokens", [&]() -> absl::Status {
+    absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
+    if (!b.ok()) return b.status();
+    if (absl::Status s = hsap::CheckNotNull(numTokens, "numTokens"); !s.ok()) return s;
+    *numTokens = (*b)->local_tokens();
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
+                                  const hsapTensor_t* v, hsapTensor_t* out, float* lse) {
+  return hsap::RunApi("hsapAttentionForward", [&]() -> absl::Status {
+    absl::StatusOr<hsap::Batch*> bs = hsap::BatchFromHandle(batch);
+    if (!bs.ok()) return bs.status();
+    hsap::Batch& b = **bs;
+    const int64_t n = b.local_tokens();
+    const hsap::AttentionDims& d = b.dims();
+    const hsap::DType t = b.dtype();
+    absl::Status local =
+        hsap::FirstError([&] { return hsap::CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
+                         [&] { return hsap::CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
+                         [&] { return hsap::CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
+                         [&] { return hsap::CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
+                         [&]() -> absl::Status {
+                           if (lse == nullptr && n > 0)
+                             return absl::InvalidArgumentError("lse is null");
+                           return absl::OkStatus();
+                         });
+    if (!local.ok()) return b.Forward(nullptr, nullptr, nullptr, nullptr, nullptr, local);
+    return b.Forward(q->data, k->data, v->data, out->data, lse);
+  });
+}
+
+hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
+                                   const hsapTensor_t* q, const hsapTensor_t* k,
+                                   const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
+                                   hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv) {
+  return hsap::RunApi("hsapAttentionBackward", [&]() -> absl::Status {
+    absl::StatusOr<hsap::Batch*> bs = hsap::BatchFromHandle(batch);
+    if (!bs.ok()) return bs.status();
+    hsap::Batch& b = **bs;
+    const int64_t n = b.local_tokens();
+    const hsap::AttentionDims& d = b.dims();
+    const hsap::DType t = b.dtype();
+    absl::Status local = hsap::FirstError(
+        [&] { return hsap::CheckTensor(dout, "dout", t, n, d.heads_q, d.head_dim); },
+        [&] { return hsap::CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
+        [&] { return hsap::CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
+        [&] { return hsap::CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
+        [&] { return hsap::CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
+        [&]() -> absl::Status {
+          if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
+          return absl::OkStatus();
+        },
+        [&] { return hsap::CheckTensor(dq, "dq", t, n, d.heads_q, d.head_dim); },
+        [&] { return hsap::CheckTensor(dk, "dk", t, n, d.heads_kv, d.head_dim); },
+        [&] { return hsap::CheckTensor(dv, "dv", t, n, d.heads_kv, d.head_dim); });
+    if (!local.ok()) {
+      return b.Backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                        nullptr, local);
+    }
+    return b.Backward(dout->data, q->data, k->data, v->data, out->data, lse, dq->data, dk->data,
+                      dv->data);
+  });
+}
+
+hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
+  return hsap::RunApi("hsapBatchGetTraffic", [&]() -> absl::Status {
+    absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
+    if (!b.ok()) return b.status();
+    if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
+    const hsap::BatchTraffic& t = (*b)->traffic();
+    traffic->forwardBytesSent = t.forward.bytes_sent;
+    traffic->forwardBytesReceived = t.forward.bytes_received;
+    traffic->backwardBytesSent = t.backward.bytes_sent;
+    traffic->backwardBytesReceived = t.backward.bytes_received;
+    return absl::OkStatus();
+  });
+}
+
+}  // extern "C"

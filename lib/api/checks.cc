@@ -1,0 +1,68 @@
+#include "lib/api/checks.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsap {
+
+absl::Status CheckNotNull(const void* p, absl::string_view name) {
+  if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is null"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view name, size_t min_size,
+                               absl::string_view initializer) {
+  if (magic != HSAP_CONFIG_MAGIC) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " was not initialised (magic is 0x",
+                                                   absl::Hex(magic), ", expected 0x",
+                                                   absl::Hex(HSAP_CONFIG_MAGIC), "): fill it with ",
+                                                   initializer, " before setting its fields"));
+  }
+  if (size < min_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has size ", size, ", smaller than the oldest supported layout (",
+                     min_size, " bytes): fill it with ", initializer, " and pass it unmodified"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DType> DTypeFromC(const hsapDataType_t& t, absl::string_view name) {
+  const auto raw = RawEnum(t);
+  if (raw == hsapFloat32) return DType::kF32;
+  if (raw == hsapBFloat16) return DType::kBF16;
+  if (raw == hsapFloat16) return DType::kF16;
+  return absl::InvalidArgumentError(absl::StrCat(name, " has unknown data type ",
+                                                 static_cast<int64_t>(raw),
+                                                 "; use hsapFloat32, hsapBFloat16 or hsapFloat16"));
+}
+
+absl::Status CheckTensor(const hsapTensor_t* t, absl::string_view name, DType dtype,
+                         int64_t num_tokens, int num_heads, int head_dim) {
+  if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is null"));
+  absl::StatusOr<DType> got = DTypeFromC(t->dtype, absl::StrCat(name, ".dtype"));
+  if (!got.ok()) return got.status();
+  if (*got != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is ", std::string(DTypeName(*got)),
+                                                   ", expected ", std::string(DTypeName(dtype)),
+                                                   " (one dtype for every tensor)"));
+  }
+  if (t->numTokens != num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has ", t->numTokens, " tokens, expected ", num_tokens));
+  }
+  if (t->numHeads != num_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has ", t->numHeads, " heads, expected ", num_heads));
+  }
+  if (t->headDim != head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " has head dim ", t->headDim, ", expected ", head_dim));
+  }
+  if (t->data == nullptr && num_tokens > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".data is null"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hsap

@@ -1,0 +1,98 @@
+// Entry points of the C ABI for batches under a plan (hierarchical head x context
+// parallelism). The batch object is hsap-core's (lib/exec/batch.h), created through
+// Batch::CreateWithPlan; forward and backward go through hsapAttentionForward/Backward.
+#include <memory>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "hsap/hsap.h"
+#include "lib/api/batch.h"
+#include "lib/api/checks.h"
+#include "lib/api/handles.h"
+#include "lib/api/result.h"
+#include "lib/exec/batch.h"
+
+namespace hsap {
+namespace {
+
+constexpr size_t kBatchConfigV1Size = sizeof(hsapBatchConfig_t);
+
+// The arguments other than the communicator, checked in order; the verdict travels with
+// this rank's part of the creation agreement so that its peers fail at once.
+absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t plan,
+                             const hsapBatchConfig_t* config, BatchOptions& options) {
+  if (absl::Status s = CheckNotNull(batch, "batch"); !s.ok()) return s;
+  if (layout == nullptr) {
+    return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
+  }
+  if (plan == nullptr) {
+    return absl::InvalidArgumentError(
+        "plan is null; create one with hsapPlanCreate or hsapPlanCreateFromJson");
+  }
+  if (config == nullptr) {
+    return absl::InvalidArgumentError(
+        "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
+        "dtype, numHeadsQ, numHeadsKV and headDim");
+  }
+  if (absl::Status s = CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
+                                         "HSAP_BATCH_CONFIG_INITIALIZER");
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<DType> dtype = DTypeFromC(config->dtype, "config->dtype");
+  if (!dtype.ok()) return dtype.status();
+  options.dtype = *dtype;
+  options.heads_q = config->numHeadsQ;
+  options.heads_kv = config->numHeadsKV;
+  options.head_dim = config->headDim;
+  options.scale = config->softmaxScale;
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace hsap
+
+extern "C" {
+
+hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                                     hsapPlan_t plan, const hsapBatchConfig_t* config) {
+  return hsap::RunApi("hsapBatchCreateWithPlan", [&]() -> absl::Status {
+    if (comm == nullptr || comm->comm == nullptr) {
+      return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    hsap::BatchOptions options;
+    absl::Status local = hsap::CheckCreateArgs(batch, layout, plan, config, options);
+    static const hsap::Layout* const kNoLayout = new hsap::Layout();
+    static const hsap::Plan* const kNoPlan = new hsap::Plan();
+    const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
+    const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
+    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
+        *comm->comm, l, p, options, backend.kernel_set(), local, std::move(backend.device));
+    if (!b.ok()) return b.status();
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* traffic) {
+  return hsap::RunApi("hsapBatchGetTrafficDetail", [&]() -> absl::Status {
+    if (batch == nullptr || batch->batch == nullptr) {
+      return absl::InvalidArgumentError("batch is null; create one with hsapBatchCreateWithPlan");
+    }
+    if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
+    const hsap::BatchTraffic& t = batch->batch->traffic();
+    traffic->forwardAllToAllBytesSent = t.hier_forward.a2a_sent;
+    traffic->forwardAllToAllBytesReceived = t.hier_forward.a2a_received;
+    traffic->forwardRingBytesSent = t.hier_forward.ring_sent;
+    traffic->forwardRingBytesReceived = t.hier_forward.ring_received;
+    traffic->backwardAllToAllBytesSent = t.hier_backward.a2a_sent;
+    traffic->backwardAllToAllBytesReceived = t.hier_backward.a2a_received;
+    traffic->backwardRingBytesSent = t.hier_backward.ring_sent;
+    traffic->backwardRingBytesReceived = t.hier_backward.ring_received;
+    return absl::OkStatus();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,147 @@
+// Partition entry points of the C ABI.
+#include "lib/sched/partition.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "hsap/hsap.h"
+#include "lib/api/batch.h"
+#include "lib/api/checks.h"
+#include "lib/api/result.h"
+
+namespace hsap {
+
+// Shared with api_batch.cc.
+absl::StatusOr<const Partition*> PartitionFromHandle(hsapPartition_t partition) {
+  if (partition == nullptr || partition->partition == nullptr) {
+    return absl::InvalidArgumentError(
+        "partition is null; pass a partition from hsapPartitionCreate or hsapBatchGetPartition");
+  }
+  return partition->partition.get();
+}
+
+namespace {
+
+absl::Status CheckShards(const Partition& p, const void* const* shards, const char* name) {
+  if (absl::Status s = CheckNotNull(shards, name); !s.ok()) return s;
+  for (int r = 0; r < p.num_ranks(); ++r) {
+    if (shards[r] == nullptr && p.local_tokens(r) > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", r, "] is null but rank ", r,
+                                                     " holds ", p.local_tokens(r), " tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBytesPerToken(size_t bytes_per_token) {
+  if (bytes_per_token == 0) {
+    return absl::InvalidArgumentError(
+        "bytesPerToken is 0; pass the size of one token's row (numHeads * headDim * element "
+        "size)");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace hsap
+
+extern "C" {
+
+hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout, int nranks,
+                                 const double* weights) {
+  return hsap::RunApi("hsapPartitionCreate", [&]() -> absl::Status {
+    if (absl::Status s = hsap::CheckNotNull(partition, "partition"); !s.ok()) return s;
+    if (layout == nullptr) {
+      return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
+    }
+    if (nranks < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("nranks = ", nranks, "; a partition needs at least one rank"));
+    }
+    absl::Span<const double> w;
+    if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(nranks));
+    absl::StatusOr<hsap::Partition> p = hsap::Partition::Create(layout->layout, nranks, w);
+    if (!p.ok()) return p.status();
+    auto handle = std::make_unique<hsapPartition_st>();
+    handle->partition = std::make_shared<const hsap::Partition>(*std::move(p));
+    *partition = handle.release();
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapPartitionDestroy(hsapPartition_t partition) {
+  return hsap::RunApi("hsapPartitionDestroy", [&]() -> absl::Status {
+    if (partition == nullptr) return absl::OkStatus();
+    if (partition->owned_by_batch) {
+      return absl::FailedPreconditionError(
+          "partition belongs to a batch (hsapBatchGetPartition); it is freed with the batch by "
+          "hsapBatchDestroy");
+    }
+    delete partition;
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t* ranges,
+                                    int64_t* numRanges, int64_t* numTokens) {
+  return hsap::RunApi("hsapPartitionGetRanges", [&]() -> absl::Status {
+    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = hsap::CheckNotNull(numRanges, "numRanges"); !s.ok()) return s;
+    if (rank < 0 || rank >= (*p)->num_ranks()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank = ", rank, " is outside [0, ", (*p)->num_ranks(), ")"));
+    }
+    const std::vector<hsap::TokenRange>& mine = (*p)->ranges(rank);
+    const int64_t count = static_cast<int64_t>(mine.size());
+    if (ranges != nullptr) {
+      if (*numRanges < count) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("*numRanges = ", *numRanges, " but rank ", rank, " holds ", count,
+                         " ranges; call with ranges = NULL first to get the count"));
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        ranges[2 * i] = mine[i].begin;
+        ranges[2 * i + 1] = mine[i].end;
+      }
+    }
+    *numRanges = count;
+    if (numTokens != nullptr) *numTokens = (*p)->local_tokens(rank);
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, size_t bytesPerToken,
+                                  void* const* shards) {
+  return hsap::RunApi("hsapPartitionScatter", [&]() -> absl::Status {
+    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = hsap::CheckBytesPerToken(bytesPerToken); !s.ok()) return s;
+    if (row == nullptr && (*p)->num_tokens() > 0) {
+      return absl::InvalidArgumentError("row is null");
+    }
+    if (absl::Status s = hsap::CheckShards(**p, shards, "shards"); !s.ok()) return s;
+    (*p)->Scatter(row, bytesPerToken, shards);
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* shards,
+                                 size_t bytesPerToken, void* row) {
+  return hsap::RunApi("hsapPartitionGather", [&]() -> absl::Status {
+    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = hsap::CheckBytesPerToken(bytesPerToken); !s.ok()) return s;
+    if (row == nullptr && (*p)->num_tokens() > 0) {
+      return absl::InvalidArgumentError("row is null");
+    }
+    if (absl::Status s = hsap::CheckShards(**p, shards, "shards"); !s.ok()) return s;
+    (*p)->Gather(shards, bytesPerToken, row);
+    return absl::OkStatus();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,76 @@
+#include "lib/comm/communicator.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "lib/comm/host_transport.h"
+
+namespace hsap {
+namespace {
+
+constexpr char kTimeoutVariable[] = "HSAP_TIMEOUT_MS";
+constexpr absl::Duration kDefaultTimeout = absl::Minutes(5);
+
+}  // namespace
+
+absl::StatusOr<absl::Duration> ResolveTimeout(absl::Duration requested) {
+  if (requested < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout = ", absl::FormatDuration(requested),
+                     " is negative; pass a positive timeout, or 0 for the default"));
+  }
+  if (requested > absl::ZeroDuration()) return requested;
+  const char* value = std::getenv(kTimeoutVariable);
+  if (value == nullptr) return kDefaultTimeout;
+  int64_t ms = 0;
+  if (!absl::SimpleAtoi(value, &ms)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("$", kTimeoutVariable, " = '", value,
+                     "' is not an integer number of milliseconds; set it to a positive "
+                     "integer such as 60000, or unset it for the default of 5 minutes"));
+  }
+  if (ms <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("$", kTimeoutVariable, " = ", ms,
+                     " must be positive (milliseconds); unset it for the default of 5 minutes"));
+  }
+  return absl::Milliseconds(ms);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> Communicator::CreateHostWorld(
+    int nranks, const CommOptions& options) {
+  if (nranks < 1 || nranks > kMaxHostRanks) {
+    return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " is outside [1, ",
+                                                   kMaxHostRanks, "] for the host backend"));
+  }
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_threads = ", options.num_threads,
+                                                   " is negative; pass 0 for the default"));
+  }
+  absl::StatusOr<absl::Duration> timeout = ResolveTimeout(options.timeout);
+  if (!timeout.ok()) return timeout.status();
+  int num_threads = options.num_threads;
+  if (num_threads == 0) {
+    const int hardware = static_cast<int>(std::thread::hardware_concurrency());
+    num_threads = std::max(1, hardware / nranks);
+  }
+  absl::StatusOr<std::vector<std::unique_ptr<Transport>>> transports =
+      CreateHostTransports(nranks, *timeout);
+  if (!transports.ok()) return transports.status();
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(nranks);
+  for (auto& transport : *transports) {
+    comms.push_back(std::make_unique<Communicator>(std::move(transport), *timeout, num_threads));
+  }
+  return comms;
+}
+
+Communicator::Communicator(std::unique_ptr<Transport> transport, absl::Duration timeout,
+                           int num_threads)
+    : transport_(std::move(transport)), timeout_(timeout), num_threads_(num_threads) {}
+
+}  // namespace hsap

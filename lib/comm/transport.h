@@ -1,0 +1,126 @@
+// Point-to-point transport between the ranks of a communicator, with grouped semantics.
+//
+// A stage posts all its sends and receives together (as ncclGroupStart ... ncclGroupEnd)
+// and completes when every one of them has completed. A send to peer p with tag t matches
+// the receive posted by p from this rank with the same tag; sizes must agree (a mismatch is
+// an error on both sides, never a silent truncation). Matching is per (peer, tag), so the
+// order in which ranks post within a stage does not matter, and stages never deadlock as
+// long as every rank posts the matching operations eventually.
+//
+// Every wait has a deadline (the communicator's timeout): a peer that never posts yields
+// DeadlineExceeded naming the peer, the tag and the stage. Abort() on any rank of the
+// world makes every pending and future wait on every rank return Aborted.
+//
+// Tag layout (64 bits):
+//   bit 63 == 0   point-to-point tags chosen by the caller (the executor's stages): any
+//                 value below kCollectiveTagBit.
+//   bit 63 == 1   reserved for collectives built on Start(): bits 56..62 hold the
+//                 CollectiveKind, bits 0..55 a per-kind sequence or caller tag. Callers of
+//                 Start() must not use these tags directly; use CollectiveTag().
+// Because matching is per (src, dst, tag) and first-posted-first-matched, a collective
+// never consumes a point-to-point message and vice versa.
+#ifndef HSAP_LIB_COMM_TRANSPORT_H_
+#define HSAP_LIB_COMM_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace hsap {
+
+inline constexpr uint64_t kCollectiveTagBit = uint64_t{1} << 63;
+inline constexpr int kCollectiveKindShift = 56;
+inline constexpr uint64_t kCollectiveSequenceMask = (uint64_t{1} << kCollectiveKindShift) - 1;
+
+enum class CollectiveKind : uint8_t { kAllGather = 1, kAllToAllV = 2 };
+
+// The reserved tag of collective `kind` with sequence number (or caller tag) `sequence`;
+// bits of `sequence` above 55 are dropped.
+constexpr uint64_t CollectiveTag(CollectiveKind kind, uint64_t sequence) {
+  return kCollectiveTagBit | (uint64_t{static_cast<uint8_t>(kind)} << kCollectiveKindShift) |
+         (sequence & kCollectiveSequenceMask);
+}
+
+struct SendOp {
+  int peer = -1;
+  const void* data = nullptr;  // must stay valid and unchanged until the stage completes
+  size_t bytes = 0;
+  uint64_t tag = 0;
+};
+
+struct RecvOp {
+  int peer = -1;
+  void* data = nullptr;  // must stay valid until the stage completes
+  size_t bytes = 0;
+  uint64_t tag = 0;
+};
+
+// Bytes moved by this rank since creation (or the last ResetCounters()).
+struct TrafficCounters {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+  uint64_t messages_sent = 0;
+  uint64_t messages_received = 0;
+};
+
+class Transport {
+ public:
+  // A posted stage; Wait() completes it. Destroying an unwaited handle waits for it.
+  class Pending {
+   public:
+    virtual ~Pending() = default;
+    virtual absl::Status Wait() = 0;
+  };
+
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Posts the operations of one stage and returns at once. `stage` names the stage in
+  // error messages. Zero-byte operations are allowed and still match.
+  virtual absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
+                                                         absl::Span<const RecvOp> recvs,
+                                                         std::string stage) = 0;
+  // Start + Wait.
+  absl::Status Exchange(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs,
+                        std::string stage);
+
+  // Every rank contributes `bytes` bytes; out receives size() * bytes, rank r's at r*bytes.
+  // Used to check that ranks agree (fingerprints) before a collective computation.
+  // `in` may be out + rank() * bytes (in place); otherwise in and out must not overlap.
+  // Uses the reserved tags CollectiveTag(kAllGather, n) for the n-th call on this rank.
+  absl::Status AllGather(const void* in, void* out, size_t bytes, std::string stage);
+
+  // Releases every rank's pending and future waits with Aborted(reason).
+  virtual void Abort(absl::string_view reason) = 0;
+  virtual bool aborted() const = 0;
+
+  virtual TrafficCounters counters() const = 0;
+  virtual void ResetCounters() = 0;
+
+  // The CUDA stream (cudaStream_t) a device transport moves data on -- NCCL's
+  // communication stream, a loopback rank's stream -- or null for a transport that copies on
+  // the host. The GPU executor makes it wait for its compute stream before each stage.
+  virtual void* transfer_stream() const { return nullptr; }
+
+  // Whether batches on this transport may move forward's K/V through peer windows
+  // (lib/cuda/runtime/peer_window.h): loopback ranks share one process and GPU; NCCL ranks on one
+  // host may open each other's windows with CUDA IPC. The exchange of the windows at batch
+  // creation decides, for all ranks alike, whether they actually can.
+  virtual bool offers_peer_windows() const { return false; }
+
+ private:
+  // Sequence number of the next AllGather (all ranks call collectives in the same order,
+  // so equal sequence numbers meet; a rank one call ahead shows up as a timeout naming
+  // the sequence number in its tag).
+  uint64_t all_gather_calls_ = 0;
+};
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_COMM_TRANSPORT_H_

@@ -1,0 +1,89 @@
+// Batches on CUDA communicators: the GPU side of a communicator and the BatchDevice
+// (lib/exec/batch.h) that runs a batch's schedule with the GPU executor.
+//
+// Streams. A communicator created with a caller's stream (hsapCommConfig_t::cudaStream)
+// runs every kernel of forward/backward on it, and the calls return once the work is
+// enqueued (the host still waits for each stage's transfers, never for kernels): the
+// results are ready when that stream reaches them, as with any CUDA call. Without one, the
+// communicator uses a stream of its own and the calls return after their work finished.
+// Transfers run on the transport's stream (TransferStream), never on the caller's.
+//
+// Fused forward. On a transport that offers peer windows (loopback, NCCL), with kernels
+// that have the fused forward (JitKernelsForBatch(..., fused = true)), batches without a
+// plan move forward's K/V through the communicator's peer window (peer_window.h) instead of
+// stages when every rank reaches every other's window (else stages, on every rank alike).
+//
+// Memory. The communicator's pool grows at batch creation to the largest PoolLayout of its
+// batches (the size is reported by GpuComm::pool_bytes); forward and backward allocate
+// nothing.
+#ifndef HSAP_LIB_CUDA_EXEC_GPU_BATCH_H_
+#define HSAP_LIB_CUDA_EXEC_GPU_BATCH_H_
+
+#include <memory>
+#include <mutex>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "attention/layout.h"
+#include "lib/cuda/exec/gpu_executor.h"
+#include "lib/cuda/runtime/buffer_pool.h"
+#include "lib/cuda/runtime/device.h"
+#include "lib/cuda/runtime/peer_window.h"
+#include "lib/exec/batch.h"
+
+namespace hsap::cuda {
+
+class GpuComm {
+ public:
+  // `stream`: the caller's compute stream, or null for one of our own (then calls are
+  // synchronous). `timeout`: the deadline of every host wait on the device.
+  static absl::StatusOr<std::shared_ptr<GpuComm>> Create(std::unique_ptr<Device> device,
+                                                         cudaStream stream, absl::Duration timeout);
+  ~GpuComm();
+  GpuComm(const GpuComm&) = delete;
+  GpuComm& operator=(const GpuComm&) = delete;
+
+  Device& device() { return *device_; }
+  cudaStream stream() const { return stream_; }
+  bool synchronous() const { return owns_stream_; }
+  absl::Duration timeout() const { return timeout_; }
+  DeviceBufferPool& pool() { return *pool_; }
+  // Device bytes held by the pool.
+  size_t pool_bytes() const { return pool_->size(); }
+  // This rank's peer window (peer_window.h), created on first use for rank `rank` of `size`.
+  PeerWindow& peer_window(int rank, int size);
+
+ private:
+  GpuComm() = default;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<DeviceBufferPool> pool_;
+  std::unique_ptr<PeerWindow> window_;
+  cudaStream stream_ = nullptr;
+  bool owns_stream_ = false;
+  absl::Duration timeout_;
+};
+
+// A BatchDevice for `comm` with `kernels` (both shared with other batches).
+std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
+                                               std::shared_ptr<const DeviceKernels> kernels);
+
+// Sets the mode of the later calls of a batch on `device` (GpuExecMode: the bench measures
+// the share of transfer time hidden behind compute with it). False when `device` is not a
+// GPU batch device.
+bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode);
+
+// The JIT kernels of a batch on the current CUDA device: the configuration of (device
+// architecture, dtype, head dim, heads_q / heads_kv, whether the layout has banded
+// slices, fused), compiled through the compile cache and loaded once per process.
+// `fused`: with the fused forward (for communicators whose transport offers peer windows).
+absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
+                                                                        const Layout& layout,
+                                                                        bool fused = false);
+
+// Whether the batch on `device` runs its forward through peer windows (false when `device`
+// is not a GPU batch device).
+bool UsesFusedForward(const BatchDevice* device);
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_EXEC_GPU_BATCH_H_

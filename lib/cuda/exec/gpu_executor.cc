@@ -1,0 +1,499 @@
+#include "lib/cuda/exec/gpu_executor.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "lib/cuda/exec/exec_util.h"
+#include "lib/cuda/exec/nccl_lowering.h"
+#include "lib/exec/staged.h"
+
+namespace hsap::cuda {
+
+static_assert(sizeof(hsap_dev::QueryBlock) == sizeof(QueryBlock) &&
+                  offsetof(hsap_dev::QueryBlock, seg_end) == offsetof(QueryBlock, seg_end),
+              "device and host query blocks must share a layout");
+static_assert(sizeof(hsap_dev::KeySegment) == sizeof(KeySegment) &&
+                  offsetof(hsap_dev::KeySegment, diag_hi) == offsetof(KeySegment, diag_hi),
+              "device and host key segments must share a layout");
+
+namespace {
+
+enum Payload { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+
+// Common state of a forward or backward call.
+class GpuCall {
+ public:
+  GpuCall(const GpuExecContext& ctx, const char* pass)
+      : ctx_(ctx), events_(*ctx.device), pass_(pass), transfer_(TransferStream(*ctx.transport)) {
+    kv_row_bytes_ =
+        static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim * DTypeSize(ctx.dtype);
+    kv_row32_ = static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim;
+  }
+
+  absl::Status Init(PoolLayout& layout) {
+    if (ctx_.device == nullptr || ctx_.kernels == nullptr || ctx_.transport == nullptr ||
+        ctx_.schedule == nullptr || ctx_.lists == nullptr) {
+      return absl::InternalError("GPU executor context is incomplete");
+    }
+    if (!ctx_.dims.kv_head_of_q.empty()) {
+      return absl::InternalError(
+          "the ring executor takes no kv-head map; batches under a plan run on "
+          "GpuHierarchicalForward/Backward");
+    }
+    absl::StatusOr<PoolLayout> l = ComputePoolLayout(*ctx_.schedule, ctx_.dims, ctx_.dtype);
+    if (!l.ok()) return l.status();
+    layout = *l;
+    if (ctx_.pool == nullptr || ctx_.pool_bytes < layout.total_bytes()) {
+      return absl::InternalError(absl::StrCat("the communicator's pool holds ", ctx_.pool_bytes,
+                                              " B; this batch needs ", layout.total_bytes(), " B (",
+                                              layout.DebugString(), ")"));
+    }
+    for (cudaEvent* e : {&posted_[0], &posted_[1]}) {
+      absl::StatusOr<cudaEvent> ev = events_.New();
+      if (!ev.ok()) return ev.status();
+      *e = *ev;
+    }
+    PoolCursor cursor(ctx_.pool);
+    const size_t recv = layout.kv_recv / 4, send = layout.kv_send / 4;
+    for (int s = 0; s < 2; ++s) {
+      recv_k_[s] = cursor.Take(recv);
+      recv_v_[s] = cursor.Take(recv);
+    }
+    for (int s = 0; s < 2; ++s) {
+      send_k_[s] = cursor.Take(send);
+      send_v_[s] = cursor.Take(send);
+    }
+    pool_cursor_ = cursor.used();
+    return absl::OkStatus();
+  }
+
+  // Makes the transfer stream wait for the work enqueued on the compute stream so far
+  // (no-op for a host transport, or when both are one stream).
+  absl::Status FenceTransfers(cudaEvent e) {
+    if (transfer_ == nullptr || transfer_ == ctx_.stream) return absl::OkStatus();
+    if (absl::Status s = ctx_.device->RecordEvent(e, ctx_.stream); !s.ok()) return s;
+    return ctx_.device->StreamWaitEvent(transfer_, e);
+  }
+
+  // Posts stage i's K/V transfers into slot i % 2 (see the header for the ordering).
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> PostKv(size_t i, const void* k,
+                                                             const void* v) {
+    const Stage& st = ctx_.schedule->stages[i];
+    const int slot = static_cast<int>(i % 2);
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.send_to >= 0) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * kv_row_bytes_;
+      absl::StatusOr<const void*> kp = Rows(k, st.send_runs, send_k_[slot]);
+      if (!kp.ok()) return kp.status();
+      absl::StatusOr<const void*> vp = Rows(v, st.send_runs, send_v_[slot]);
+      if (!vp.ok()) return vp.status();
+      moved_.bytes_sent += 2 * bytes;
+      sends.push_back({st.send_to, *kp, bytes, ExecutorTag(ctx_.call_id, kKey, st.step)});
+      sends.push_back({st.send_to, *vp, bytes, ExecutorTag(ctx_.call_id, kValue, st.step)});
+    }
+    if (st.recv_from >= 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * kv_row_bytes_;
+      moved_.bytes_received += 2 * bytes;
+      recvs.push_back(
+          {st.recv_from, recv_k_[slot], bytes, ExecutorTag(ctx_.call_id, kKey, st.step)});
+      recvs.push_back(
+          {st.recv_from, recv_v_[slot], bytes, ExecutorTag(ctx_.call_id, kValue, st.step)});
+    }
+    if (absl::Status s = FenceTransfers(posted_[slot]); !s.ok()) return s;
+    return ctx_.transport->Start(sends, recvs, StageName(pass_, st, "kv"));
+  }
+
+  const GpuExecContext& ctx() const { return ctx_; }
+  ExecTraffic& moved() { return moved_; }
+  CallEvents& events() { return events_; }
+  size_t pool_cursor() const { return pool_cursor_; }
+  void* recv_k(size_t i) const { return recv_k_[i % 2]; }
+  void* recv_v(size_t i) const { return recv_v_[i % 2]; }
+  size_t kv_row32() const { return kv_row32_; }
+
+ private:
+  // The rows of a [rows, heads_kv, D] tensor listed by runs: the tensor itself for one
+  // contiguous run, else packed into `scratch` on the compute stream.
+  absl::StatusOr<const void*> Rows(const void* base, const std::vector<TokenRun>& runs,
+                                   char* scratch) {
+    const char* b = static_cast<const char*>(base);
+    if (runs.size() == 1) return b + runs[0].local_begin * kv_row_bytes_;
+    char* dst = scratch;
+    for (const TokenRun& r : runs) {
+      const size_t bytes = static_cast<size_t>(r.length) * kv_row_bytes_;
+      if (absl::Status s =
+              ctx_.device->CopyAsync(dst, b + r.local_begin * kv_row_bytes_, bytes, ctx_.stream);
+          !s.ok()) {
+        return s;
+      }
+      dst += bytes;
+    }
+    return static_cast<const void*>(scratch);
+  }
+
+  const GpuExecContext& ctx_;
+  CallEvents events_;
+  const char* pass_;
+  cudaStream transfer_;
+  size_t kv_row_bytes_ = 0, kv_row32_ = 0;
+  cudaEvent posted_[2] = {nullptr, nullptr};
+  char* recv_k_[2] = {nullptr, nullptr};
+  char* recv_v_[2] = {nullptr, nullptr};
+  char* send_k_[2] = {nullptr, nullptr};
+  char* send_v_[2] = {nullptr, nullptr};
+  size_t pool_cursor_ = 0;
+  ExecTraffic moved_;
+};
+
+// The context a mode runs with (the stand-ins live in `kernels` / `transport`).
+GpuExecContext ForMode(const GpuExecContext& ctx, SkippedKernels& kernels,
+                       std::unique_ptr<SkippedTransport>& transport) {
+  GpuExecContext out = ctx;
+  if (ctx.mode == GpuExecMode::kTransfersOnly) out.kernels = &kernels;
+  if (ctx.mode == GpuExecMode::kComputeOnly && ctx.transport != nullptr) {
+    transport = std::make_unique<SkippedTransport>(*ctx.transport);
+    out.transport = transport.get();
+  }
+  return out;
+}
+
+// Rounds `count` fp32 values to the storage dtype of the kernels.
+absl::Status Store(const GpuExecContext& ctx, const float* from, void* to, size_t count) {
+  if (count == 0) return absl::OkStatus();
+  return ctx.kernels->Convert({from, to, static_cast<long long>(count)}, ctx.stream);
+}
+
+// The fused forward's stages (see the header): publish this rank's rows in its window,
+// then one fused kernel per max_fused_steps() stages reads the senders' windows.
+absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const void* k,
+                                const void* v, const hsap_dev::FwdParams& fwd) {
+  PeerWindow& w = *ctx.window;
+  const FusedRoutes& routes = *ctx.routes;
+  const Schedule& sched = *ctx.schedule;
+  const int me = sched.rank;
+  const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.dtype);
+  Device& device = *ctx.device;
+  for (const Stage& st : sched.stages) {
+    if (st.recv_from >= 0 && !w.reachable(st.recv_from)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", me, ": the peer window of rank ", st.recv_from,
+          " could not be mapped at a later batch's creation; create this batch again"));
+    }
+  }
+  const uint32_t call_number = w.NextCall();
+
+  // Owner: the export is free once every reader copied the previous call's rows.
+  for (const Stage& st : sched.stages) {
+    if (st.send_to < 0) continue;
+    if (absl::Status s =
+            device.WaitValueAsync(w.consumed(me, st.send_to), w.copies_by(st.send_to), ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (size_t i = 0; i < sched.stages.size(); ++i) {
+    const Stage& st = sched.stages[i];
+    if (st.send_to < 0) continue;
+    char* dst_k = w.export_area(me) + routes.write_offset[i];
+    char* dst_v = dst_k + static_cast<size_t>(st.send_rows) * row_bytes;
+    for (const TokenRun& r : st.send_runs) {
+      const size_t at = static_cast<size_t>(r.local_begin) * row_bytes;
+      const size_t bytes = static_cast<size_t>(r.length) * row_bytes;
+      for (auto [dst, src] : {std::pair{dst_k, static_cast<const char*>(k)},
+                              std::pair{dst_v, static_cast<const char*>(v)}}) {
+        if (absl::Status s = device.CopyAsync(dst, src + at, bytes, ctx.stream); !s.ok()) return s;
+      }
+      dst_k += bytes;
+      dst_v += bytes;
+    }
+    call.moved().bytes_sent += 2 * static_cast<uint64_t>(st.send_rows) * row_bytes;
+    w.copies_by(st.send_to) += static_cast<uint32_t>(routes.copy_ctas);
+  }
+  if (absl::Status s = device.WriteValueAsync(w.ready(me), call_number, ctx.stream); !s.ok()) {
+    return s;
+  }
+  // Local keys, then the peers' in fused launches.
+  if (absl::Status s =
+          LaunchForward(*ctx.kernels, fwd, ctx.lists->local(), k, v, sched.local_rows, ctx.stream);
+      !s.ok()) {
+    return s;
+  }
+  FusedForwardLaunch launch;
+  hsap_dev::FusedFwdHead& h = launch.head;
+  h.q = fwd.q;
+  h.out = fwd.out;
+  h.lse = fwd.lse;
+  h.kv_head_of_q = nullptr;
+  h.error_flag = w.error_word();
+  for (int b = 0; b < 2; ++b) {
+    h.stage_k[b] = call.recv_k(b);
+    h.stage_v[b] = call.recv_v(b);
+  }
+  h.counters = w.counters();
+  h.q_rows = fwd.q_rows;
+  h.ready_timeout_ns = static_cast<unsigned long long>(absl::ToInt64Nanoseconds(ctx.peer_timeout));
+  h.heads_q = fwd.heads_q;
+  h.heads_kv = fwd.heads_kv;
+  h.scale = fwd.scale;
+  launch.share = routes.share;
+  auto flush = [&]() -> absl::Status {
+    if (launch.steps.empty()) return absl::OkStatus();
+    if (absl::Status s = device.ZeroAsync(w.counters(), 4 * sizeof(uint32_t), ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+    absl::Status s = ctx.kernels->FusedForward(launch, ctx.stream);
+    launch.steps.clear();
+    return s;
+  };
+  for (size_t i = 0; i < sched.stages.size(); ++i) {
+    const Stage& st = sched.stages[i];
+    if (st.recv_from < 0) continue;
+    const DeviceWorkLists::List& list = ctx.lists->stage(i);
+    hsap_dev::FusedStep step{};
+    step.k_src = w.export_area(st.recv_from) + routes.read_offset[i];
+    step.v_src =
+        static_cast<const char*>(step.k_src) + static_cast<size_t>(st.recv_rows) * row_bytes;
+    step.ready_flag = w.ready(st.recv_from);
+    step.ready_value = call_number;
+    step.consumed_flag = w.consumed(st.recv_from, me);
+    step.blocks = list.blocks;
+    step.segments = list.segments;
+    step.k_rows = st.recv_rows;
+    step.num_blocks = list.num_blocks;
+    launch.steps.push_back(step);
+    call.moved().bytes_received += 2 * static_cast<uint64_t>(st.recv_rows) * row_bytes;
+    if (static_cast<int>(launch.steps.size()) == ctx.kernels->max_fused_steps()) {
+      if (absl::Status s = flush(); !s.ok()) return s;
+    }
+  }
+  return flush();
+}
+
+}  // namespace
+
+absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, const void* k,
+                               const void* v, void* out, float* lse, ExecTraffic* traffic) {
+  SkippedKernels skipped_kernels(ctx_in.kernels);
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
+  GpuCall call(ctx, "forward");
+  PoolLayout layout;
+  if (absl::Status s = call.Init(layout); !s.ok()) return s;
+  const Schedule& sched = *ctx.schedule;
+  const int64_t rows = sched.local_rows;
+  const AttentionDims& dims = ctx.dims;
+  const size_t out_elems = static_cast<size_t>(rows) * dims.heads_q * dims.head_dim;
+  const size_t lse_elems = static_cast<size_t>(rows) * dims.heads_q;
+  PoolCursor cursor(static_cast<char*>(ctx.pool) + call.pool_cursor());
+  float* out32 = reinterpret_cast<float*>(cursor.Take(out_elems * sizeof(float)));
+  float* lse32 = reinterpret_cast<float*>(cursor.Take(lse_elems * sizeof(float)));
+  if (rows > 0) {
+    if (absl::Status s = ctx.kernels->Init({out32, lse32, rows, dims.heads_q}, ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  hsap_dev::FwdParams p{};
+  p.q = q;
+  p.out = out32;
+  p.lse = lse32;
+  p.kv_head_of_q = nullptr;
+  p.error_flag = nullptr;
+  p.q_rows = rows;
+  p.heads_q = dims.heads_q;
+  p.heads_kv = dims.heads_kv;
+  p.scale = dims.scale;
+  auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                    int64_t k_rows) {
+    return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
+  };
+
+  const absl::Status staged =
+      ctx.window != nullptr && ctx.mode == GpuExecMode::kFull
+          ? FusedForwardStages(ctx, call, k, v, p)
+          : RunStaged(
+                sched.stages.size(), [&](size_t i) { return call.PostKv(i, k, v); },
+                [&] { return attend(ctx.lists->local(), k, v, rows); },
+                [&](size_t i) {
+                  const Stage& st = sched.stages[i];
+                  if (st.recv_from < 0) return absl::OkStatus();
+                  return attend(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
+                });
+  if (!staged.ok()) return staged;
+  if (absl::Status s = Store(ctx, out32, out, out_elems); !s.ok()) return s;
+  if (absl::Status s = ctx.device->CopyAsync(lse, lse32, lse_elems * sizeof(float), ctx.stream);
+      !s.ok()) {
+    return s;
+  }
+  if (traffic != nullptr) *traffic = call.moved();
+  return absl::OkStatus();
+}
+
+absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, const void* q,
+                                const void* k, const void* v, const void* out, const float* lse,
+                                void* dq, void* dk, void* dv, ExecTraffic* traffic) {
+  SkippedKernels skipped_kernels(ctx_in.kernels);
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
+  GpuCall call(ctx, "backward");
+  PoolLayout layout;
+  if (absl::Status s = call.Init(layout); !s.ok()) return s;
+  const Schedule& sched = *ctx.schedule;
+  const int64_t rows = sched.local_rows;
+  const AttentionDims& dims = ctx.dims;
+  const size_t q_elems = static_cast<size_t>(rows) * dims.heads_q * dims.head_dim;
+  const size_t kv_elems = static_cast<size_t>(rows) * call.kv_row32();
+  const size_t stat_elems = static_cast<size_t>(rows) * dims.heads_q;
+
+  // Regions after the K/V slots, in PoolLayout order.
+  PoolCursor cursor(static_cast<char*>(ctx.pool) + call.pool_cursor());
+  float* dq32 = reinterpret_cast<float*>(cursor.Take(q_elems * sizeof(float)));
+  float* dk32 = reinterpret_cast<float*>(cursor.Take(kv_elems * sizeof(float)));
+  float* dv32 = reinterpret_cast<float*>(cursor.Take(kv_elems * sizeof(float)));
+  float* delta = reinterpret_cast<float*>(cursor.Take(stat_elems * sizeof(float)));
+  const size_t partial = layout.grad_partial / 4, returned = layout.grad_returned / 4;
+  float *part_k[2], *part_v[2], *back_k[2], *back_v[2];
+  for (int s = 0; s < 2; ++s) {
+    part_k[s] = reinterpret_cast<float*>(cursor.Take(partial));
+    part_v[s] = reinterpret_cast<float*>(cursor.Take(partial));
+  }
+  for (int s = 0; s < 2; ++s) {
+    back_k[s] = reinterpret_cast<float*>(cursor.Take(returned));
+    back_v[s] = reinterpret_cast<float*>(cursor.Take(returned));
+  }
+  cudaEvent grads_ready[2];
+  for (cudaEvent& e : grads_ready) {
+    absl::StatusOr<cudaEvent> ev = call.events().New();
+    if (!ev.ok()) return ev.status();
+    e = *ev;
+  }
+
+  for (auto [ptr, count] : {std::pair{dq32, q_elems}, {dk32, kv_elems}, {dv32, kv_elems}}) {
+    if (absl::Status s = ctx.device->ZeroAsync(ptr, count * sizeof(float), ctx.stream); !s.ok()) {
+      return s;
+    }
+  }
+  if (rows > 0) {
+    if (absl::Status s = ctx.kernels->Delta({dout, out, delta, rows, dims.heads_q}, ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+
+  hsap_dev::BwdParams p{};
+  p.q = q;
+  p.dout = dout;
+  p.lse = lse;
+  p.delta = delta;
+  p.dq = dq32;
+  p.kv_head_of_q = nullptr;
+  p.error_flag = nullptr;
+  p.q_rows = rows;
+  p.heads_q = dims.heads_q;
+  p.heads_kv = dims.heads_kv;
+  p.scale = dims.scale;
+  auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                      int64_t k_rows, float* gk, float* gv) {
+    return LaunchBackward(*ctx.kernels, p, list, kk, vv, k_rows, gk, gv, ctx.stream);
+  };
+
+  // The groups in the lowering's global order (BackwardPostingOrder).
+  const size_t n = sched.stages.size();
+  std::vector<int> steps;
+  for (const auto& st : sched.stages) steps.push_back(st.step);
+
+  std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
+  ExecTraffic grad_moved;
+  // Adds the partials returned for stage j (once its transfers completed) in step order.
+  auto add_returned = [&](size_t j) -> absl::Status {
+    if (absl::Status s = grad_pending[j % 2]->Wait(); !s.ok()) return s;
+    grad_pending[j % 2].reset();
+    const Stage& st = sched.stages[j];
+    if (st.send_to < 0) return absl::OkStatus();
+    size_t offset = 0;
+    for (const TokenRun& run : st.send_runs) {
+      const long long count = static_cast<long long>(run.length * call.kv_row32());
+      const size_t at = static_cast<size_t>(run.local_begin) * call.kv_row32();
+      for (auto [to, from] : {std::pair{dk32, back_k[j % 2]}, {dv32, back_v[j % 2]}}) {
+        if (absl::Status s = ctx.kernels->Accumulate({to + at, from + offset, count}, ctx.stream);
+            !s.ok()) {
+          return s;
+        }
+      }
+      offset += static_cast<size_t>(count);
+    }
+    return absl::OkStatus();
+  };
+  auto grad_stage = [&](size_t i) -> absl::Status {
+    const Stage& st = sched.stages[i];
+    const int slot = static_cast<int>(i % 2);
+    if (absl::Status s = kv_pending[slot]->Wait(); !s.ok()) return s;
+    kv_pending[slot].reset();
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_from >= 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
+      for (float* g : {part_k[slot], part_v[slot]}) {
+        if (absl::Status s = ctx.device->ZeroAsync(g, bytes, ctx.stream); !s.ok()) return s;
+      }
+      if (absl::Status s = backward(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i),
+                                    st.recv_rows, part_k[slot], part_v[slot]);
+          !s.ok()) {
+        return s;
+      }
+      grad_moved.bytes_sent += 2 * bytes;
+      sends.push_back(
+          {st.recv_from, part_k[slot], bytes, ExecutorTag(ctx.call_id, kKeyGrad, st.step)});
+      sends.push_back(
+          {st.recv_from, part_v[slot], bytes, ExecutorTag(ctx.call_id, kValueGrad, st.step)});
+    }
+    if (st.send_to >= 0) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
+      grad_moved.bytes_received += 2 * bytes;
+      recvs.push_back(
+          {st.send_to, back_k[slot], bytes, ExecutorTag(ctx.call_id, kKeyGrad, st.step)});
+      recvs.push_back(
+          {st.send_to, back_v[slot], bytes, ExecutorTag(ctx.call_id, kValueGrad, st.step)});
+    }
+    if (absl::Status s = call.FenceTransfers(grads_ready[slot]); !s.ok()) return s;
+    absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
+        ctx.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
+    if (!g.ok()) return g.status();
+    grad_pending[slot] = *std::move(g);
+    return i > 0 ? add_returned(i - 1) : absl::OkStatus();
+  };
+
+  if (absl::Status s = RunBackwardGroups(
+          steps,
+          [&](size_t i) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.PostKv(i, k, v);
+            if (!posted.ok()) return posted.status();
+            kv_pending[i % 2] = *std::move(posted);
+            return absl::OkStatus();
+          },
+          grad_stage, [&] { return backward(ctx.lists->local(), k, v, rows, dk32, dv32); });
+      !s.ok()) {
+    return s;
+  }
+  if (n > 0) {
+    if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
+  }
+  if (absl::Status s = Store(ctx, dq32, dq, q_elems); !s.ok()) return s;
+  if (absl::Status s = Store(ctx, dk32, dk, kv_elems); !s.ok()) return s;
+  if (absl::Status s = Store(ctx, dv32, dv, kv_elems); !s.ok()) return s;
+  if (traffic != nullptr) {
+    traffic->bytes_sent = call.moved().bytes_sent + grad_moved.bytes_sent;
+    traffic->bytes_received = call.moved().bytes_received + grad_moved.bytes_received;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,708 @@
+#include "lib/cuda/exec/gpu_hier_executor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "lib/cuda/exec/exec_util.h"
+#include "lib/cuda/exec/nccl_lowering.h"
+#include "lib/cuda/runtime/buffer_pool.h"
+#include "lib/exec/staged.h"
+
+namespace hsap::cuda {
+namespace {
+
+// Payload kinds of the tags (bits 20..23; the step in bits 0..19, the call above bit 24).
+enum Kind : uint64_t {
+  kRingKv = 1,
+  kRingGrad = 3,
+  kInQ = 4,
+  kInK,
+  kInV,
+  kInDout,
+  kInStats,
+  kOutO,
+  kOutLse,
+  kOutDq,
+  kOutDk,
+  kOutDv,
+};
+
+uint64_t Payload(Kind kind, int step = 0) {
+  return (static_cast<uint64_t>(kind) << 20) | static_cast<uint64_t>(step);
+}
+
+// Bit 62 keeps these apart from the sequence-aware ring's tags (as the host runtime does).
+uint64_t FullTag(uint64_t call_id, uint64_t payload) {
+  return (uint64_t{1} << 62) | ((call_id & ((uint64_t{1} << 36) - 1)) << 24) | payload;
+}
+
+size_t Bytes(int64_t rows, size_t heads, int width, size_t es) {
+  return static_cast<size_t>(rows) * heads * static_cast<size_t>(width) * es;
+}
+
+const std::vector<int>& HeadsOf(const GroupMember& m, bool q_like) {
+  return q_like ? m.q_heads : m.kv_heads;
+}
+
+// Group buffer rows [row_begin, row_begin + tokens) of a [N, heads, width] tensor.
+ByteChunk RowsChunk(const GroupMember& m, size_t heads, int width, size_t es) {
+  return {Bytes(m.row_begin, heads, width, es), Bytes(m.tokens, heads, width, es)};
+}
+
+// One exchange inside the group: `chunks(m)` gives the source chunks of the message to member
+// m and the destination chunks of the message from m; this rank's own share is copied
+// locally. `add`: fp32 partial sums added into the destination.
+using SrcDst = std::pair<std::vector<ByteChunk>, std::vector<ByteChunk>>;
+absl::StatusOr<ExchangeProgram> GroupProgram(
+    const RankHierarchy& r, Kind kind, bool add,
+    const std::function<absl::StatusOr<SrcDst>(const GroupMember&)>& chunks) {
+  ExchangeBuilder b(add);
+  for (const GroupMember& m : r.members) {
+    absl::StatusOr<SrcDst> c = chunks(m);
+    if (!c.ok()) return c.status();
+    if (m.rank == r.rank) {
+      if (absl::Status s = b.Self(c->first, c->second); !s.ok()) return s;
+    } else {
+      b.Send(m.rank, Payload(kind), c->first);
+      b.Receive(m.rank, Payload(kind), c->second);
+    }
+  }
+  return std::move(b).Build();
+}
+
+// The all-to-all of one tensor: shard [n_me, full, width] -> group buffer [N, mine, width]
+// (in), or back (`back`; `add`: fp32 partial sums added by the owner).
+absl::StatusOr<ExchangeProgram> AllToAllProgram(const RankHierarchy& r, int full, int width,
+                                                size_t es, bool q_like, Kind kind, bool back,
+                                                bool add = false) {
+  const size_t mine = HeadsOf(r.members[r.index], q_like).size();
+  const ThdShape shape{r.shard_tokens, full, width, es};
+  const TokenRange all{0, r.shard_tokens};
+  return GroupProgram(r, kind, add, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    absl::StatusOr<std::vector<ByteChunk>> shard =
+        ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
+    if (!shard.ok()) return shard.status();
+    std::vector<ByteChunk> rows = {RowsChunk(m, mine, width, es)};
+    return back ? SrcDst{std::move(rows), *std::move(shard)}
+                : SrcDst{*std::move(shard), std::move(rows)};
+  });
+}
+
+// lse of the holder [hq, N] fp32 -> the owner's lse [HQ, n_me] (one piece per head).
+absl::StatusOr<ExchangeProgram> LseBackProgram(const RankHierarchy& r) {
+  const int64_t N = r.group_tokens, n_me = r.shard_tokens;
+  const size_t hq = r.q_heads.size(), f = sizeof(float);
+  return GroupProgram(r, kOutLse, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    SrcDst c;
+    for (size_t l = 0; l < hq; ++l) c.first.push_back({(l * N + m.row_begin) * f, m.tokens * f});
+    for (int h : m.q_heads) c.second.push_back({h * n_me * f, n_me * f});
+    return c;
+  });
+}
+
+// The owner's (lse, delta) [2, HQ, n_me] -> the holders' [2, hq, N] (one piece per head).
+absl::StatusOr<ExchangeProgram> StatsInProgram(const RankHierarchy& r, int HQ) {
+  const int64_t N = r.group_tokens, n_me = r.shard_tokens;
+  const size_t hq = r.q_heads.size(), f = sizeof(float);
+  return GroupProgram(r, kInStats, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+    SrcDst c;
+    for (size_t k = 0; k < 2; ++k) {
+      for (int h : m.q_heads) c.first.push_back({((k * HQ + h) * n_me) * f, n_me * f});
+      for (size_t l = 0; l < hq; ++l) {
+        c.second.push_back({((k * hq + l) * N + m.row_begin) * f, m.tokens * f});
+      }
+    }
+    return c;
+  });
+}
+
+// `chunks` again at `shift` bytes further (the V half after the K half).
+std::vector<ByteChunk> KThenV(const std::vector<ByteChunk>& k, size_t shift) {
+  std::vector<ByteChunk> out = k;
+  for (const ByteChunk& c : k) out.push_back({c.offset + shift, c.bytes});
+  return out;
+}
+
+std::vector<TokenRange> SendRows(const SubRingStep& s) {
+  std::vector<TokenRange> rows;
+  for (const TokenRun& run : s.send_runs)
+    rows.push_back({run.local_begin, run.local_begin + run.length});
+  return rows;
+}
+
+// Sub-ring step K/V: [gk | gv] of the group buffer -> the step's receive slot [k | v].
+absl::StatusOr<ExchangeProgram> RingKvProgram(const RankHierarchy& r, const SubRingStep& s, int D,
+                                              size_t es) {
+  const size_t hkv = r.kv_heads.size();
+  const ThdShape group{r.group_tokens, static_cast<int>(hkv), D, es};
+  const ThdShape slot{s.recv_rows, static_cast<int>(hkv), D, es};
+  const std::vector<TokenRange> rows = SendRows(s);
+  const TokenRange all{0, s.recv_rows};
+  ExchangeBuilder b;
+  for (const KvTransfer& t : s.send) {
+    absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
+    if (!k.ok()) return k.status();
+    b.Send(t.peer, Payload(kRingKv, s.step), KThenV(*k, Bytes(r.group_tokens, hkv, D, es)));
+  }
+  for (const KvTransfer& t : s.recv) {
+    absl::StatusOr<std::vector<ByteChunk>> k =
+        ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
+    if (!k.ok()) return k.status();
+    b.Receive(t.peer, Payload(kRingKv, s.step), KThenV(*k, Bytes(s.recv_rows, hkv, D, es)));
+  }
+  return std::move(b).Build();
+}
+
+// Sub-ring step dK/dV partials (fp32): the slot's [pk | pv] back to the senders, added into
+// the holders' [dk32 | dv32].
+absl::StatusOr<ExchangeProgram> RingGradProgram(const RankHierarchy& r, const SubRingStep& s,
+                                                int D) {
+  const size_t hkv = r.kv_heads.size(), f = sizeof(float);
+  const ThdShape group{r.group_tokens, static_cast<int>(hkv), D, f};
+  const ThdShape slot{s.recv_rows, static_cast<int>(hkv), D, f};
+  const std::vector<TokenRange> rows = SendRows(s);
+  const TokenRange all{0, s.recv_rows};
+  ExchangeBuilder b(/*add=*/true);
+  for (const KvTransfer& t : s.recv) {
+    absl::StatusOr<std::vector<ByteChunk>> k =
+        ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
+    if (!k.ok()) return k.status();
+    b.Send(t.peer, Payload(kRingGrad, s.step), KThenV(*k, Bytes(s.recv_rows, hkv, D, f)));
+  }
+  for (const KvTransfer& t : s.send) {
+    absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
+    if (!k.ok()) return k.status();
+    b.Receive(t.peer, Payload(kRingGrad, s.step), KThenV(*k, Bytes(r.group_tokens, hkv, D, f)));
+  }
+  return std::move(b).Build();
+}
+
+struct ForwardRegions {
+  char *gq, *gkv, *out32, *lse32, *gout, *kv[2], *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2];
+  size_t used;
+};
+ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
+  PoolCursor c(base);
+  ForwardRegions f;
+  f.gq = c.Take(z.gq);
+  f.gkv = c.Take(z.gkv);
+  f.out32 = c.Take(z.out32);
+  f.lse32 = c.Take(z.lse32);
+  f.gout = c.Take(z.gq);
+  for (char*& p : f.kv) p = c.Take(z.kv_slot);
+  f.a2a_send = c.Take(std::max(z.a2a_in_send, z.a2a_out_send));
+  f.a2a_recv = c.Take(std::max(z.a2a_in_recv, z.a2a_out_recv));
+  for (int s = 0; s < 2; ++s) {
+    f.ring_send[s] = c.Take(z.ring_send);
+    f.ring_recv[s] = c.Take(z.ring_recv);
+  }
+  f.used = c.used();
+  return f;
+}
+
+struct BackwardRegions {
+  char *gq, *gdout, *gkv, *stats, *gstats, *dq32, *dkv32, *gdq, *gdkv, *sum32, *kv[2], *partial[2],
+      *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2], *grad_send[2], *grad_recv[2];
+  size_t used;
+};
+BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
+  PoolCursor c(base);
+  BackwardRegions b;
+  b.gq = c.Take(z.gq);
+  b.gdout = c.Take(z.gq);
+  b.gkv = c.Take(z.gkv);
+  b.stats = c.Take(z.stats);
+  b.gstats = c.Take(z.gstats);
+  b.dq32 = c.Take(z.dq32);
+  b.dkv32 = c.Take(z.dkv32);
+  b.gdq = c.Take(z.gq);
+  b.gdkv = c.Take(z.gkv);
+  b.sum32 = c.Take(z.sum32);
+  for (char*& p : b.kv) p = c.Take(z.kv_slot);
+  for (char*& p : b.partial) p = c.Take(z.partial_slot);
+  b.a2a_send = c.Take(std::max(z.a2a_in_send, z.a2a_out_send));
+  b.a2a_recv = c.Take(std::max(z.a2a_in_recv, z.a2a_out_recv));
+  for (int s = 0; s < 2; ++s) {
+    b.ring_send[s] = c.Take(z.ring_send);
+    b.ring_recv[s] = c.Take(z.ring_recv);
+    b.grad_send[s] = c.Take(z.grad_send);
+    b.grad_recv[s] = c.Take(z.grad_recv);
+  }
+  b.used = c.used();
+  return b;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
+    Device& device, const RankHierarchy& r, const AttentionDims& dims, DType dtype,
+    cudaStream stream) {
+  auto p = std::unique_ptr<DeviceHierProgram>(new DeviceHierProgram());
+  p->rank_ = &r;
+  p->dims_ = dims;
+  p->dtype_ = dtype;
+  const int D = dims.head_dim, HQ = dims.heads_q, HKV = dims.heads_kv;
+  const size_t es = DTypeSize(dtype), f = sizeof(float);
+  const bool partial = r.kv_grad_partial;
+  struct Named {
+    Exchange* ex;
+    absl::StatusOr<ExchangeProgram> program;
+  };
+  std::vector<Named> programs;
+  programs.push_back({&p->in_q_, AllToAllProgram(r, HQ, D, es, true, kInQ, false)});
+  programs.push_back({&p->in_k_, AllToAllProgram(r, HKV, D, es, false, kInK, false)});
+  programs.push_back({&p->in_v_, AllToAllProgram(r, HKV, D, es, false, kInV, false)});
+  programs.push_back({&p->in_dout_, AllToAllProgram(r, HQ, D, es, true, kInDout, false)});
+  programs.push_back({&p->in_stats_, StatsInProgram(r, HQ)});
+  programs.push_back({&p->out_o_, AllToAllProgram(r, HQ, D, es, true, kOutO, true)});
+  programs.push_back({&p->out_lse_, LseBackProgram(r)});
+  programs.push_back({&p->out_dq_, AllToAllProgram(r, HQ, D, es, true, kOutDq, true)});
+  programs.push_back(
+      {&p->out_dk_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDk, true, partial)});
+  programs.push_back(
+      {&p->out_dv_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDv, true, partial)});
+  p->steps_.resize(r.steps.size());
+  for (size_t i = 0; i < r.steps.size(); ++i) {
+    programs.push_back({&p->steps_[i].kv, RingKvProgram(r, r.steps[i], D, es)});
+    programs.push_back({&p->steps_[i].grad, RingGradProgram(r, r.steps[i], D)});
+  }
+  for (Named& n : programs) {
+    if (!n.program.ok()) return n.program.status();
+    n.ex->program = *std::move(n.program);
+  }
+
+  // Upload: copy lists, the kv-head map, the work lists.
+  HostImage image;
+  struct Lists {
+    size_t pack, unpack, self;
+  };
+  std::vector<Lists> at;
+  for (Named& n : programs) {
+    const ExchangeProgram& e = n.ex->program;
+    at.push_back({image.Add(e.pack), image.Add(e.unpack), image.Add(e.self)});
+  }
+  const size_t kv_map_at = image.Add(r.kv_head_of_q);
+  std::vector<HostImage::WorkListAt> work_at = {image.Add(r.local_work)};
+  for (const SubRingStep& s : r.steps) work_at.push_back(image.Add(s.recv_work));
+  absl::StatusOr<DeviceBuffer> memory = image.Upload(device, stream, "hierarchy upload");
+  if (!memory.ok()) return memory.status();
+  p->memory_ = *std::move(memory);
+  const char* base = static_cast<const char*>(p->memory_.get());
+  for (size_t i = 0; i < programs.size(); ++i) {
+    Exchange& e = *programs[i].ex;
+    auto list = [&](size_t offset, size_t n) {
+      hsap_dev::ChunksParams c{};
+      c.chunks = reinterpret_cast<const hsap_dev::CopyChunk*>(base + offset);
+      c.num_chunks = static_cast<long long>(n);
+      return c;
+    };
+    e.pack = list(at[i].pack, e.program.pack.size());
+    e.unpack = list(at[i].unpack, e.program.unpack.size());
+    e.self = list(at[i].self, e.program.self.size());
+  }
+  p->kv_map_ = reinterpret_cast<const int*>(base + kv_map_at);
+  p->local_work_ = HostImage::At(base, work_at[0]);
+  for (size_t i = 0; i < r.steps.size(); ++i)
+    p->steps_[i].work = HostImage::At(base, work_at[i + 1]);
+
+  // Region sizes.
+  Sizes& z = p->sizes_;
+  const int64_t N = r.group_tokens, n_me = r.shard_tokens;
+  const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
+  z.gq = Bytes(N, hq, D, es);
+  z.gkv = 2 * Bytes(N, hkv, D, es);
+  z.out32 = Bytes(N, hq, D, f);
+  z.lse32 = Bytes(N, hq, 1, f);
+  z.stats = Bytes(n_me, HQ, 2, f);
+  z.gstats = Bytes(N, hq, 2, f);
+  z.dq32 = z.out32;
+  z.dkv32 = 2 * Bytes(N, hkv, D, f);
+  z.sum32 = partial ? 2 * Bytes(n_me, HKV, D, f) : 0;
+  for (const SubRingStep& s : r.steps) {
+    z.kv_slot = std::max(z.kv_slot, 2 * Bytes(s.recv_rows, hkv, D, es));
+    z.partial_slot = std::max(z.partial_slot, 2 * Bytes(s.recv_rows, hkv, D, f));
+  }
+  for (const Step& s : p->steps_) {
+    z.ring_send = std::max(z.ring_send, s.kv.program.send_staging);
+    z.ring_recv = std::max(z.ring_recv, s.kv.program.recv_staging);
+    z.grad_send = std::max(z.grad_send, s.grad.program.send_staging);
+    z.grad_recv = std::max(z.grad_recv, s.grad.program.recv_staging);
+  }
+  // The all-to-all stages: forward in (q, k, v), back (out, lse); backward in (stats, q,
+  // dout, k, v), back (dq, dk, dv). Each stage's exchanges sit side by side.
+  auto stage = [](std::initializer_list<const Exchange*> xs, size_t& send, size_t& recv) {
+    size_t s = 0, r2 = 0;
+    for (const Exchange* x : xs) {
+      s += x->program.send_staging;
+      r2 += x->program.recv_staging;
+    }
+    send = std::max(send, s);
+    recv = std::max(recv, r2);
+  };
+  stage({&p->in_q_, &p->in_k_, &p->in_v_}, z.a2a_in_send, z.a2a_in_recv);
+  stage({&p->in_stats_, &p->in_q_, &p->in_dout_, &p->in_k_, &p->in_v_}, z.a2a_in_send,
+        z.a2a_in_recv);
+  stage({&p->out_o_, &p->out_lse_}, z.a2a_out_send, z.a2a_out_recv);
+  stage({&p->out_dq_, &p->out_dk_, &p->out_dv_}, z.a2a_out_send, z.a2a_out_recv);
+  p->pool_bytes_ = std::max(CarveForward(nullptr, z).used, CarveBackward(nullptr, z).used);
+  return p;
+}
+
+namespace {
+
+// One exchange of a stage with its run-time buffers.
+struct Leg {
+  const DeviceHierProgram::Exchange* ex;
+  const void* src;
+  void* dst;
+};
+
+// The stage machinery shared by forward and backward.
+class HierCall {
+ public:
+  HierCall(const GpuHierContext& ctx, const char* pass)
+      : ctx_(ctx), pass_(pass), events_(*ctx.device), transfer_(TransferStream(*ctx.transport)) {}
+
+  // Packs every leg's messages into `send` (legs side by side), runs the self copies,
+  // makes the transfer stream wait, and posts the messages (receiving into `recv`).
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> Post(const std::vector<Leg>& legs, char* send,
+                                                           char* recv, const std::string& name,
+                                                           bool ring) {
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    size_t send_at = 0, recv_at = 0;
+    for (const Leg& leg : legs) {
+      const ExchangeProgram& e = leg.ex->program;
+      if (absl::Status s = Launch(leg.ex->pack, leg.src, send + send_at, false); !s.ok()) return s;
+      if (absl::Status s = Launch(leg.ex->self, leg.src, leg.dst, e.add); !s.ok()) return s;
+      for (const ExchangeMessage& m : e.sends) {
+        sends.push_back({m.peer, send + send_at + m.offset, m.bytes, FullTag(ctx_.call_id, m.tag)});
+        (ring ? ring_sent_ : a2a_sent_) += m.bytes;
+      }
+      for (const ExchangeMessage& m : e.recvs) {
+        recvs.push_back({m.peer, recv + recv_at + m.offset, m.bytes, FullTag(ctx_.call_id, m.tag)});
+        (ring ? ring_received_ : a2a_received_) += m.bytes;
+      }
+      send_at += e.send_staging;
+      recv_at += e.recv_staging;
+    }
+    if (transfer_ != nullptr && transfer_ != ctx_.stream) {
+      absl::StatusOr<cudaEvent> ev = events_.New();
+      if (!ev.ok()) return ev.status();
+      if (absl::Status s = ctx_.device->RecordEvent(*ev, ctx_.stream); !s.ok()) return s;
+      if (absl::Status s = ctx_.device->StreamWaitEvent(transfer_, *ev); !s.ok()) return s;
+    }
+    return ctx_.transport->Start(sends, recvs, absl::StrCat(pass_, " ", name));
+  }
+
+  // After the stage completed: unpacks every leg from `recv`.
+  absl::Status Unpack(const std::vector<Leg>& legs, const char* recv) {
+    size_t recv_at = 0;
+    for (const Leg& leg : legs) {
+      if (absl::Status s = Launch(leg.ex->unpack, recv + recv_at, leg.dst, leg.ex->program.add);
+          !s.ok()) {
+        return s;
+      }
+      recv_at += leg.ex->program.recv_staging;
+    }
+    return absl::OkStatus();
+  }
+
+  // Post + Wait + Unpack.
+  absl::Status Run(const std::vector<Leg>& legs, char* send, char* recv, const std::string& name) {
+    absl::StatusOr<std::unique_ptr<Transport::Pending>> p = Post(legs, send, recv, name, false);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = (*p)->Wait(); !s.ok()) return s;
+    return Unpack(legs, recv);
+  }
+
+  HierTraffic traffic() const {
+    return HierTraffic{a2a_sent_, a2a_received_, ring_sent_, ring_received_};
+  }
+
+ private:
+  absl::Status Launch(hsap_dev::ChunksParams c, const void* src, void* dst, bool add) {
+    if (c.num_chunks == 0) return absl::OkStatus();
+    c.src = src;
+    c.dst = dst;
+    return add ? ctx_.kernels->AddChunks(c, ctx_.stream) : ctx_.kernels->CopyChunks(c, ctx_.stream);
+  }
+
+  const GpuHierContext& ctx_;
+  const char* pass_;
+  CallEvents events_;
+  cudaStream transfer_;
+  uint64_t a2a_sent_ = 0, a2a_received_ = 0, ring_sent_ = 0, ring_received_ = 0;
+};
+
+// The context a mode runs with (the stand-ins live in the caller's `kernels`/`transport`).
+GpuHierContext ForMode(const GpuHierContext& ctx, SkippedKernels& kernels,
+                       std::unique_ptr<SkippedTransport>& transport) {
+  GpuHierContext out = ctx;
+  if (ctx.mode == GpuExecMode::kTransfersOnly) out.kernels = &kernels;
+  if (ctx.mode == GpuExecMode::kComputeOnly && ctx.transport != nullptr) {
+    transport = std::make_unique<SkippedTransport>(*ctx.transport);
+    out.transport = transport.get();
+  }
+  return out;
+}
+
+absl::Status CheckContext(const GpuHierContext& ctx) {
+  if (ctx.device == nullptr || ctx.kernels == nullptr || ctx.transport == nullptr ||
+      ctx.program == nullptr) {
+    return absl::InternalError("GPU hierarchical executor context is incomplete");
+  }
+  if (ctx.pool == nullptr || ctx.pool_bytes < ctx.program->pool_bytes()) {
+    return absl::InternalError(absl::StrCat("the communicator's pool holds ", ctx.pool_bytes,
+                                            " B; this batch needs ", ctx.program->pool_bytes(),
+                                            " B"));
+  }
+  return absl::OkStatus();
+}
+
+std::string StepName(const SubRingStep& s, const char* what) {
+  return absl::StrCat("step ", s.step, " (", what, ")");
+}
+
+}  // namespace
+
+absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q, const void* k,
+                                    const void* v, void* out, float* lse, HierTraffic* traffic) {
+  SkippedKernels skipped_kernels(ctx_in.kernels);
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
+  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  const DeviceHierProgram& p = *ctx.program;
+  const RankHierarchy& r = p.rank();
+  const int D = p.dims().head_dim;
+  const size_t es = DTypeSize(p.dtype());
+  const int64_t N = r.group_tokens;
+  const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
+  const ForwardRegions g = CarveForward(ctx.pool, p.sizes());
+  char* gk = g.gkv;
+  char* gv = g.gkv + Bytes(N, hkv, D, es);
+  HierCall call(ctx, "hier forward");
+
+  if (absl::Status s = call.Run({{&p.in_q(), q, g.gq}, {&p.in_k(), k, gk}, {&p.in_v(), v, gv}},
+                                g.a2a_send, g.a2a_recv, "all-to-all q, k, v");
+      !s.ok()) {
+    return s;
+  }
+  float* out32 = reinterpret_cast<float*>(g.out32);
+  float* lse32 = reinterpret_cast<float*>(g.lse32);
+  if (hq > 0 && N > 0) {
+    if (absl::Status s = ctx.kernels->Init({out32, lse32, N, static_cast<int>(hq)}, ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+  hsap_dev::FwdParams fp{};
+  fp.q = g.gq;
+  fp.out = out32;
+  fp.lse = lse32;
+  fp.kv_head_of_q = p.kv_head_of_q();
+  fp.q_rows = N;
+  fp.heads_q = static_cast<int>(hq);
+  fp.heads_kv = static_cast<int>(hkv);
+  fp.scale = p.dims().scale;
+  auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                    int64_t k_rows) {
+    return LaunchForward(*ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
+  };
+  auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
+  if (absl::Status s = RunStaged(
+          r.steps.size(),
+          [&](size_t i) {
+            return call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2],
+                             StepName(r.steps[i], "kv"), /*ring=*/true);
+          },
+          [&] { return attend(p.local_work(), gk, gv, N); },
+          [&](size_t i) -> absl::Status {
+            if (absl::Status s = call.Unpack(kv_leg(i), g.ring_recv[i % 2]); !s.ok()) return s;
+            const SubRingStep& st = r.steps[i];
+            if (st.recv_group < 0) return absl::OkStatus();
+            return attend(p.steps()[i].work, g.kv[i % 2],
+                          g.kv[i % 2] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows);
+          });
+      !s.ok()) {
+    return s;
+  }
+  if (hq > 0 && N > 0) {
+    if (absl::Status s = ctx.kernels->Convert(
+            {out32, g.gout, static_cast<long long>(N) * static_cast<long long>(hq) * D},
+            ctx.stream);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = call.Run({{&p.out_o(), g.gout, out}, {&p.out_lse(), g.lse32, lse}},
+                                g.a2a_send, g.a2a_recv, "all-to-all out, lse");
+      !s.ok()) {
+    return s;
+  }
+  if (traffic != nullptr) *traffic = call.traffic();
+  return absl::OkStatus();
+}
+
+absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* dout, const void* q,
+                                     const void* k, const void* v, const void* out,
+                                     const float* lse, void* dq, void* dk, void* dv,
+                                     HierTraffic* traffic) {
+  SkippedKernels skipped_kernels(ctx_in.kernels);
+  std::unique_ptr<SkippedTransport> skipped_transport;
+  const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
+  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  const DeviceHierProgram& p = *ctx.program;
+  const RankHierarchy& r = p.rank();
+  const int D = p.dims().head_dim, HQ = p.dims().heads_q, HKV = p.dims().heads_kv;
+  const size_t es = DTypeSize(p.dtype()), f = sizeof(float);
+  const int64_t N = r.group_tokens, n_me = r.shard_tokens;
+  const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
+  const BackwardRegions g = CarveBackward(ctx.pool, p.sizes());
+  char* gk = g.gkv;
+  char* gv = g.gkv + Bytes(N, hkv, D, es);
+  HierCall call(ctx, "hier backward");
+
+  // lse and delta of the shard, head-major, side by side.
+  if (absl::Status s = ctx.device->CopyAsync(g.stats, lse, Bytes(n_me, HQ, 1, f), ctx.stream);
+      !s.ok()) {
+    return s;
+  }
+  if (n_me > 0) {
+    float* delta = reinterpret_cast<float*>(g.stats + Bytes(n_me, HQ, 1, f));
+    if (absl::Status s = ctx.kernels->Delta({dout, out, delta, n_me, HQ}, ctx.stream); !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = call.Run({{&p.in_stats(), g.stats, g.gstats},
+                                 {&p.in_q(), q, g.gq},
+                                 {&p.in_dout(), dout, g.gdout},
+                                 {&p.in_k(), k, gk},
+                                 {&p.in_v(), v, gv}},
+                                g.a2a_send, g.a2a_recv, "all-to-all q, dout, k, v, lse, delta");
+      !s.ok()) {
+    return s;
+  }
+  float* dq32 = reinterpret_cast<float*>(g.dq32);
+  float* dk32 = reinterpret_cast<float*>(g.dkv32);
+  float* dv32 = dk32 + static_cast<size_t>(N) * hkv * D;
+  for (auto [ptr, bytes] :
+       {std::pair{g.dq32, Bytes(N, hq, D, f)}, {g.dkv32, 2 * Bytes(N, hkv, D, f)}}) {
+    if (absl::Status s = ctx.device->ZeroAsync(ptr, bytes, ctx.stream); !s.ok()) return s;
+  }
+  hsap_dev::BwdParams bp{};
+  bp.q = g.gq;
+  bp.dout = g.gdout;
+  bp.lse = reinterpret_cast<const float*>(g.gstats);
+  bp.delta = reinterpret_cast<const float*>(g.gstats) + static_cast<size_t>(N) * hq;
+  bp.dq = dq32;
+  bp.kv_head_of_q = p.kv_head_of_q();
+  bp.q_rows = N;
+  bp.heads_q = static_cast<int>(hq);
+  bp.heads_kv = static_cast<int>(hkv);
+  bp.scale = p.dims().scale;
+  auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                      int64_t k_rows, float* gk32, float* gv32) {
+    return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
+  };
+
+  // The sub-rings in the lowering's global order (BackwardPostingOrder).
+  const size_t n = r.steps.size();
+  std::vector<int> steps;
+  for (const auto& st : r.steps) steps.push_back(st.step);
+  std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
+  auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
+  auto grad_leg = [&](size_t i) {
+    return std::vector<Leg>{{&p.steps()[i].grad, g.partial[i % 2], g.dkv32}};
+  };
+  // The partials returned for step j, added once its transfers completed (step order).
+  auto add_returned = [&](size_t j) -> absl::Status {
+    if (absl::Status s = grad_pending[j % 2]->Wait(); !s.ok()) return s;
+    grad_pending[j % 2].reset();
+    return call.Unpack(grad_leg(j), g.grad_recv[j % 2]);
+  };
+  auto grad_step = [&](size_t i) -> absl::Status {
+    const SubRingStep& st = r.steps[i];
+    const int slot = static_cast<int>(i % 2);
+    if (absl::Status s = kv_pending[slot]->Wait(); !s.ok()) return s;
+    kv_pending[slot].reset();
+    if (absl::Status s = call.Unpack(kv_leg(i), g.ring_recv[slot]); !s.ok()) return s;
+    const size_t half = Bytes(st.recv_rows, hkv, D, f);
+    float* pk = reinterpret_cast<float*>(g.partial[slot]);
+    float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
+    if (st.recv_group >= 0) {
+      if (absl::Status s = ctx.device->ZeroAsync(pk, 2 * half, ctx.stream); !s.ok()) return s;
+      if (absl::Status s =
+              backward(p.steps()[i].work, g.kv[slot], g.kv[slot] + Bytes(st.recv_rows, hkv, D, es),
+                       st.recv_rows, pk, pv);
+          !s.ok()) {
+        return s;
+      }
+    }
+    absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.Post(
+        grad_leg(i), g.grad_send[slot], g.grad_recv[slot], StepName(st, "dk/dv"), /*ring=*/true);
+    if (!posted.ok()) return posted.status();
+    grad_pending[slot] = *std::move(posted);
+    return i > 0 ? add_returned(i - 1) : absl::OkStatus();
+  };
+  if (absl::Status s = RunBackwardGroups(
+          steps,
+          [&](size_t i) -> absl::Status {
+            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.Post(
+                kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
+                /*ring=*/true);
+            if (!posted.ok()) return posted.status();
+            kv_pending[i % 2] = *std::move(posted);
+            return absl::OkStatus();
+          },
+          grad_step, [&] { return backward(p.local_work(), gk, gv, N, dk32, dv32); });
+      !s.ok()) {
+    return s;
+  }
+  if (n > 0) {
+    if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
+  }
+
+  // Back to the owners: dQ rounded here; dK/dV rounded here unless a KV head has several
+  // holders in the group (then the owner sums the fp32 partials and rounds once).
+  auto convert = [&](const float* from, void* to, size_t count) -> absl::Status {
+    if (count == 0) return absl::OkStatus();
+    return ctx.kernels->Convert({from, to, static_cast<long long>(count)}, ctx.stream);
+  };
+  if (absl::Status s = convert(dq32, g.gdq, static_cast<size_t>(N) * hq * D); !s.ok()) return s;
+  std::vector<Leg> legs = {{&p.out_dq(), g.gdq, dq}};
+  const size_t shard_kv = static_cast<size_t>(n_me) * HKV * D;
+  float* sum_k = reinterpret_cast<float*>(g.sum32);
+  float* sum_v = sum_k + shard_kv;
+  char* gdk = g.gdkv;
+  char* gdv = g.gdkv + Bytes(N, hkv, D, es);
+  if (r.kv_grad_partial) {
+    if (absl::Status s = ctx.device->ZeroAsync(g.sum32, 2 * shard_kv * f, ctx.stream); !s.ok()) {
+      return s;
+    }
+    legs.push_back({&p.out_dk(), dk32, sum_k});
+    legs.push_back({&p.out_dv(), dv32, sum_v});
+  } else {
+    const size_t count = static_cast<size_t>(N) * hkv * D;
+    if (absl::Status s = convert(dk32, gdk, count); !s.ok()) return s;
+    if (absl::Status s = convert(dv32, gdv, count); !s.ok()) return s;
+    legs.push_back({&p.out_dk(), gdk, dk});
+    legs.push_back({&p.out_dv(), gdv, dv});
+  }
+  if (absl::Status s = call.Run(legs, g.a2a_send, g.a2a_recv, "all-to-all dq, dk, dv"); !s.ok()) {
+    return s;
+  }
+  if (r.kv_grad_partial) {
+    if (absl::Status s = convert(sum_k, dk, shard_kv); !s.ok()) return s;
+    if (absl::Status s = convert(sum_v, dv, shard_kv); !s.ok()) return s;
+  }
+  if (traffic != nullptr) *traffic = call.traffic();
+  return absl::OkStatus();
+}
+
+}  // namespace hsap::cuda

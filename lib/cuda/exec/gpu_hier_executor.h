@@ -1,0 +1,126 @@
+// Runs one rank's part of a hierarchical (head x context parallel) batch on a device: the
+// GPU counterpart of lib/exec/hierarchical_executor.h, with the same stages and the same bytes.
+//
+// Every data movement is an ExchangeProgram (exchange_program.h) built once per batch from
+// the rank's RankHierarchy: the ragged all-to-all-v inside the group (Q, K, V, dout and the
+// fp32 lse/delta in; out, lse, dQ, dK, dV back), the sub-ring K/V of each step and the
+// fp32 dK/dV partials returned along them. A stage packs its outgoing messages on the
+// compute stream (copy_chunks), makes the transfer stream wait for it (event), posts the
+// messages, and after the host saw the stage complete unpacks on the compute stream. The
+// attention kernels get the rank's kv_head_of_q map (uneven, non-contiguous heads). lse and
+// delta travel head-major ([heads, rows] pieces), so no transpose is needed.
+//
+// Order (NCCL matches by posting order): every rank posts the group's all-to-all stages in
+// the same order, the sub-ring stages in the global order of nccl_lowering.h (forward by
+// step; backward kv(t) before grad(t - 1)), then the all-to-all back.
+//
+// Streams, memory and results: as lib/cuda/exec/gpu_executor.h (pool regions, no allocation in
+// a call, dK/dV not bitwise reproducible).
+#ifndef HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
+#define HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "lib/comm/transport.h"
+#include "lib/cuda/exec/exchange_program.h"
+#include "lib/cuda/exec/gpu_executor.h"
+#include "lib/cuda/runtime/device.h"
+#include "lib/sched/hierarchy.h"
+
+namespace hsap::cuda {
+
+// The device side of one rank's hierarchical batch: exchange programs (with their copy
+// lists uploaded), work lists and the kv-head map.
+class DeviceHierProgram {
+ public:
+  // `dims`: the whole layer's heads, head dim and scale. Blocks the host until the upload
+  // is done.
+  static absl::StatusOr<std::unique_ptr<DeviceHierProgram>> Build(Device& device,
+                                                                  const RankHierarchy& rank,
+                                                                  const AttentionDims& dims,
+                                                                  DType dtype, cudaStream stream);
+
+  // Pool bytes a forward or a backward needs (the larger).
+  size_t pool_bytes() const { return pool_bytes_; }
+
+  // One exchange with its device copy lists.
+  struct Exchange {
+    ExchangeProgram program;
+    hsap_dev::ChunksParams pack{}, unpack{}, self{};  // src/dst filled at run time
+  };
+  struct Step {
+    Exchange kv, grad;  // grad: the fp32 dK/dV partials back (backward)
+    DeviceWorkLists::List work;
+  };
+
+  const RankHierarchy& rank() const { return *rank_; }
+  const AttentionDims& dims() const { return dims_; }
+  DType dtype() const { return dtype_; }
+  const int* kv_head_of_q() const { return kv_map_; }
+  const DeviceWorkLists::List& local_work() const { return local_work_; }
+  const std::vector<Step>& steps() const { return steps_; }
+  // All-to-all in: q, k, v, dout, (lse, delta); back: out, lse, dq, dk, dv.
+  const Exchange& in_q() const { return in_q_; }
+  const Exchange& in_k() const { return in_k_; }
+  const Exchange& in_v() const { return in_v_; }
+  const Exchange& in_dout() const { return in_dout_; }
+  const Exchange& in_stats() const { return in_stats_; }
+  const Exchange& out_o() const { return out_o_; }
+  const Exchange& out_lse() const { return out_lse_; }
+  const Exchange& out_dq() const { return out_dq_; }
+  const Exchange& out_dk() const { return out_dk_; }
+  const Exchange& out_dv() const { return out_dv_; }
+
+  // Sizes of the pool regions (bytes; see gpu_hier_executor.cc for their use).
+  struct Sizes {
+    size_t gq = 0, gkv = 0, out32 = 0, lse32 = 0, stats = 0, gstats = 0, dq32 = 0, dkv32 = 0,
+           sum32 = 0, kv_slot = 0, partial_slot = 0;
+    size_t a2a_in_send = 0, a2a_in_recv = 0, a2a_out_send = 0, a2a_out_recv = 0;
+    size_t ring_send = 0, ring_recv = 0, grad_send = 0, grad_recv = 0;
+  };
+  const Sizes& sizes() const { return sizes_; }
+
+ private:
+  DeviceHierProgram() = default;
+  const RankHierarchy* rank_ = nullptr;
+  AttentionDims dims_;
+  DType dtype_ = DType::kBF16;
+  DeviceBuffer memory_;
+  const int* kv_map_ = nullptr;
+  DeviceWorkLists::List local_work_;
+  std::vector<Step> steps_;
+  Exchange in_q_, in_k_, in_v_, in_dout_, in_stats_, out_o_, out_lse_, out_dq_, out_dk_, out_dv_;
+  Sizes sizes_;
+  size_t pool_bytes_ = 0;
+};
+
+struct GpuHierContext {
+  Device* device = nullptr;
+  const DeviceKernels* kernels = nullptr;
+  Transport* transport = nullptr;
+  const DeviceHierProgram* program = nullptr;
+  void* pool = nullptr;  // at least program->pool_bytes()
+  size_t pool_bytes = 0;
+  uint64_t call_id = 0;
+  cudaStream stream = nullptr;  // the compute stream
+  GpuExecMode mode = GpuExecMode::kFull;
+};
+
+// Tensors as in lib/exec/hierarchical_executor.h, in device memory, ordered on ctx.stream.
+absl::Status GpuHierarchicalForward(const GpuHierContext& ctx, const void* q, const void* k,
+                                    const void* v, void* out, float* lse, HierTraffic* traffic);
+absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx, const void* dout, const void* q,
+                                     const void* k, const void* v, const void* out,
+                                     const float* lse, void* dq, void* dk, void* dv,
+                                     HierTraffic* traffic);
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_

@@ -1,0 +1,240 @@
+#include "lib/cuda/exec/jit_device_kernels.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "jit/cache.h"
+#include "jit/cuda_kernels.h"
+
+namespace hsap::cuda {
+namespace {
+
+struct Kernel {
+  CUfunction function = nullptr;
+  int threads = 0;
+  int smem = 0;
+};
+
+class JitDeviceKernels : public DeviceKernels {
+ public:
+  ~JitDeviceKernels() override {
+    if (module_ != nullptr) driver_->ModuleUnload(module_);
+  }
+
+  static absl::StatusOr<std::unique_ptr<DeviceKernels>> Load(const jit::CompiledCudaKernels& c,
+                                                             int sm_count) {
+    absl::StatusOr<const CudaDriverApi*> driver = LoadCudaDriver();
+    if (!driver.ok()) return driver.status();
+    auto k = std::unique_ptr<JitDeviceKernels>(new JitDeviceKernels());
+    k->driver_ = *driver;
+    k->helper_ctas_ = std::max(1, 8 * sm_count);
+    const CudaDriverApi& d = **driver;
+    // The module belongs to the context current now (the primary context of the current
+    // device, made current by LoadJitDeviceKernels); launches bind it again, since a caller
+    // may launch from a thread that never made a CUDA runtime call.
+    if (absl::Status s = d.Check(d.CtxGetCurrent(&k->context_), "cuCtxGetCurrent"); !s.ok()) {
+      return s;
+    }
+    if (k->context_ == nullptr) {
+      return absl::InternalError("no current CUDA context to load the kernels into");
+    }
+    if (absl::Status s = d.Check(
+            d.ModuleLoadData(&k->module_, c.binary.image.c_str()),
+            absl::StrCat("cuModuleLoadData(", c.source.program_name, ", ", c.binary.target, ")"));
+        !s.ok()) {
+      return s;
+    }
+    struct Slot {
+      const char* role;
+      Kernel* kernel;
+    };
+    std::vector<Slot> slots = {Slot{"fwd", &k->fwd_},
+                               Slot{"bwd", &k->bwd_},
+                               Slot{"delta", &k->delta_},
+                               Slot{"init", &k->init_},
+                               Slot{"convert", &k->convert_},
+                               Slot{"accumulate", &k->accumulate_},
+                               Slot{"copy_chunks", &k->copy_chunks_},
+                               Slot{"add_chunks", &k->add_chunks_}};
+    // Configurations with a topology role have the fused forward, kMaxSteps = peers + 1.
+    const int max_steps =
+        c.source.config.role.num_peers > 0 ? c.source.config.role.num_peers + 1 : 0;
+    if (max_steps > 0) slots.push_back(Slot{"fused_fwd", &k->fused_});
+    for (Slot slot : slots) {
+      absl::StatusOr<jit::CudaKernelEntry> entry = c.Entry(slot.role);
+      if (!entry.ok()) return entry.status();
+      absl::StatusOr<std::string> name = c.LoweredName(slot.role);
+      if (!name.ok()) return name.status();
+      Kernel& kernel = *slot.kernel;
+      kernel.threads = entry->threads;
+      kernel.smem = entry->dynamic_smem_bytes;
+      if (absl::Status s = d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name->c_str()),
+                                   absl::StrCat("cuModuleGetFunction(", *name, ")"));
+          !s.ok()) {
+        return s;
+      }
+      if (kernel.smem > 48 * 1024) {
+        if (absl::Status s =
+                d.Check(d.FuncSetAttribute(kernel.function, kCuFuncAttributeMaxDynamicSharedSize,
+                                           kernel.smem),
+                        absl::StrCat("cuFuncSetAttribute(", entry->role, " kernel, ", kernel.smem,
+                                     " B shared memory)"));
+            !s.ok()) {
+          return s;
+        }
+      }
+    }
+    if (max_steps > 0) {
+      int per_sm = 0;
+      if (absl::Status s = d.Check(d.OccupancyMaxActiveBlocksPerMultiprocessor(
+                                       &per_sm, k->fused_.function, k->fused_.threads,
+                                       static_cast<size_t>(k->fused_.smem)),
+                                   "cuOccupancyMaxActiveBlocksPerMultiprocessor(fused forward)");
+          !s.ok()) {
+        return s;
+      }
+      k->fused_resident_ = per_sm * sm_count;
+      k->max_fused_steps_ = max_steps;
+      k->fused_copy_ctas_ = std::clamp(sm_count / 16, 1, 8);
+    }
+    return std::unique_ptr<DeviceKernels>(std::move(k));
+  }
+
+  absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
+    if (p.num_blocks == 0 || p.heads_q == 0) return absl::OkStatus();
+    return Launch(fwd_, "attention forward", p.num_blocks, p.heads_q, &p, s);
+  }
+  absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
+    if (p.num_blocks == 0 || p.heads_q == 0) return absl::OkStatus();
+    return Launch(bwd_, "attention backward", p.num_blocks, p.heads_q, &p, s);
+  }
+  absl::Status Delta(const hsap_dev::DeltaParams& p, cudaStream s) const override {
+    return Launch(delta_, "delta", HelperGrid(p.rows * p.heads * 32), 1, &p, s);
+  }
+  absl::Status Init(const hsap_dev::InitParams& p, cudaStream s) const override {
+    return Launch(init_, "init", HelperGrid(p.rows * p.heads * 4), 1, &p, s);
+  }
+  absl::Status Convert(const hsap_dev::ConvertParams& p, cudaStream s) const override {
+    return Launch(convert_, "convert", HelperGrid(p.count), 1, &p, s);
+  }
+  absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const override {
+    return Launch(accumulate_, "accumulate", HelperGrid(p.count), 1, &p, s);
+  }
+  absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    if (p.num_chunks == 0) return absl::OkStatus();
+    return Launch(copy_chunks_, "copy chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+  }
+  absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    if (p.num_chunks == 0) return absl::OkStatus();
+    return Launch(add_chunks_, "add chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+  }
+
+  int max_fused_steps() const override { return max_fused_steps_; }
+  int fused_copy_ctas() const override { return fused_copy_ctas_; }
+  int fused_resident_ctas() const override { return fused_resident_; }
+  absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const override {
+    const int steps = static_cast<int>(launch.steps.size());
+    if (max_fused_steps_ == 0 || steps > max_fused_steps_) {
+      return absl::InternalError(absl::StrCat("fused forward of ", steps, " steps; these kernels ",
+                                              "take at most ", max_fused_steps_));
+    }
+    if (steps == 0) return absl::OkStatus();
+    // Compute CTAs: enough for the largest step, within this launch's share of residency.
+    long long work = 1;
+    for (const hsap_dev::FusedStep& st : launch.steps) {
+      work = std::max<long long>(work, static_cast<long long>(st.num_blocks) * launch.head.heads_q);
+    }
+    const int resident = fused_resident_ / std::max(1, launch.share);
+    const long long compute = std::min<long long>(work, resident - fused_copy_ctas_);
+    if (compute < 1) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the fused forward needs ", fused_copy_ctas_ + 1, " resident CTAs; this GPU keeps ",
+          fused_resident_, " resident, shared by ", launch.share, " ranks"));
+    }
+    // FusedFwdParamsT<kMaxSteps>: the head, then kMaxSteps steps (unused ones zero).
+    std::vector<char> params(kFusedStepsOffset + max_fused_steps_ * sizeof(hsap_dev::FusedStep), 0);
+    hsap_dev::FusedFwdHead head = launch.head;
+    head.num_steps = steps;
+    head.num_copy_ctas = fused_copy_ctas_;
+    std::memcpy(params.data(), &head, sizeof(head));
+    std::memcpy(params.data() + kFusedStepsOffset, launch.steps.data(),
+                launch.steps.size() * sizeof(hsap_dev::FusedStep));
+    return Launch(fused_, "fused forward", static_cast<unsigned>(fused_copy_ctas_ + compute), 1,
+                  params.data(), s);
+  }
+
+ private:
+  // Where the steps start in FusedFwdParamsT<N>, whatever N.
+  static constexpr size_t kFusedStepsOffset = offsetof(hsap_dev::FusedFwdParamsT<1>, steps);
+  static_assert(offsetof(hsap_dev::FusedFwdParamsT<16>, steps) == kFusedStepsOffset &&
+                    sizeof(hsap_dev::FusedFwdParamsT<16>) ==
+                        kFusedStepsOffset + 16 * sizeof(hsap_dev::FusedStep),
+                "the fused parameters must be a head followed by the steps");
+
+  JitDeviceKernels() = default;
+
+  // CTAs of 256 threads for `threads_wanted` threads of work, at most helper_ctas_.
+  unsigned HelperGrid(long long threads_wanted) const {
+    const long long ctas = (threads_wanted + 255) / 256;
+    return static_cast<unsigned>(std::clamp<long long>(ctas, 1, helper_ctas_));
+  }
+
+  template <typename Params>
+  absl::Status Launch(const Kernel& k, const char* what, unsigned grid_x, unsigned grid_y,
+                      const Params* params, cudaStream s) const {
+    void* args[] = {const_cast<void*>(static_cast<const void*>(params))};
+    if (absl::Status st = driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent");
+        !st.ok()) {
+      return st;
+    }
+    return driver_->Check(
+        driver_->LaunchKernel(k.function, grid_x, grid_y, 1, static_cast<unsigned>(k.threads), 1, 1,
+                              static_cast<unsigned>(k.smem), s, args, nullptr),
+        absl::StrCat("cuLaunchKernel(", what, ", grid ", grid_x, "x", grid_y, ", ", k.threads,
+                     " threads, ", k.smem, " B shared)"));
+  }
+
+  const CudaDriverApi* driver_ = nullptr;
+  CUcontext context_ = nullptr;
+  CUmodule module_ = nullptr;
+  long long helper_ctas_ = 1;
+  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_;
+  int max_fused_steps_ = 0, fused_copy_ctas_ = 1, fused_resident_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config) {
+  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  if (config.arch.empty()) {
+    absl::StatusOr<std::string> arch = CurrentCudaArch();
+    if (!arch.ok()) return arch.status();
+    config.arch = *arch;
+  }
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  if (!rt.ok()) return rt.status();
+  int device = 0, sms = 1;
+  if (absl::Status s = (*rt)->Check((*rt)->GetDevice(&device), "cudaGetDevice"); !s.ok()) return s;
+  if (absl::Status s =
+          (*rt)->Check((*rt)->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
+                       "cudaDeviceGetAttribute(multiprocessor count)");
+      !s.ok()) {
+    return s;
+  }
+  // cudaFree(nullptr) initialises the device's primary context and makes it current.
+  if (absl::Status s = (*rt)->Check((*rt)->Free(nullptr), "cudaFree(nullptr) (context set-up)");
+      !s.ok()) {
+    return s;
+  }
+  absl::StatusOr<jit::CompiledCudaKernels> compiled =
+      jit::CompileCudaKernels(config, &jit::CompileCache::Global());
+  if (!compiled.ok()) return compiled.status();
+  return JitDeviceKernels::Load(*compiled, sms);
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,222 @@
+#include "lib/cuda/exec/nccl_lowering.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsap::cuda {
+namespace {
+
+enum Payload { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+
+size_t KvRowBytes(const AttentionDims& dims, DType dtype) {
+  return static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
+}
+
+// The K/V group of stage `st` (sends to send_to, receives from recv_from).
+P2pGroup KvGroup(const Stage& st, size_t row_bytes, uint64_t call_id, std::string label) {
+  std::vector<SendOp> sends;
+  std::vector<RecvOp> recvs;
+  if (st.send_to >= 0) {
+    const size_t bytes = static_cast<size_t>(st.send_rows) * row_bytes;
+    sends.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kKey, st.step)});
+    sends.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kValue, st.step)});
+  }
+  if (st.recv_from >= 0) {
+    const size_t bytes = static_cast<size_t>(st.recv_rows) * row_bytes;
+    recvs.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kKey, st.step)});
+    recvs.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kValue, st.step)});
+  }
+  return GroupOfStage(sends, recvs, std::move(label));
+}
+
+// The gradient group of stage `st`: fp32 dK/dV of the received rows go back to recv_from,
+// those of this rank's rows come from send_to.
+P2pGroup GradGroup(const Stage& st, const AttentionDims& dims, uint64_t call_id,
+                   std::string label) {
+  const size_t row = static_cast<size_t>(dims.heads_kv) * dims.head_dim * sizeof(float);
+  std::vector<SendOp> sends;
+  std::vector<RecvOp> recvs;
+  if (st.recv_from >= 0) {
+    const size_t bytes = static_cast<size_t>(st.recv_rows) * row;
+    sends.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kKeyGrad, st.step)});
+    sends.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kValueGrad, st.step)});
+  }
+  if (st.send_to >= 0) {
+    const size_t bytes = static_cast<size_t>(st.send_rows) * row;
+    recvs.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kKeyGrad, st.step)});
+    recvs.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kValueGrad, st.step)});
+  }
+  return GroupOfStage(sends, recvs, std::move(label));
+}
+
+}  // namespace
+
+uint64_t ExecutorTag(uint64_t call_id, int payload, int step) {
+  return ((call_id & ((uint64_t{1} << 39) - 1)) << 24) | (static_cast<uint64_t>(payload) << 20) |
+         static_cast<uint64_t>(step);
+}
+
+P2pProgram LowerForward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
+                        uint64_t call_id) {
+  const size_t row = KvRowBytes(dims, dtype);
+  P2pProgram program;
+  for (const Stage& st : schedule.stages) {
+    program.push_back(KvGroup(st, row, call_id, absl::StrCat("fwd kv ", st.step)));
+  }
+  return program;
+}
+
+P2pProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
+                         uint64_t call_id) {
+  const size_t row = KvRowBytes(dims, dtype);
+  // Global order over steps 1..R-1: kv(1), then for each t: kv(t+1), grad(t). A rank emits
+  // the labels of its own stages only; the order of labels is the same everywhere.
+  std::map<int, const Stage*> by_step;
+  for (const Stage& st : schedule.stages) by_step[st.step] = &st;
+  P2pProgram program;
+  auto kv = [&](int t) {
+    auto it = by_step.find(t);
+    if (it != by_step.end()) {
+      program.push_back(KvGroup(*it->second, row, call_id, absl::StrCat("bwd kv ", t)));
+    }
+  };
+  kv(1);
+  for (int t = 1; t < schedule.num_ranks; ++t) {
+    if (t + 1 < schedule.num_ranks) kv(t + 1);
+    auto it = by_step.find(t);
+    if (it != by_step.end()) {
+      program.push_back(GradGroup(*it->second, dims, call_id, absl::StrCat("bwd grad ", t)));
+    }
+  }
+  return program;
+}
+
+std::vector<BackwardGroup> BackwardPostingOrder(absl::Span<const int> steps) {
+  std::vector<std::tuple<int, bool, size_t>> keyed;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    keyed.emplace_back(2 * steps[i], false, i);
+    keyed.emplace_back(2 * steps[i] + 3, true, i);
+  }
+  std::sort(keyed.begin(), keyed.end());
+  std::vector<BackwardGroup> order;
+  for (const auto& [key, is_grad, index] : keyed) order.push_back({is_grad, index});
+  return order;
+}
+
+absl::Status CheckNcclPrograms(absl::Span<const P2pProgram> programs) {
+  const int R = static_cast<int>(programs.size());
+  // Where each op sits, per directed pair in stream order: (group index, op index).
+  struct Slot {
+    int group;
+    const P2pOp* op;
+  };
+  std::map<std::pair<int, int>, std::vector<Slot>> sends, recvs;  // key (src, dst)
+  for (int r = 0; r < R; ++r) {
+    for (size_t g = 0; g < programs[r].size(); ++g) {
+      for (const P2pOp& op : programs[r][g].ops) {
+        if (op.peer < 0 || op.peer >= R) {
+          return absl::FailedPreconditionError(absl::StrCat("rank ", r, " group ", g, " (",
+                                                            programs[r][g].label, ") names peer ",
+                                                            op.peer, " outside [0, ", R, ")"));
+        }
+        if (op.send) {
+          sends[{r, op.peer}].push_back({static_cast<int>(g), &op});
+        } else {
+          recvs[{op.peer, r}].push_back({static_cast<int>(g), &op});
+        }
+      }
+    }
+  }
+  // Every matched message as two endpoints: (rank, group) of the send and of the receive.
+  struct Message {
+    int src, src_group, dst, dst_group;
+    bool done = false;
+  };
+  std::vector<Message> messages;
+  // messages_of[r][g]: the messages group g of rank r takes part in.
+  std::vector<std::vector<std::vector<size_t>>> messages_of(R);
+  for (int r = 0; r < R; ++r) messages_of[r].resize(programs[r].size());
+  for (const auto& [pair, out] : sends) {
+    const auto [src, dst] = pair;
+    const std::vector<Slot>& in = recvs[pair];
+    if (in.size() != out.size()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", src, " sends ", out.size(), " messages to rank ", dst, " but rank ",
+                       dst, " posts ", in.size(), " receives from it"));
+    }
+    for (size_t n = 0; n < out.size(); ++n) {
+      if (out[n].op->bytes != in[n].op->bytes || out[n].op->tag != in[n].op->tag) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "message ", n, " from rank ", src, " to rank ", dst, ": send of ", out[n].op->bytes,
+            " bytes (tag ", out[n].op->tag, ", group ", programs[src][out[n].group].label,
+            ") meets a receive of ", in[n].op->bytes, " bytes (tag ", in[n].op->tag, ", group ",
+            programs[dst][in[n].group].label, ")"));
+      }
+      messages_of[src][out[n].group].push_back(messages.size());
+      messages_of[dst][in[n].group].push_back(messages.size());
+      messages.push_back({src, out[n].group, dst, in[n].group});
+    }
+  }
+  for (const auto& [pair, in] : recvs) {
+    if (!in.empty() && sends.find(pair) == sends.end()) {
+      return absl::FailedPreconditionError(absl::StrCat("rank ", pair.second, " posts ", in.size(),
+                                                        " receives from rank ", pair.first,
+                                                        " which never sends to it"));
+    }
+  }
+  // Stream semantics: a rank runs its groups one after another; a message completes once
+  // both its sender and its receiver are in the groups that hold it (a rendezvous); a group
+  // completes when all its messages have. Iterate to a fixed point.
+  std::vector<size_t> at(R, 0);
+  for (;;) {
+    bool progress = false;
+    for (Message& m : messages) {
+      if (!m.done && at[m.src] == static_cast<size_t>(m.src_group) &&
+          at[m.dst] == static_cast<size_t>(m.dst_group)) {
+        m.done = true;
+        progress = true;
+      }
+    }
+    bool done = true;
+    for (int r = 0; r < R; ++r) {
+      while (at[r] < programs[r].size()) {
+        bool complete = true;
+        for (size_t id : messages_of[r][at[r]]) complete = complete && messages[id].done;
+        if (!complete) break;
+        ++at[r];
+        progress = true;
+      }
+      done = done && at[r] >= programs[r].size();
+    }
+    if (done) return absl::OkStatus();
+    if (!progress) {
+      std::string msg = "deadlock: no group can complete;";
+      for (int r = 0; r < R; ++r) {
+        if (at[r] < programs[r].size()) {
+          absl::StrAppend(&msg, " rank ", r, " waits in group ", at[r], " (",
+                          programs[r][at[r]].label, ");");
+        }
+      }
+      return absl::FailedPreconditionError(msg);
+    }
+  }
+}
+
+std::string FormatNcclProgram(const P2pProgram& program) {
+  std::string out;
+  for (const P2pGroup& g : program) {
+    absl::StrAppend(&out, g.label, ": group_start;");
+    for (const P2pOp& op : g.ops) {
+      absl::StrAppend(&out, " ", op.send ? "send" : "recv", "(peer ", op.peer, ", ", op.bytes,
+                      " B);");
+    }
+    absl::StrAppend(&out, " group_end\n");
+  }
+  return out;
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,64 @@
+#include "lib/cuda/runtime/buffer_pool.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace hsap::cuda {
+
+std::string PoolLayout::DebugString() const {
+  return absl::StrCat("kv_recv ", kv_recv, " B, kv_send ", kv_send, " B, fwd_accum ", fwd_accum,
+                      " B, bwd_accum ", bwd_accum, " B, grad_partial ", grad_partial,
+                      " B, grad_returned ", grad_returned, " B; forward ", forward_bytes(),
+                      " B, backward ", backward_bytes(), " B, pool ", total_bytes(), " B");
+}
+
+absl::StatusOr<PoolLayout> ComputePoolLayout(const Schedule& schedule, const AttentionDims& dims,
+                                             DType dtype) {
+  if (dims.heads_q <= 0 || dims.heads_kv <= 0 || dims.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool sizing needs positive heads_q, heads_kv and head_dim (got ",
+                     dims.heads_q, ", ", dims.heads_kv, ", ", dims.head_dim, ")"));
+  }
+  int64_t max_recv = 0, max_send = 0;
+  for (const Stage& st : schedule.stages) {
+    if (st.recv_from >= 0) max_recv = std::max(max_recv, st.recv_rows);
+    if (st.send_to >= 0) max_send = std::max(max_send, st.send_rows);
+  }
+  const size_t rows = static_cast<size_t>(schedule.local_rows);
+  const size_t kv_row = static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
+  const size_t kv_row32 = static_cast<size_t>(dims.heads_kv) * dims.head_dim * sizeof(float);
+  const size_t q_elems = rows * dims.heads_q * dims.head_dim;
+  const size_t lse_elems = rows * dims.heads_q;
+  PoolLayout p;
+  // Each slot's K and V are separate aligned sub-regions.
+  p.kv_recv = 2 * 2 * AlignPool(max_recv * kv_row);
+  p.kv_send = 2 * 2 * AlignPool(max_send * kv_row);
+  p.fwd_accum = AlignPool(q_elems * sizeof(float)) + AlignPool(lse_elems * sizeof(float));
+  p.bwd_accum = AlignPool(q_elems * sizeof(float)) + 2 * AlignPool(rows * kv_row32) +
+                AlignPool(lse_elems * sizeof(float));
+  p.grad_partial = 2 * 2 * AlignPool(max_recv * kv_row32);
+  p.grad_returned = 2 * 2 * AlignPool(max_send * kv_row32);
+  return p;
+}
+
+DeviceBufferPool::~DeviceBufferPool() { device_.Free(base_); }
+
+absl::Status DeviceBufferPool::Reserve(size_t bytes) {
+  if (bytes <= size_) return absl::OkStatus();
+  device_.Free(base_);
+  base_ = nullptr;
+  size_ = 0;
+  absl::StatusOr<void*> p = device_.Allocate(bytes);
+  if (!p.ok()) return p.status();
+  base_ = *p;
+  size_ = bytes;
+  return absl::OkStatus();
+}
+
+void* DeviceBufferPool::At(size_t offset, size_t bytes) const {
+  if (base_ == nullptr || offset > size_ || bytes > size_ - offset) return nullptr;
+  return static_cast<char*>(base_) + offset;
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,237 @@
+#include "lib/cuda/runtime/device.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace hsap::cuda {
+namespace {
+
+class CudaDevice : public Device {
+ public:
+  CudaDevice(const CudaRuntimeApi* rt, int ordinal) : rt_(rt), ordinal_(ordinal) {}
+
+  absl::StatusOr<int> MakeCurrent() override {
+    int previous = 0;
+    if (absl::Status s = rt_->Check(rt_->GetDevice(&previous), "cudaGetDevice"); !s.ok()) return s;
+    if (previous == ordinal_) return previous;
+    if (absl::Status s =
+            rt_->Check(rt_->SetDevice(ordinal_), absl::StrCat("cudaSetDevice(", ordinal_, ")"));
+        !s.ok()) {
+      return s;
+    }
+    return previous;
+  }
+  void Restore(int previous) override {
+    if (previous != ordinal_) rt_->SetDevice(previous);
+  }
+
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (bytes == 0) return nullptr;
+    void* p = nullptr;
+    if (absl::Status s =
+            rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)"));
+        !s.ok()) {
+      return s;
+    }
+    return p;
+  }
+  void Free(void* p) override {
+    if (p != nullptr) rt_->Free(p);  // cudaFree synchronizes the device
+  }
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes, cudaStream s) override {
+    if (bytes == 0) return absl::OkStatus();
+    return rt_->Check(rt_->MemcpyAsync(dst, src, bytes, kCudaMemcpyDefault, s),
+                      absl::StrCat("cudaMemcpyAsync(", bytes, " B)"));
+  }
+  absl::Status ZeroAsync(void* dst, size_t bytes, cudaStream s) override {
+    if (bytes == 0) return absl::OkStatus();
+    return rt_->Check(rt_->MemsetAsync(dst, 0, bytes, s),
+                      absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
+  }
+  absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
+    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
+    if (!d.ok()) return d.status();
+    return (*d)->Check((*d)->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
+                                                kCuStreamWriteValueDefault),
+                       "cuStreamWriteValue32");
+  }
+  absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
+    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
+    if (!d.ok()) return d.status();
+    return (*d)->Check(
+        (*d)->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
+        "cuStreamWaitValue32 (GEQ)");
+  }
+  absl::StatusOr<DeviceLocation> Location() override {
+    DeviceLocation at;
+    gethostname(at.host.data(), at.host.size() - 1);
+    at.process = static_cast<uint64_t>(getpid());
+    if (absl::Status s =
+            rt_->Check(rt_->DeviceGetPCIBusId(at.device.data(),
+                                              static_cast<int>(at.device.size()) - 1, ordinal_),
+                       "cudaDeviceGetPCIBusId");
+        !s.ok()) {
+      return s;
+    }
+    return at;
+  }
+  absl::StatusOr<IpcHandle> ExportMemory(void* p) override {
+    CudaIpcMemHandle h;
+    if (absl::Status s = rt_->Check(rt_->IpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"); !s.ok()) {
+      return s;
+    }
+    IpcHandle out;
+    std::memcpy(out.data(), h.reserved, out.size());
+    return out;
+  }
+  absl::StatusOr<void*> OpenPeerMemory(const IpcHandle& handle,
+                                       const DeviceLocation& owner) override {
+    int peer = -1, can = 0;
+    if (absl::Status s =
+            rt_->Check(rt_->DeviceGetByPCIBusId(&peer, owner.device.data()),
+                       absl::StrCat("cudaDeviceGetByPCIBusId(", owner.device.data(), ")"));
+        !s.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("GPU ", owner.device.data(), " is not visible here: ", s.message()));
+    }
+    if (peer != ordinal_) {
+      if (absl::Status s =
+              rt_->Check(rt_->DeviceCanAccessPeer(&can, ordinal_, peer), "cudaDeviceCanAccessPeer");
+          !s.ok()) {
+        return s;
+      }
+      if (can == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "GPU ", ordinal_, " has no peer access to GPU ", peer, " (", owner.device.data(), ")"));
+      }
+      // The fused kernel's copy CTAs count their copies with atomics in the owner's window.
+      int atomics = 0;
+      if (absl::Status s =
+              rt_->Check(rt_->DeviceGetP2PAttribute(&atomics, kCudaDevP2PAttrNativeAtomicSupported,
+                                                    ordinal_, peer),
+                         "cudaDeviceGetP2PAttribute(native atomics)");
+          !s.ok()) {
+        return s;
+      }
+      if (atomics == 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the link from GPU ", ordinal_, " to GPU ", peer, " has no native atomics"));
+      }
+    }
+    CudaIpcMemHandle h;
+    std::memcpy(h.reserved, handle.data(), handle.size());
+    void* p = nullptr;
+    if (absl::Status s = rt_->Check(rt_->IpcOpenMemHandle(&p, h, kCudaIpcMemLazyEnablePeerAccess),
+                                    "cudaIpcOpenMemHandle");
+        !s.ok()) {
+      return absl::FailedPreconditionError(s.message());
+    }
+    return p;
+  }
+  void ClosePeerMemory(void* p) override {
+    if (p != nullptr) rt_->IpcCloseMemHandle(p);
+  }
+  absl::StatusOr<cudaStream> CreateStream() override {
+    cudaStream s = nullptr;
+    if (absl::Status st = rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
+                                     "cudaStreamCreateWithFlags");
+        !st.ok()) {
+      return st;
+    }
+    return s;
+  }
+  void DestroyStream(cudaStream s) override {
+    if (s != nullptr) rt_->StreamDestroy(s);
+  }
+  absl::StatusOr<cudaEvent> CreateEvent() override {
+    cudaEvent e = nullptr;
+    if (absl::Status st = rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
+                                     "cudaEventCreateWithFlags");
+        !st.ok()) {
+      return st;
+    }
+    return e;
+  }
+  void DestroyEvent(cudaEvent e) override {
+    if (e != nullptr) rt_->EventDestroy(e);
+  }
+  absl::Status RecordEvent(cudaEvent e, cudaStream s) override {
+    return rt_->Check(rt_->EventRecord(e, s), "cudaEventRecord");
+  }
+  absl::Status StreamWaitEvent(cudaStream waiter, cudaEvent e) override {
+    return rt_->Check(rt_->StreamWaitEvent(waiter, e, 0), "cudaStreamWaitEvent");
+  }
+  absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) override {
+    // Poll an event rather than cudaStreamSynchronize, which has no timeout.
+    absl::StatusOr<cudaEvent> e = CreateEvent();
+    if (!e.ok()) return e.status();
+    absl::Status result = RecordEvent(*e, s);
+    while (result.ok()) {
+      const cudaError q = rt_->EventQuery(*e);
+      if (q == kCudaSuccess) break;
+      if (q != kCudaErrorNotReady) {
+        result = rt_->Check(q, absl::StrCat("cudaEventQuery (", what, ")"));
+        break;
+      }
+      if (absl::Now() > deadline) {
+        result = absl::DeadlineExceededError(
+            absl::StrCat(what, ": the GPU work did not finish before the communicator's timeout"));
+        break;
+      }
+      std::this_thread::yield();
+    }
+    DestroyEvent(*e);
+    return result;
+  }
+
+ private:
+  const CudaRuntimeApi* rt_;
+  int ordinal_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
+  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  if (!rt.ok()) return rt.status();
+  int ordinal = 0;
+  if (absl::Status s = (*rt)->Check((*rt)->GetDevice(&ordinal), "cudaGetDevice"); !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<Device>(new CudaDevice(*rt, ordinal));
+}
+
+absl::StatusOr<std::string> CurrentCudaArch() {
+  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
+  if (!rt.ok()) return rt.status();
+  const CudaRuntimeApi& api = **rt;
+  int device = 0, major = 0, minor = 0;
+  if (absl::Status s = api.Check(api.GetDevice(&device), "cudaGetDevice"); !s.ok()) return s;
+  if (absl::Status s =
+          api.Check(api.DeviceGetAttribute(&major, kCudaDevAttrComputeCapabilityMajor, device),
+                    "cudaDeviceGetAttribute(compute capability major)");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s =
+          api.Check(api.DeviceGetAttribute(&minor, kCudaDevAttrComputeCapabilityMinor, device),
+                    "cudaDeviceGetAttribute(compute capability minor)");
+      !s.ok()) {
+    return s;
+  }
+  return absl::StrCat("sm_", major, minor);
+}
+
+cudaStream TransferStream(const Transport& t) {
+  return static_cast<cudaStream>(t.transfer_stream());
+}
+
+}  // namespace hsap::cuda

@@ -1,0 +1,37 @@
+// The loopback transport: several ranks share one GPU in one process (one thread and one
+// CUDA stream per rank), so the whole CUDA executor can be tested on a single GPU.
+//
+// Matching is the host transport's (per (src, dst, tag), first posted first matched, sizes
+// must agree: a mismatch fails both sides with FailedPrecondition). Data moves by
+// device-to-device cudaMemcpyAsync on the receiver's stream, after an event recorded on the
+// sender's stream at Start() (so the sender's earlier kernels have produced the data); the
+// rank that completes a match enqueues the copy. A stage completes when all its operations
+// are matched and their copies (both the ones into its buffers and those out of them) have
+// finished; Wait() polls with the world's deadline (DeadlineExceeded naming the peer and
+// tag still missing). Abort() on any rank releases every rank's waits.
+#ifndef HSAP_LIB_CUDA_TRANSPORT_LOOPBACK_TRANSPORT_H_
+#define HSAP_LIB_CUDA_TRANSPORT_LOOPBACK_TRANSPORT_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "lib/comm/transport.h"
+#include "lib/cuda/runtime/cuda_loader.h"
+
+namespace hsap::cuda {
+
+// Creates nranks loopback ranks on the current CUDA device. streams: one per rank (the
+// caller's), or empty to create non-blocking streams owned by the transports. Errors:
+// Unimplemented without a CUDA device; InvalidArgument for nranks < 1, a wrong number of
+// streams or a non-positive timeout.
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams = {});
+
+// The CUDA stream of a loopback rank (null if `t` is not one).
+cudaStream LoopbackStream(const Transport& t);
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_TRANSPORT_LOOPBACK_TRANSPORT_H_

@@ -1,0 +1,336 @@
+#include "lib/exec/batch.h"
+
+#include <bit>
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lib/exec/hierarchical_executor.h"
+
+namespace hsap {
+namespace {
+
+uint64_t Mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h *= 0xff51afd7ed558ccdull;
+  return h ^ (h >> 33);
+}
+
+// What every rank must agree on before a batch exists. Plain words, so that it travels
+// through AllGather as bytes.
+struct CreateRecord {
+  uint64_t ok = 0;
+  uint64_t num_ranks = 0;
+  uint64_t layout = 0;
+  uint64_t weights = 0;
+  uint64_t dtype = 0;
+  uint64_t heads_q = 0;
+  uint64_t heads_kv = 0;
+  uint64_t head_dim = 0;
+  uint64_t scale = 0;
+};
+
+struct CallRecord {
+  uint64_t ok = 0;
+  uint64_t call = 0;
+  uint64_t kind = 0;
+  uint64_t batch = 0;
+};
+
+const char* KindName(uint64_t kind) { return kind == 1 ? "forward" : "backward"; }
+
+}  // namespace
+
+absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& o) {
+  AttentionDims dims;
+  if (o.heads_q <= 0 || o.heads_kv <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "numHeadsQ = ", o.heads_q, ", numHeadsKV = ", o.heads_kv, "; both must be positive"));
+  }
+  if (o.heads_q % o.heads_kv != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("numHeadsQ = ", o.heads_q, " is not a multiple of numHeadsKV = ", o.heads_kv,
+                     " (GQA needs whole groups of query heads per K/V head)"));
+  }
+  if (!std::isfinite(o.scale) || o.scale < 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "softmaxScale = ", o.scale, "; it must be finite and positive, or 0 for 1/sqrt(headDim)"));
+  }
+  dims.heads_q = o.heads_q;
+  dims.heads_kv = o.heads_kv;
+  dims.head_dim = o.head_dim;
+  dims.scale = o.scale != 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+  if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  return dims;
+}
+
+std::unique_ptr<Batch> Batch::NewBatch(Communicator& comm, const BatchOptions& options,
+                                       const KernelSet& kernels, absl::Status& local) {
+  std::unique_ptr<Batch> batch(new Batch());
+  batch->comm_ = &comm;
+  batch->kernels_ = &kernels;
+  batch->options_ = options;
+  if (local.ok()) {
+    absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
+    if (dims.ok()) {
+      batch->dims_ = *std::move(dims);
+    } else {
+      local = dims.status();
+    }
+  }
+  return batch;
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
+                                                     absl::Span<const double> weights,
+                                                     const BatchOptions& options,
+                                                     const KernelSet& kernels,
+                                                     absl::Status local_check,
+                                                     std::unique_ptr<BatchDevice> device) {
+  absl::Status local = local_check;
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
+  batch->device_ = std::move(device);
+  if (local.ok()) {
+    absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
+    if (p.ok()) {
+      batch->partition_ = std::make_shared<const Partition>(*std::move(p));
+    } else {
+      local = p.status();
+    }
+  }
+
+  uint64_t weights_hash = 0;
+  if (batch->partition_ != nullptr) {
+    uint64_t h = 0x77656967u;  // "weig"
+    for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
+    weights_hash = h;
+  }
+  if (absl::Status s = batch->AgreeOnCreate(layout, weights_hash, local); !s.ok()) return s;
+
+  absl::StatusOr<Schedule> schedule =
+      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
+  if (!schedule.ok()) return schedule.status();
+  batch->schedule_ = *std::move(schedule);
+  if (batch->device_ != nullptr) {
+    const absl::Status prepared =
+        batch->device_->Prepare(comm.transport(), batch->schedule_, batch->dims_, options.dtype);
+    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
+  }
+  return batch;
+}
+
+absl::Status Batch::AgreeOnPrepared(const absl::Status& local) {
+  const uint64_t mine = local.ok() ? 1 : 0;
+  std::vector<uint64_t> all(comm_->size());
+  if (absl::Status s = comm_->transport().AllGather(&mine, all.data(), sizeof(uint64_t),
+                                                    "batch creation (device preparation)");
+      !s.ok()) {
+    return s;
+  }
+  if (!local.ok()) return local;
+  for (int r = 0; r < comm_->size(); ++r) {
+    if (all[r] == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r,
+          " could not prepare its device for the batch (its own error says why); no rank "
+          "created the batch"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
+                                  const absl::Status& local) {
+  Communicator& comm = *comm_;
+  const BatchOptions& options = options_;
+  CreateRecord mine;
+  mine.ok = local.ok();
+  mine.num_ranks = static_cast<uint64_t>(comm.size());
+  mine.layout = layout.Fingerprint();
+  mine.weights = inputs;
+  mine.dtype = static_cast<uint64_t>(options.dtype);
+  mine.heads_q = static_cast<uint64_t>(options.heads_q);
+  mine.heads_kv = static_cast<uint64_t>(options.heads_kv);
+  mine.head_dim = static_cast<uint64_t>(options.head_dim);
+  mine.scale = std::bit_cast<uint32_t>(dims_.scale);
+  std::vector<CreateRecord> all(comm.size());
+  if (absl::Status s = comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
+                                                  "batch creation (agreement on the inputs)");
+      !s.ok()) {
+    return s;
+  }
+  if (!local.ok()) return local;
+  for (int r = 0; r < comm.size(); ++r) {
+    if (!all[r].ok) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r,
+                       " rejected its arguments to batch creation (its own error says "
+                       "why); no rank created the batch"));
+    }
+  }
+  const CreateRecord& ref = all[0];
+  for (int r = 1; r < comm.size(); ++r) {
+    const CreateRecord& o = all[r];
+    const char* what = o.layout != ref.layout       ? "layout"
+                       : o.weights != ref.weights   ? (hierarchy_ != nullptr ? "plan" : "weights")
+                       : o.dtype != ref.dtype       ? "dtype"
+                       : o.heads_q != ref.heads_q   ? "numHeadsQ"
+                       : o.heads_kv != ref.heads_kv ? "numHeadsKV"
+                       : o.head_dim != ref.head_dim ? "headDim"
+                       : o.scale != ref.scale       ? "softmaxScale"
+                                                    : nullptr;
+    if (what != nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, "'s ", what,
+                       " differs from rank 0's; every rank of the "
+                       "communicator must create the batch with the same layout, ",
+                       hierarchy_ != nullptr ? "plan" : "weights", " and config"));
+    }
+  }
+  uint64_t h = Mix(ref.layout, ref.weights);
+  for (uint64_t v : {ref.dtype, ref.heads_q, ref.heads_kv, ref.head_dim, ref.scale}) h = Mix(h, v);
+  fingerprint_ = h;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(
+    Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
+    const KernelSet& kernels, absl::Status local_check, std::unique_ptr<BatchDevice> device) {
+  absl::Status local = local_check;
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
+  batch->device_ = std::move(device);
+  if (local.ok()) local = plan.Validate();
+  if (local.ok() && plan.num_ranks != comm.size()) {
+    local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,
+                                                    " ranks but the communicator has ", comm.size(),
+                                                    "; build the plan for this communicator"));
+  }
+  if (local.ok() && (plan.heads_q != options.heads_q || plan.heads_kv != options.heads_kv)) {
+    local = absl::InvalidArgumentError(absl::StrCat(
+        "plan has ", plan.heads_q, " query and ", plan.heads_kv, " KV heads but the config says ",
+        options.heads_q, " and ", options.heads_kv, "; they must agree"));
+  }
+  // Every rank builds the same hierarchy; this rank keeps its own part.
+  std::optional<Hierarchy> hierarchy;
+  if (local.ok()) {
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+    if (h.ok()) {
+      hierarchy = *std::move(h);
+    } else {
+      local = h.status();
+    }
+  }
+  if (local.ok()) {
+    absl::StatusOr<RankHierarchy> mine = hierarchy->BuildRank(layout, comm.rank(), kKernelBlockQ);
+    if (mine.ok()) {
+      batch->hierarchy_ = std::make_unique<const RankHierarchy>(*std::move(mine));
+    } else {
+      local = mine.status();
+    }
+  }
+  if (local.ok()) {
+    absl::StatusOr<Partition> p = Partition::FromRanges(layout, hierarchy->shards());
+    if (p.ok()) {
+      batch->partition_ = std::make_shared<const Partition>(*std::move(p));
+    } else {
+      local = p.status();
+    }
+  }
+  uint64_t plan_hash = 0x706c616eu;  // "plan"
+  if (local.ok()) {
+    for (char c : PlanToJsonText(plan, -1)) plan_hash = Mix(plan_hash, static_cast<uint8_t>(c));
+  }
+  if (absl::Status s = batch->AgreeOnCreate(layout, plan_hash, local); !s.ok()) return s;
+  batch->schedule_.rank = comm.rank();
+  batch->schedule_.num_ranks = comm.size();
+  batch->schedule_.local_rows = batch->hierarchy_->shard_tokens;
+  if (batch->device_ != nullptr) {
+    const absl::Status prepared =
+        batch->device_->PrepareHierarchy(*batch->hierarchy_, batch->dims_, options.dtype);
+    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
+  }
+  return batch;
+}
+
+absl::Status Batch::AgreeOnCall(uint64_t kind, const absl::Status& local_check) {
+  const uint64_t call = calls_++;
+  CallRecord mine{local_check.ok() ? 1u : 0u, call, kind, fingerprint_};
+  std::vector<CallRecord> all(comm_->size());
+  if (absl::Status s = comm_->transport().AllGather(
+          &mine, all.data(), sizeof(CallRecord),
+          absl::StrCat(KindName(kind), " (call ", call, " of the batch: agreement)"));
+      !s.ok()) {
+    return s;
+  }
+  if (!local_check.ok()) return local_check;
+  for (int r = 0; r < comm_->size(); ++r) {
+    const CallRecord& o = all[r];
+    if (!o.ok) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " rejected its arguments to this ", KindName(kind),
+                       " (its own error says why); no rank computed it"));
+    }
+    if (o.batch != fingerprint_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", r, " called ", KindName(o.kind), " on a different batch than rank ",
+                       comm_->rank(), "; all ranks must make the same calls in the same order"));
+    }
+    if (o.kind != kind || o.call != call) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r, " called ", KindName(o.kind), " as call ", o.call,
+          " of this batch while rank ", comm_->rank(), " called ", KindName(kind), " as call ",
+          call, "; all ranks must make the same calls in the same order"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                            absl::Status local_check) {
+  const uint64_t call = calls_;
+  if (absl::Status s = AgreeOnCall(1, local_check); !s.ok()) return s;
+  if (device_ != nullptr) {
+    absl::Status s =
+        device_->Forward(comm_->transport(), call, q, k, v, out, lse, &traffic_.hier_forward);
+    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
+    return s;
+  }
+  if (hierarchy_ != nullptr) {
+    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
+    absl::Status s = HierarchicalForward(hctx, q, k, v, out, lse, &traffic_.hier_forward);
+    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
+    return s;
+  }
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  absl::Status s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
+  traffic_.hier_forward = {0, 0, traffic_.forward.bytes_sent, traffic_.forward.bytes_received};
+  return s;
+}
+
+absl::Status Batch::Backward(const void* dout, const void* q, const void* k, const void* v,
+                             const void* out, const float* lse, void* dq, void* dk, void* dv,
+                             absl::Status local_check) {
+  const uint64_t call = calls_;
+  if (absl::Status s = AgreeOnCall(2, local_check); !s.ok()) return s;
+  if (device_ != nullptr) {
+    absl::Status s = device_->Backward(comm_->transport(), call, dout, q, k, v, out, lse, dq, dk,
+                                       dv, &traffic_.hier_backward);
+    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
+    return s;
+  }
+  if (hierarchy_ != nullptr) {
+    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
+    absl::Status s =
+        HierarchicalBackward(hctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.hier_backward);
+    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
+    return s;
+  }
+  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
+  absl::Status s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
+  traffic_.hier_backward = {0, 0, traffic_.backward.bytes_sent, traffic_.backward.bytes_received};
+  return s;
+}
+
+}  // namespace hsap

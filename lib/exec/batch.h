@@ -1,0 +1,149 @@
+// A batch: distributed attention over one packed row on one rank of a communicator.
+//
+// Creation is collective: every rank partitions the row (deterministically, so all get the
+// same partition) and builds its own schedule, after an AllGather of a fingerprint of its
+// inputs (layout, weights, dtype, heads, head dim, scale) has shown that all ranks agree; a
+// rank whose inputs differ makes every rank fail with FailedPrecondition naming it ("rank
+// 2's layout differs from rank 0's").
+//
+// Forward and Backward are collective too. Each call first exchanges (call number, kind,
+// batch, argument check) with every rank, so that mismatched calls (one rank calling
+// backward while another calls forward, a rank on another batch, a rank whose arguments
+// were rejected) are reported on every rank instead of computed; a rank that never calls
+// makes the others fail with DeadlineExceeded once the communicator's timeout passes.
+#ifndef HSAP_LIB_EXEC_BATCH_H_
+#define HSAP_LIB_EXEC_BATCH_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "attention/layout.h"
+#include "lib/comm/communicator.h"
+#include "lib/exec/executor.h"
+#include "lib/sched/hierarchy.h"
+#include "lib/sched/partition.h"
+#include "lib/sched/plan.h"
+#include "lib/sched/schedule.h"
+
+namespace hsap {
+
+struct BatchOptions {
+  DType dtype = DType::kBF16;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+  float scale = 0.0f;  // 0: 1/sqrt(head_dim)
+};
+
+// The head geometry of a batch (scale 0 resolved to 1/sqrt(head_dim)), or InvalidArgument
+// naming the field at fault.
+absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& options);
+
+struct BatchTraffic {
+  ExecTraffic forward;   // of the last forward
+  ExecTraffic backward;  // of the last backward
+  // The same split into all-to-all (inside a group) and sub-ring (across groups) bytes; for
+  // a batch without a plan everything is ring traffic.
+  HierTraffic hier_forward, hier_backward;
+};
+
+// Runs a batch somewhere other than the host kernels: on a GPU (lib/cuda/exec/gpu_batch.h).
+// Tensors are then that device's memory.
+class BatchDevice {
+ public:
+  virtual ~BatchDevice() = default;
+  // Called once on every rank, after its schedule (batch without a plan) or its part of the
+  // hierarchy (batch under a plan) exists: uploads, pool reservation. The schedule or
+  // hierarchy outlives the device object. Prepare may run collectives on `transport`
+  // (every rank's device takes part, in the same order).
+  virtual absl::Status Prepare(Transport& transport, const Schedule& schedule,
+                               const AttentionDims& dims, DType dtype) = 0;
+  virtual absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
+                                        DType dtype) = 0;
+  // Traffic: a batch without a plan reports all of it as ring bytes.
+  virtual absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
+                               const void* v, void* out, float* lse, HierTraffic* traffic) = 0;
+  virtual absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout,
+                                const void* q, const void* k, const void* v, const void* out,
+                                const float* lse, void* dq, void* dk, void* dv,
+                                HierTraffic* traffic) = 0;
+};
+
+class Batch {
+ public:
+  // `comm` and `kernels` must outlive the batch. weights: one per rank or empty (equal).
+  // `local_check`: the caller's verdict on its other arguments; when it is not OK the
+  // rank still takes part in the agreement (so that its peers fail at once rather than
+  // time out) and returns it. `device`: run on it instead of `kernels` (every rank of the
+  // communicator passes one or none); its Prepare is followed by a second agreement, so a
+  // rank whose device cannot hold the batch makes every rank fail.
+  static absl::StatusOr<std::unique_ptr<Batch>> Create(
+      Communicator& comm, const Layout& layout, absl::Span<const double> weights,
+      const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
+      absl::Status local_check = absl::OkStatus(), std::unique_ptr<BatchDevice> device = nullptr);
+
+  // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
+  // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
+  // options. Ranks agree on the layout, the plan (its JSON form) and the options as above.
+  // Tensors are this rank's shard: local_tokens() rows, all heads.
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPlan(
+      Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
+      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus(),
+      std::unique_ptr<BatchDevice> device = nullptr);
+
+  // Tensors as in executor.h, sized by local_tokens(). local_check as above.
+  absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,
+                       absl::Status local_check = absl::OkStatus());
+  absl::Status Backward(const void* dout, const void* q, const void* k, const void* v,
+                        const void* out, const float* lse, void* dq, void* dk, void* dv,
+                        absl::Status local_check = absl::OkStatus());
+
+  const std::shared_ptr<const Partition>& partition() const { return partition_; }
+  const Schedule& schedule() const { return schedule_; }
+  int64_t local_tokens() const {
+    return hierarchy_ != nullptr ? hierarchy_->shard_tokens : schedule_.local_rows;
+  }
+  // This rank's hierarchical layout; null for a batch created without a plan.
+  const RankHierarchy* hierarchy() const { return hierarchy_.get(); }
+  // The device the batch runs on; null for the host kernels.
+  BatchDevice* device() const { return device_.get(); }
+  const AttentionDims& dims() const { return dims_; }
+  DType dtype() const { return options_.dtype; }
+  const BatchTraffic& traffic() const { return traffic_; }
+  int rank() const { return comm_->rank(); }
+
+ private:
+  Batch() = default;
+  // The part both creators share: fields set, dims derived from the options unless `local`
+  // already holds an error (a failure is stored in `local`).
+  static std::unique_ptr<Batch> NewBatch(Communicator& comm, const BatchOptions& options,
+                                         const KernelSet& kernels, absl::Status& local);
+  // After BatchDevice::Prepare: every rank learns whether every device is ready.
+  absl::Status AgreeOnPrepared(const absl::Status& local);
+  // The per-call agreement; kind: 1 forward, 2 backward.
+  absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
+  // The creation agreement; `inputs` hashes what must be equal beyond layout and options
+  // (weights, or the plan).
+  absl::Status AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local);
+
+  Communicator* comm_ = nullptr;
+  const KernelSet* kernels_ = nullptr;
+  BatchOptions options_;
+  AttentionDims dims_;
+  std::shared_ptr<const Partition> partition_;
+  Schedule schedule_;
+  std::unique_ptr<const RankHierarchy> hierarchy_;  // set for a batch under a plan
+  std::unique_ptr<BatchDevice> device_;             // set for a batch on a device
+  uint64_t fingerprint_ = 0;
+  uint64_t calls_ = 0;
+  BatchTraffic traffic_;
+};
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_EXEC_BATCH_H_

@@ -1,0 +1,288 @@
+#include "lib/exec/executor.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lib/comm/transport.h"
+#include "lib/exec/staged.h"
+
+namespace hsap {
+namespace {
+
+// Point-to-point tags: bit 63 stays clear (collectives own it).
+enum class Payload : uint64_t { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+
+uint64_t Tag(uint64_t call_id, Payload payload, int step) {
+  return ((call_id & ((uint64_t{1} << 39) - 1)) << 24) | (static_cast<uint64_t>(payload) << 20) |
+         static_cast<uint64_t>(step);
+}
+
+// Rows of a tensor [rows, row_bytes] listed by runs (local rows), packed or referenced.
+class RowSource {
+ public:
+  // Points into `base` when the runs are one contiguous block; packs into `scratch` else.
+  const void* Prepare(const void* base, size_t row_bytes, const std::vector<TokenRun>& runs,
+                      std::vector<char>& scratch) {
+    const char* b = static_cast<const char*>(base);
+    if (runs.size() == 1) return b + runs[0].local_begin * row_bytes;
+    int64_t rows = 0;
+    for (const TokenRun& r : runs) rows += r.length;
+    scratch.resize(static_cast<size_t>(rows) * row_bytes);
+    char* dst = scratch.data();
+    for (const TokenRun& r : runs) {
+      const size_t bytes = static_cast<size_t>(r.length) * row_bytes;
+      std::memcpy(dst, b + r.local_begin * row_bytes, bytes);
+      dst += bytes;
+    }
+    return scratch.data();
+  }
+};
+
+// Double-buffered K/V movement along the stages of a schedule.
+class KvPipeline {
+ public:
+  KvPipeline(const ExecContext& ctx, const void* k, const void* v, const char* pass,
+             Payload key_tag, Payload value_tag)
+      : ctx_(ctx), k_(k), v_(v), pass_(pass), key_tag_(key_tag), value_tag_(value_tag) {
+    row_bytes_ = static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim * DTypeSize(ctx.dtype);
+  }
+
+  // Posts stage i's transfers into buffer slot i % 2.
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> Post(size_t i) {
+    const Stage& st = ctx_.schedule->stages[i];
+    Slot& slot = slots_[i % 2];
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.send_to >= 0) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * row_bytes_;
+      RowSource src;
+      const void* kp = src.Prepare(k_, row_bytes_, st.send_runs, slot.send_k);
+      const void* vp = src.Prepare(v_, row_bytes_, st.send_runs, slot.send_v);
+      moved_.bytes_sent += 2 * bytes;
+      sends.push_back({st.send_to, kp, bytes, Tag(ctx_.call_id, key_tag_, st.step)});
+      sends.push_back({st.send_to, vp, bytes, Tag(ctx_.call_id, value_tag_, st.step)});
+    }
+    if (st.recv_from >= 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * row_bytes_;
+      moved_.bytes_received += 2 * bytes;
+      slot.recv_k.resize(bytes);
+      slot.recv_v.resize(bytes);
+      recvs.push_back(
+          {st.recv_from, slot.recv_k.data(), bytes, Tag(ctx_.call_id, key_tag_, st.step)});
+      recvs.push_back(
+          {st.recv_from, slot.recv_v.data(), bytes, Tag(ctx_.call_id, value_tag_, st.step)});
+    }
+    return ctx_.comm->transport().Start(sends, recvs, StageName(pass_, st, "kv"));
+  }
+
+  const void* recv_k(size_t i) const { return slots_[i % 2].recv_k.data(); }
+  // Payload bytes of the stages posted so far.
+  const ExecTraffic& moved() const { return moved_; }
+  const void* recv_v(size_t i) const { return slots_[i % 2].recv_v.data(); }
+
+ private:
+  struct Slot {
+    std::vector<char> send_k, send_v, recv_k, recv_v;
+  };
+  const ExecContext& ctx_;
+  const void* k_;
+  const void* v_;
+  const char* pass_;
+  Payload key_tag_, value_tag_;
+  size_t row_bytes_ = 0;
+  Slot slots_[2];
+  ExecTraffic moved_;
+};
+
+}  // namespace
+
+ExecTraffic ForwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
+  const uint64_t kv_row = 2ull * dims.heads_kv * dims.head_dim * DTypeSize(dtype);
+  return {static_cast<uint64_t>(schedule.rows_sent()) * kv_row,
+          static_cast<uint64_t>(schedule.rows_received()) * kv_row};
+}
+
+ExecTraffic BackwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
+  const uint64_t kv_row = 2ull * dims.heads_kv * dims.head_dim * DTypeSize(dtype);
+  const uint64_t grad_row = 2ull * dims.heads_kv * dims.head_dim * sizeof(float);
+  const uint64_t sent = static_cast<uint64_t>(schedule.rows_sent());
+  const uint64_t received = static_cast<uint64_t>(schedule.rows_received());
+  // K/V go out again; the gradients of the received rows come back as fp32.
+  return {sent * kv_row + received * grad_row, received * kv_row + sent * grad_row};
+}
+
+absl::Status ExecuteForward(const ExecContext& ctx, const void* q, const void* k, const void* v,
+                            void* out, float* lse, ExecTraffic* traffic) {
+  const Schedule& sched = *ctx.schedule;
+  const int64_t rows = sched.local_rows;
+  const AttentionDims& dims = ctx.dims;
+  const int threads = ctx.comm->num_threads();
+  // Accumulators of our own: the caller's out and lse are written only on success.
+  std::vector<float> out32(static_cast<size_t>(rows) * dims.heads_q * dims.head_dim);
+  std::vector<float> lse32(static_cast<size_t>(rows) * dims.heads_q);
+  InitPartial(out32.data(), lse32.data(), rows, dims.heads_q, dims.head_dim);
+
+  ForwardArgs args;
+  args.dims = dims;
+  args.dtype = ctx.dtype;
+  args.q = q;
+  args.q_rows = rows;
+  args.out = out32.data();
+  args.lse = lse32.data();
+
+  KvPipeline kv(ctx, k, v, "forward", Payload::kKey, Payload::kValue);
+  absl::Status run = RunStaged(
+      sched.stages.size(), [&](size_t i) { return kv.Post(i); },
+      [&]() -> absl::Status {
+        if (sched.local_work.empty()) return absl::OkStatus();
+        args.k = k;
+        args.v = v;
+        args.k_rows = rows;
+        return ctx.kernels->Forward(args, sched.local_work, threads);
+      },
+      [&](size_t i) -> absl::Status {
+        const Stage& st = sched.stages[i];
+        if (st.recv_from < 0 || st.recv_work.empty()) return absl::OkStatus();
+        args.k = kv.recv_k(i);
+        args.v = kv.recv_v(i);
+        args.k_rows = st.recv_rows;
+        return ctx.kernels->Forward(args, st.recv_work, threads);
+      });
+  if (!run.ok()) return run;
+  StoreRows(ctx.dtype, out32, out);
+  if (!lse32.empty()) std::memcpy(lse, lse32.data(), lse32.size() * sizeof(float));
+  if (traffic != nullptr) *traffic = kv.moved();
+  return absl::OkStatus();
+}
+
+absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const void* q, const void* k,
+                             const void* v, const void* out, const float* lse, void* dq, void* dk,
+                             void* dv, ExecTraffic* traffic) {
+  const Schedule& sched = *ctx.schedule;
+  const int64_t rows = sched.local_rows;
+  const AttentionDims& dims = ctx.dims;
+  const int threads = ctx.comm->num_threads();
+  const size_t q_row = static_cast<size_t>(dims.heads_q) * dims.head_dim;
+  const size_t kv_row = static_cast<size_t>(dims.heads_kv) * dims.head_dim;
+
+  std::vector<float> delta(static_cast<size_t>(rows) * dims.heads_q);
+  ComputeDelta(ctx.dtype, dout, out, rows, dims.heads_q, dims.head_dim, delta.data());
+  std::vector<float> dq32(rows * q_row, 0.0f), dk32(rows * kv_row, 0.0f), dv32(rows * kv_row, 0.0f);
+
+  BackwardArgs args;
+  args.dims = dims;
+  args.dtype = ctx.dtype;
+  args.q = q;
+  args.dout = dout;
+  args.lse = lse;
+  args.delta = delta.data();
+  args.q_rows = rows;
+  args.dq = dq32.data();
+
+  KvPipeline kv(ctx, k, v, "backward", Payload::kKey, Payload::kValue);
+  const size_t n = sched.stages.size();
+  auto local = [&]() -> absl::Status {
+    if (sched.local_work.empty()) return absl::OkStatus();
+    args.k = k;
+    args.v = v;
+    args.k_rows = rows;
+    args.dk = dk32.data();
+    args.dv = dv32.data();
+    return ctx.kernels->Backward(args, sched.local_work, threads);
+  };
+
+  // Gradient partials: computed for the rows received at stage i (sent back to their
+  // owner), and received for this rank's rows that the stage's destination used.
+  std::vector<float> part_k[2], part_v[2], back_k[2], back_v[2];
+  std::unique_ptr<Transport::Pending> grads[2];
+  ExecTraffic grad_moved;
+  auto add_returned = [&](size_t i) {
+    const Stage& st = sched.stages[i];
+    if (st.send_to < 0) return;
+    const float* gk = back_k[i % 2].data();
+    const float* gv = back_v[i % 2].data();
+    for (const TokenRun& run : st.send_runs) {
+      float* tk = dk32.data() + run.local_begin * kv_row;
+      float* tv = dv32.data() + run.local_begin * kv_row;
+      const size_t count = static_cast<size_t>(run.length) * kv_row;
+      for (size_t e = 0; e < count; ++e) {
+        tk[e] += gk[e];
+        tv[e] += gv[e];
+      }
+      gk += count;
+      gv += count;
+    }
+  };
+
+  auto on_stage = [&](size_t i) -> absl::Status {
+    const Stage& st = sched.stages[i];
+    const size_t slot = i % 2;
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_from >= 0) {
+      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
+      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+      if (!st.recv_work.empty()) {
+        args.k = kv.recv_k(i);
+        args.v = kv.recv_v(i);
+        args.k_rows = st.recv_rows;
+        args.dk = part_k[slot].data();
+        args.dv = part_v[slot].data();
+        if (absl::Status s = ctx.kernels->Backward(args, st.recv_work, threads); !s.ok()) {
+          return s;
+        }
+      }
+      const size_t bytes = part_k[slot].size() * sizeof(float);
+      grad_moved.bytes_sent += 2 * bytes;
+      sends.push_back(
+          {st.recv_from, part_k[slot].data(), bytes, Tag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      sends.push_back({st.recv_from, part_v[slot].data(), bytes,
+                       Tag(ctx.call_id, Payload::kValueGrad, st.step)});
+    }
+    if (st.send_to >= 0) {
+      back_k[slot].resize(st.send_rows * kv_row);
+      back_v[slot].resize(st.send_rows * kv_row);
+      const size_t bytes = back_k[slot].size() * sizeof(float);
+      grad_moved.bytes_received += 2 * bytes;
+      recvs.push_back(
+          {st.send_to, back_k[slot].data(), bytes, Tag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      recvs.push_back(
+          {st.send_to, back_v[slot].data(), bytes, Tag(ctx.call_id, Payload::kValueGrad, st.step)});
+    }
+    absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
+        ctx.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
+    if (!g.ok()) return g.status();
+    grads[slot] = *std::move(g);
+    // The previous step's partials are complete once its stage is: add them in step order.
+    if (i > 0) {
+      if (absl::Status s = grads[1 - slot]->Wait(); !s.ok()) return s;
+      grads[1 - slot].reset();
+      add_returned(i - 1);
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = RunStaged(
+          n, [&](size_t i) { return kv.Post(i); }, local, on_stage);
+      !s.ok()) {
+    return s;
+  }
+  if (n > 0) {
+    if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;
+    grads[(n - 1) % 2].reset();
+    add_returned(n - 1);
+  }
+  StoreRows(ctx.dtype, dq32, dq);
+  StoreRows(ctx.dtype, dk32, dk);
+  StoreRows(ctx.dtype, dv32, dv);
+  if (traffic != nullptr) {
+    traffic->bytes_sent = kv.moved().bytes_sent + grad_moved.bytes_sent;
+    traffic->bytes_received = kv.moved().bytes_received + grad_moved.bytes_received;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hsap

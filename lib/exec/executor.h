@@ -1,0 +1,64 @@
+// Runs one rank's schedule on a communicator with a kernel set.
+//
+// Forward: stage 0 computes the local queries against the local keys while the first
+// remote stage's transfers are in flight; at each remote stage the transfers of the next
+// stage are posted before the current one is computed (double-buffered K/V). The kernels
+// merge every partial result by its log-sum-exp into fp32 accumulators; the output is
+// rounded to the storage dtype once, at the end.
+//
+// Backward: the K/V rows travel again along the same stages; each rank computes dQ for its
+// queries and fp32 dK/dV partials for the rows it received, and sends those back to their
+// owner at the same step (reverse direction). An owner adds the partials of its rows in
+// step order after its local gradient, so the result is bitwise the same from run to run.
+//
+// Sends of a single contiguous run of rows go straight from the caller's tensors (zero
+// copy); others are packed. Transport stages are named like "forward step 3 (kv from rank
+// 1, to rank 5)" so that a timeout says where it happened.
+#ifndef HSAP_LIB_EXEC_EXECUTOR_H_
+#define HSAP_LIB_EXEC_EXECUTOR_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "lib/comm/communicator.h"
+#include "lib/sched/schedule.h"
+
+namespace hsap {
+
+// Payload bytes of one call, summed over the operations it posted (K/V rows and gradient
+// partials; the agreement checks of a batch are not counted).
+struct ExecTraffic {
+  uint64_t bytes_sent = 0;
+  uint64_t bytes_received = 0;
+};
+
+// Bytes a forward / backward of `schedule` moves, predicted from the schedule alone.
+ExecTraffic ForwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype);
+ExecTraffic BackwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype);
+
+struct ExecContext {
+  Communicator* comm = nullptr;
+  const Schedule* schedule = nullptr;
+  const KernelSet* kernels = nullptr;
+  AttentionDims dims;
+  DType dtype = DType::kF32;
+  // Distinguishes the transfers of one call from every other call's (tag bits 20..62).
+  uint64_t call_id = 0;
+};
+
+// q/out: [local_rows, heads_q, head_dim]; k/v: [local_rows, heads_kv, head_dim], all in
+// ctx.dtype; lse: fp32 [heads_q, local_rows].
+absl::Status ExecuteForward(const ExecContext& ctx, const void* q, const void* k, const void* v,
+                            void* out, float* lse, ExecTraffic* traffic);
+
+// dout, q, out, dq: [local_rows, heads_q, head_dim]; k, v, dk, dv: [local_rows, heads_kv,
+// head_dim]; lse as produced by ExecuteForward.
+absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const void* q, const void* k,
+                             const void* v, const void* out, const float* lse, void* dq, void* dk,
+                             void* dv, ExecTraffic* traffic);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_EXEC_EXECUTOR_H_

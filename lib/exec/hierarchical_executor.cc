@@ -1,0 +1,585 @@
+#include "lib/exec/hierarchical_executor.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lib/comm/alltoallv.h"
+#include "lib/comm/transport.h"
+#include "lib/exec/staged.h"
+
+namespace hsap {
+namespace {
+
+// All-to-all payloads of one call (each its own tag, so calls never cross).
+enum class A2aKind : uint64_t { kQ = 1, kK, kV, kOut, kLse, kDout, kLseDelta, kDq, kDk, kDv };
+// Point-to-point payloads of the sub-rings.
+enum class RingKind : uint64_t { kForwardKv = 1, kBackwardKv = 2, kKvGrad = 3 };
+
+constexpr uint64_t kCallBits = 36;
+
+uint64_t A2aTag(uint64_t call_id, A2aKind kind) {
+  return ((call_id & ((uint64_t{1} << kCallBits) - 1)) << 8) | static_cast<uint64_t>(kind);
+}
+
+// Bit 62 set: never equal to a tag of the issue-3 executor (whose tags stay below 2^63 but
+// use bits 20..62 for the call id, so a distinct high bit pattern is kept apart by the
+// caller's call ids; the sub-ring tags are only exchanged between ranks of one batch).
+uint64_t RingTag(uint64_t call_id, RingKind kind, int step) {
+  return (uint64_t{1} << 62) | ((call_id & ((uint64_t{1} << kCallBits) - 1)) << 24) |
+         (static_cast<uint64_t>(kind) << 20) | static_cast<uint64_t>(step);
+}
+
+size_t Bytes(int64_t rows, size_t heads, int width, size_t element_bytes) {
+  return static_cast<size_t>(rows) * heads * static_cast<size_t>(width) * element_bytes;
+}
+
+// The group's all-to-all for one tensor. "Scatter": a tensor over this rank's shard with
+// the layer's full head count (`full_heads`, `width` elements of `element_bytes` per head)
+// becomes the group buffer [group_tokens, my heads, width]. "Gather" is the inverse.
+class GroupExchange {
+ public:
+  GroupExchange(const HierExecContext& ctx, const char* pass) : ctx_(ctx), pass_(pass) {}
+
+  static const std::vector<int>& HeadsOf(const GroupMember& m, bool q_like) {
+    return q_like ? m.q_heads : m.kv_heads;
+  }
+
+  absl::Status Scatter(const void* src, int full_heads, int width, size_t es, bool q_like,
+                       void* dst, A2aKind kind, const char* what) {
+    const RankHierarchy& r = *ctx_.rank;
+    const size_t mine = HeadsOf(r.members[r.index], q_like).size();
+    const ThdShape shape{r.shard_tokens, full_heads, width, es};
+    const TokenRange all{0, r.shard_tokens};
+    AllToAllVPlan plan;
+    for (const GroupMember& m : r.members) {
+      plan.group.push_back(m.rank);
+      absl::StatusOr<std::vector<ByteChunk>> send =
+          ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
+      if (!send.ok()) return send.status();
+      plan.send_chunks.push_back(*std::move(send));
+      plan.recv_chunks.push_back(
+          {ByteChunk{Bytes(m.row_begin, mine, width, es), Bytes(m.tokens, mine, width, es)}});
+    }
+    return Run(src, Bytes(r.shard_tokens, full_heads, width, es), dst,
+               Bytes(r.group_tokens, mine, width, es), plan, kind, what);
+  }
+
+  // Inverse of Scatter. With `sum_into` (fp32 only), the members' contributions are not
+  // placed but added, in member order, into sum_into [shard_tokens, full_heads, width],
+  // which the caller zeroes; `dst` is then unused.
+  absl::Status Gather(const void* src, int full_heads, int width, size_t es, bool q_like, void* dst,
+                      A2aKind kind, const char* what, float* sum_into = nullptr) {
+    const RankHierarchy& r = *ctx_.rank;
+    const size_t mine = HeadsOf(r.members[r.index], q_like).size();
+    const ThdShape shape{r.shard_tokens, full_heads, width, es};
+    const TokenRange all{0, r.shard_tokens};
+    AllToAllVPlan plan;
+    std::vector<size_t> staged_at;
+    size_t staged = 0;
+    for (const GroupMember& m : r.members) {
+      plan.group.push_back(m.rank);
+      plan.send_chunks.push_back(
+          {ByteChunk{Bytes(m.row_begin, mine, width, es), Bytes(m.tokens, mine, width, es)}});
+      const std::vector<int>& heads = HeadsOf(m, q_like);
+      if (sum_into != nullptr) {
+        const size_t bytes = Bytes(r.shard_tokens, heads.size(), width, es);
+        plan.recv_chunks.push_back({ByteChunk{staged, bytes}});
+        staged_at.push_back(staged);
+        staged += bytes;
+      } else {
+        absl::StatusOr<std::vector<ByteChunk>> recv =
+            ThdChunks(shape, absl::MakeConstSpan(&all, 1), heads);
+        if (!recv.ok()) return recv.status();
+        plan.recv_chunks.push_back(*std::move(recv));
+      }
+    }
+    const size_t src_bytes = Bytes(r.group_tokens, mine, width, es);
+    if (sum_into == nullptr) {
+      return Run(src, src_bytes, dst, Bytes(r.shard_tokens, full_heads, width, es), plan, kind,
+                 what);
+    }
+    std::vector<char> staging(staged);
+    if (absl::Status s = Run(src, src_bytes, staging.data(), staged, plan, kind, what); !s.ok()) {
+      return s;
+    }
+    // Fixed order (member, token, head): bitwise reproducible.
+    for (size_t j = 0; j < r.members.size(); ++j) {
+      const std::vector<int>& heads = HeadsOf(r.members[j], q_like);
+      const float* part = reinterpret_cast<const float*>(staging.data() + staged_at[j]);
+      for (int64_t t = 0; t < r.shard_tokens; ++t) {
+        for (size_t l = 0; l < heads.size(); ++l) {
+          float* to = sum_into + (static_cast<size_t>(t) * full_heads + heads[l]) * width;
+          const float* from = part + (static_cast<size_t>(t) * heads.size() + l) * width;
+          for (int d = 0; d < width; ++d) to[d] += from[d];
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  uint64_t bytes_sent() const { return sent_; }
+  uint64_t bytes_received() const { return received_; }
+
+ private:
+  absl::Status Run(const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
+                   const AllToAllVPlan& plan, A2aKind kind, const char* what) {
+    absl::StatusOr<AllToAllVStats> stats =
+        AllToAllV(ctx_.comm->transport(), send, send_bytes, recv, recv_bytes, plan,
+                  A2aTag(ctx_.call_id, kind), absl::StrCat(pass_, " all-to-all ", what));
+    if (!stats.ok()) return stats.status();
+    sent_ += stats->bytes_sent;
+    received_ += stats->bytes_received;
+    return absl::OkStatus();
+  }
+
+  const HierExecContext& ctx_;
+  const char* pass_;
+  uint64_t sent_ = 0, received_ = 0;
+};
+
+std::string StepName(const char* pass, const SubRingStep& s, const char* what) {
+  std::string name = absl::StrCat(pass, " step ", s.step, " (", what);
+  const char* sep = " from rank";
+  for (const KvTransfer& x : s.recv) {
+    absl::StrAppend(&name, sep, " ", x.peer);
+    sep = ",";
+  }
+  sep = s.recv.empty() ? " to rank" : "; to rank";
+  for (const KvTransfer& x : s.send) {
+    absl::StrAppend(&name, sep, " ", x.peer);
+    sep = ",";
+  }
+  absl::StrAppend(&name, ")");
+  return name;
+}
+
+// The rows of a sub-ring send, as token ranges of the group buffer.
+std::vector<TokenRange> SendRows(const SubRingStep& s) {
+  std::vector<TokenRange> rows;
+  for (const TokenRun& run : s.send_runs) {
+    rows.push_back({run.local_begin, run.local_begin + run.length});
+  }
+  return rows;
+}
+
+// Double-buffered K/V along the sub-ring steps of one rank. A message carries the K rows
+// of its heads followed by the V rows, [rows, heads, D] each.
+class SubRingKv {
+ public:
+  SubRingKv(const HierExecContext& ctx, const void* k, const void* v, const char* pass,
+            RingKind tag)
+      : ctx_(ctx), k_(k), v_(v), pass_(pass), tag_(tag) {}
+
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> Post(size_t i) {
+    const RankHierarchy& r = *ctx_.rank;
+    const SubRingStep& s = r.steps[i];
+    Slot& slot = slots_[i % 2];
+    const int D = ctx_.dims.head_dim;
+    const size_t es = DTypeSize(ctx_.dtype);
+    const int hkv = static_cast<int>(r.kv_heads.size());
+    const ThdShape shape{r.group_tokens, hkv, D, es};
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    slot.send.resize(s.send.size());
+    const std::vector<TokenRange> rows = SendRows(s);
+    for (size_t x = 0; x < s.send.size(); ++x) {
+      const KvTransfer& t = s.send[x];
+      const size_t half = Bytes(s.send_rows, t.heads.size(), D, es);
+      slot.send[x].resize(2 * half);
+      if (absl::Status st = PackThd(k_, shape, rows, t.local_heads, slot.send[x].data(), half);
+          !st.ok()) {
+        return st;
+      }
+      if (absl::Status st =
+              PackThd(v_, shape, rows, t.local_heads, slot.send[x].data() + half, half);
+          !st.ok()) {
+        return st;
+      }
+      sends.push_back({t.peer, slot.send[x].data(), 2 * half, RingTag(ctx_.call_id, tag_, s.step)});
+      sent_ += 2 * half;
+    }
+    const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
+    slot.kv.resize(2 * half_all);
+    // One sender of every head, in our order: its message is the K/V buffer itself.
+    slot.direct = s.recv.size() == 1;
+    slot.recv.resize(slot.direct ? 0 : s.recv.size());
+    for (size_t x = 0; x < s.recv.size(); ++x) {
+      const KvTransfer& t = s.recv[x];
+      const size_t bytes = 2 * Bytes(s.recv_rows, t.heads.size(), D, es);
+      char* into = slot.kv.data();
+      if (!slot.direct) {
+        slot.recv[x].resize(bytes);
+        into = slot.recv[x].data();
+      }
+      recvs.push_back({t.peer, into, bytes, RingTag(ctx_.call_id, tag_, s.step)});
+      received_ += bytes;
+    }
+    return ctx_.comm->transport().Start(sends, recvs, StepName(pass_, s, "kv"));
+  }
+
+  // After step i completed: the K and V buffers [recv_rows, kv_heads, D] of its rows.
+  absl::Status Assemble(size_t i, const void** k, const void** v) {
+    const RankHierarchy& r = *ctx_.rank;
+    const SubRingStep& s = r.steps[i];
+    Slot& slot = slots_[i % 2];
+    const int D = ctx_.dims.head_dim;
+    const size_t es = DTypeSize(ctx_.dtype);
+    const int hkv = static_cast<int>(r.kv_heads.size());
+    const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
+    if (!slot.direct) {
+      const ThdShape shape{s.recv_rows, hkv, D, es};
+      const TokenRange all{0, s.recv_rows};
+      for (size_t x = 0; x < s.recv.size(); ++x) {
+        const KvTransfer& t = s.recv[x];
+        const size_t half = Bytes(s.recv_rows, t.heads.size(), D, es);
+        if (absl::Status st =
+                UnpackThd(slot.recv[x].data(), half, shape, absl::MakeConstSpan(&all, 1),
+                          t.local_heads, slot.kv.data());
+            !st.ok()) {
+          return st;
+        }
+        if (absl::Status st =
+                UnpackThd(slot.recv[x].data() + half, half, shape, absl::MakeConstSpan(&all, 1),
+                          t.local_heads, slot.kv.data() + half_all);
+            !st.ok()) {
+          return st;
+        }
+      }
+    }
+    *k = slot.kv.data();
+    *v = slot.kv.data() + half_all;
+    return absl::OkStatus();
+  }
+
+  uint64_t sent() const { return sent_; }
+  uint64_t received() const { return received_; }
+
+ private:
+  struct Slot {
+    std::vector<std::vector<char>> send, recv;
+    std::vector<char> kv;
+    bool direct = false;
+  };
+  const HierExecContext& ctx_;
+  const void* k_;
+  const void* v_;
+  const char* pass_;
+  RingKind tag_;
+  Slot slots_[2];
+  uint64_t sent_ = 0, received_ = 0;
+};
+
+// The kernels' view of this rank's heads.
+AttentionDims LocalDims(const HierExecContext& ctx) {
+  const RankHierarchy& r = *ctx.rank;
+  AttentionDims d;
+  d.heads_q = static_cast<int>(r.q_heads.size());
+  d.heads_kv = static_cast<int>(r.kv_heads.size());
+  d.head_dim = ctx.dims.head_dim;
+  d.scale = ctx.dims.scale;
+  d.kv_head_of_q = r.kv_head_of_q;
+  return d;
+}
+
+// [heads, rows] <-> [rows, heads, width] at component c (fp32).
+void HeadMajorToRows(const float* hm, int heads, int64_t rows, int width, int c, float* out) {
+  for (int h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) out[(t * heads + h) * width + c] = hm[h * rows + t];
+  }
+}
+void RowsToHeadMajor(const float* in, int heads, int64_t rows, int width, int c, float* hm) {
+  for (int h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < rows; ++t) hm[h * rows + t] = in[(t * heads + h) * width + c];
+  }
+}
+
+absl::Status CheckContext(const HierExecContext& ctx) {
+  if (ctx.comm == nullptr || ctx.rank == nullptr || ctx.kernels == nullptr) {
+    return absl::InvalidArgumentError("hierarchical executor: comm, rank and kernels are required");
+  }
+  if (ctx.comm->rank() != ctx.rank->rank) {
+    return absl::InvalidArgumentError(absl::StrCat("the hierarchy was built for rank ",
+                                                   ctx.rank->rank, " but runs on rank ",
+                                                   ctx.comm->rank()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, const void* k,
+                                 const void* v, void* out, float* lse, HierTraffic* traffic) {
+  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  const RankHierarchy& r = *ctx.rank;
+  const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
+  const size_t es = DTypeSize(ctx.dtype);
+  const int64_t N = r.group_tokens;
+  const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
+  const int threads = ctx.comm->num_threads();
+
+  GroupExchange a2a(ctx, "hier forward");
+  std::vector<char> gq(Bytes(N, hq, D, es)), gk(Bytes(N, hkv, D, es)), gv(Bytes(N, hkv, D, es));
+  if (absl::Status s = a2a.Scatter(q, HQ, D, es, true, gq.data(), A2aKind::kQ, "q"); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = a2a.Scatter(k, HKV, D, es, false, gk.data(), A2aKind::kK, "k"); !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = a2a.Scatter(v, HKV, D, es, false, gv.data(), A2aKind::kV, "v"); !s.ok()) {
+    return s;
+  }
+
+  std::vector<float> out32(static_cast<size_t>(N) * hq * D), lse32(static_cast<size_t>(N) * hq);
+  InitPartial(out32.data(), lse32.data(), N, static_cast<int>(hq), D);
+  SubRingKv ring(ctx, gk.data(), gv.data(), "hier forward", RingKind::kForwardKv);
+  if (hq > 0) {
+    ForwardArgs args;
+    args.dims = LocalDims(ctx);
+    args.dtype = ctx.dtype;
+    args.q = gq.data();
+    args.q_rows = N;
+    args.out = out32.data();
+    args.lse = lse32.data();
+    absl::Status run = RunStaged(
+        r.steps.size(), [&](size_t i) { return ring.Post(i); },
+        [&]() -> absl::Status {
+          if (r.local_work.empty()) return absl::OkStatus();
+          args.k = gk.data();
+          args.v = gv.data();
+          args.k_rows = N;
+          return ctx.kernels->Forward(args, r.local_work, threads);
+        },
+        [&](size_t i) -> absl::Status {
+          const SubRingStep& st = r.steps[i];
+          if (st.recv_group < 0 || st.recv_work.empty()) return absl::OkStatus();
+          if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
+          args.k_rows = st.recv_rows;
+          return ctx.kernels->Forward(args, st.recv_work, threads);
+        });
+    if (!run.ok()) return run;
+  }
+
+  // Back to the shards' owners: out in the storage dtype, lse as [rows, heads, 1] fp32.
+  std::vector<char> gout(gq.size());
+  StoreRows(ctx.dtype, out32, gout.data());
+  if (absl::Status s = a2a.Gather(gout.data(), HQ, D, es, true, out, A2aKind::kOut, "out");
+      !s.ok()) {
+    return s;
+  }
+  std::vector<float> lse_rows(static_cast<size_t>(N) * hq);
+  HeadMajorToRows(lse32.data(), static_cast<int>(hq), N, 1, 0, lse_rows.data());
+  std::vector<float> my_lse(static_cast<size_t>(r.shard_tokens) * HQ);
+  if (absl::Status s = a2a.Gather(lse_rows.data(), HQ, 1, sizeof(float), true, my_lse.data(),
+                                  A2aKind::kLse, "lse");
+      !s.ok()) {
+    return s;
+  }
+  RowsToHeadMajor(my_lse.data(), HQ, r.shard_tokens, 1, 0, lse);
+  if (traffic != nullptr) {
+    *traffic = HierTraffic{a2a.bytes_sent(), a2a.bytes_received(), ring.sent(), ring.received()};
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, const void* q,
+                                  const void* k, const void* v, const void* out, const float* lse,
+                                  void* dq, void* dk, void* dv, HierTraffic* traffic) {
+  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  const RankHierarchy& r = *ctx.rank;
+  const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
+  const size_t es = DTypeSize(ctx.dtype);
+  const int64_t N = r.group_tokens, n_me = r.shard_tokens;
+  const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
+  const int threads = ctx.comm->num_threads();
+
+  // lse and delta of the shard, as [rows, heads, 2] fp32, travel to the heads' holders.
+  std::vector<float> delta(static_cast<size_t>(n_me) * HQ);
+  ComputeDelta(ctx.dtype, dout, out, n_me, HQ, D, delta.data());
+  std::vector<float> stats(static_cast<size_t>(n_me) * HQ * 2);
+  HeadMajorToRows(lse, HQ, n_me, 2, 0, stats.data());
+  HeadMajorToRows(delta.data(), HQ, n_me, 2, 1, stats.data());
+
+  GroupExchange a2a(ctx, "hier backward");
+  std::vector<char> gq(Bytes(N, hq, D, es)), gdout(gq.size()), gk(Bytes(N, hkv, D, es)),
+      gv(gk.size());
+  std::vector<float> gstats(static_cast<size_t>(N) * hq * 2);
+  for (auto [src, heads, q_like, dst, kind, what] :
+       {std::tuple{q, HQ, true, gq.data(), A2aKind::kQ, "q"},
+        std::tuple{dout, HQ, true, gdout.data(), A2aKind::kDout, "dout"},
+        std::tuple{k, HKV, false, gk.data(), A2aKind::kK, "k"},
+        std::tuple{v, HKV, false, gv.data(), A2aKind::kV, "v"}}) {
+    if (absl::Status s = a2a.Scatter(src, heads, D, es, q_like, dst, kind, what); !s.ok()) {
+      return s;
+    }
+  }
+  if (absl::Status s = a2a.Scatter(stats.data(), HQ, 2, sizeof(float), true, gstats.data(),
+                                   A2aKind::kLseDelta, "lse and delta");
+      !s.ok()) {
+    return s;
+  }
+  std::vector<float> glse(static_cast<size_t>(N) * hq), gdelta(glse.size());
+  RowsToHeadMajor(gstats.data(), static_cast<int>(hq), N, 2, 0, glse.data());
+  RowsToHeadMajor(gstats.data(), static_cast<int>(hq), N, 2, 1, gdelta.data());
+
+  const size_t kv_row = hkv * D;
+  std::vector<float> dq32(static_cast<size_t>(N) * hq * D, 0.0f), dk32(N * kv_row, 0.0f),
+      dv32(N * kv_row, 0.0f);
+  SubRingKv ring(ctx, gk.data(), gv.data(), "hier backward", RingKind::kBackwardKv);
+  uint64_t grad_sent = 0, grad_received = 0;
+  if (hq > 0) {
+    BackwardArgs args;
+    args.dims = LocalDims(ctx);
+    args.dtype = ctx.dtype;
+    args.q = gq.data();
+    args.dout = gdout.data();
+    args.lse = glse.data();
+    args.delta = gdelta.data();
+    args.q_rows = N;
+    args.dq = dq32.data();
+    const size_t n = r.steps.size();
+    auto local = [&]() -> absl::Status {
+      if (r.local_work.empty()) return absl::OkStatus();
+      args.k = gk.data();
+      args.v = gv.data();
+      args.k_rows = N;
+      args.dk = dk32.data();
+      args.dv = dv32.data();
+      return ctx.kernels->Backward(args, r.local_work, threads);
+    };
+    // Partials of the rows received at step i go back to their senders (dK then dV of the
+    // sender's heads, fp32); those of our rows come back from the receivers of step i.
+    std::vector<std::vector<float>> part_k[2], part_v[2];
+    std::vector<std::vector<char>> out_msg[2], in_msg[2];
+    std::unique_ptr<Transport::Pending> grads[2];
+    auto add_returned = [&](size_t i) -> absl::Status {
+      const SubRingStep& st = r.steps[i];
+      const std::vector<TokenRange> rows = SendRows(st);
+      for (size_t x = 0; x < st.send.size(); ++x) {
+        const KvTransfer& t = st.send[x];
+        const float* g = reinterpret_cast<const float*>(in_msg[i % 2][x].data());
+        for (int which = 0; which < 2; ++which) {
+          float* acc = which == 0 ? dk32.data() : dv32.data();
+          for (const TokenRange& range : rows) {
+            for (int64_t row = range.begin; row < range.end; ++row) {
+              for (int l : t.local_heads) {
+                float* to = acc + (row * hkv + l) * D;
+                for (int d = 0; d < D; ++d) to[d] += g[d];
+                g += D;
+              }
+            }
+          }
+        }
+      }
+      return absl::OkStatus();
+    };
+    auto on_stage = [&](size_t i) -> absl::Status {
+      const SubRingStep& st = r.steps[i];
+      const size_t slot = i % 2;
+      std::vector<SendOp> sends;
+      std::vector<RecvOp> recvs;
+      if (st.recv_group >= 0) {
+        std::vector<float> pk(st.recv_rows * kv_row, 0.0f), pv(st.recv_rows * kv_row, 0.0f);
+        if (!st.recv_work.empty()) {
+          if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
+          args.k_rows = st.recv_rows;
+          args.dk = pk.data();
+          args.dv = pv.data();
+          if (absl::Status s = ctx.kernels->Backward(args, st.recv_work, threads); !s.ok()) {
+            return s;
+          }
+        }
+        const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
+        const TokenRange all{0, st.recv_rows};
+        out_msg[slot].assign(st.recv.size(), {});
+        for (size_t x = 0; x < st.recv.size(); ++x) {
+          const KvTransfer& t = st.recv[x];
+          const size_t half = Bytes(st.recv_rows, t.heads.size(), D, sizeof(float));
+          out_msg[slot][x].resize(2 * half);
+          if (absl::Status s = PackThd(pk.data(), shape, absl::MakeConstSpan(&all, 1),
+                                       t.local_heads, out_msg[slot][x].data(), half);
+              !s.ok()) {
+            return s;
+          }
+          if (absl::Status s = PackThd(pv.data(), shape, absl::MakeConstSpan(&all, 1),
+                                       t.local_heads, out_msg[slot][x].data() + half, half);
+              !s.ok()) {
+            return s;
+          }
+          sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half,
+                           RingTag(ctx.call_id, RingKind::kKvGrad, st.step)});
+          grad_sent += 2 * half;
+        }
+      }
+      in_msg[slot].assign(st.send.size(), {});
+      for (size_t x = 0; x < st.send.size(); ++x) {
+        const size_t bytes = 2 * Bytes(st.send_rows, st.send[x].heads.size(), D, sizeof(float));
+        in_msg[slot][x].resize(bytes);
+        recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes,
+                         RingTag(ctx.call_id, RingKind::kKvGrad, st.step)});
+        grad_received += bytes;
+      }
+      absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
+          ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
+      if (!g.ok()) return g.status();
+      grads[slot] = *std::move(g);
+      if (i > 0) {
+        if (absl::Status s = grads[1 - slot]->Wait(); !s.ok()) return s;
+        grads[1 - slot].reset();
+        if (absl::Status s = add_returned(i - 1); !s.ok()) return s;
+      }
+      return absl::OkStatus();
+    };
+    if (absl::Status s = RunStaged(
+            n, [&](size_t i) { return ring.Post(i); }, local, on_stage);
+        !s.ok()) {
+      return s;
+    }
+    if (n > 0) {
+      if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;
+      grads[(n - 1) % 2].reset();
+      if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
+    }
+  }
+
+  // Back to the owners: dQ rounded here; dK/dV rounded here when this rank holds the only
+  // copy of its KV heads in the group, else summed over the holders in fp32 by the owner.
+  std::vector<char> gdq(gq.size());
+  StoreRows(ctx.dtype, dq32, gdq.data());
+  if (absl::Status s = a2a.Gather(gdq.data(), HQ, D, es, true, dq, A2aKind::kDq, "dq"); !s.ok()) {
+    return s;
+  }
+  if (r.kv_grad_partial) {
+    for (auto [part, into, kind, what] :
+         {std::tuple{&dk32, dk, A2aKind::kDk, "dk"}, std::tuple{&dv32, dv, A2aKind::kDv, "dv"}}) {
+      std::vector<float> sum(static_cast<size_t>(n_me) * HKV * D, 0.0f);
+      if (absl::Status s = a2a.Gather(part->data(), HKV, D, sizeof(float), false, nullptr, kind,
+                                      what, sum.data());
+          !s.ok()) {
+        return s;
+      }
+      StoreRows(ctx.dtype, sum, into);
+    }
+  } else {
+    for (auto [part, into, kind, what] :
+         {std::tuple{&dk32, dk, A2aKind::kDk, "dk"}, std::tuple{&dv32, dv, A2aKind::kDv, "dv"}}) {
+      std::vector<char> rounded(Bytes(N, hkv, D, es));
+      StoreRows(ctx.dtype, *part, rounded.data());
+      if (absl::Status s = a2a.Gather(rounded.data(), HKV, D, es, false, into, kind, what);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  if (traffic != nullptr) {
+    *traffic = HierTraffic{a2a.bytes_sent(), a2a.bytes_received(), ring.sent() + grad_sent,
+                           ring.received() + grad_received};
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace hsap

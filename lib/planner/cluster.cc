@@ -1,0 +1,247 @@
+#include "lib/planner/cluster.h"
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace hsap {
+namespace {
+
+using nlohmann::json;
+
+constexpr double kGB = 1e9;
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+absl::Status Invalid(const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat("cluster: ", message));
+}
+
+// Reads an optional positive number field; `scale` converts the JSON unit to SI.
+absl::Status ReadPositive(const json& object, const char* name, const std::string& where,
+                          double scale, bool required, double* out, bool allow_zero = false) {
+  auto it = object.find(name);
+  if (it == object.end()) {
+    if (required) return Invalid(absl::StrCat(where, " lacks the field \"", name, "\""));
+    return absl::OkStatus();
+  }
+  if (!it->is_number()) return Invalid(absl::StrCat(where, ".", name, " must be a number"));
+  const double v = it->get<double>();
+  if (!std::isfinite(v) || v < 0 || (v == 0 && !allow_zero)) {
+    return Invalid(absl::StrCat(where, ".", name, " = ", v, " must be finite and ",
+                                allow_zero ? ">= 0" : "> 0"));
+  }
+  *out = v * scale;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ReadCount(const json& object, const char* name, const std::string& where,
+                              int default_value, int max_value) {
+  auto it = object.find(name);
+  if (it == object.end()) return default_value;
+  if (!it->is_number_integer()) {
+    return Invalid(absl::StrCat(where, ".", name, " must be an integer"));
+  }
+  const int64_t v = it->get<int64_t>();
+  if (v < 1 || v > max_value) {
+    return Invalid(absl::StrCat(where, ".", name, " = ", v, " must be in [1, ", max_value, "]"));
+  }
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+const std::vector<DeviceKind>& BuiltinDeviceKinds() {
+  // Datasheet figures (dense, no sparsity); see docs/cost_model.md for sources and for the
+  // attention efficiencies, which are calibration defaults, not datasheet figures.
+  static const std::vector<DeviceKind> kinds = {
+      {"H100", 989.4e12, 80 * kGiB, 3350 * kGB, 0.60, 450 * kGB},
+      {"A100", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 300 * kGB},
+      {"A800", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 200 * kGB},
+      {"L40S", 362.05e12, 48 * kGiB, 864 * kGB, 0.50, 32 * kGB},
+  };
+  return kinds;
+}
+
+double Cluster::LinkBandwidth(int a, int b) const {
+  if (SameNode(a, b)) {
+    return std::min(kind_of(a).intra_node_bytes_per_s, kind_of(b).intra_node_bytes_per_s);
+  }
+  return std::min(nodes[devices[a].node].nic_bytes_per_s, nodes[devices[b].node].nic_bytes_per_s);
+}
+
+int Cluster::NicOf(int device) const {
+  const Device& d = devices[device];
+  return d.local_index % nodes[d.node].nics;
+}
+
+double Cluster::TotalAttentionFlops() const {
+  double total = 0;
+  for (int d = 0; d < size(); ++d) total += kind_of(d).AttentionFlops();
+  return total;
+}
+
+std::string Cluster::Summary() const {
+  std::vector<int> count(kinds.size(), 0);
+  for (const Device& d : devices) ++count[d.kind];
+  std::vector<std::string> parts;
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    if (count[k] > 0) parts.push_back(absl::StrCat(count[k], "x", kinds[k].name));
+  }
+  return absl::StrJoin(parts, " + ");
+}
+
+PortMap::PortMap(const Cluster& cluster) : cluster_(&cluster) {
+  const int n = cluster.size();
+  nic_base_.resize(cluster.nodes.size());
+  for (size_t i = 0; i < cluster.nodes.size(); ++i) {
+    nic_base_[i] = num_nics_;
+    num_nics_ += cluster.nodes[i].nics;
+  }
+  bandwidth_.resize(2 * n + 2 * num_nics_);
+  for (int d = 0; d < n; ++d) {
+    bandwidth_[d] = bandwidth_[n + d] = cluster.kind_of(d).intra_node_bytes_per_s;
+  }
+  for (size_t i = 0; i < cluster.nodes.size(); ++i) {
+    for (int k = 0; k < cluster.nodes[i].nics; ++k) {
+      bandwidth_[2 * n + nic_base_[i] + k] = cluster.nodes[i].nic_bytes_per_s;
+      bandwidth_[2 * n + num_nics_ + nic_base_[i] + k] = cluster.nodes[i].nic_bytes_per_s;
+    }
+  }
+}
+
+std::pair<int, int> PortMap::Ports(int src, int dst) const {
+  const int n = cluster_->size();
+  if (cluster_->SameNode(src, dst)) return {src, n + dst};
+  const int out = 2 * n + nic_base_[cluster_->devices[src].node] + cluster_->NicOf(src);
+  const int in = 2 * n + num_nics_ + nic_base_[cluster_->devices[dst].node] + cluster_->NicOf(dst);
+  return {out, in};
+}
+
+absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
+  if (!j.is_object()) return Invalid("the description must be a JSON object");
+  Cluster cluster;
+  if (auto it = j.find("name"); it != j.end() && it->is_string()) {
+    cluster.name = it->get<std::string>();
+  }
+  // Kinds available: the built-in ones, overridden or extended by "device_kinds".
+  std::map<std::string, DeviceKind> available;
+  for (const DeviceKind& k : BuiltinDeviceKinds()) available[k.name] = k;
+  if (auto it = j.find("device_kinds"); it != j.end()) {
+    if (!it->is_object()) return Invalid("device_kinds must be an object keyed by kind name");
+    for (auto& [name, spec] : it->items()) {
+      const std::string where = absl::StrCat("device_kinds.", name);
+      if (!spec.is_object()) return Invalid(absl::StrCat(where, " must be an object"));
+      DeviceKind kind;
+      if (auto b = available.find(name); b != available.end()) kind = b->second;
+      kind.name = name;
+      const bool builtin = available.count(name) > 0;
+      for (auto [field, scale, out] :
+           {std::tuple{"peak_tflops", 1e12, &kind.peak_flops},
+            std::tuple{"memory_gib", kGiB, &kind.memory_bytes},
+            std::tuple{"hbm_gbps", kGB, &kind.hbm_bytes_per_s},
+            std::tuple{"attention_efficiency", 1.0, &kind.attention_efficiency},
+            std::tuple{"intra_node_gbps", kGB, &kind.intra_node_bytes_per_s}}) {
+        if (auto s = ReadPositive(spec, field, where, scale, !builtin, out); !s.ok()) return s;
+      }
+      if (kind.attention_efficiency > 1) {
+        return Invalid(absl::StrCat(where, ".attention_efficiency = ", kind.attention_efficiency,
+                                    " must be in (0, 1]"));
+      }
+      available[name] = kind;
+    }
+  }
+  auto nodes = j.find("nodes");
+  if (nodes == j.end() || !nodes->is_array() || nodes->empty()) {
+    return Invalid("\"nodes\" must be a non-empty array of {kind, devices, nics, nic_gbps}");
+  }
+  std::map<std::string, int> kind_index;
+  for (size_t n = 0; n < nodes->size(); ++n) {
+    const json& spec = (*nodes)[n];
+    const std::string where = absl::StrCat("nodes[", n, "]");
+    if (!spec.is_object()) return Invalid(absl::StrCat(where, " must be an object"));
+    auto kind_it = spec.find("kind");
+    if (kind_it == spec.end() || !kind_it->is_string()) {
+      return Invalid(absl::StrCat(where, " lacks the string field \"kind\""));
+    }
+    const std::string kind_name = kind_it->get<std::string>();
+    auto found = available.find(kind_name);
+    if (found == available.end()) {
+      std::vector<std::string> known;
+      for (auto& [name, unused] : available) known.push_back(name);
+      return Invalid(absl::StrCat(where, " uses unknown device kind \"", kind_name,
+                                  "\"; known kinds: ", absl::StrJoin(known, ", "),
+                                  " (or describe it under \"device_kinds\")"));
+    }
+    if (found->second.memory_bytes <= 0) {
+      return Invalid(absl::StrCat("device kind ", kind_name, " has no memory"));
+    }
+    if (!kind_index.count(kind_name)) {
+      kind_index[kind_name] = static_cast<int>(cluster.kinds.size());
+      cluster.kinds.push_back(found->second);
+    }
+    auto devices = ReadCount(spec, "devices", where, 8, 1024);
+    if (!devices.ok()) return devices.status();
+    auto nics = ReadCount(spec, "nics", where, 1, 64);
+    if (!nics.ok()) return nics.status();
+    auto count = ReadCount(spec, "count", where, 1, 1 << 16);
+    if (!count.ok()) return count.status();
+    double nic_bw = 0;
+    const bool single = *count == 1 && nodes->size() == 1;
+    if (auto s = ReadPositive(spec, "nic_gbps", where, kGB, !single, &nic_bw); !s.ok()) return s;
+    for (int c = 0; c < *count; ++c) {
+      Node node;
+      node.kind = kind_index[kind_name];
+      node.nics = *nics;
+      node.nic_bytes_per_s = nic_bw > 0 ? nic_bw : 1;
+      const int node_id = static_cast<int>(cluster.nodes.size());
+      for (int d = 0; d < *devices; ++d) {
+        node.devices.push_back(cluster.size());
+        cluster.devices.push_back({node.kind, node_id, d});
+      }
+      cluster.nodes.push_back(std::move(node));
+      if (cluster.size() > (1 << 20)) return Invalid("more than 2^20 devices");
+    }
+  }
+  if (auto it = j.find("latency_us"); it != j.end()) {
+    if (!it->is_object()) return Invalid("latency_us must be an object");
+    if (auto s = ReadPositive(*it, "intra_node", "latency_us", 1e-6, false,
+                              &cluster.intra_node_latency_s, true);
+        !s.ok()) {
+      return s;
+    }
+    if (auto s = ReadPositive(*it, "inter_node", "latency_us", 1e-6, false,
+                              &cluster.inter_node_latency_s, true);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return cluster;
+}
+
+absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text) {
+  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return Invalid("the text is not valid JSON (check brackets, quotes and commas)");
+  }
+  return ClusterFromJson(j);
+}
+
+absl::StatusOr<Cluster> LoadCluster(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open cluster file ", path));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  auto cluster = ClusterFromJsonText(buffer.str());
+  if (!cluster.ok()) {
+    return absl::Status(cluster.status().code(),
+                        absl::StrCat(path, ": ", cluster.status().message()));
+  }
+  if (cluster->name.empty()) cluster->name = path;
+  return cluster;
+}
+
+}  // namespace hsap

@@ -1,0 +1,111 @@
+// The cluster model: device kinds, nodes, links. Read from JSON (clusters/*.json); the
+// figures of the built-in device kinds and their sources are in docs/cost_model.md.
+//
+// JSON form (bandwidths in GB/s = 1e9 bytes/s, per direction):
+//   {
+//     "name": "testbed",
+//     "device_kinds": {            // optional; overrides or adds to the built-in kinds
+//       "H100": {"peak_tflops": 989, "memory_gib": 80, "hbm_gbps": 3350,
+//                "attention_efficiency": 0.75, "intra_node_gbps": 450}
+//     },
+//     "nodes": [                   // each entry describes `count` identical nodes
+//       {"kind": "H100", "devices": 8, "nics": 1, "nic_gbps": 25, "count": 1}
+//     ],
+//     "latency_us": {"intra_node": 3, "inter_node": 10}   // optional
+//   }
+// Devices are numbered node by node in the order of "nodes"; device i is world rank i.
+// A node's devices reach each other at the kind's intra-node bandwidth (NVLink, or PCIe
+// for cards without NVLink). Traffic between nodes leaves through the node's NICs: device
+// with local index j uses NIC j % nics (rail-optimised wiring), each NIC at nic_gbps per
+// direction, shared by every flow that crosses it.
+#ifndef HSAP_LIB_PLANNER_CLUSTER_H_
+#define HSAP_LIB_PLANNER_CLUSTER_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
+
+namespace hsap {
+
+struct DeviceKind {
+  std::string name;
+  double peak_flops = 0;              // dense bf16 FLOP/s (no sparsity)
+  double memory_bytes = 0;            // device memory
+  double hbm_bytes_per_s = 0;         // memory bandwidth
+  double attention_efficiency = 0;    // fraction of peak an attention kernel sustains
+  double intra_node_bytes_per_s = 0;  // per direction, device to any peer in its node
+  // Sustained attention FLOP/s: peak x efficiency.
+  double AttentionFlops() const { return peak_flops * attention_efficiency; }
+};
+
+// The built-in kinds: H100 (SXM5 80GB), A100 (SXM4 80GB), A800 (SXM4 80GB), L40S.
+const std::vector<DeviceKind>& BuiltinDeviceKinds();
+
+struct Node {
+  int kind = 0;              // index into Cluster::kinds
+  std::vector<int> devices;  // world ranks of its devices
+  int nics = 1;
+  double nic_bytes_per_s = 0;  // per NIC, per direction
+};
+
+struct Device {
+  int kind = 0;
+  int node = 0;
+  int local_index = 0;  // position inside the node
+};
+
+struct Cluster {
+  std::string name;
+  std::vector<DeviceKind> kinds;  // only the kinds used by some node
+  std::vector<Node> nodes;
+  std::vector<Device> devices;
+  double intra_node_latency_s = 3e-6;
+  double inter_node_latency_s = 10e-6;
+
+  int size() const { return static_cast<int>(devices.size()); }
+  const DeviceKind& kind_of(int device) const { return kinds[devices[device].kind]; }
+  bool SameNode(int a, int b) const { return devices[a].node == devices[b].node; }
+  // Per-direction bandwidth of one flow from a to b with no other traffic.
+  double LinkBandwidth(int a, int b) const;
+  double Latency(int a, int b) const {
+    return SameNode(a, b) ? intra_node_latency_s : inter_node_latency_s;
+  }
+  // The NIC device `d` uses: node's NIC (local_index % nics).
+  int NicOf(int device) const;
+  // Sum over devices of peak x efficiency.
+  double TotalAttentionFlops() const;
+  // "8xH100 + 8xA100"
+  std::string Summary() const;
+};
+
+// The ports traffic flows through: each device's intra-node egress and ingress, each NIC's
+// egress and ingress. A flow inside a node uses its source's egress and destination's
+// ingress device port; a flow between nodes uses the source NIC's egress and the
+// destination NIC's ingress (the devices' rails).
+class PortMap {
+ public:
+  explicit PortMap(const Cluster& cluster);
+  int size() const { return static_cast<int>(bandwidth_.size()); }
+  double bandwidth(int port) const { return bandwidth_[port]; }
+  // (egress port, ingress port) of a flow src -> dst, src != dst.
+  std::pair<int, int> Ports(int src, int dst) const;
+
+ private:
+  const Cluster* cluster_;
+  std::vector<int> nic_base_;
+  int num_nics_ = 0;
+  std::vector<double> bandwidth_;
+};
+
+absl::StatusOr<Cluster> ClusterFromJson(const nlohmann::json& json);
+absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text);
+// Reads a file; errors name the path.
+absl::StatusOr<Cluster> LoadCluster(const std::string& path);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_PLANNER_CLUSTER_H_

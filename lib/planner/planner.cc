@@ -1,0 +1,561 @@
+#include "lib/planner/planner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+
+namespace hsap {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+struct Grouping {
+  std::vector<std::vector<int>> groups;  // world ranks, consecutive inside one node
+  std::string label;                     // "H100:8 A100:4"
+};
+
+struct Candidate {
+  Plan plan;
+  PlanCost cost;
+  std::string label;
+  std::vector<bool> capped;  // per group: share limited by memory
+};
+
+absl::Status CheckWorkload(const Cluster& cluster, const Workload& w) {
+  const ModelSpec& m = w.model;
+  if (m.layers < 1 || m.heads_q < 1 || m.heads_kv < 1 || m.head_dim < 1 || m.hidden < 1 ||
+      m.dtype_bytes < 1) {
+    return absl::InvalidArgumentError(
+        "model: layers, heads_q, heads_kv, head_dim, hidden and dtype_bytes must be >= 1");
+  }
+  if (m.heads_q % m.heads_kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: heads_q = ", m.heads_q, " must be a multiple of heads_kv = ", m.heads_kv));
+  }
+  if (w.seq_len < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("sequence length ", w.seq_len, " must be >= 1"));
+  }
+  if (!(w.budget.margin_fraction >= 0 && w.budget.margin_fraction < 1)) {
+    return absl::InvalidArgumentError("memory margin must be in [0, 1)");
+  }
+  if (cluster.size() < 1) return absl::InvalidArgumentError("the cluster has no devices");
+  return absl::OkStatus();
+}
+
+// Stage I: every combination of per-kind group sizes. Sizes up to the kind's largest node
+// (those dividing some node of the kind; a node of m devices with size k is cut into
+// groups of gcd(k, m) consecutive devices) keep the all-to-all inside NVLink/PCIe domains;
+// multiples of the node size (at most heads_q) join consecutive nodes of the kind, for
+// networks fast enough that a cross-node all-to-all beats a longer ring.
+class GroupingSpace {
+ public:
+  GroupingSpace(const Cluster& cluster, int heads_q) : cluster_(cluster) {
+    const int num_kinds = static_cast<int>(cluster.kinds.size());
+    largest_.assign(num_kinds, 0);
+    std::vector<int> devices_of_kind(num_kinds, 0);
+    for (const Node& node : cluster.nodes) {
+      largest_[node.kind] = std::max(largest_[node.kind], static_cast<int>(node.devices.size()));
+      devices_of_kind[node.kind] += static_cast<int>(node.devices.size());
+    }
+    options_.resize(num_kinds);
+    for (int k = 0; k < num_kinds; ++k) {
+      for (int size = 1; size <= std::min(largest_[k], heads_q); ++size) {
+        bool divides_some = false;
+        for (const Node& node : cluster.nodes) {
+          divides_some |= node.kind == k && static_cast<int>(node.devices.size()) % size == 0;
+        }
+        if (divides_some) options_[k].push_back(size);
+      }
+      for (int size = 2 * largest_[k]; size <= std::min(heads_q, devices_of_kind[k]); size *= 2) {
+        options_[k].push_back(size);
+      }
+    }
+  }
+
+  int num_kinds() const { return static_cast<int>(options_.size()); }
+  const std::vector<int>& options(int kind) const { return options_[kind]; }
+  double Combinations() const {
+    double n = 1;
+    for (const auto& o : options_) n *= static_cast<double>(o.size());
+    return n;
+  }
+  // The option index of the largest size within one node, per kind.
+  std::vector<int> NodeSizedChoice() const {
+    std::vector<int> choice(num_kinds(), 0);
+    for (int k = 0; k < num_kinds(); ++k) {
+      for (size_t i = 0; i < options_[k].size(); ++i) {
+        if (options_[k][i] <= largest_[k]) choice[k] = static_cast<int>(i);
+      }
+    }
+    return choice;
+  }
+
+  Grouping Build(const std::vector<int>& choice) const {
+    const int num_kinds = this->num_kinds();
+    Grouping grouping;
+    std::vector<std::string> parts;
+    for (int k = 0; k < num_kinds; ++k) {
+      parts.push_back(absl::StrCat(cluster_.kinds[k].name, ":", options_[k][choice[k]]));
+    }
+    grouping.label = absl::StrJoin(parts, " ");
+    // Multi-node groups: collect full nodes of the kind until the group is complete.
+    std::vector<std::vector<int>> open(num_kinds);
+    for (const Node& node : cluster_.nodes) {
+      const int m = static_cast<int>(node.devices.size());
+      const int want = options_[node.kind][choice[node.kind]];
+      if (want > largest_[node.kind] && m == largest_[node.kind]) {
+        std::vector<int>& acc = open[node.kind];
+        acc.insert(acc.end(), node.devices.begin(), node.devices.end());
+        if (static_cast<int>(acc.size()) == want) {
+          grouping.groups.push_back(std::move(acc));
+          acc.clear();
+        }
+        continue;
+      }
+      const int size = std::gcd(std::min(want, m), m);
+      for (int start = 0; start < m; start += size) {
+        grouping.groups.emplace_back(node.devices.begin() + start,
+                                     node.devices.begin() + start + size);
+      }
+    }
+    // Leftover nodes of an incomplete multi-node group become one group each.
+    for (int k = 0; k < num_kinds; ++k) {
+      for (size_t start = 0; start < open[k].size(); start += largest_[k]) {
+        grouping.groups.emplace_back(open[k].begin() + start,
+                                     open[k].begin() + start + largest_[k]);
+      }
+    }
+    return grouping;
+  }
+
+ private:
+  const Cluster& cluster_;
+  std::vector<int> largest_;
+  std::vector<std::vector<int>> options_;
+};
+
+// Stage III, heads: `total` heads over ranks in proportion to `rate`, at least one each
+// when possible, by largest remainder; ties to the lower index.
+std::vector<int> Apportion(const std::vector<double>& rate, int total) {
+  const int k = static_cast<int>(rate.size());
+  std::vector<int> count(k, total >= k ? 1 : 0);
+  int left = total - std::accumulate(count.begin(), count.end(), 0);
+  const double sum = std::accumulate(rate.begin(), rate.end(), 0.0);
+  std::vector<double> exact(k);
+  for (int i = 0; i < k; ++i) exact[i] = rate[i] / sum * left;
+  int given = 0;
+  for (int i = 0; i < k; ++i) {
+    const int whole = static_cast<int>(std::floor(exact[i]));
+    count[i] += whole;
+    given += whole;
+  }
+  std::vector<int> idx(k);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) {
+    return exact[a] - std::floor(exact[a]) > exact[b] - std::floor(exact[b]);
+  });
+  for (int j = 0; j < left - given; ++j) ++count[idx[j % k]];
+  return count;
+}
+
+// Water-filling: scale shares to sum 1 with share[g] <= cap[g]. False if the caps sum < 1.
+bool NormalizeWithCaps(std::vector<double>* share, const std::vector<double>& cap,
+                       std::vector<bool>* capped) {
+  const int n = static_cast<int>(share->size());
+  capped->assign(n, false);
+  if (std::accumulate(cap.begin(), cap.end(), 0.0) < 1.0 - 1e-12) return false;
+  for (int round = 0; round <= n; ++round) {
+    double fixed = 0, free_sum = 0;
+    for (int g = 0; g < n; ++g)
+      ((*capped)[g] ? fixed : free_sum) += (*capped)[g] ? cap[g] : (*share)[g];
+    bool changed = false;
+    for (int g = 0; g < n; ++g) {
+      if ((*capped)[g]) {
+        (*share)[g] = cap[g];
+        continue;
+      }
+      (*share)[g] *= (1.0 - fixed) / free_sum;
+      if ((*share)[g] > cap[g]) {
+        (*capped)[g] = true;
+        changed = true;
+      }
+    }
+    if (!changed) return true;
+  }
+  return true;
+}
+
+class Builder {
+ public:
+  Builder(const Cluster& cluster, const Workload& workload)
+      : cluster_(cluster), workload_(workload) {}
+
+  Plan Build(const Grouping& grouping, const std::vector<double>& share) const {
+    const ModelSpec& m = workload_.model;
+    Plan plan;
+    plan.num_ranks = cluster_.size();
+    plan.heads_q = m.heads_q;
+    plan.heads_kv = m.heads_kv;
+    for (size_t g = 0; g < grouping.groups.size(); ++g) {
+      PlanGroup group;
+      group.ranks = grouping.groups[g];
+      group.sequence_weight = share[g];
+      std::vector<double> rate;
+      for (int r : group.ranks) rate.push_back(cluster_.kind_of(r).AttentionFlops());
+      const std::vector<int> counts = Apportion(rate, m.heads_q);
+      int head = 0;
+      for (size_t i = 0; i < group.ranks.size(); ++i) {
+        std::vector<int> heads(counts[i]);
+        std::iota(heads.begin(), heads.end(), head);
+        head += counts[i];
+        group.heads.push_back(std::move(heads));
+        group.token_weights.push_back(rate[i]);
+      }
+      plan.groups.push_back(std::move(group));
+    }
+    // Groups are listed node by node, so consecutive ring hops stay inside a node where a
+    // node holds several groups.
+    plan.ring_order.resize(plan.groups.size());
+    std::iota(plan.ring_order.begin(), plan.ring_order.end(), 0);
+    return plan;
+  }
+
+  // Stage II for one grouping: balanced, memory-capped shares; the best plan seen.
+  std::optional<Candidate> Balance(const Grouping& grouping, int iterations, RingPricing pricing,
+                                   int* evaluations) const {
+    const int num_groups = static_cast<int>(grouping.groups.size());
+    std::vector<double> share(num_groups);
+    for (int g = 0; g < num_groups; ++g) {
+      for (int r : grouping.groups[g]) share[g] += cluster_.kind_of(r).AttentionFlops();
+    }
+    const double total = std::accumulate(share.begin(), share.end(), 0.0);
+    for (double& s : share) s /= total;
+    std::vector<double> cap(num_groups, 1.0);
+    std::vector<bool> capped(num_groups, false);
+    std::optional<Candidate> best;
+    const double state = ModelStateBytesPerDevice(cluster_, workload_);
+    for (int it = 0; it < iterations; ++it) {
+      Plan plan = Build(grouping, share);
+      auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
+      ++*evaluations;
+      if (!cost.ok()) return best;
+      // Memory caps, recomputed from every evaluation: beyond the model state, a rank's
+      // memory has a part proportional to its group's share (activations, attention
+      // tensors, staging) and the ring buffers, sized by the largest share of any group.
+      bool caps_changed = false;
+      const double seq = static_cast<double>(workload_.seq_len);
+      for (int g = 0; g < num_groups; ++g) {
+        double limit = 1.0;
+        const PlanGroup& group = plan.groups[g];
+        for (size_t i = 0; i < group.ranks.size(); ++i) {
+          const RankCost& rc = cost->ranks[group.ranks[i]];
+          const double room = rc.memory_capacity - state;
+          if (room <= 0) return best;  // the model state alone does not fit
+          const double own =
+              RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
+                              static_cast<int>(group.heads[i].size()),
+                              static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
+                              false) -
+              state;
+          const double ring = rc.memory_bytes - state - own;
+          limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
+        }
+        limit = std::max(limit, 1e-3 / num_groups);
+        if (std::abs(limit - cap[g]) > 1e-9 * cap[g]) caps_changed = true;
+        cap[g] = limit;
+      }
+      if (cost->fits_memory && (!best || cost->Seconds() < best->cost.Seconds())) {
+        best = Candidate{std::move(plan), *cost, grouping.label, capped};
+      }
+      if (num_groups == 1) break;
+      // Rebalance: each group's time, linearised at the current shares, is
+      //   f_g(t) = max((A_g + C_g) t, X_g + (A_g - X_g) t)
+      // (all-to-all A and compute C grow with the share t; the K/V it must receive, X,
+      // shrinks with it). Minimise max_g f_g subject to sum t = 1, t <= cap by bisection on
+      // the common time T: each f_g <= T is an interval of t.
+      std::vector<double> a(num_groups, 0.0), c(num_groups, 0.0), x(num_groups, 0.0);
+      for (int g = 0; g < num_groups; ++g) {
+        for (int r : grouping.groups[g]) {
+          const RankCost& rc = cost->ranks[r];
+          a[g] = std::max(a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
+          c[g] = std::max(c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
+          x[g] = std::max(x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
+        }
+      }
+      const double floor_share = 1e-3 / num_groups;
+      std::vector<double> lo(num_groups), hi(num_groups);
+      auto interval = [&](double t) {
+        double sum_lo = 0, sum_hi = 0;
+        for (int g = 0; g < num_groups; ++g) {
+          double l = floor_share, h = std::min(cap[g], t / (a[g] + c[g]));
+          const double slope = a[g] - x[g];
+          if (slope > 0) {
+            h = std::min(h, (t - x[g]) / slope);
+          } else if (slope < 0) {
+            l = std::max(l, (x[g] - t) / -slope);
+          } else if (x[g] > t) {
+            h = -1;
+          }
+          lo[g] = l;
+          hi[g] = h;
+          sum_lo += l;
+          sum_hi += std::max(h, l);
+          if (h < l) return false;
+        }
+        return sum_lo <= 1.0 && sum_hi >= 1.0;
+      };
+      double t_lo = 0, t_hi = 0;
+      for (int g = 0; g < num_groups; ++g) {
+        t_hi = std::max(t_hi, std::max((a[g] + c[g]) * share[g], x[g] + (a[g] - x[g]) * share[g]));
+      }
+      t_hi *= 4;
+      if (!interval(t_hi)) break;
+      for (int step = 0; step < 60; ++step) {
+        const double mid = 0.5 * (t_lo + t_hi);
+        (interval(mid) ? t_hi : t_lo) = mid;
+      }
+      interval(t_hi);
+      double sum_lo = 0, room = 0;
+      for (int g = 0; g < num_groups; ++g) {
+        sum_lo += lo[g];
+        room += hi[g] - lo[g];
+      }
+      double change = 0;
+      for (int g = 0; g < num_groups; ++g) {
+        const double next = lo[g] + (room > 0 ? (1.0 - sum_lo) * (hi[g] - lo[g]) / room : 0.0);
+        change = std::max(change, std::abs(next - share[g]) / share[g]);
+        share[g] = next;
+      }
+      if (!NormalizeWithCaps(&share, cap, &capped)) break;
+      if (change < 1e-4 && !caps_changed) break;
+    }
+    // Stage II also tries blends of the balanced shares with the per-device-equal shares
+    // (the symmetric split) and the FLOP-proportional shares: where transfers do not
+    // overlap well, a less uneven split can win.
+    if (best && num_groups > 1 && pricing == RingPricing::kPipelined) {
+      std::vector<double> balanced(num_groups), equal(num_groups), flops(num_groups);
+      double total_flops = 0;
+      for (int g = 0; g < num_groups; ++g) {
+        balanced[g] = best->plan.groups[g].sequence_weight;
+        equal[g] = static_cast<double>(grouping.groups[g].size()) / cluster_.size();
+        for (int r : grouping.groups[g]) flops[g] += cluster_.kind_of(r).AttentionFlops();
+        total_flops += flops[g];
+      }
+      double balanced_sum = std::accumulate(balanced.begin(), balanced.end(), 0.0);
+      for (int g = 0; g < num_groups; ++g) {
+        balanced[g] /= balanced_sum;
+        flops[g] /= total_flops;
+      }
+      for (const auto* other : {&equal, &flops}) {
+        for (double alpha : {0.125, 0.25, 0.5, 0.75, 1.0}) {
+          std::vector<double> trial(num_groups);
+          for (int g = 0; g < num_groups; ++g) {
+            trial[g] = (1 - alpha) * balanced[g] + alpha * (*other)[g];
+          }
+          Plan plan = Build(grouping, trial);
+          auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
+          ++*evaluations;
+          if (cost.ok() && cost->fits_memory && cost->Seconds() < best->cost.Seconds()) {
+            best = Candidate{std::move(plan), *cost, grouping.label, capped};
+          }
+        }
+      }
+    }
+    return best;
+  }
+
+  void FillReasons(Plan* plan, const PlanCost& cost, const std::vector<bool>& capped,
+                   const std::string& family) const {
+    plan->ranks.assign(plan->num_ranks, {});
+    double total = 0;
+    for (const PlanGroup& g : plan->groups) total += g.sequence_weight;
+    for (size_t g = 0; g < plan->groups.size(); ++g) {
+      const PlanGroup& group = plan->groups[g];
+      for (size_t i = 0; i < group.ranks.size(); ++i) {
+        const int r = group.ranks[i];
+        const DeviceKind& kind = cluster_.kind_of(r);
+        RankPrediction& p = plan->ranks[r];
+        p.forward_seconds = cost.ranks[r].compute_forward + cost.ranks[r].a2a_forward;
+        p.backward_seconds = cost.ranks[r].compute_backward + cost.ranks[r].a2a_backward;
+        p.memory_bytes = cost.ranks[r].memory_bytes;
+        p.reason = absl::StrFormat(
+            "%s, node %d: head group %d of %d ranks (all-to-all at %.0f GB/s); %d of %d "
+            "heads; group holds %.2f%% of the work%s; %s; memory %.1f of %.1f GiB",
+            kind.name, cluster_.devices[r].node, g, group.ranks.size(),
+            group.ranks.size() > 1 ? cluster_.LinkBandwidth(group.ranks[0], group.ranks[1]) / 1e9
+                                   : 0.0,
+            group.heads[i].size(), plan->heads_q, 100.0 * group.sequence_weight / total,
+            !capped.empty() && capped[g] ? " (capped by memory)" : "", family,
+            cost.ranks[r].memory_bytes / kGiB, cost.ranks[r].memory_capacity / kGiB);
+      }
+    }
+  }
+
+ private:
+  const Cluster& cluster_;
+  const Workload& workload_;
+};
+
+}  // namespace
+
+absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
+                                            const PlannerOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
+  if (absl::Status s = CheckWorkload(cluster, workload); !s.ok()) return s;
+  PlannerResult result;
+  Builder builder(cluster, workload);
+
+  // Stages I-III over every grouping, screened by the cost model.
+  // Screening with the overlap bound (O(groups) per price), then the most promising
+  // groupings again with the pipelined ring (O(groups^2)).
+  // Stage I search: every combination of per-kind sizes when there are few, else
+  // coordinate descent (one kind at a time, two sweeps) from node-sized groups.
+  const GroupingSpace space(cluster, workload.model.heads_q);
+  std::vector<Grouping> groupings;
+  std::vector<std::pair<double, int>> screened;
+  std::map<std::vector<int>, double> seen;
+  auto screen = [&](const std::vector<int>& choice) {
+    if (auto it = seen.find(choice); it != seen.end()) return it->second;
+    Grouping grouping = space.Build(choice);
+    auto best = builder.Balance(grouping, options.screen_iterations, RingPricing::kOverlapBound,
+                                &result.candidates);
+    const double t = best ? best->cost.Seconds() : std::numeric_limits<double>::infinity();
+    seen[choice] = t;
+    if (best) {
+      screened.push_back({t, static_cast<int>(groupings.size())});
+      groupings.push_back(std::move(grouping));
+    }
+    return t;
+  };
+  const int num_kinds = space.num_kinds();
+  if (space.Combinations() <= options.exhaustive_limit) {
+    std::vector<int> choice(num_kinds, 0);
+    while (true) {
+      screen(choice);
+      int k = 0;
+      while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
+        choice[k++] = 0;
+      }
+      if (k == num_kinds) break;
+    }
+  } else {
+    // Starting points: node-sized groups, and every kind at the same size v (the largest
+    // option <= v) for every size v on offer.
+    std::vector<int> choice = space.NodeSizedChoice();
+    double current = screen(choice);
+    std::vector<int> sizes;
+    for (int k = 0; k < num_kinds; ++k) {
+      sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
+    }
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    for (int v : sizes) {
+      std::vector<int> start(num_kinds, 0);
+      for (int k = 0; k < num_kinds; ++k) {
+        for (size_t i = 0; i < space.options(k).size(); ++i) {
+          if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
+        }
+      }
+      const double t = screen(start);
+      if (t < current) {
+        current = t;
+        choice = start;
+      }
+    }
+    for (int sweep = 0; sweep < 2; ++sweep) {
+      for (int k = 0; k < num_kinds; ++k) {
+        int best_option = choice[k];
+        for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
+          std::vector<int> trial = choice;
+          trial[k] = o;
+          const double t = screen(trial);
+          if (t < current) {
+            current = t;
+            best_option = o;
+          }
+        }
+        choice[k] = best_option;
+      }
+    }
+  }
+  std::stable_sort(screened.begin(), screened.end());
+  if (static_cast<int>(screened.size()) > options.refine_top) screened.resize(options.refine_top);
+  std::vector<Candidate> candidates;
+  for (auto [unused, i] : screened) {
+    auto best = builder.Balance(groupings[i], options.balance_iterations, RingPricing::kPipelined,
+                                &result.candidates);
+    if (best) candidates.push_back(*std::move(best));
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+    return a.cost.Seconds() < b.cost.Seconds();
+  });
+  if (static_cast<int>(candidates.size()) > options.simulate_top) {
+    candidates.resize(options.simulate_top);
+  }
+
+  // The symmetric baselines are part of the search space.
+  result.baselines = EvaluateBaselines(cluster, workload);
+  bool found = false;
+  auto consider = [&](const Plan& plan, const PlanCost& cost, const SimResult& sim,
+                      const std::string& family, const std::vector<bool>& capped) {
+    if (found && sim.Seconds() >= result.sim.Seconds()) return;
+    found = true;
+    result.plan = plan;
+    result.cost = cost;
+    result.sim = sim;
+    result.family = family;
+    builder.FillReasons(&result.plan, cost, capped, family);
+  };
+  for (const Candidate& c : candidates) {
+    auto sim = Simulate(cluster, workload, c.plan);
+    if (!sim.ok()) return sim.status();
+    static const bool debug = std::getenv("HSAP_PLAN_DEBUG") != nullptr;
+    if (debug) {
+      std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
+                   c.label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
+                   sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
+                   PlanToJsonText(c.plan, -1).c_str());
+    }
+    consider(c.plan, c.cost, *sim, absl::StrCat("hsap groups ", c.label), c.capped);
+  }
+  for (const Baseline& b : result.baselines) {
+    // A padded baseline (TE) runs more tokens than the workload; it stays a reference only.
+    if (!b.available || b.workload.seq_len != workload.seq_len) continue;
+    consider(b.plan, b.cost, b.sim, absl::StrCat("symmetric ", b.name, " ", b.config), {});
+  }
+  if (!found) {
+    const double state = ModelStateBytesPerDevice(cluster, workload);
+    double most = 0;
+    for (int d = 0; d < cluster.size(); ++d) {
+      most = std::max(most, UsableMemoryBytes(cluster, workload, d));
+    }
+    const double per_token = RankMemoryBytes(cluster, workload, 1.0, 0, 0, 0, 0, false) - state;
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s with %d tokens does not fit on %s: every plan needs more memory than a device "
+        "has (model state %.1f GiB per device, about %.2f MiB per token held, at most %.1f "
+        "GiB usable per device); use more devices, a shorter sequence, or a smaller model",
+        workload.model.name, workload.seq_len, cluster.Summary(), state / kGiB,
+        per_token / (1 << 20), most / kGiB));
+  }
+  result.plan.predicted_forward_seconds = result.sim.forward_seconds;
+  result.plan.predicted_backward_seconds = result.sim.backward_seconds;
+  result.plan.description = result.family;
+  result.planning_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.planning_cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
+  return result;
+}
+
+}  // namespace hsap

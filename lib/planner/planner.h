@@ -1,0 +1,63 @@
+// The hierarchical planner (HexiSeq's scheduler): finds the plan for a workload on a
+// heterogeneous cluster. See docs/planner.md.
+//
+//   Stage I   — grouping: for every device kind, a head-parallel group size: sizes that
+//               divide its nodes (the all-to-all stays in an NVLink/PCIe domain) or
+//               power-of-two multiples of a node (consecutive nodes of the kind). All
+//               combinations over the kinds when there are at most `exhaustive_limit`,
+//               else coordinate descent, one kind at a time, from the best of the
+//               node-sized and the all-kinds-equal-size starting points.
+//   Stage II  — sequence split: group shares start proportional to the group's sustained
+//               FLOP/s and are rebalanced by multiplicative updates until the groups'
+//               predicted times (all-to-all + compute/transfer) agree, with each share
+//               capped by the memory of its ranks.
+//   Stage III — per device: query heads dealt in contiguous runs in proportion to FLOP/s
+//               (largest remainder), token shards in proportion to FLOP/s, then a memory
+//               repair that moves tokens off ranks over their budget.
+// Candidates are screened with the cost model; the best few, and the best configuration of
+// every symmetric baseline (Ring, Ulysses, USP, TE a2a+p2p), are run in the simulator and
+// the fastest is returned — so the plan is never predicted slower than a baseline.
+// Deterministic: no randomness, ties broken by enumeration order.
+// Setting HSAP_PLAN_DEBUG in the environment prints the simulated candidates to stderr.
+#ifndef HSAP_LIB_PLANNER_PLANNER_H_
+#define HSAP_LIB_PLANNER_PLANNER_H_
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "lib/planner/baselines.h"
+#include "lib/planner/cluster.h"
+#include "lib/planner/cost_model.h"
+#include "lib/planner/simulator.h"
+#include "lib/sched/plan.h"
+
+namespace hsap {
+
+struct PlannerOptions {
+  double exhaustive_limit = 128;  // stage I: all size combinations up to this many
+  int screen_iterations = 4;      // stage II updates per grouping when screening
+  int balance_iterations = 12;    // stage II updates per grouping when refining
+  int refine_top = 12;            // groupings re-balanced with the pipelined ring model
+  int simulate_top = 3;           // hsap candidates run in the simulator at the end
+};
+
+struct PlannerResult {
+  Plan plan;           // predictions filled from the simulator, reasons per rank
+  PlanCost cost;       // cost model figures of the plan
+  SimResult sim;       // simulator figures of the plan
+  std::string family;  // which candidate won, e.g. "hsap groups H100:8 A100:4"
+  std::vector<Baseline> baselines;
+  int candidates = 0;               // plans priced by the cost model
+  double planning_seconds = 0;      // wall time of PlanAttention, baselines included
+  double planning_cpu_seconds = 0;  // process CPU time over the same span
+};
+
+// Errors: a model that fits nowhere ("does not fit": names the device and the bytes),
+// head counts inconsistent (heads_q not a multiple of heads_kv), empty sequence.
+absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
+                                            const PlannerOptions& options = {});
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_PLANNER_PLANNER_H_

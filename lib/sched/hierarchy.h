@@ -1,0 +1,168 @@
+// The per-batch hierarchical layout of a plan (HexiSeq CP x HP, with HSAP's sequence-aware
+// context parallelism across groups): who holds which tokens and heads, the all-to-all
+// split tables inside each group, and the cross-group "sub-ring" transfers.
+//
+// 1. Across groups. The row is partitioned over the groups by the sequence-aware partition
+//    (Partition::Create) with the groups' sequence weights; its "ranks" are RING POSITIONS
+//    (position p holds group plan.RingOrder()[p]), so the issue-3 schedule of position p
+//    (BuildSchedule) is the group's context-parallel schedule: at step t the group receives
+//    from position p - t the key rows its queries see and sends to position p + t the rows
+//    that position's queries see.
+// 2. Inside group g. The group's tokens, in position order (the "group buffer"), are cut
+//    into contiguous pieces, one per member in group order, sized by the token weights
+//    (largest remainder): member i's piece is its shard before the all-to-all. After the
+//    all-to-all, member i holds the whole group buffer for its query heads and the KV heads
+//    they use (GQA: kv = q / (heads_q / heads_kv)), in increasing head order.
+// 3. All-to-all split tables (per pair of members i -> j, before attention): i's shard rows
+//    x j's query heads (Q, dout) and x j's KV heads (K, V); j places them at rows
+//    [row_begin(i), row_begin(i) + tokens(i)) of its group buffer, all of its local heads.
+//    After attention the same tables run backwards (out, lse, dq, dk, dv). A KV head held
+//    by several members of a group reaches each of them once; their dK/dV partials for it
+//    are added by the shard's owner in member order (in fp32, so the sum is rounded once).
+// 4. Sub-rings. At step t, member r of group g needs, for each of its KV heads h, the key
+//    rows of the source group gs (the group-level stage's recv_runs) for head h. They come
+//    from one holder of h in gs, chosen deterministically: among the members of gs holding
+//    h (group order), the one at index (index of r in g) mod (number of holders), so that
+//    receivers spread over holders (MQA: receiver i of g reads from member i mod |gs|).
+//    Every KV row a rank needs arrives exactly once, head by head; no rank receives a head
+//    it does not use; ranks that exchange nothing at a step skip it. Backward sends the
+//    fp32 dK/dV partials of those rows back to the chosen holder, which adds them in step
+//    order.
+//
+// Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
+// heads are the issue-3 sequence-aware ring (identical partition and schedule when the
+// ring order is the identity); equal groups with equal heads are USP / a2a+p2p.
+//
+// Everything here is a pure function of (layout, plan, rank): every rank computes the same
+// tables, so sends and receives always match.
+#ifndef HSAP_LIB_SCHED_HIERARCHY_H_
+#define HSAP_LIB_SCHED_HIERARCHY_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/dtype.h"
+#include "attention/layout.h"
+#include "attention/worklist.h"
+#include "lib/sched/partition.h"
+#include "lib/sched/plan.h"
+#include "lib/sched/schedule.h"
+
+namespace hsap {
+
+// A member of a group as seen by the all-to-all.
+struct GroupMember {
+  int rank = 0;               // world rank
+  int64_t row_begin = 0;      // its shard is rows [row_begin, row_begin + tokens) of the
+  int64_t tokens = 0;         // group buffer
+  std::vector<int> q_heads;   // global query heads, increasing
+  std::vector<int> kv_heads;  // global KV heads its query heads use, increasing
+};
+
+// One message of a sub-ring step: KV heads between this rank and `peer`.
+struct KvTransfer {
+  int peer = -1;                 // world rank
+  std::vector<int> heads;        // global KV heads, increasing
+  std::vector<int> local_heads;  // their indices in THIS rank's kv_heads
+  friend bool operator==(const KvTransfer&, const KvTransfer&) = default;
+};
+
+// One step of this rank's sub-ring schedule (the group-level stage `step`).
+struct SubRingStep {
+  int step = 0;
+  // Receive: the key rows recv_runs (global positions -> rows of a [recv_rows, kv_heads, D]
+  // buffer) of group recv_group, each transfer bringing some of this rank's KV heads.
+  int recv_group = -1;
+  std::vector<TokenRun> recv_runs;
+  int64_t recv_rows = 0;
+  std::vector<KvTransfer> recv;  // heads partition kv_heads (when recv_group >= 0)
+  WorkList recv_work;            // group-buffer queries x the receive buffer
+  // Send: rows send_runs (global positions -> rows of this rank's group buffer) to members
+  // of send_group, each transfer carrying the heads this rank is the chosen holder for.
+  int send_group = -1;
+  std::vector<TokenRun> send_runs;
+  int64_t send_rows = 0;
+  std::vector<KvTransfer> send;
+};
+
+// Everything one rank needs to run a batch under a plan.
+struct RankHierarchy {
+  int rank = 0;
+  int group = 0;                     // index into plan.groups
+  int index = 0;                     // position in the group
+  int ring_position = 0;             // position of the group in the ring
+  std::vector<GroupMember> members;  // of this rank's group, group order
+  // Before the all-to-all: this rank's shard (global ranges, increasing) and its size.
+  std::vector<TokenRange> shard;
+  int64_t shard_tokens = 0;
+  // After the all-to-all: the group buffer (global -> rows) and this rank's heads.
+  std::vector<TokenRun> group_runs;
+  int64_t group_tokens = 0;
+  std::vector<int> q_heads, kv_heads;
+  std::vector<int> kv_head_of_q;  // per local query head: index into kv_heads
+  // dK/dV after attention are partial sums when some KV head of the group is held by more
+  // than one member: they then travel in fp32 and are rounded by the shard's owner.
+  bool kv_grad_partial = false;
+  WorkList local_work;             // group buffer x group buffer
+  std::vector<SubRingStep> steps;  // increasing step; only steps that move something
+};
+
+// Bytes of one forward or backward, split by kind; `local` copies are not counted.
+struct HierTraffic {
+  uint64_t a2a_sent = 0, a2a_received = 0;    // inside the group
+  uint64_t ring_sent = 0, ring_received = 0;  // across groups (sub-rings)
+  uint64_t sent() const { return a2a_sent + ring_sent; }
+  uint64_t received() const { return a2a_received + ring_received; }
+  friend bool operator==(const HierTraffic&, const HierTraffic&) = default;
+};
+
+class Hierarchy {
+ public:
+  // Validates the plan (Plan::Validate) and partitions the row over groups and members.
+  static absl::StatusOr<Hierarchy> Create(const Layout& layout, const Plan& plan);
+
+  const Plan& plan() const { return plan_; }
+  // The partition over ring positions (rank p = group RingOrder()[p]).
+  const Partition& positions() const { return positions_; }
+  int group_at(int position) const { return ring_[position]; }
+  int position_of(int group) const { return position_of_[group]; }
+  // Shard of a world rank before the all-to-all (global ranges, increasing).
+  const std::vector<TokenRange>& shard(int rank) const { return shards_[rank]; }
+  int64_t shard_tokens(int rank) const;
+  // Every world rank's shard, indexed by rank.
+  const std::vector<std::vector<TokenRange>>& shards() const { return shards_; }
+  // Tokens of group g (its group buffer size).
+  int64_t group_tokens(int group) const;
+  // The chosen holder in `source_group` of KV head `kv_head` for receiving rank `receiver`
+  // (a world rank of another group).
+  int SenderOf(int source_group, int kv_head, int receiver) const;
+
+  // The schedule of one world rank. block_q: query rows per kernel block.
+  absl::StatusOr<RankHierarchy> BuildRank(const Layout& layout, int rank,
+                                          int64_t block_q = 64) const;
+
+ private:
+  Plan plan_;
+  Partition positions_;
+  std::vector<int> ring_, position_of_, group_of_, index_of_;
+  std::vector<std::vector<TokenRange>> shards_;
+  std::vector<std::vector<int64_t>> member_rows_;        // [group][i]: row_begin of member i
+  std::vector<std::vector<std::vector<int>>> kv_heads_;  // [group][i]
+};
+
+// Bytes a forward / backward of `r` moves, predicted from its tables. Forward: Q, K, V in,
+// out (storage dtype) and lse (fp32) back, K/V along the sub-rings. Backward: Q, K, V,
+// dout in and lse + delta (fp32, 2 per query row and head), K/V again along the sub-rings
+// with fp32 dK/dV partials back, dQ back in the storage dtype and dK/dV in the storage
+// dtype or, when kv_grad_partial, fp32.
+HierTraffic PredictForwardTraffic(const RankHierarchy& r, int head_dim, DType dtype);
+HierTraffic PredictBackwardTraffic(const RankHierarchy& r, int head_dim, DType dtype);
+
+// Token counts of a split of `total` tokens by `weights` (>= 0, sum > 0): largest
+// remainder, ties to the lower index; the counts sum to `total`.
+std::vector<int64_t> SplitByWeights(int64_t total, const std::vector<double>& weights);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_SCHED_HIERARCHY_H_

@@ -1,0 +1,377 @@
+#include "lib/sched/partition.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace hsap {
+namespace {
+
+// A unit that fits no rank's remaining capacity still goes whole when it overshoots the
+// roomiest rank by at most this fraction of the smallest target.
+constexpr double kWholeOvershoot = 0.01;
+
+// A piece of the row that is placed as a whole or cut: a document, or the whole row of a
+// slice layout. `folded` units are cut in zigzag order.
+struct Unit {
+  int64_t begin = 0, end = 0;
+  bool folded = false;
+  int64_t work = 0;
+  size_t slice_begin = 0, slice_end = 0;  // its slices in Layout::slices()
+};
+
+// Work of each token of a unit (1 per token when balancing memory only).
+std::vector<int64_t> UnitTokenWork(const Unit& u, const std::vector<MaskSlice>& slices,
+                                   bool memory_only) {
+  std::vector<int64_t> work(u.end - u.begin, memory_only ? 1 : 0);
+  if (memory_only) return work;
+  for (size_t i = u.slice_begin; i < u.slice_end; ++i) {
+    const MaskSlice& s = slices[i];
+    const int64_t q1 = std::min(s.q_end, u.end);
+    for (int64_t q = std::max(s.q_begin, u.begin); q < q1; ++q)
+      work[q - u.begin] += s.VisibleKeys(q);
+  }
+  return work;
+}
+
+// The positions of a unit in cutting order. Position f of a folded unit of length L holds
+// tokens f and L-1-f (one token in the middle when L is odd); of a plain unit, token f.
+class UnitPositions {
+ public:
+  // token_work: the unit's own tokens, from its first.
+  UnitPositions(const Unit& u, const std::vector<int64_t>& token_work) : unit_(u) {
+    const int64_t len = u.end - u.begin;
+    const int64_t n = u.folded ? (len + 1) / 2 : len;
+    prefix_.assign(n + 1, 0);
+    for (int64_t f = 0; f < n; ++f) {
+      int64_t w = token_work[f];
+      if (u.folded && len - 1 - f != f) w += token_work[len - 1 - f];
+      prefix_[f + 1] = prefix_[f] + w;
+    }
+  }
+  int64_t size() const { return static_cast<int64_t>(prefix_.size()) - 1; }
+  int64_t prefix(int64_t f) const { return prefix_[f]; }
+  int64_t max_work() const {
+    int64_t m = 0;
+    for (size_t i = 1; i < prefix_.size(); ++i) m = std::max(m, prefix_[i] - prefix_[i - 1]);
+    return m;
+  }
+  // The cut c in [lo, size()] whose prefix is nearest to `want` (ties: the smaller c).
+  int64_t NearestCut(int64_t lo, double want) const {
+    auto it = std::lower_bound(prefix_.begin() + lo, prefix_.end(), want,
+                               [](int64_t p, double w) { return static_cast<double>(p) < w; });
+    int64_t c = it - prefix_.begin();
+    if (c > size()) c = size();
+    if (c > lo && std::abs(static_cast<double>(prefix_[c - 1]) - want) <=
+                      std::abs(static_cast<double>(prefix_[c]) - want)) {
+      --c;
+    }
+    return c;
+  }
+  // Token ranges of positions [f0, f1).
+  void AppendTokens(int64_t f0, int64_t f1, std::vector<TokenRange>& out) const {
+    if (f0 >= f1) return;
+    const int64_t b = unit_.begin, len = unit_.end - unit_.begin;
+    if (!unit_.folded) {
+      out.push_back({b + f0, b + f1});
+      return;
+    }
+    out.push_back({b + f0, b + f1});
+    const int64_t tail_begin = std::max(len - f1, f1);
+    if (tail_begin < len - f0) out.push_back({b + tail_begin, b + len - f0});
+  }
+
+ private:
+  Unit unit_;
+  std::vector<int64_t> prefix_;
+};
+
+absl::Status ValidateWeights(int num_ranks, absl::Span<const double> weights) {
+  if (num_ranks < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("nranks is ", num_ranks, "; a partition needs at least one rank"));
+  }
+  if (weights.empty()) return absl::OkStatus();
+  if (static_cast<int64_t>(weights.size()) != num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("weights has ", weights.size(),
+                                                   " entries; pass one per rank (", num_ranks,
+                                                   ") or none for equal weights"));
+  }
+  for (int r = 0; r < num_ranks; ++r) {
+    if (!std::isfinite(weights[r]) || weights[r] <= 0.0) {
+      return absl::InvalidArgumentError(absl::StrCat("weights[", r, "] is ", weights[r],
+                                                     "; every weight must be finite and positive"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
+                                            absl::Span<const double> weights) {
+  if (absl::Status s = ValidateWeights(num_ranks, weights); !s.ok()) return s;
+  const int64_t num_tokens = layout.num_tokens();
+
+  Partition p;
+  p.num_tokens_ = num_tokens;
+  p.weights_.assign(num_ranks, 1.0 / num_ranks);
+  if (!weights.empty()) {
+    const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
+    for (int r = 0; r < num_ranks; ++r) p.weights_[r] = weights[r] / sum;
+  }
+
+  // Units and their slices (slices are sorted by q_begin; a document's slices lie inside
+  // it). Work comes from the slices' closed forms, so no per-token pass over the row.
+  const std::vector<MaskSlice>& slices = layout.slices();
+  std::vector<Unit> units;
+  if (!layout.documents().empty()) {
+    size_t next_slice = 0;
+    for (const Document& d : layout.documents()) {
+      if (d.end <= d.begin) continue;
+      const bool folded = d.kind == MaskKind::kCausal || d.kind == MaskKind::kPrefixLM;
+      Unit u{d.begin, d.end, folded, 0, next_slice, next_slice};
+      while (u.slice_end < slices.size() && slices[u.slice_end].q_begin < d.end) ++u.slice_end;
+      next_slice = u.slice_end;
+      units.push_back(u);
+    }
+  } else if (num_tokens > 0) {
+    units.push_back({0, num_tokens, false, 0, 0, slices.size()});
+  }
+  int64_t total = 0;
+  for (Unit& u : units) {
+    for (size_t i = u.slice_begin; i < u.slice_end; ++i) u.work += slices[i].VisiblePairs();
+    total += u.work;
+  }
+  const bool memory_only = total == 0;  // nothing to compute: balance memory instead
+  if (memory_only) {
+    total = 0;
+    for (Unit& u : units) total += (u.work = u.end - u.begin);
+  }
+  std::vector<size_t> order(units.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return units[a].work > units[b].work; });
+
+  p.target_.resize(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) p.target_[r] = static_cast<double>(total) * p.weights_[r];
+  const double min_target = *std::min_element(p.target_.begin(), p.target_.end());
+  std::vector<double> remaining = p.target_;
+  p.work_.assign(num_ranks, 0);
+  std::vector<std::vector<TokenRange>> pieces(num_ranks);
+
+  std::vector<int> by_remaining(num_ranks);
+  for (size_t ui : order) {
+    const Unit& u = units[ui];
+    const double w = static_cast<double>(u.work);
+    // Best fit: the smallest remaining capacity that holds the unit whole.
+    int best = -1, largest = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      if (remaining[r] >= w && (best < 0 || remaining[r] < remaining[best])) best = r;
+      if (remaining[r] > remaining[largest]) largest = r;
+    }
+    if (best < 0 && w - remaining[largest] <= kWholeOvershoot * min_target) {
+      best = largest;
+    }
+    if (best >= 0) {
+      remaining[best] -= w;
+      p.work_[best] += u.work;
+      pieces[best].push_back({u.begin, u.end});
+      continue;
+    }
+    // Split: fill the ranks with the most room first.
+    UnitPositions pos(u, UnitTokenWork(u, slices, memory_only));
+    p.max_position_work_ = std::max(p.max_position_work_, pos.max_work());
+    std::iota(by_remaining.begin(), by_remaining.end(), 0);
+    std::stable_sort(by_remaining.begin(), by_remaining.end(),
+                     [&](int a, int b) { return remaining[a] > remaining[b]; });
+    int num_positive = 0;
+    while (num_positive < num_ranks && remaining[by_remaining[num_positive]] > 0) ++num_positive;
+    num_positive = std::max(num_positive, 1);
+    // Cuts at the cumulative capacities, so that rounding to whole positions does not
+    // accumulate along the unit (a rank whose capacity is under half a position may get
+    // nothing).
+    int64_t f = 0;
+    int pieces_made = 0;
+    double cumulative = 0;
+    for (int i = 0; i < num_positive && f < pos.size(); ++i) {
+      const int r = by_remaining[i];
+      cumulative += remaining[r];
+      const int64_t cut = i + 1 < num_positive ? pos.NearestCut(f, cumulative) : pos.size();
+      if (cut == f) continue;
+      pos.AppendTokens(f, cut, pieces[r]);
+      remaining[r] -= static_cast<double>(pos.prefix(cut) - pos.prefix(f));
+      p.work_[r] += pos.prefix(cut) - pos.prefix(f);
+      f = cut;
+      ++pieces_made;
+    }
+    if (pieces_made > 1) ++p.split_units_;
+  }
+
+  // Shards: sorted, merged ranges; placements tile the row.
+  p.ranges_.resize(num_ranks);
+  p.local_tokens_.assign(num_ranks, 0);
+  for (int r = 0; r < num_ranks; ++r) {
+    std::vector<TokenRange>& in = pieces[r];
+    std::sort(in.begin(), in.end(),
+              [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
+    std::vector<TokenRange>& out = p.ranges_[r];
+    for (const TokenRange& t : in) {
+      if (!out.empty() && out.back().end == t.begin) {
+        out.back().end = t.end;
+      } else {
+        out.push_back(t);
+      }
+    }
+    int64_t local = 0;
+    for (const TokenRange& t : out) {
+      p.placements_.push_back({t.begin, t.end, r, local});
+      local += t.size();
+    }
+    p.local_tokens_[r] = local;
+  }
+  std::sort(p.placements_.begin(), p.placements_.end(),
+            [](const Placement& a, const Placement& b) { return a.begin < b.begin; });
+  // Internal invariant: the placements tile [0, num_tokens).
+  int64_t expect = 0;
+  for (const Placement& pl : p.placements_) {
+    if (pl.begin != expect) {
+      return absl::InternalError(absl::StrCat("partition does not tile the row at token ", expect,
+                                              " (next range starts at ", pl.begin, ")"));
+    }
+    expect = pl.end;
+  }
+  if (expect != num_tokens) {
+    return absl::InternalError(
+        absl::StrCat("partition covers ", expect, " of ", num_tokens, " tokens"));
+  }
+  return p;
+}
+
+absl::StatusOr<Partition> Partition::FromRanges(const Layout& layout,
+                                                std::vector<std::vector<TokenRange>> ranges) {
+  const int num_ranks = static_cast<int>(ranges.size());
+  if (num_ranks < 1) return absl::InvalidArgumentError("ranges: at least one rank is needed");
+  const int64_t num_tokens = layout.num_tokens();
+  Partition p;
+  p.num_tokens_ = num_tokens;
+  p.ranges_.assign(num_ranks, {});
+  p.local_tokens_.assign(num_ranks, 0);
+  p.work_.assign(num_ranks, 0);
+  const std::vector<int64_t> token_work = layout.VisibleKeysPerQuery();
+  for (int r = 0; r < num_ranks; ++r) {
+    int64_t local = 0;
+    for (const TokenRange& t : ranges[r]) {
+      if (t.begin < 0 || t.end > num_tokens || t.begin > t.end) {
+        return absl::InvalidArgumentError(absl::StrCat("ranges[", r, "] holds [", t.begin, ", ",
+                                                       t.end, "), not inside [0, ", num_tokens,
+                                                       ")"));
+      }
+      if (t.begin == t.end) continue;
+      std::vector<TokenRange>& out = p.ranges_[r];
+      if (!out.empty() && out.back().end > t.begin) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "ranges[", r, "] is not increasing and disjoint at [", t.begin, ", ", t.end, ")"));
+      }
+      if (!out.empty() && out.back().end == t.begin) {
+        out.back().end = t.end;
+        p.placements_.back().end = t.end;
+      } else {
+        out.push_back(t);
+        p.placements_.push_back({t.begin, t.end, r, local});
+      }
+      local += t.size();
+      for (int64_t i = t.begin; i < t.end; ++i) p.work_[r] += token_work[i];
+    }
+    p.local_tokens_[r] = local;
+  }
+  std::sort(p.placements_.begin(), p.placements_.end(),
+            [](const Placement& a, const Placement& b) { return a.begin < b.begin; });
+  int64_t expect = 0;
+  for (const Placement& pl : p.placements_) {
+    if (pl.begin != expect) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ranges do not tile the row: token ", std::min(expect, pl.begin),
+                       pl.begin > expect ? " belongs to no rank" : " belongs to two ranks"));
+    }
+    expect = pl.end;
+  }
+  if (expect != num_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ranges do not tile the row: token ", expect, " belongs to no rank"));
+  }
+  int64_t total = 0;
+  for (int64_t w : p.work_) total += w;
+  p.weights_.assign(num_ranks, 0.0);
+  p.target_.assign(num_ranks, 0.0);
+  for (int r = 0; r < num_ranks; ++r) {
+    p.target_[r] = static_cast<double>(p.work_[r]);
+    p.weights_[r] = total > 0 ? static_cast<double>(p.work_[r]) / static_cast<double>(total)
+                    : num_tokens > 0
+                        ? static_cast<double>(p.local_tokens_[r]) / static_cast<double>(num_tokens)
+                        : 1.0 / num_ranks;
+  }
+  return p;
+}
+
+std::vector<TokenRun> Partition::Runs(int rank) const {
+  std::vector<TokenRun> runs;
+  runs.reserve(ranges_[rank].size());
+  int64_t local = 0;
+  for (const TokenRange& t : ranges_[rank]) {
+    runs.push_back({t.begin, local, t.size()});
+    local += t.size();
+  }
+  return runs;
+}
+
+size_t Partition::PlacementIndexOf(int64_t position) const {
+  auto it = std::upper_bound(placements_.begin(), placements_.end(), position,
+                             [](int64_t pos, const Placement& pl) { return pos < pl.begin; });
+  return static_cast<size_t>(it - placements_.begin()) - 1;
+}
+
+size_t Partition::PlacementIndexOf(int64_t position, size_t hint) const {
+  const size_t n = placements_.size();
+  size_t i = std::min(hint, n - 1);
+  for (int step = 0; step < 8; ++step) {
+    if (position < placements_[i].begin) {
+      if (i == 0) break;
+      --i;
+    } else if (position >= placements_[i].end) {
+      if (i + 1 == n) break;
+      ++i;
+    } else {
+      return i;
+    }
+  }
+  return PlacementIndexOf(position);
+}
+
+void Partition::Scatter(const void* row, size_t bytes_per_token, void* const* shards) const {
+  const char* src = static_cast<const char*>(row);
+  for (const Placement& pl : placements_) {
+    const size_t bytes = static_cast<size_t>(pl.end - pl.begin) * bytes_per_token;
+    if (bytes == 0) continue;
+    std::memcpy(static_cast<char*>(shards[pl.rank]) + pl.local_begin * bytes_per_token,
+                src + pl.begin * bytes_per_token, bytes);
+  }
+}
+
+void Partition::Gather(const void* const* shards, size_t bytes_per_token, void* row) const {
+  char* dst = static_cast<char*>(row);
+  for (const Placement& pl : placements_) {
+    const size_t bytes = static_cast<size_t>(pl.end - pl.begin) * bytes_per_token;
+    if (bytes == 0) continue;
+    std::memcpy(dst + pl.begin * bytes_per_token,
+                static_cast<const char*>(shards[pl.rank]) + pl.local_begin * bytes_per_token,
+                bytes);
+  }
+}
+
+}  // namespace hsap

@@ -1,0 +1,100 @@
+#include "lib/planner/cluster.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hsap {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::string ClusterPath(const std::string& name) {
+  return std::string(HSAP_SOURCE_DIR) + "/clusters/" + name + ".json";
+}
+
+TEST(ClusterTest, TestbedHasTheDocumentedLinks) {
+  auto c = LoadCluster(ClusterPath("testbed_8h100_8a100"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->size(), 16);
+  EXPECT_EQ(c->Summary(), "8xH100 + 8xA100");
+  EXPECT_EQ(c->kind_of(0).name, "H100");
+  EXPECT_EQ(c->kind_of(15).name, "A100");
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(0, 7), 450e9);
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(8, 15), 300e9);
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(0, 8), 25e9);
+  EXPECT_DOUBLE_EQ(c->Latency(0, 8), 10e-6);
+  EXPECT_DOUBLE_EQ(c->kind_of(0).peak_flops, 989.4e12);
+}
+
+TEST(ClusterTest, EveryShippedClusterLoads) {
+  const std::pair<const char*, int> expected[] = {
+      {"testbed_8h100_8a100", 16},      {"mix32_h100_a100", 32},    {"mix32_h100_l40s", 32},
+      {"mix64_h100_a100_a800", 64},     {"mix64_h100_l40s", 64},    {"mix128_h100_a100", 128},
+      {"mix128_four_kinds", 128},       {"flops_48h100_8a100", 56}, {"flops_152a100", 152},
+      {"flops_52h100_4a100_8a800", 64}, {"flops_168a100", 168},     {"scale1024_four_kinds", 1024},
+      {"scale1024_h100_a100", 1024}};
+  for (auto [name, size] : expected) {
+    auto c = LoadCluster(ClusterPath(name));
+    ASSERT_TRUE(c.ok()) << name << ": " << c.status();
+    EXPECT_EQ(c->size(), size) << name;
+  }
+}
+
+TEST(ClusterTest, FlopComparablePairsAreComparable) {
+  // Peak dense bf16: the heterogeneous side has at least the homogeneous side's FLOP/s.
+  auto peak = [](const std::string& name) {
+    auto c = LoadCluster(ClusterPath(name));
+    double total = 0;
+    for (int d = 0; d < c->size(); ++d) total += c->kind_of(d).peak_flops;
+    return total;
+  };
+  EXPECT_NEAR(peak("flops_48h100_8a100") / peak("flops_152a100"), 1.05, 0.02);
+  EXPECT_NEAR(peak("flops_52h100_4a100_8a800") / peak("flops_168a100"), 1.05, 0.02);
+}
+
+TEST(ClusterTest, CustomKindsAndPorts) {
+  auto c = ClusterFromJsonText(R"({
+    "device_kinds": {"X1": {"peak_tflops": 100, "memory_gib": 16, "hbm_gbps": 1000,
+                            "attention_efficiency": 0.5, "intra_node_gbps": 64}},
+    "nodes": [{"kind": "X1", "devices": 4, "nics": 2, "nic_gbps": 10, "count": 2}]})");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->size(), 8);
+  EXPECT_DOUBLE_EQ(c->kind_of(5).AttentionFlops(), 50e12);
+  EXPECT_DOUBLE_EQ(c->TotalAttentionFlops(), 8 * 50e12);
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(0, 3), 64e9);
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(0, 4), 10e9);
+  EXPECT_EQ(c->NicOf(5), 1);
+  const PortMap ports(*c);
+  // Intra-node flows use device ports; devices 0 and 2 share NIC 0 of node 0.
+  EXPECT_EQ(ports.Ports(0, 1), ports.Ports(0, 1));
+  EXPECT_NE(ports.Ports(0, 1).first, ports.Ports(0, 4).first);
+  EXPECT_EQ(ports.Ports(0, 4).first, ports.Ports(2, 5).first);
+  EXPECT_NE(ports.Ports(0, 4).first, ports.Ports(1, 5).first);
+  EXPECT_DOUBLE_EQ(ports.bandwidth(ports.Ports(0, 4).second), 10e9);
+}
+
+TEST(ClusterTest, MalformedInputsGiveClearErrors) {
+  EXPECT_THAT(ClusterFromJsonText("{\"nodes\": [").status().message(), HasSubstr("not valid JSON"));
+  EXPECT_THAT(ClusterFromJsonText("{}").status().message(), HasSubstr("\"nodes\""));
+  auto unknown = ClusterFromJsonText(R"({"nodes": [{"kind": "B200", "devices": 8}]})");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("unknown device kind \"B200\""));
+  EXPECT_THAT(unknown.status().message(), HasSubstr("H100"));
+  auto zero_memory = ClusterFromJsonText(
+      R"({"device_kinds": {"H100": {"memory_gib": 0}},
+          "nodes": [{"kind": "H100", "devices": 8}]})");
+  EXPECT_THAT(zero_memory.status().message(), HasSubstr("memory_gib = 0"));
+  auto no_nic = ClusterFromJsonText(R"({"nodes": [{"kind": "H100", "devices": 8, "count": 2}]})");
+  EXPECT_THAT(no_nic.status().message(), HasSubstr("nic_gbps"));
+  auto bad_count = ClusterFromJsonText(R"({"nodes": [{"kind": "H100", "devices": 0}]})");
+  EXPECT_THAT(bad_count.status().message(), HasSubstr("nodes[0].devices"));
+  auto partial_kind = ClusterFromJsonText(
+      R"({"device_kinds": {"Z": {"peak_tflops": 1}}, "nodes": [{"kind": "Z"}]})");
+  EXPECT_THAT(partial_kind.status().message(), HasSubstr("device_kinds.Z lacks"));
+  EXPECT_EQ(LoadCluster("/nonexistent/c.json").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace hsap

@@ -1,0 +1,424 @@
+#include "lib/sched/hierarchy.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lib/exec/executor.h"
+#include "lib/sched/partition.h"
+#include "lib/sched/schedule.h"
+#include "tests/support/hier_plans.h"
+#include "tests/support/random_layouts.h"
+
+namespace hsap {
+namespace {
+
+using ::hsap::testing::DocMix;
+using ::hsap::testing::HeadSplit;
+using ::hsap::testing::MakePlan;
+using ::hsap::testing::PlanSpec;
+using ::testing::HasSubstr;
+
+constexpr int kHeadDim = 32;
+
+// Global position of every row of a buffer laid out by runs.
+std::vector<int64_t> RowPositions(const std::vector<TokenRun>& runs, int64_t rows) {
+  std::vector<int64_t> pos(rows, -1);
+  for (const TokenRun& r : runs) {
+    for (int64_t i = 0; i < r.length; ++i) pos[r.local_begin + i] = r.global_begin + i;
+  }
+  return pos;
+}
+
+// Calls fn(q_row, k_row) for every pair a work list lists (band applied).
+template <typename Fn>
+void ForEachListedPair(const WorkList& w, Fn&& fn) {
+  for (const QueryBlock& b : w.blocks) {
+    for (int64_t s = b.seg_begin; s < b.seg_end; ++s) {
+      const KeySegment& seg = w.segments[s];
+      for (int64_t q = b.q_begin; q < b.q_end; ++q) {
+        for (int64_t k = seg.k_begin; k < seg.k_end; ++k) {
+          const int64_t d = k - q;
+          if (d >= seg.diag_lo && d <= seg.diag_hi) fn(q, k);
+        }
+      }
+    }
+  }
+}
+
+// Everything the checks need, computed straight from the plan, the layout and the shards
+// (not from the schedules): the owner of each token before the all-to-all, the group of
+// each token, and for each group the keys of other groups its queries see.
+struct Truth {
+  std::vector<int> owner;                      // token -> world rank
+  std::vector<int> group;                      // token -> group
+  std::vector<std::set<int64_t>> remote_keys;  // [group]
+};
+
+Truth ComputeTruth(const Layout& layout, const Plan& plan, const Hierarchy& h) {
+  Truth t;
+  const int64_t T = layout.num_tokens();
+  t.owner.assign(T, -1);
+  t.group.assign(T, -1);
+  const std::vector<int> group_of = plan.GroupOfRank();
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    for (const TokenRange& range : h.shard(r)) {
+      for (int64_t i = range.begin; i < range.end; ++i) {
+        EXPECT_EQ(t.owner[i], -1) << "token " << i << " in two shards";
+        t.owner[i] = r;
+        t.group[i] = group_of[r];
+      }
+    }
+  }
+  for (int64_t i = 0; i < T; ++i) EXPECT_NE(t.owner[i], -1) << "token " << i << " in no shard";
+  t.remote_keys.assign(plan.groups.size(), {});
+  for (const MaskSlice& s : layout.slices()) {
+    for (int64_t q = s.q_begin; q < s.q_end; ++q) {
+      for (int64_t k = s.k_begin; k < s.k_end; ++k) {
+        if (s.Visible(q, k) && t.group[q] != t.group[k]) t.remote_keys[t.group[q]].insert(k);
+      }
+    }
+  }
+  return t;
+}
+
+class HierarchyPlans : public ::testing::TestWithParam<std::tuple<PlanSpec, DocMix>> {};
+
+TEST_P(HierarchyPlans, TablesAreExactAndBytesMeetTheLowerBound) {
+  const PlanSpec spec = std::get<0>(GetParam());
+  const DocMix mix = std::get<1>(GetParam());
+  const Plan plan = MakePlan(spec);
+  const Layout layout = testing::RandomLayout(240, mix, spec.seed * 31 + 7, /*causal_only=*/false);
+  absl::StatusOr<Hierarchy> hs = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(hs.ok()) << hs.status();
+  const Hierarchy& h = *hs;
+  const Truth truth = ComputeTruth(layout, plan, h);
+  const int R = plan.num_ranks;
+  const int64_t T = layout.num_tokens();
+
+  std::vector<RankHierarchy> ranks;
+  for (int r = 0; r < R; ++r) {
+    absl::StatusOr<RankHierarchy> rh = h.BuildRank(layout, r);
+    ASSERT_TRUE(rh.ok()) << rh.status();
+    ranks.push_back(*std::move(rh));
+  }
+
+  // Shards: sized by the token weights (within one token), contiguous in the group buffer.
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    const PlanGroup& group = plan.groups[g];
+    double wsum = 0;
+    for (double w : group.token_weights) wsum += w;
+    for (size_t i = 0; i < group.ranks.size(); ++i) {
+      const double exact = static_cast<double>(h.group_tokens(g)) * group.token_weights[i] / wsum;
+      EXPECT_LE(std::abs(static_cast<double>(h.shard_tokens(group.ranks[i])) - exact), 1.0);
+    }
+  }
+
+  // Every visible (query head, query, key) triple is listed exactly once over all ranks.
+  std::vector<int> listed(static_cast<size_t>(T) * T * plan.heads_q, 0);
+  auto count = [&](const RankHierarchy& r, const WorkList& w, const std::vector<int64_t>& qpos,
+                   const std::vector<int64_t>& kpos) {
+    ForEachListedPair(w, [&](int64_t qr, int64_t kr) {
+      for (int head : r.q_heads) ++listed[(qpos[qr] * T + kpos[kr]) * plan.heads_q + head];
+    });
+  };
+  for (const RankHierarchy& r : ranks) {
+    const std::vector<int64_t> qpos = RowPositions(r.group_runs, r.group_tokens);
+    count(r, r.local_work, qpos, qpos);
+    for (const SubRingStep& s : r.steps) {
+      if (s.recv_group >= 0) count(r, s.recv_work, qpos, RowPositions(s.recv_runs, s.recv_rows));
+    }
+  }
+  for (int64_t q = 0; q < T; ++q) {
+    for (int64_t k = 0; k < T; ++k) {
+      const int want = layout.Visible(q, k) ? 1 : 0;
+      for (int head = 0; head < plan.heads_q; ++head) {
+        ASSERT_EQ(listed[(q * T + k) * plan.heads_q + head], want)
+            << "q " << q << " k " << k << " head " << head;
+      }
+    }
+  }
+
+  // K/V delivery: each rank receives, for each of its KV heads, exactly the remote keys its
+  // group's queries see, each once, from a holder of that head in the key's group; and
+  // every receive has the matching send at the same step.
+  std::map<std::tuple<int, int, int>, std::vector<int64_t>> sent;  // (from, to, step) -> rows
+  std::map<std::tuple<int, int, int>, std::vector<int>> sent_heads;
+  for (const RankHierarchy& r : ranks) {
+    for (const SubRingStep& s : r.steps) {
+      for (const KvTransfer& x : s.send) {
+        auto key = std::make_tuple(r.rank, x.peer, s.step);
+        ASSERT_EQ(sent.count(key), 0u);
+        // The send rows are rows of the sender's group buffer: map them to positions.
+        std::vector<int64_t> pos;
+        const std::vector<int64_t> group_pos = RowPositions(r.group_runs, r.group_tokens);
+        for (const TokenRun& run : s.send_runs) {
+          for (int64_t i = 0; i < run.length; ++i) {
+            ASSERT_EQ(group_pos[run.local_begin + i], run.global_begin + i);
+            pos.push_back(run.global_begin + i);
+          }
+        }
+        sent[key] = pos;
+        sent_heads[key] = x.heads;
+        for (int head : x.heads)
+          ASSERT_TRUE(std::binary_search(r.kv_heads.begin(), r.kv_heads.end(), head));
+      }
+    }
+  }
+  size_t matched = 0;
+  uint64_t ring_lower_bound_total = 0;
+  for (const RankHierarchy& r : ranks) {
+    std::map<int, std::multiset<int64_t>> got;  // kv head -> positions
+    for (const SubRingStep& s : r.steps) {
+      if (s.recv_group < 0) continue;
+      std::vector<int64_t> pos;
+      for (const TokenRun& run : s.recv_runs) {
+        for (int64_t i = 0; i < run.length; ++i) pos.push_back(run.global_begin + i);
+      }
+      std::vector<int> covered;
+      for (const KvTransfer& x : s.recv) {
+        auto key = std::make_tuple(x.peer, r.rank, s.step);
+        ASSERT_EQ(sent.count(key), 1u) << "rank " << r.rank << " step " << s.step;
+        EXPECT_EQ(sent[key], pos);
+        EXPECT_EQ(sent_heads[key], x.heads);
+        ++matched;
+        for (int64_t p : pos) {
+          EXPECT_EQ(truth.group[p], s.recv_group);
+          for (int head : x.heads) got[head].insert(p);
+        }
+        covered.insert(covered.end(), x.heads.begin(), x.heads.end());
+      }
+      std::sort(covered.begin(), covered.end());
+      EXPECT_EQ(covered, r.kv_heads);
+    }
+    const std::set<int64_t>& need = truth.remote_keys[r.group];
+    for (int head : r.kv_heads) {
+      const std::multiset<int64_t>& g = got[head];
+      EXPECT_EQ(g.size(), need.size()) << "rank " << r.rank << " kv head " << head;
+      EXPECT_TRUE(std::equal(g.begin(), g.end(), need.begin(), need.end()))
+          << "rank " << r.rank << " kv head " << head << " does not get exactly its keys once";
+    }
+    for (const auto& [head, positions] : got) {
+      EXPECT_TRUE(std::binary_search(r.kv_heads.begin(), r.kv_heads.end(), head))
+          << "rank " << r.rank << " receives kv head " << head << " it does not use";
+    }
+
+    // Bytes: the lower bound from the truth.
+    const DType dtype = DType::kBF16;
+    const uint64_t es = 2, D = kHeadDim;
+    const uint64_t ring_bound = 2 * need.size() * r.kv_heads.size() * D * es;
+    ring_lower_bound_total += ring_bound;
+    // All-to-all: the rows of my group held by others, for my heads, come in (Q, K, V);
+    // my rows' outputs and lse for the heads others compute come back.
+    uint64_t others_rows = 0, my_rows = 0;
+    for (int64_t i = 0; i < T; ++i) {
+      if (truth.group[i] == r.group && truth.owner[i] != r.rank) ++others_rows;
+      if (truth.owner[i] == r.rank) ++my_rows;
+    }
+    const uint64_t heads_elsewhere = plan.heads_q - r.q_heads.size();
+    const uint64_t a2a_in = others_rows * (r.q_heads.size() + 2 * r.kv_heads.size()) * D * es +
+                            my_rows * heads_elsewhere * (D * es + 4);
+    const HierTraffic f = PredictForwardTraffic(r, kHeadDim, dtype);
+    EXPECT_EQ(f.ring_received, ring_bound) << "rank " << r.rank;
+    EXPECT_EQ(f.a2a_received, a2a_in) << "rank " << r.rank;
+  }
+  EXPECT_EQ(matched, sent.size()) << "a send without its receive";
+  uint64_t ring_sent = 0, ring_recv = 0, a2a_sent = 0, a2a_recv = 0;
+  for (const RankHierarchy& r : ranks) {
+    for (const HierTraffic& t : {PredictForwardTraffic(r, kHeadDim, DType::kBF16),
+                                 PredictBackwardTraffic(r, kHeadDim, DType::kBF16)}) {
+      ring_sent += t.ring_sent;
+      ring_recv += t.ring_received;
+      a2a_sent += t.a2a_sent;
+      a2a_recv += t.a2a_received;
+    }
+  }
+  EXPECT_EQ(ring_sent, ring_recv);
+  EXPECT_EQ(a2a_sent, a2a_recv);
+  if (plan.groups.size() == 1) {
+    EXPECT_EQ(ring_lower_bound_total, 0u);
+    for (const RankHierarchy& r : ranks) EXPECT_TRUE(r.steps.empty());
+  }
+}
+
+std::vector<PlanSpec> Specs() {
+  std::vector<PlanSpec> out;
+  uint64_t seed = 1;
+  auto add = [&](std::vector<int> sizes, int hq, int hkv, HeadSplit split, bool uneven) {
+    out.push_back({sizes, hq, hkv, split, uneven, seed++});
+  };
+  add({4}, 8, 8, HeadSplit::kContiguous, false);           // Ulysses
+  add({1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false);  // ring
+  add({2, 2}, 4, 4, HeadSplit::kContiguous, false);        // 2x2 (USP)
+  add({2, 2, 2, 2}, 8, 8, HeadSplit::kContiguous, false);  // 2x4
+  add({4, 4}, 8, 8, HeadSplit::kContiguous, true);         // 4x2
+  add({4, 2}, 6, 6, HeadSplit::kRoundRobin, true);
+  add({3, 3, 2}, 7, 7, HeadSplit::kRandom, true);  // heads not divisible
+  add({1, 2, 5}, 5, 5, HeadSplit::kRandom, true);
+  add({2, 3}, 16, 2, HeadSplit::kContiguous, true);  // GQA 8:1
+  add({4, 2}, 8, 1, HeadSplit::kRoundRobin, true);   // MQA
+  add({3, 3, 2}, 8, 1, HeadSplit::kRandom, false);   // MQA, random heads
+  add({2, 2}, 13, 13, HeadSplit::kRandom, true);
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, HierarchyPlans,
+                         ::testing::Combine(::testing::ValuesIn(Specs()),
+                                            ::testing::Values(DocMix::kLongTail, DocMix::kOneHuge,
+                                                              DocMix::kSingle)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param).Name() + "_" +
+                                  testing::DocMixName(std::get<1>(info.param));
+                         });
+
+TEST(Hierarchy, GroupsOfOneRankAreTheSequenceAwareRing) {
+  const Layout layout = testing::RandomLayout(300, DocMix::kLongTail, 5, false);
+  const int R = 5;
+  const Plan plan = MakePlan({{1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok()) << h.status();
+  absl::StatusOr<Partition> p = Partition::Create(layout, R);
+  ASSERT_TRUE(p.ok());
+  AttentionDims dims{4, 2, kHeadDim, 1.0f, {}};
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(h->shard(r), p->ranges(r));
+    absl::StatusOr<Schedule> s = BuildSchedule(layout, *p, r, 64);
+    absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+    ASSERT_TRUE(s.ok() && rh.ok());
+    ASSERT_EQ(rh->steps.size(), s->stages.size());
+    for (size_t i = 0; i < s->stages.size(); ++i) {
+      EXPECT_EQ(rh->steps[i].step, s->stages[i].step);
+      EXPECT_EQ(rh->steps[i].recv_rows, s->stages[i].recv_rows);
+      EXPECT_EQ(rh->steps[i].send_rows, s->stages[i].send_rows);
+    }
+    const HierTraffic f = PredictForwardTraffic(*rh, kHeadDim, DType::kBF16);
+    const ExecTraffic e = ForwardTraffic(*s, dims, DType::kBF16);
+    EXPECT_EQ(f.a2a_sent + f.a2a_received, 0u);
+    EXPECT_EQ(f.ring_sent, e.bytes_sent);
+    EXPECT_EQ(f.ring_received, e.bytes_received);
+    const HierTraffic b = PredictBackwardTraffic(*rh, kHeadDim, DType::kBF16);
+    const ExecTraffic eb = BackwardTraffic(*s, dims, DType::kBF16);
+    EXPECT_EQ(b.ring_sent, eb.bytes_sent);
+    EXPECT_EQ(b.ring_received, eb.bytes_received);
+  }
+}
+
+TEST(Hierarchy, MqaReceiversSpreadOverHolders) {
+  const Layout layout = *Layout::FromDocuments({0, 200}, {MaskKind::kFull});
+  const Plan plan = MakePlan({{4, 4}, 8, 1, HeadSplit::kContiguous, false, 1});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok());
+  for (int r = 0; r < 8; ++r) {
+    absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+    ASSERT_TRUE(rh.ok());
+    ASSERT_EQ(rh->steps.size(), 1u);
+    ASSERT_EQ(rh->steps[0].recv.size(), 1u);
+    // Receiver i of one group reads from member i of the other.
+    EXPECT_EQ(rh->steps[0].recv[0].peer, (r + 4) % 8);
+    ASSERT_EQ(rh->steps[0].send.size(), 1u);
+    EXPECT_EQ(rh->steps[0].send[0].peer, (r + 4) % 8);
+    EXPECT_TRUE(rh->kv_grad_partial);
+  }
+}
+
+TEST(Hierarchy, FewerTokensThanGroupsAndEmptyShards) {
+  const Layout layout = *Layout::FromDocuments({0, 1, 3});
+  const Plan plan = MakePlan({{3, 1, 2}, 4, 2, HeadSplit::kRandom, true, 9});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok()) << h.status();
+  int64_t total = 0;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    total += h->shard_tokens(r);
+    EXPECT_TRUE(h->BuildRank(layout, r).ok());
+  }
+  EXPECT_EQ(total, 3);
+}
+
+TEST(Hierarchy, SplitByWeights) {
+  EXPECT_EQ(SplitByWeights(10, {1, 1, 1}), (std::vector<int64_t>{4, 3, 3}));
+  EXPECT_EQ(SplitByWeights(10, {3, 0, 1}), (std::vector<int64_t>{8, 0, 2}));
+  EXPECT_EQ(SplitByWeights(0, {1, 2}), (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(SplitByWeights(1, {0, 0, 5}), (std::vector<int64_t>{0, 0, 1}));
+}
+
+TEST(Hierarchy, InvalidPlansAreRejectedWithTheirProblem) {
+  const Layout layout = *Layout::FromDocuments({0, 100});
+  const Plan good = MakePlan({{2, 2}, 4, 4, HeadSplit::kContiguous, false, 1});
+  ASSERT_TRUE(Hierarchy::Create(layout, good).ok());
+  {
+    Plan p = good;
+    p.groups[0].heads[1].push_back(0);  // head 0 owned twice
+    absl::Status s = Hierarchy::Create(layout, p).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(), HasSubstr("query head 0 is owned twice in group 0"));
+  }
+  {
+    Plan p = good;
+    p.groups[1].heads[1].pop_back();  // head 3 owned by nobody in group 1
+    EXPECT_THAT(Hierarchy::Create(layout, p).status().message(),
+                HasSubstr("query head 3 is owned by no rank of group 1"));
+  }
+  {
+    Plan p = good;
+    p.groups[1].ranks[0] = 0;  // rank 0 in both groups
+    EXPECT_THAT(Hierarchy::Create(layout, p).status().message(),
+                HasSubstr("rank 0 is in two groups"));
+  }
+  {
+    Plan p = good;
+    p.groups[1].sequence_weight = 0;  // a group with no tokens
+    EXPECT_THAT(Hierarchy::Create(layout, p).status().message(),
+                HasSubstr("group 1 has sequence weight 0"));
+  }
+  {
+    Plan p = good;
+    p.groups[0].token_weights = {0, 0};
+    EXPECT_THAT(Hierarchy::Create(layout, p).status().message(),
+                HasSubstr("group 0 has all token weights zero"));
+  }
+  {
+    Plan p = good;
+    p.heads_kv = 3;  // 4 is not a multiple of 3
+    EXPECT_THAT(Hierarchy::Create(layout, p).status().message(),
+                HasSubstr("must be a multiple of heads_kv"));
+  }
+  {
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, good);
+    EXPECT_THAT(h->BuildRank(layout, 4).status().message(), HasSubstr("rank 4 is outside"));
+  }
+}
+
+}  // namespace
+}  // namespace hsap
+
+namespace hsap {
+namespace {
+
+TEST(PartitionFromRanges, TheShardsOfAPlanAndBadRanges) {
+  const Layout layout = testing::RandomLayout(200, DocMix::kLongTail, 3, false);
+  const Plan plan = testing::MakePlan({{3, 2}, 4, 4, HeadSplit::kRandom, true, 5});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  ASSERT_TRUE(h.ok());
+  absl::StatusOr<Partition> p = Partition::FromRanges(layout, h->shards());
+  ASSERT_TRUE(p.ok()) << p.status();
+  int64_t work = 0;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    EXPECT_EQ(p->ranges(r), h->shard(r));
+    EXPECT_EQ(p->local_tokens(r), h->shard_tokens(r));
+    work += p->work(r);
+  }
+  EXPECT_EQ(work, layout.VisiblePairs());
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{90, 200}}}).status().message(),
+              HasSubstr("token 90 belongs to two ranks"));
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{101, 200}}}).status().message(),
+              HasSubstr("token 100 belongs to no rank"));
+  EXPECT_THAT(Partition::FromRanges(layout, {{{0, 100}}, {{100, 201}}}).status().message(),
+              HasSubstr("not inside [0, 200)"));
+}
+
+}  // namespace
+}  // namespace hsap

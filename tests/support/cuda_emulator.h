@@ -1,0 +1,158 @@
+// A small CUDA emulator for tests: compiles the device headers of jit/device as host C++
+// (HSAP_DEVICE_EMULATION) and runs a kernel with one std::thread per CUDA thread, so that
+// the kernels' arithmetic, indexing, barriers, warp shuffles and flag protocols can be
+// checked on a machine without a GPU.
+//
+// What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
+// CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
+// lane), dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
+// acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
+// A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
+// What is not: performance, the weak memory model of the GPU beyond what the C++ model
+// gives, PTX-specific rounding (conversions use attention/dtype.h, which rounds the same).
+#ifndef HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
+#define HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
+
+#define HSAP_DEVICE_EMULATION 1
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "attention/dtype.h"
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+
+struct EmuDim3 {
+  unsigned int x = 1, y = 1, z = 1;
+};
+inline thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
+
+struct uint4 {
+  unsigned int x, y, z, w;
+};
+
+namespace hsap_emu {
+
+struct Cta {
+  explicit Cta(int threads, size_t smem_floats)
+      : bar(threads), smem(smem_floats, 0.0f), shfl(threads, 0.0f) {
+    for (int w = 0; w < threads / 32; ++w)
+      warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+  }
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+  std::vector<float> smem;
+  std::vector<float> shfl;
+};
+
+inline thread_local Cta* tl_cta = nullptr;
+
+inline void SyncWarp() { tl_cta->warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
+
+inline float ShflXor(float v, int offset) {
+  float* slots = tl_cta->shfl.data() + (threadIdx.x / 32) * 32;
+  const int lane = threadIdx.x % 32;
+  slots[lane] = v;
+  SyncWarp();
+  const float r = slots[lane ^ offset];
+  SyncWarp();
+  return r;
+}
+
+// Runs kernel() on a grid of grid_x * grid_y CTAs of `threads` threads each. With
+// `all_concurrent` every CTA runs at once (kernels whose CTAs wait on one another, like a
+// cooperative launch); otherwise CTAs run in batches of kBatch (independent CTAs; batching
+// bounds the number of threads while overlapping the barrier round trips of several CTAs).
+inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t smem_bytes,
+                   bool all_concurrent, const std::function<void()>& kernel) {
+  struct Item {
+    unsigned int bx, by;
+  };
+  std::vector<Item> items;
+  for (unsigned int y = 0; y < grid_y; ++y) {
+    for (unsigned int x = 0; x < grid_x; ++x) items.push_back({x, y});
+  }
+  auto run_ctas = [&](size_t first, size_t count) {
+    std::vector<std::unique_ptr<Cta>> ctas;
+    std::vector<std::thread> pool;
+    for (size_t i = first; i < first + count; ++i) {
+      ctas.push_back(std::make_unique<Cta>(threads, smem_bytes / sizeof(float)));
+      Cta* cta = ctas.back().get();
+      const Item item = items[i];
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([=, &kernel] {
+          threadIdx = {static_cast<unsigned int>(t), 0, 0};
+          blockIdx = {item.bx, item.by, 0};
+          blockDim = {static_cast<unsigned int>(threads), 1, 1};
+          gridDim = {grid_x, grid_y, 1};
+          tl_cta = cta;
+          kernel();
+          cta->warp_bars[t / 32]->arrive_and_drop();
+          cta->bar.arrive_and_drop();
+        });
+      }
+    }
+    for (std::thread& th : pool) th.join();
+  };
+  constexpr size_t kBatch = 8;
+  if (all_concurrent) {
+    run_ctas(0, items.size());
+  } else {
+    for (size_t i = 0; i < items.size(); i += kBatch) {
+      run_ctas(i, std::min(kBatch, items.size() - i));
+    }
+  }
+}
+
+}  // namespace hsap_emu
+
+inline void __syncthreads() { hsap_emu::tl_cta->bar.arrive_and_wait(); }
+inline void __syncwarp(unsigned int = 0xffffffffu) { hsap_emu::SyncWarp(); }
+inline float __shfl_xor_sync(unsigned int, float v, int offset) {
+  return hsap_emu::ShflXor(v, offset);
+}
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline float __uint_as_float(unsigned int x) { return std::bit_cast<float>(x); }
+inline unsigned int __float_as_uint(float x) { return std::bit_cast<unsigned int>(x); }
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*p).fetch_or(v);
+}
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __nanosleep(unsigned int) { std::this_thread::yield(); }
+
+inline float hsap_emu_f16_to_float(unsigned short bits) {
+  return hsap::F16ToFloat(hsap::F16{bits});
+}
+inline unsigned short hsap_emu_float_to_f16(float f) { return hsap::FloatToF16(f).bits; }
+inline float* hsap_emu_dynamic_smem() { return hsap_emu::tl_cta->smem.data(); }
+inline unsigned int hsap_emu_load_acquire(const unsigned int* p) {
+  return std::atomic_ref<unsigned int>(*const_cast<unsigned int*>(p))
+      .load(std::memory_order_acquire);
+}
+inline void hsap_emu_store_release(unsigned int* p, unsigned int v) {
+  std::atomic_ref<unsigned int>(*p).store(v, std::memory_order_release);
+}
+inline unsigned long long hsap_emu_globaltimer_ns() {
+  return static_cast<unsigned long long>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::steady_clock::now().time_since_epoch())
+                                             .count());
+}
+inline unsigned int hsap_emu_fetch_add_release(unsigned int* p, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*p).fetch_add(v, std::memory_order_acq_rel);
+}
+
+#endif  // HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
