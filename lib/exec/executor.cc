@@ -7,19 +7,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "lib/comm/transport.h"
+#include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
 namespace hsap {
 namespace {
 
-// Point-to-point tags: bit 63 stays clear (collectives own it).
-enum class Payload : uint64_t { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
-
-uint64_t Tag(uint64_t call_id, Payload payload, int step) {
-  return ((call_id & ((uint64_t{1} << 39) - 1)) << 24) | (static_cast<uint64_t>(payload) << 20) |
-         static_cast<uint64_t>(step);
-}
+using protocol::Payload;
+using protocol::RingTag;
 
 // Rows of a tensor [rows, row_bytes] listed by runs (local rows), packed or referenced.
 class RowSource {
@@ -63,8 +60,8 @@ class KvPipeline {
       const void* kp = src.Prepare(k_, row_bytes_, st.send_runs, slot.send_k);
       const void* vp = src.Prepare(v_, row_bytes_, st.send_runs, slot.send_v);
       moved_.bytes_sent += 2 * bytes;
-      sends.push_back({st.send_to, kp, bytes, Tag(ctx_.call_id, key_tag_, st.step)});
-      sends.push_back({st.send_to, vp, bytes, Tag(ctx_.call_id, value_tag_, st.step)});
+      sends.push_back({st.send_to, kp, bytes, RingTag(ctx_.call_id, key_tag_, st.step)});
+      sends.push_back({st.send_to, vp, bytes, RingTag(ctx_.call_id, value_tag_, st.step)});
     }
     if (st.recv_from >= 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * row_bytes_;
@@ -72,9 +69,9 @@ class KvPipeline {
       slot.recv_k.resize(bytes);
       slot.recv_v.resize(bytes);
       recvs.push_back(
-          {st.recv_from, slot.recv_k.data(), bytes, Tag(ctx_.call_id, key_tag_, st.step)});
+          {st.recv_from, slot.recv_k.data(), bytes, RingTag(ctx_.call_id, key_tag_, st.step)});
       recvs.push_back(
-          {st.recv_from, slot.recv_v.data(), bytes, Tag(ctx_.call_id, value_tag_, st.step)});
+          {st.recv_from, slot.recv_v.data(), bytes, RingTag(ctx_.call_id, value_tag_, st.step)});
     }
     return ctx_.comm->transport().Start(sends, recvs, StageName(pass_, st, "kv"));
   }
@@ -184,7 +181,6 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
   args.dq = dq32.data();
 
   KvPipeline kv(ctx, k, v, "backward", Payload::kKey, Payload::kValue);
-  const size_t n = sched.stages.size();
   auto local = [&]() -> absl::Status {
     if (sched.local_work.empty()) return absl::OkStatus();
     args.k = k;
@@ -198,7 +194,6 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
   // Gradient partials: computed for the rows received at stage i (sent back to their
   // owner), and received for this rank's rows that the stage's destination used.
   std::vector<float> part_k[2], part_v[2], back_k[2], back_v[2];
-  std::unique_ptr<Transport::Pending> grads[2];
   ExecTraffic grad_moved;
   auto add_returned = [&](size_t i) {
     const Stage& st = sched.stages[i];
@@ -218,63 +213,55 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     }
   };
 
-  auto on_stage = [&](size_t i) -> absl::Status {
+  std::vector<int> steps;
+  for (const Stage& st : sched.stages) steps.push_back(st.step);
+  BackwardStages hooks;
+  hooks.post_kv = [&](size_t i) { return kv.Post(i); };
+  hooks.local = local;
+  hooks.compute = [&](size_t i) -> absl::Status {
+    const Stage& st = sched.stages[i];
+    const size_t slot = i % 2;
+    if (st.recv_from < 0) return absl::OkStatus();
+    part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
+    part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+    if (st.recv_work.empty()) return absl::OkStatus();
+    args.k = kv.recv_k(i);
+    args.v = kv.recv_v(i);
+    args.k_rows = st.recv_rows;
+    args.dk = part_k[slot].data();
+    args.dv = part_v[slot].data();
+    return ctx.kernels->Backward(args, st.recv_work, threads);
+  };
+  hooks.post_grad = [&](size_t i) {
     const Stage& st = sched.stages[i];
     const size_t slot = i % 2;
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
     if (st.recv_from >= 0) {
-      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
-      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
-      if (!st.recv_work.empty()) {
-        args.k = kv.recv_k(i);
-        args.v = kv.recv_v(i);
-        args.k_rows = st.recv_rows;
-        args.dk = part_k[slot].data();
-        args.dv = part_v[slot].data();
-        if (absl::Status s = ctx.kernels->Backward(args, st.recv_work, threads); !s.ok()) {
-          return s;
-        }
-      }
       const size_t bytes = part_k[slot].size() * sizeof(float);
       grad_moved.bytes_sent += 2 * bytes;
-      sends.push_back(
-          {st.recv_from, part_k[slot].data(), bytes, Tag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      sends.push_back({st.recv_from, part_k[slot].data(), bytes,
+                       RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
       sends.push_back({st.recv_from, part_v[slot].data(), bytes,
-                       Tag(ctx.call_id, Payload::kValueGrad, st.step)});
+                       RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
     }
     if (st.send_to >= 0) {
       back_k[slot].resize(st.send_rows * kv_row);
       back_v[slot].resize(st.send_rows * kv_row);
       const size_t bytes = back_k[slot].size() * sizeof(float);
       grad_moved.bytes_received += 2 * bytes;
-      recvs.push_back(
-          {st.send_to, back_k[slot].data(), bytes, Tag(ctx.call_id, Payload::kKeyGrad, st.step)});
-      recvs.push_back(
-          {st.send_to, back_v[slot].data(), bytes, Tag(ctx.call_id, Payload::kValueGrad, st.step)});
+      recvs.push_back({st.send_to, back_k[slot].data(), bytes,
+                       RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      recvs.push_back({st.send_to, back_v[slot].data(), bytes,
+                       RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
     }
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
-        ctx.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
-    if (!g.ok()) return g.status();
-    grads[slot] = *std::move(g);
-    // The previous step's partials are complete once its stage is: add them in step order.
-    if (i > 0) {
-      if (absl::Status s = grads[1 - slot]->Wait(); !s.ok()) return s;
-      grads[1 - slot].reset();
-      add_returned(i - 1);
-    }
+    return ctx.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
+  };
+  hooks.add_returned = [&](size_t i) {
+    add_returned(i);
     return absl::OkStatus();
   };
-  if (absl::Status s = RunStaged(
-          n, [&](size_t i) { return kv.Post(i); }, local, on_stage);
-      !s.ok()) {
-    return s;
-  }
-  if (n > 0) {
-    if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;
-    grads[(n - 1) % 2].reset();
-    add_returned(n - 1);
-  }
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
   StoreRows(ctx.dtype, dq32, dq);
   StoreRows(ctx.dtype, dk32, dk);
   StoreRows(ctx.dtype, dv32, dv);

@@ -8,31 +8,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "lib/comm/alltoallv.h"
 #include "lib/comm/transport.h"
+#include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
 namespace hsap {
 namespace {
 
-// All-to-all payloads of one call (each its own tag, so calls never cross).
-enum class A2aKind : uint64_t { kQ = 1, kK, kV, kOut, kLse, kDout, kLseDelta, kDq, kDk, kDv };
-// Point-to-point payloads of the sub-rings.
-enum class RingKind : uint64_t { kForwardKv = 1, kBackwardKv = 2, kKvGrad = 3 };
-
-constexpr uint64_t kCallBits = 36;
-
-uint64_t A2aTag(uint64_t call_id, A2aKind kind) {
-  return ((call_id & ((uint64_t{1} << kCallBits) - 1)) << 8) | static_cast<uint64_t>(kind);
-}
-
-// Bit 62 set: never equal to a tag of the issue-3 executor (whose tags stay below 2^63 but
-// use bits 20..62 for the call id, so a distinct high bit pattern is kept apart by the
-// caller's call ids; the sub-ring tags are only exchanged between ranks of one batch).
-uint64_t RingTag(uint64_t call_id, RingKind kind, int step) {
-  return (uint64_t{1} << 62) | ((call_id & ((uint64_t{1} << kCallBits) - 1)) << 24) |
-         (static_cast<uint64_t>(kind) << 20) | static_cast<uint64_t>(step);
-}
+using protocol::PlanPayload;
 
 size_t Bytes(int64_t rows, size_t heads, int width, size_t element_bytes) {
   return static_cast<size_t>(rows) * heads * static_cast<size_t>(width) * element_bytes;
@@ -50,7 +35,7 @@ class GroupExchange {
   }
 
   absl::Status Scatter(const void* src, int full_heads, int width, size_t es, bool q_like,
-                       void* dst, A2aKind kind, const char* what) {
+                       void* dst, PlanPayload kind, const char* what) {
     const RankHierarchy& r = *ctx_.rank;
     const size_t mine = HeadsOf(r.members[r.index], q_like).size();
     const ThdShape shape{r.shard_tokens, full_heads, width, es};
@@ -73,7 +58,7 @@ class GroupExchange {
   // placed but added, in member order, into sum_into [shard_tokens, full_heads, width],
   // which the caller zeroes; `dst` is then unused.
   absl::Status Gather(const void* src, int full_heads, int width, size_t es, bool q_like, void* dst,
-                      A2aKind kind, const char* what, float* sum_into = nullptr) {
+                      PlanPayload kind, const char* what, float* sum_into = nullptr) {
     const RankHierarchy& r = *ctx_.rank;
     const size_t mine = HeadsOf(r.members[r.index], q_like).size();
     const ThdShape shape{r.shard_tokens, full_heads, width, es};
@@ -127,10 +112,10 @@ class GroupExchange {
 
  private:
   absl::Status Run(const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
-                   const AllToAllVPlan& plan, A2aKind kind, const char* what) {
-    absl::StatusOr<AllToAllVStats> stats =
-        AllToAllV(ctx_.comm->transport(), send, send_bytes, recv, recv_bytes, plan,
-                  A2aTag(ctx_.call_id, kind), absl::StrCat(pass_, " all-to-all ", what));
+                   const AllToAllVPlan& plan, PlanPayload kind, const char* what) {
+    absl::StatusOr<AllToAllVStats> stats = AllToAllV(
+        ctx_.comm->transport(), send, send_bytes, recv, recv_bytes, plan,
+        protocol::GroupExchangeTag(ctx_.call_id, kind), absl::StrCat(pass_, " all-to-all ", what));
     if (!stats.ok()) return stats.status();
     sent_ += stats->bytes_sent;
     received_ += stats->bytes_received;
@@ -172,7 +157,7 @@ std::vector<TokenRange> SendRows(const SubRingStep& s) {
 class SubRingKv {
  public:
   SubRingKv(const HierExecContext& ctx, const void* k, const void* v, const char* pass,
-            RingKind tag)
+            PlanPayload tag)
       : ctx_(ctx), k_(k), v_(v), pass_(pass), tag_(tag) {}
 
   absl::StatusOr<std::unique_ptr<Transport::Pending>> Post(size_t i) {
@@ -200,7 +185,8 @@ class SubRingKv {
           !st.ok()) {
         return st;
       }
-      sends.push_back({t.peer, slot.send[x].data(), 2 * half, RingTag(ctx_.call_id, tag_, s.step)});
+      sends.push_back({t.peer, slot.send[x].data(), 2 * half,
+                       protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(tag_, s.step))});
       sent_ += 2 * half;
     }
     const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
@@ -216,7 +202,8 @@ class SubRingKv {
         slot.recv[x].resize(bytes);
         into = slot.recv[x].data();
       }
-      recvs.push_back({t.peer, into, bytes, RingTag(ctx_.call_id, tag_, s.step)});
+      recvs.push_back({t.peer, into, bytes,
+                       protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(tag_, s.step))});
       received_ += bytes;
     }
     return ctx_.comm->transport().Start(sends, recvs, StepName(pass_, s, "kv"));
@@ -269,7 +256,7 @@ class SubRingKv {
   const void* k_;
   const void* v_;
   const char* pass_;
-  RingKind tag_;
+  PlanPayload tag_;
   Slot slots_[2];
   uint64_t sent_ = 0, received_ = 0;
 };
@@ -324,19 +311,22 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
 
   GroupExchange a2a(ctx, "hier forward");
   std::vector<char> gq(Bytes(N, hq, D, es)), gk(Bytes(N, hkv, D, es)), gv(Bytes(N, hkv, D, es));
-  if (absl::Status s = a2a.Scatter(q, HQ, D, es, true, gq.data(), A2aKind::kQ, "q"); !s.ok()) {
+  if (absl::Status s = a2a.Scatter(q, HQ, D, es, true, gq.data(), PlanPayload::kInQ, "q");
+      !s.ok()) {
     return s;
   }
-  if (absl::Status s = a2a.Scatter(k, HKV, D, es, false, gk.data(), A2aKind::kK, "k"); !s.ok()) {
+  if (absl::Status s = a2a.Scatter(k, HKV, D, es, false, gk.data(), PlanPayload::kInK, "k");
+      !s.ok()) {
     return s;
   }
-  if (absl::Status s = a2a.Scatter(v, HKV, D, es, false, gv.data(), A2aKind::kV, "v"); !s.ok()) {
+  if (absl::Status s = a2a.Scatter(v, HKV, D, es, false, gv.data(), PlanPayload::kInV, "v");
+      !s.ok()) {
     return s;
   }
 
   std::vector<float> out32(static_cast<size_t>(N) * hq * D), lse32(static_cast<size_t>(N) * hq);
   InitPartial(out32.data(), lse32.data(), N, static_cast<int>(hq), D);
-  SubRingKv ring(ctx, gk.data(), gv.data(), "hier forward", RingKind::kForwardKv);
+  SubRingKv ring(ctx, gk.data(), gv.data(), "hier forward", PlanPayload::kKv);
   if (hq > 0) {
     ForwardArgs args;
     args.dims = LocalDims(ctx);
@@ -367,7 +357,7 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
   // Back to the shards' owners: out in the storage dtype, lse as [rows, heads, 1] fp32.
   std::vector<char> gout(gq.size());
   StoreRows(ctx.dtype, out32, gout.data());
-  if (absl::Status s = a2a.Gather(gout.data(), HQ, D, es, true, out, A2aKind::kOut, "out");
+  if (absl::Status s = a2a.Gather(gout.data(), HQ, D, es, true, out, PlanPayload::kOutO, "out");
       !s.ok()) {
     return s;
   }
@@ -375,7 +365,7 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
   HeadMajorToRows(lse32.data(), static_cast<int>(hq), N, 1, 0, lse_rows.data());
   std::vector<float> my_lse(static_cast<size_t>(r.shard_tokens) * HQ);
   if (absl::Status s = a2a.Gather(lse_rows.data(), HQ, 1, sizeof(float), true, my_lse.data(),
-                                  A2aKind::kLse, "lse");
+                                  PlanPayload::kOutLse, "lse");
       !s.ok()) {
     return s;
   }
@@ -409,16 +399,16 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       gv(gk.size());
   std::vector<float> gstats(static_cast<size_t>(N) * hq * 2);
   for (auto [src, heads, q_like, dst, kind, what] :
-       {std::tuple{q, HQ, true, gq.data(), A2aKind::kQ, "q"},
-        std::tuple{dout, HQ, true, gdout.data(), A2aKind::kDout, "dout"},
-        std::tuple{k, HKV, false, gk.data(), A2aKind::kK, "k"},
-        std::tuple{v, HKV, false, gv.data(), A2aKind::kV, "v"}}) {
+       {std::tuple{q, HQ, true, gq.data(), PlanPayload::kInQ, "q"},
+        std::tuple{dout, HQ, true, gdout.data(), PlanPayload::kInDout, "dout"},
+        std::tuple{k, HKV, false, gk.data(), PlanPayload::kInK, "k"},
+        std::tuple{v, HKV, false, gv.data(), PlanPayload::kInV, "v"}}) {
     if (absl::Status s = a2a.Scatter(src, heads, D, es, q_like, dst, kind, what); !s.ok()) {
       return s;
     }
   }
   if (absl::Status s = a2a.Scatter(stats.data(), HQ, 2, sizeof(float), true, gstats.data(),
-                                   A2aKind::kLseDelta, "lse and delta");
+                                   PlanPayload::kInStats, "lse and delta");
       !s.ok()) {
     return s;
   }
@@ -429,7 +419,7 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
   const size_t kv_row = hkv * D;
   std::vector<float> dq32(static_cast<size_t>(N) * hq * D, 0.0f), dk32(N * kv_row, 0.0f),
       dv32(N * kv_row, 0.0f);
-  SubRingKv ring(ctx, gk.data(), gv.data(), "hier backward", RingKind::kBackwardKv);
+  SubRingKv ring(ctx, gk.data(), gv.data(), "hier backward", PlanPayload::kKv);
   uint64_t grad_sent = 0, grad_received = 0;
   if (hq > 0) {
     BackwardArgs args;
@@ -441,7 +431,6 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
     args.delta = gdelta.data();
     args.q_rows = N;
     args.dq = dq32.data();
-    const size_t n = r.steps.size();
     auto local = [&]() -> absl::Status {
       if (r.local_work.empty()) return absl::OkStatus();
       args.k = gk.data();
@@ -453,9 +442,8 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
     };
     // Partials of the rows received at step i go back to their senders (dK then dV of the
     // sender's heads, fp32); those of our rows come back from the receivers of step i.
-    std::vector<std::vector<float>> part_k[2], part_v[2];
+    std::vector<float> part_k[2], part_v[2];
     std::vector<std::vector<char>> out_msg[2], in_msg[2];
-    std::unique_ptr<Transport::Pending> grads[2];
     auto add_returned = [&](size_t i) -> absl::Status {
       const SubRingStep& st = r.steps[i];
       const std::vector<TokenRange> rows = SendRows(st);
@@ -477,22 +465,30 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       }
       return absl::OkStatus();
     };
-    auto on_stage = [&](size_t i) -> absl::Status {
+    BackwardStages hooks;
+    hooks.post_kv = [&](size_t i) { return ring.Post(i); };
+    hooks.local = local;
+    hooks.compute = [&](size_t i) -> absl::Status {
       const SubRingStep& st = r.steps[i];
       const size_t slot = i % 2;
+      if (st.recv_group < 0) return absl::OkStatus();
+      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
+      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+      if (st.recv_work.empty()) return absl::OkStatus();
+      HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
+      args.k_rows = st.recv_rows;
+      args.dk = part_k[slot].data();
+      args.dv = part_v[slot].data();
+      return ctx.kernels->Backward(args, st.recv_work, threads);
+    };
+    hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
+      const SubRingStep& st = r.steps[i];
+      const size_t slot = i % 2;
+      const uint64_t tag =
+          protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvGrad, st.step));
       std::vector<SendOp> sends;
       std::vector<RecvOp> recvs;
       if (st.recv_group >= 0) {
-        std::vector<float> pk(st.recv_rows * kv_row, 0.0f), pv(st.recv_rows * kv_row, 0.0f);
-        if (!st.recv_work.empty()) {
-          if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
-          args.k_rows = st.recv_rows;
-          args.dk = pk.data();
-          args.dv = pv.data();
-          if (absl::Status s = ctx.kernels->Backward(args, st.recv_work, threads); !s.ok()) {
-            return s;
-          }
-        }
         const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
         const TokenRange all{0, st.recv_rows};
         out_msg[slot].assign(st.recv.size(), {});
@@ -500,18 +496,11 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
           const KvTransfer& t = st.recv[x];
           const size_t half = Bytes(st.recv_rows, t.heads.size(), D, sizeof(float));
           out_msg[slot][x].resize(2 * half);
-          if (absl::Status s = PackThd(pk.data(), shape, absl::MakeConstSpan(&all, 1),
-                                       t.local_heads, out_msg[slot][x].data(), half);
-              !s.ok()) {
-            return s;
-          }
-          if (absl::Status s = PackThd(pv.data(), shape, absl::MakeConstSpan(&all, 1),
-                                       t.local_heads, out_msg[slot][x].data() + half, half);
-              !s.ok()) {
-            return s;
-          }
-          sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half,
-                           RingTag(ctx.call_id, RingKind::kKvGrad, st.step)});
+          HSAP_RETURN_IF_ERROR(PackThd(part_k[slot].data(), shape, absl::MakeConstSpan(&all, 1),
+                                       t.local_heads, out_msg[slot][x].data(), half));
+          HSAP_RETURN_IF_ERROR(PackThd(part_v[slot].data(), shape, absl::MakeConstSpan(&all, 1),
+                                       t.local_heads, out_msg[slot][x].data() + half, half));
+          sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half, tag});
           grad_sent += 2 * half;
         }
       }
@@ -519,43 +508,28 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       for (size_t x = 0; x < st.send.size(); ++x) {
         const size_t bytes = 2 * Bytes(st.send_rows, st.send[x].heads.size(), D, sizeof(float));
         in_msg[slot][x].resize(bytes);
-        recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes,
-                         RingTag(ctx.call_id, RingKind::kKvGrad, st.step)});
+        recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes, tag});
         grad_received += bytes;
       }
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
-          ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
-      if (!g.ok()) return g.status();
-      grads[slot] = *std::move(g);
-      if (i > 0) {
-        if (absl::Status s = grads[1 - slot]->Wait(); !s.ok()) return s;
-        grads[1 - slot].reset();
-        if (absl::Status s = add_returned(i - 1); !s.ok()) return s;
-      }
-      return absl::OkStatus();
+      return ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
     };
-    if (absl::Status s = RunStaged(
-            n, [&](size_t i) { return ring.Post(i); }, local, on_stage);
-        !s.ok()) {
-      return s;
-    }
-    if (n > 0) {
-      if (absl::Status s = grads[(n - 1) % 2]->Wait(); !s.ok()) return s;
-      grads[(n - 1) % 2].reset();
-      if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
-    }
+    hooks.add_returned = add_returned;
+    std::vector<int> steps;
+    for (const SubRingStep& st : r.steps) steps.push_back(st.step);
+    HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
   }
 
   // Back to the owners: dQ rounded here; dK/dV rounded here when this rank holds the only
   // copy of its KV heads in the group, else summed over the holders in fp32 by the owner.
   std::vector<char> gdq(gq.size());
   StoreRows(ctx.dtype, dq32, gdq.data());
-  if (absl::Status s = a2a.Gather(gdq.data(), HQ, D, es, true, dq, A2aKind::kDq, "dq"); !s.ok()) {
+  if (absl::Status s = a2a.Gather(gdq.data(), HQ, D, es, true, dq, PlanPayload::kOutDq, "dq");
+      !s.ok()) {
     return s;
   }
   if (r.kv_grad_partial) {
-    for (auto [part, into, kind, what] :
-         {std::tuple{&dk32, dk, A2aKind::kDk, "dk"}, std::tuple{&dv32, dv, A2aKind::kDv, "dv"}}) {
+    for (auto [part, into, kind, what] : {std::tuple{&dk32, dk, PlanPayload::kOutDk, "dk"},
+                                          std::tuple{&dv32, dv, PlanPayload::kOutDv, "dv"}}) {
       std::vector<float> sum(static_cast<size_t>(n_me) * HKV * D, 0.0f);
       if (absl::Status s = a2a.Gather(part->data(), HKV, D, sizeof(float), false, nullptr, kind,
                                       what, sum.data());
@@ -565,8 +539,8 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       StoreRows(ctx.dtype, sum, into);
     }
   } else {
-    for (auto [part, into, kind, what] :
-         {std::tuple{&dk32, dk, A2aKind::kDk, "dk"}, std::tuple{&dv32, dv, A2aKind::kDv, "dv"}}) {
+    for (auto [part, into, kind, what] : {std::tuple{&dk32, dk, PlanPayload::kOutDk, "dk"},
+                                          std::tuple{&dv32, dv, PlanPayload::kOutDv, "dv"}}) {
       std::vector<char> rounded(Bytes(N, hkv, D, es));
       StoreRows(ctx.dtype, *part, rounded.data());
       if (absl::Status s = a2a.Gather(rounded.data(), HKV, D, es, false, into, kind, what);

@@ -3,6 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "lib/exec/protocol.h"
 
 namespace hsap {
 
@@ -26,6 +28,36 @@ absl::Status RunStaged(size_t num_stages, const PostStage& post,
     if (absl::Status s = on_stage(i); !s.ok()) return s;
     current = std::move(next);
   }
+  return absl::OkStatus();
+}
+
+absl::Status RunBackwardStages(absl::Span<const int> steps, const BackwardStages& hooks) {
+  std::unique_ptr<Transport::Pending> kv[2], grad[2];
+  auto complete_grad = [&](size_t j) -> absl::Status {
+    HSAP_RETURN_IF_ERROR(grad[j % 2]->Wait());
+    grad[j % 2].reset();
+    return hooks.add_returned(j);
+  };
+  bool local_done = false;
+  for (const protocol::BackwardGroup& group : protocol::BackwardPostingOrder(steps)) {
+    const size_t i = group.index;
+    const size_t slot = i % 2;
+    if (!group.is_grad) {
+      HSAP_ASSIGN_OR_RETURN(kv[slot], hooks.post_kv(i));
+    } else {
+      HSAP_RETURN_IF_ERROR(kv[slot]->Wait());
+      kv[slot].reset();
+      HSAP_RETURN_IF_ERROR(hooks.compute(i));
+      HSAP_ASSIGN_OR_RETURN(grad[slot], hooks.post_grad(i));
+      if (i > 0) HSAP_RETURN_IF_ERROR(complete_grad(i - 1));
+    }
+    if (!local_done) {
+      local_done = true;
+      HSAP_RETURN_IF_ERROR(hooks.local());
+    }
+  }
+  if (!local_done) HSAP_RETURN_IF_ERROR(hooks.local());
+  if (!steps.empty()) HSAP_RETURN_IF_ERROR(complete_grad(steps.size() - 1));
   return absl::OkStatus();
 }
 

@@ -1,6 +1,7 @@
-// The pieces the executors share (lib/exec/executor.cc for the sequence-aware ring,
-// lib/exec/hierarchical_executor.cc for the sub-rings of a plan): the double-buffered stage
-// loop and the final rounding of fp32 accumulators to the storage dtype.
+// The stage loops every executor runs (host and GPU, ring and plan batches): the forward's
+// double-buffered K/V stages and the backward's stages with the one-step-lagged return of
+// gradient partials, in the order of lib/exec/protocol.h; and the final rounding of fp32
+// accumulators to the storage dtype.
 #ifndef HSAP_LIB_EXEC_STAGED_H_
 #define HSAP_LIB_EXEC_STAGED_H_
 
@@ -12,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "attention/dtype.h"
 #include "lib/comm/transport.h"
 #include "lib/sched/schedule.h"
@@ -29,6 +31,30 @@ using PostStage = std::function<absl::StatusOr<std::unique_ptr<Transport::Pendin
 absl::Status RunStaged(size_t num_stages, const PostStage& post,
                        const std::function<absl::Status()>& local,
                        const std::function<absl::Status(size_t)>& on_stage);
+
+// The hooks of one backward (RunBackwardStages). Stage i uses buffer slot i % 2.
+struct BackwardStages {
+  // Posts stage i's K/V.
+  PostStage post_kv;
+  // The work that needs no transfer; runs once the first group is posted.
+  std::function<absl::Status()> local;
+  // Stage i's K/V arrived: computes the partial gradients of the rows received.
+  std::function<absl::Status(size_t)> compute;
+  // Posts stage i's gradient group: those partials back to their owner, and the partials
+  // of this rank's rows from the rank that used them.
+  PostStage post_grad;
+  // Stage i's gradient group completed: adds the returned partials (called in stage order).
+  std::function<absl::Status(size_t)> add_returned;
+};
+
+// Runs a backward over stages with steps `steps` (increasing), posting in
+// protocol::BackwardPostingOrder: at stage i's gradient group it waits for stage i's K/V,
+// computes, posts the gradients, then completes stage i - 1's gradient group and adds its
+// partials, so the gradients of each stage return one step later while the next stage's
+// K/V is in flight, and partials are added in stage order (bitwise reproducible with
+// deterministic kernels). Stops at the first error (pending groups are waited for by their
+// destructors).
+absl::Status RunBackwardStages(absl::Span<const int> steps, const BackwardStages& hooks);
 
 // The name of a stage in error messages: "forward step 3 (kv from rank 1, to rank 5)".
 std::string StageName(const char* pass, const Stage& st, const char* what);

@@ -2,8 +2,6 @@
 
 #include <algorithm>
 
-#include "lib/cuda/exec/nccl_lowering.h"
-
 namespace hsap::cuda {
 
 DeviceWorkLists::List HostImage::At(const char* base, const WorkListAt& at) {
@@ -54,23 +52,6 @@ absl::Status LaunchBackward(const DeviceKernels& kernels, hsap_dev::BwdParams p,
   p.segments = list.segments;
   p.num_blocks = list.num_blocks;
   return kernels.Backward(p, stream);
-}
-
-absl::Status RunBackwardGroups(const std::vector<int>& steps,
-                               const std::function<absl::Status(size_t)>& post_kv,
-                               const std::function<absl::Status(size_t)>& grad,
-                               const std::function<absl::Status()>& local) {
-  bool local_done = false;
-  for (const BackwardGroup& group : BackwardPostingOrder(steps)) {
-    if (absl::Status s = group.is_grad ? grad(group.index) : post_kv(group.index); !s.ok()) {
-      return s;
-    }
-    if (!local_done) {
-      local_done = true;
-      if (absl::Status s = local(); !s.ok()) return s;
-    }
-  }
-  return local_done ? absl::OkStatus() : local();
 }
 
 absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device& device,

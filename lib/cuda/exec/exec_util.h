@@ -167,15 +167,6 @@ absl::Status LaunchBackward(const DeviceKernels& kernels, hsap_dev::BwdParams p,
                             const DeviceWorkLists::List& list, const void* k, const void* v,
                             int64_t k_rows, float* dk, float* dv, cudaStream stream);
 
-// A backward's groups in nccl_lowering's BackwardPostingOrder for stages with `steps`:
-// post_kv(i) posts stage i's K/V, grad(i) computes stage i and posts its gradients; `local`
-// runs once, after the first group (so that it overlaps the first transfers) or at once
-// when there is none. Stops at the first error.
-absl::Status RunBackwardGroups(const std::vector<int>& steps,
-                               const std::function<absl::Status(size_t)>& post_kv,
-                               const std::function<absl::Status(size_t)>& grad,
-                               const std::function<absl::Status()>& local);
-
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_EXEC_EXEC_UTIL_H_

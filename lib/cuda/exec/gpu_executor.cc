@@ -8,8 +8,9 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "lib/cuda/exec/exec_util.h"
-#include "lib/cuda/exec/nccl_lowering.h"
+#include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
 namespace hsap::cuda {
@@ -23,7 +24,8 @@ static_assert(sizeof(hsap_dev::KeySegment) == sizeof(KeySegment) &&
 
 namespace {
 
-enum Payload { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+using protocol::Payload;
+using protocol::RingTag;
 
 // Common state of a forward or backward call.
 class GpuCall {
@@ -94,16 +96,16 @@ class GpuCall {
       absl::StatusOr<const void*> vp = Rows(v, st.send_runs, send_v_[slot]);
       if (!vp.ok()) return vp.status();
       moved_.bytes_sent += 2 * bytes;
-      sends.push_back({st.send_to, *kp, bytes, ExecutorTag(ctx_.call_id, kKey, st.step)});
-      sends.push_back({st.send_to, *vp, bytes, ExecutorTag(ctx_.call_id, kValue, st.step)});
+      sends.push_back({st.send_to, *kp, bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
+      sends.push_back({st.send_to, *vp, bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
     if (st.recv_from >= 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * kv_row_bytes_;
       moved_.bytes_received += 2 * bytes;
       recvs.push_back(
-          {st.recv_from, recv_k_[slot], bytes, ExecutorTag(ctx_.call_id, kKey, st.step)});
+          {st.recv_from, recv_k_[slot], bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
       recvs.push_back(
-          {st.recv_from, recv_v_[slot], bytes, ExecutorTag(ctx_.call_id, kValue, st.step)});
+          {st.recv_from, recv_v_[slot], bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
     if (absl::Status s = FenceTransfers(posted_[slot]); !s.ok()) return s;
     return ctx_.transport->Start(sends, recvs, StageName(pass_, st, "kv"));
@@ -405,17 +407,49 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     return LaunchBackward(*ctx.kernels, p, list, kk, vv, k_rows, gk, gv, ctx.stream);
   };
 
-  // The groups in the lowering's global order (BackwardPostingOrder).
-  const size_t n = sched.stages.size();
   std::vector<int> steps;
-  for (const auto& st : sched.stages) steps.push_back(st.step);
-
-  std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
+  for (const Stage& st : sched.stages) steps.push_back(st.step);
   ExecTraffic grad_moved;
-  // Adds the partials returned for stage j (once its transfers completed) in step order.
-  auto add_returned = [&](size_t j) -> absl::Status {
-    if (absl::Status s = grad_pending[j % 2]->Wait(); !s.ok()) return s;
-    grad_pending[j % 2].reset();
+  BackwardStages hooks;
+  hooks.post_kv = [&](size_t i) { return call.PostKv(i, k, v); };
+  hooks.local = [&] { return backward(ctx.lists->local(), k, v, rows, dk32, dv32); };
+  hooks.compute = [&](size_t i) -> absl::Status {
+    const Stage& st = sched.stages[i];
+    const int slot = static_cast<int>(i % 2);
+    if (st.recv_from < 0) return absl::OkStatus();
+    const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
+    for (float* g : {part_k[slot], part_v[slot]}) {
+      HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(g, bytes, ctx.stream));
+    }
+    return backward(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows, part_k[slot],
+                    part_v[slot]);
+  };
+  hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
+    const Stage& st = sched.stages[i];
+    const int slot = static_cast<int>(i % 2);
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_from >= 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
+      grad_moved.bytes_sent += 2 * bytes;
+      sends.push_back(
+          {st.recv_from, part_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      sends.push_back(
+          {st.recv_from, part_v[slot], bytes, RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
+    }
+    if (st.send_to >= 0) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
+      grad_moved.bytes_received += 2 * bytes;
+      recvs.push_back(
+          {st.send_to, back_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
+      recvs.push_back(
+          {st.send_to, back_v[slot], bytes, RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
+    }
+    HSAP_RETURN_IF_ERROR(call.FenceTransfers(grads_ready[slot]));
+    return ctx.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
+  };
+  // The partials returned for stage j, added in step order.
+  hooks.add_returned = [&](size_t j) -> absl::Status {
     const Stage& st = sched.stages[j];
     if (st.send_to < 0) return absl::OkStatus();
     size_t offset = 0;
@@ -423,69 +457,13 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
       const long long count = static_cast<long long>(run.length * call.kv_row32());
       const size_t at = static_cast<size_t>(run.local_begin) * call.kv_row32();
       for (auto [to, from] : {std::pair{dk32, back_k[j % 2]}, {dv32, back_v[j % 2]}}) {
-        if (absl::Status s = ctx.kernels->Accumulate({to + at, from + offset, count}, ctx.stream);
-            !s.ok()) {
-          return s;
-        }
+        HSAP_RETURN_IF_ERROR(ctx.kernels->Accumulate({to + at, from + offset, count}, ctx.stream));
       }
       offset += static_cast<size_t>(count);
     }
     return absl::OkStatus();
   };
-  auto grad_stage = [&](size_t i) -> absl::Status {
-    const Stage& st = sched.stages[i];
-    const int slot = static_cast<int>(i % 2);
-    if (absl::Status s = kv_pending[slot]->Wait(); !s.ok()) return s;
-    kv_pending[slot].reset();
-    std::vector<SendOp> sends;
-    std::vector<RecvOp> recvs;
-    if (st.recv_from >= 0) {
-      const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
-      for (float* g : {part_k[slot], part_v[slot]}) {
-        if (absl::Status s = ctx.device->ZeroAsync(g, bytes, ctx.stream); !s.ok()) return s;
-      }
-      if (absl::Status s = backward(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i),
-                                    st.recv_rows, part_k[slot], part_v[slot]);
-          !s.ok()) {
-        return s;
-      }
-      grad_moved.bytes_sent += 2 * bytes;
-      sends.push_back(
-          {st.recv_from, part_k[slot], bytes, ExecutorTag(ctx.call_id, kKeyGrad, st.step)});
-      sends.push_back(
-          {st.recv_from, part_v[slot], bytes, ExecutorTag(ctx.call_id, kValueGrad, st.step)});
-    }
-    if (st.send_to >= 0) {
-      const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
-      grad_moved.bytes_received += 2 * bytes;
-      recvs.push_back(
-          {st.send_to, back_k[slot], bytes, ExecutorTag(ctx.call_id, kKeyGrad, st.step)});
-      recvs.push_back(
-          {st.send_to, back_v[slot], bytes, ExecutorTag(ctx.call_id, kValueGrad, st.step)});
-    }
-    if (absl::Status s = call.FenceTransfers(grads_ready[slot]); !s.ok()) return s;
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> g =
-        ctx.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
-    if (!g.ok()) return g.status();
-    grad_pending[slot] = *std::move(g);
-    return i > 0 ? add_returned(i - 1) : absl::OkStatus();
-  };
-
-  if (absl::Status s = RunBackwardGroups(
-          steps,
-          [&](size_t i) -> absl::Status {
-            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.PostKv(i, k, v);
-            if (!posted.ok()) return posted.status();
-            kv_pending[i % 2] = *std::move(posted);
-            return absl::OkStatus();
-          },
-          grad_stage, [&] { return backward(ctx.lists->local(), k, v, rows, dk32, dv32); });
-      !s.ok()) {
-    return s;
-  }
-  if (n > 0) {
-    if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
-  }
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
   if (absl::Status s = Store(ctx, dq32, dq, q_elems); !s.ok()) return s;
   if (absl::Status s = Store(ctx, dk32, dk, kv_elems); !s.ok()) return s;
   if (absl::Status s = Store(ctx, dv32, dv, kv_elems); !s.ok()) return s;

@@ -8,38 +8,18 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "lib/cuda/exec/exec_util.h"
 #include "lib/cuda/exec/nccl_lowering.h"
 #include "lib/cuda/runtime/buffer_pool.h"
+#include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
 namespace hsap::cuda {
 namespace {
 
-// Payload kinds of the tags (bits 20..23; the step in bits 0..19, the call above bit 24).
-enum Kind : uint64_t {
-  kRingKv = 1,
-  kRingGrad = 3,
-  kInQ = 4,
-  kInK,
-  kInV,
-  kInDout,
-  kInStats,
-  kOutO,
-  kOutLse,
-  kOutDq,
-  kOutDk,
-  kOutDv,
-};
-
-uint64_t Payload(Kind kind, int step = 0) {
-  return (static_cast<uint64_t>(kind) << 20) | static_cast<uint64_t>(step);
-}
-
-// Bit 62 keeps these apart from the sequence-aware ring's tags (as the host runtime does).
-uint64_t FullTag(uint64_t call_id, uint64_t payload) {
-  return (uint64_t{1} << 62) | ((call_id & ((uint64_t{1} << 36) - 1)) << 24) | payload;
-}
+using protocol::PlanPayload;
+uint64_t Payload(PlanPayload kind, int step = 0) { return protocol::PlanMessage(kind, step); }
 
 size_t Bytes(int64_t rows, size_t heads, int width, size_t es) {
   return static_cast<size_t>(rows) * heads * static_cast<size_t>(width) * es;
@@ -59,7 +39,7 @@ ByteChunk RowsChunk(const GroupMember& m, size_t heads, int width, size_t es) {
 // locally. `add`: fp32 partial sums added into the destination.
 using SrcDst = std::pair<std::vector<ByteChunk>, std::vector<ByteChunk>>;
 absl::StatusOr<ExchangeProgram> GroupProgram(
-    const RankHierarchy& r, Kind kind, bool add,
+    const RankHierarchy& r, PlanPayload kind, bool add,
     const std::function<absl::StatusOr<SrcDst>(const GroupMember&)>& chunks) {
   ExchangeBuilder b(add);
   for (const GroupMember& m : r.members) {
@@ -78,7 +58,7 @@ absl::StatusOr<ExchangeProgram> GroupProgram(
 // The all-to-all of one tensor: shard [n_me, full, width] -> group buffer [N, mine, width]
 // (in), or back (`back`; `add`: fp32 partial sums added by the owner).
 absl::StatusOr<ExchangeProgram> AllToAllProgram(const RankHierarchy& r, int full, int width,
-                                                size_t es, bool q_like, Kind kind, bool back,
+                                                size_t es, bool q_like, PlanPayload kind, bool back,
                                                 bool add = false) {
   const size_t mine = HeadsOf(r.members[r.index], q_like).size();
   const ThdShape shape{r.shard_tokens, full, width, es};
@@ -97,28 +77,31 @@ absl::StatusOr<ExchangeProgram> AllToAllProgram(const RankHierarchy& r, int full
 absl::StatusOr<ExchangeProgram> LseBackProgram(const RankHierarchy& r) {
   const int64_t N = r.group_tokens, n_me = r.shard_tokens;
   const size_t hq = r.q_heads.size(), f = sizeof(float);
-  return GroupProgram(r, kOutLse, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
-    SrcDst c;
-    for (size_t l = 0; l < hq; ++l) c.first.push_back({(l * N + m.row_begin) * f, m.tokens * f});
-    for (int h : m.q_heads) c.second.push_back({h * n_me * f, n_me * f});
-    return c;
-  });
+  return GroupProgram(r, PlanPayload::kOutLse, false,
+                      [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+                        SrcDst c;
+                        for (size_t l = 0; l < hq; ++l)
+                          c.first.push_back({(l * N + m.row_begin) * f, m.tokens * f});
+                        for (int h : m.q_heads) c.second.push_back({h * n_me * f, n_me * f});
+                        return c;
+                      });
 }
 
 // The owner's (lse, delta) [2, HQ, n_me] -> the holders' [2, hq, N] (one piece per head).
 absl::StatusOr<ExchangeProgram> StatsInProgram(const RankHierarchy& r, int HQ) {
   const int64_t N = r.group_tokens, n_me = r.shard_tokens;
   const size_t hq = r.q_heads.size(), f = sizeof(float);
-  return GroupProgram(r, kInStats, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
-    SrcDst c;
-    for (size_t k = 0; k < 2; ++k) {
-      for (int h : m.q_heads) c.first.push_back({((k * HQ + h) * n_me) * f, n_me * f});
-      for (size_t l = 0; l < hq; ++l) {
-        c.second.push_back({((k * hq + l) * N + m.row_begin) * f, m.tokens * f});
-      }
-    }
-    return c;
-  });
+  return GroupProgram(
+      r, PlanPayload::kInStats, false, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
+        SrcDst c;
+        for (size_t k = 0; k < 2; ++k) {
+          for (int h : m.q_heads) c.first.push_back({((k * HQ + h) * n_me) * f, n_me * f});
+          for (size_t l = 0; l < hq; ++l) {
+            c.second.push_back({((k * hq + l) * N + m.row_begin) * f, m.tokens * f});
+          }
+        }
+        return c;
+      });
 }
 
 // `chunks` again at `shift` bytes further (the V half after the K half).
@@ -147,13 +130,15 @@ absl::StatusOr<ExchangeProgram> RingKvProgram(const RankHierarchy& r, const SubR
   for (const KvTransfer& t : s.send) {
     absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
     if (!k.ok()) return k.status();
-    b.Send(t.peer, Payload(kRingKv, s.step), KThenV(*k, Bytes(r.group_tokens, hkv, D, es)));
+    b.Send(t.peer, Payload(PlanPayload::kKv, s.step),
+           KThenV(*k, Bytes(r.group_tokens, hkv, D, es)));
   }
   for (const KvTransfer& t : s.recv) {
     absl::StatusOr<std::vector<ByteChunk>> k =
         ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
     if (!k.ok()) return k.status();
-    b.Receive(t.peer, Payload(kRingKv, s.step), KThenV(*k, Bytes(s.recv_rows, hkv, D, es)));
+    b.Receive(t.peer, Payload(PlanPayload::kKv, s.step),
+              KThenV(*k, Bytes(s.recv_rows, hkv, D, es)));
   }
   return std::move(b).Build();
 }
@@ -172,12 +157,14 @@ absl::StatusOr<ExchangeProgram> RingGradProgram(const RankHierarchy& r, const Su
     absl::StatusOr<std::vector<ByteChunk>> k =
         ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
     if (!k.ok()) return k.status();
-    b.Send(t.peer, Payload(kRingGrad, s.step), KThenV(*k, Bytes(s.recv_rows, hkv, D, f)));
+    b.Send(t.peer, Payload(PlanPayload::kKvGrad, s.step),
+           KThenV(*k, Bytes(s.recv_rows, hkv, D, f)));
   }
   for (const KvTransfer& t : s.send) {
     absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
     if (!k.ok()) return k.status();
-    b.Receive(t.peer, Payload(kRingGrad, s.step), KThenV(*k, Bytes(r.group_tokens, hkv, D, f)));
+    b.Receive(t.peer, Payload(PlanPayload::kKvGrad, s.step),
+              KThenV(*k, Bytes(r.group_tokens, hkv, D, f)));
   }
   return std::move(b).Build();
 }
@@ -254,18 +241,19 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     absl::StatusOr<ExchangeProgram> program;
   };
   std::vector<Named> programs;
-  programs.push_back({&p->in_q_, AllToAllProgram(r, HQ, D, es, true, kInQ, false)});
-  programs.push_back({&p->in_k_, AllToAllProgram(r, HKV, D, es, false, kInK, false)});
-  programs.push_back({&p->in_v_, AllToAllProgram(r, HKV, D, es, false, kInV, false)});
-  programs.push_back({&p->in_dout_, AllToAllProgram(r, HQ, D, es, true, kInDout, false)});
+  programs.push_back({&p->in_q_, AllToAllProgram(r, HQ, D, es, true, PlanPayload::kInQ, false)});
+  programs.push_back({&p->in_k_, AllToAllProgram(r, HKV, D, es, false, PlanPayload::kInK, false)});
+  programs.push_back({&p->in_v_, AllToAllProgram(r, HKV, D, es, false, PlanPayload::kInV, false)});
+  programs.push_back(
+      {&p->in_dout_, AllToAllProgram(r, HQ, D, es, true, PlanPayload::kInDout, false)});
   programs.push_back({&p->in_stats_, StatsInProgram(r, HQ)});
-  programs.push_back({&p->out_o_, AllToAllProgram(r, HQ, D, es, true, kOutO, true)});
+  programs.push_back({&p->out_o_, AllToAllProgram(r, HQ, D, es, true, PlanPayload::kOutO, true)});
   programs.push_back({&p->out_lse_, LseBackProgram(r)});
-  programs.push_back({&p->out_dq_, AllToAllProgram(r, HQ, D, es, true, kOutDq, true)});
-  programs.push_back(
-      {&p->out_dk_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDk, true, partial)});
-  programs.push_back(
-      {&p->out_dv_, AllToAllProgram(r, HKV, D, partial ? f : es, false, kOutDv, true, partial)});
+  programs.push_back({&p->out_dq_, AllToAllProgram(r, HQ, D, es, true, PlanPayload::kOutDq, true)});
+  programs.push_back({&p->out_dk_, AllToAllProgram(r, HKV, D, partial ? f : es, false,
+                                                   PlanPayload::kOutDk, true, partial)});
+  programs.push_back({&p->out_dv_, AllToAllProgram(r, HKV, D, partial ? f : es, false,
+                                                   PlanPayload::kOutDv, true, partial)});
   p->steps_.resize(r.steps.size());
   for (size_t i = 0; i < r.steps.size(); ++i) {
     programs.push_back({&p->steps_[i].kv, RingKvProgram(r, r.steps[i], D, es)});
@@ -381,11 +369,13 @@ class HierCall {
       if (absl::Status s = Launch(leg.ex->pack, leg.src, send + send_at, false); !s.ok()) return s;
       if (absl::Status s = Launch(leg.ex->self, leg.src, leg.dst, e.add); !s.ok()) return s;
       for (const ExchangeMessage& m : e.sends) {
-        sends.push_back({m.peer, send + send_at + m.offset, m.bytes, FullTag(ctx_.call_id, m.tag)});
+        sends.push_back(
+            {m.peer, send + send_at + m.offset, m.bytes, protocol::PlanTag(ctx_.call_id, m.tag)});
         (ring ? ring_sent_ : a2a_sent_) += m.bytes;
       }
       for (const ExchangeMessage& m : e.recvs) {
-        recvs.push_back({m.peer, recv + recv_at + m.offset, m.bytes, FullTag(ctx_.call_id, m.tag)});
+        recvs.push_back(
+            {m.peer, recv + recv_at + m.offset, m.bytes, protocol::PlanTag(ctx_.call_id, m.tag)});
         (ring ? ring_received_ : a2a_received_) += m.bytes;
       }
       send_at += e.send_staging;
@@ -611,62 +601,37 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
   };
 
-  // The sub-rings in the lowering's global order (BackwardPostingOrder).
-  const size_t n = r.steps.size();
-  std::vector<int> steps;
-  for (const auto& st : r.steps) steps.push_back(st.step);
-  std::unique_ptr<Transport::Pending> kv_pending[2], grad_pending[2];
   auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
   auto grad_leg = [&](size_t i) {
     return std::vector<Leg>{{&p.steps()[i].grad, g.partial[i % 2], g.dkv32}};
   };
-  // The partials returned for step j, added once its transfers completed (step order).
-  auto add_returned = [&](size_t j) -> absl::Status {
-    if (absl::Status s = grad_pending[j % 2]->Wait(); !s.ok()) return s;
-    grad_pending[j % 2].reset();
-    return call.Unpack(grad_leg(j), g.grad_recv[j % 2]);
+  std::vector<int> steps;
+  for (const auto& st : r.steps) steps.push_back(st.step);
+  BackwardStages hooks;
+  hooks.post_kv = [&](size_t i) {
+    return call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
+                     /*ring=*/true);
   };
-  auto grad_step = [&](size_t i) -> absl::Status {
+  hooks.local = [&] { return backward(p.local_work(), gk, gv, N, dk32, dv32); };
+  hooks.compute = [&](size_t i) -> absl::Status {
     const SubRingStep& st = r.steps[i];
     const int slot = static_cast<int>(i % 2);
-    if (absl::Status s = kv_pending[slot]->Wait(); !s.ok()) return s;
-    kv_pending[slot].reset();
-    if (absl::Status s = call.Unpack(kv_leg(i), g.ring_recv[slot]); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[slot]));
+    if (st.recv_group < 0) return absl::OkStatus();
     const size_t half = Bytes(st.recv_rows, hkv, D, f);
     float* pk = reinterpret_cast<float*>(g.partial[slot]);
     float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
-    if (st.recv_group >= 0) {
-      if (absl::Status s = ctx.device->ZeroAsync(pk, 2 * half, ctx.stream); !s.ok()) return s;
-      if (absl::Status s =
-              backward(p.steps()[i].work, g.kv[slot], g.kv[slot] + Bytes(st.recv_rows, hkv, D, es),
-                       st.recv_rows, pk, pv);
-          !s.ok()) {
-        return s;
-      }
-    }
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.Post(
-        grad_leg(i), g.grad_send[slot], g.grad_recv[slot], StepName(st, "dk/dv"), /*ring=*/true);
-    if (!posted.ok()) return posted.status();
-    grad_pending[slot] = *std::move(posted);
-    return i > 0 ? add_returned(i - 1) : absl::OkStatus();
+    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(pk, 2 * half, ctx.stream));
+    return backward(p.steps()[i].work, g.kv[slot], g.kv[slot] + Bytes(st.recv_rows, hkv, D, es),
+                    st.recv_rows, pk, pv);
   };
-  if (absl::Status s = RunBackwardGroups(
-          steps,
-          [&](size_t i) -> absl::Status {
-            absl::StatusOr<std::unique_ptr<Transport::Pending>> posted = call.Post(
-                kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
-                /*ring=*/true);
-            if (!posted.ok()) return posted.status();
-            kv_pending[i % 2] = *std::move(posted);
-            return absl::OkStatus();
-          },
-          grad_step, [&] { return backward(p.local_work(), gk, gv, N, dk32, dv32); });
-      !s.ok()) {
-    return s;
-  }
-  if (n > 0) {
-    if (absl::Status s = add_returned(n - 1); !s.ok()) return s;
-  }
+  hooks.post_grad = [&](size_t i) {
+    return call.Post(grad_leg(i), g.grad_send[i % 2], g.grad_recv[i % 2],
+                     StepName(r.steps[i], "dk/dv"), /*ring=*/true);
+  };
+  // The partials returned for step j, added in step order.
+  hooks.add_returned = [&](size_t j) { return call.Unpack(grad_leg(j), g.grad_recv[j % 2]); };
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
 
   // Back to the owners: dQ rounded here; dK/dV rounded here unless a KV head has several
   // holders in the group (then the owner sums the fp32 partials and rounds once).

@@ -6,11 +6,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "lib/exec/protocol.h"
 
 namespace hsap::cuda {
 namespace {
 
-enum Payload { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+using protocol::Payload;
+using protocol::RingTag;
 
 size_t KvRowBytes(const AttentionDims& dims, DType dtype) {
   return static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
@@ -22,13 +24,13 @@ P2pGroup KvGroup(const Stage& st, size_t row_bytes, uint64_t call_id, std::strin
   std::vector<RecvOp> recvs;
   if (st.send_to >= 0) {
     const size_t bytes = static_cast<size_t>(st.send_rows) * row_bytes;
-    sends.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kKey, st.step)});
-    sends.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kValue, st.step)});
+    sends.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kKey, st.step)});
+    sends.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kValue, st.step)});
   }
   if (st.recv_from >= 0) {
     const size_t bytes = static_cast<size_t>(st.recv_rows) * row_bytes;
-    recvs.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kKey, st.step)});
-    recvs.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kValue, st.step)});
+    recvs.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kKey, st.step)});
+    recvs.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kValue, st.step)});
   }
   return GroupOfStage(sends, recvs, std::move(label));
 }
@@ -42,23 +44,18 @@ P2pGroup GradGroup(const Stage& st, const AttentionDims& dims, uint64_t call_id,
   std::vector<RecvOp> recvs;
   if (st.recv_from >= 0) {
     const size_t bytes = static_cast<size_t>(st.recv_rows) * row;
-    sends.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kKeyGrad, st.step)});
-    sends.push_back({st.recv_from, nullptr, bytes, ExecutorTag(call_id, kValueGrad, st.step)});
+    sends.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kKeyGrad, st.step)});
+    sends.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kValueGrad, st.step)});
   }
   if (st.send_to >= 0) {
     const size_t bytes = static_cast<size_t>(st.send_rows) * row;
-    recvs.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kKeyGrad, st.step)});
-    recvs.push_back({st.send_to, nullptr, bytes, ExecutorTag(call_id, kValueGrad, st.step)});
+    recvs.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kKeyGrad, st.step)});
+    recvs.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kValueGrad, st.step)});
   }
   return GroupOfStage(sends, recvs, std::move(label));
 }
 
 }  // namespace
-
-uint64_t ExecutorTag(uint64_t call_id, int payload, int step) {
-  return ((call_id & ((uint64_t{1} << 39) - 1)) << 24) | (static_cast<uint64_t>(payload) << 20) |
-         static_cast<uint64_t>(step);
-}
 
 P2pProgram LowerForward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
                         uint64_t call_id) {
@@ -93,18 +90,6 @@ P2pProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, DT
     }
   }
   return program;
-}
-
-std::vector<BackwardGroup> BackwardPostingOrder(absl::Span<const int> steps) {
-  std::vector<std::tuple<int, bool, size_t>> keyed;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    keyed.emplace_back(2 * steps[i], false, i);
-    keyed.emplace_back(2 * steps[i] + 3, true, i);
-  }
-  std::sort(keyed.begin(), keyed.end());
-  std::vector<BackwardGroup> order;
-  for (const auto& [key, is_grad, index] : keyed) order.push_back({is_grad, index});
-  return order;
 }
 
 absl::Status CheckNcclPrograms(absl::Span<const P2pProgram> programs) {

@@ -7,7 +7,8 @@
 // and receives meet in the same order with the same sizes, and (2) no group waits for a
 // group that a peer enqueues only after one waiting on this rank (a cycle = deadlock).
 //
-// The lowering guarantees both by labelling each group with a global (pass, step) label and
+// The lowering (the protocol of lib/exec/protocol.h, which every executor follows) guarantees
+// both by labelling each group with a global (pass, step) label and
 // emitting every rank's groups in one global order of labels: forward kv(1), kv(2), ...;
 // backward kv(1), kv(2), grad(1), kv(3), grad(2), ..., grad(R-1) (the K/V of step t+1 is in
 // flight while step t's gradients go back, as in the host executor). A group with label L
@@ -36,24 +37,11 @@
 
 namespace hsap::cuda {
 
-// The tags of the executor (lib/exec/executor.cc): payload 1 K, 2 V, 3 dK, 4 dV.
-uint64_t ExecutorTag(uint64_t call_id, int payload, int step);
-
 // The NCCL program of one forward / backward of `schedule` (see above).
 P2pProgram LowerForward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
                         uint64_t call_id);
 P2pProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
                          uint64_t call_id);
-
-// A rank's backward groups in the global order above, as the executors post them: for its
-// stages with steps `steps` (increasing), the K/V group (is_grad false) or the gradient
-// group of the stage at `index`. kv(t) sorts as 2t, grad(t) as 2t + 3 (after kv(t + 1),
-// before kv(t + 2)).
-struct BackwardGroup {
-  bool is_grad = false;
-  size_t index = 0;
-};
-std::vector<BackwardGroup> BackwardPostingOrder(absl::Span<const int> steps);
 
 // Simulates programs[r] (rank r's groups, in stream order) under NCCL semantics. Errors
 // (FailedPrecondition): a send and a receive that meet with different sizes or tags, a
