@@ -753,7 +753,7 @@ int main(int argc, char** argv) {
         if (on_gpu && !e) {
           using hsap::cuda::GpuExecMode;
           for (GpuExecMode mode : {GpuExecMode::kComputeOnly, GpuExecMode::kTransfersOnly}) {
-            hsap::cuda::SetGpuExecMode(batch->batch->device(), mode);
+            hsap::cuda::SetGpuExecMode(batch->batch->runner(), mode);
             const int m = mode == GpuExecMode::kComputeOnly ? 0 : 1;
             for (int i = 0; i < o.warmup && !e; ++i) e = forward();
             auto t1 = Clock::now();

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "jit/host_jit_kernels.h"
 #include "lib/api/checks.h"
@@ -52,42 +53,40 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const Bat
   return jit::HostKernelsForBatch(*dims, options.dtype, layout);
 }
 
-const KernelSet& BatchBackend::kernel_set() const {
-  return kernels != nullptr ? *kernels : HandWrittenKernels();
-}
+namespace {
 
-BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
-                              const Layout& layout, absl::Status& local) {
+absl::StatusOr<BatchBackend> PrepareBackend(const hsapComm_st& comm, const BatchOptions& options,
+                                            const Layout& layout, bool planned) {
   BatchBackend backend;
-  if (!local.ok()) return backend;
   if (comm.gpu == nullptr) {
-    absl::StatusOr<std::shared_ptr<const KernelSet>> kernels =
-        HostKernelsForOptions(options, layout);
-    if (kernels.ok()) {
-      backend.kernels = *std::move(kernels);
-    } else {
-      local = kernels.status();
-    }
+    HSAP_ASSIGN_OR_RETURN(backend.kernels, HostKernelsForOptions(options, layout));
+    backend.runners = HostRunners(*backend.kernels);
     return backend;
   }
   cuda::ScopedDevice on(comm.gpu->device());  // the kernels load into the communicator's GPU
-  if (!on.status().ok()) {
-    local = on.status();
-    return backend;
-  }
-  // Transports that offer peer windows (loopback, NCCL) run forward through them unless
-  // $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every rank fall back to stages).
+  HSAP_RETURN_IF_ERROR(on.status());
+  // Batches without a plan on transports that offer peer windows (loopback, NCCL) run
+  // forward through them unless $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every
+  // rank fall back to stages).
   const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
-  const bool fused = comm.comm->transport().offers_peer_windows() &&
+  const bool fused = !planned && cuda::OffersPeerWindows(comm.comm->transport()) &&
                      !(fused_env != nullptr && std::string_view(fused_env) == "0");
-  absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
-      cuda::JitKernelsForBatch(options, layout, fused);
-  if (!kernels.ok()) {
-    local = kernels.status();
-    return backend;
-  }
-  backend.device = cuda::NewGpuBatchDevice(comm.gpu, *std::move(kernels));
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const cuda::DeviceKernels> kernels,
+                        cuda::JitKernelsForBatch(options, layout, fused));
+  backend.runners = cuda::NewGpuRunners(comm.gpu, std::move(kernels));
   return backend;
+}
+
+}  // namespace
+
+BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
+                              const Layout& layout, bool planned, absl::Status& local) {
+  if (local.ok()) {
+    absl::StatusOr<BatchBackend> backend = PrepareBackend(comm, options, layout, planned);
+    if (backend.ok()) return *std::move(backend);
+    local = backend.status();
+  }
+  return BatchBackend{nullptr, HostRunners(HandWrittenKernels())};
 }
 
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
@@ -145,9 +144,10 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
-    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::Create(
-        c, l, w, options, backend.kernel_set(), local, std::move(backend.device));
+    hsap::BatchBackend backend =
+        hsap::BackendForCreate(*comm, options, l, /*planned=*/false, local);
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
+        hsap::Batch::Create(c, l, w, options, *backend.runners, local);
     if (!b.ok()) return b.status();
     *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
     return absl::OkStatus();
@@ -243,10 +243,10 @@ hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
     if (!b.ok()) return b.status();
     if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
     const hsap::BatchTraffic& t = (*b)->traffic();
-    traffic->forwardBytesSent = t.forward.bytes_sent;
-    traffic->forwardBytesReceived = t.forward.bytes_received;
-    traffic->backwardBytesSent = t.backward.bytes_sent;
-    traffic->backwardBytesReceived = t.backward.bytes_received;
+    traffic->forwardBytesSent = t.forward.sent();
+    traffic->forwardBytesReceived = t.forward.received();
+    traffic->backwardBytesSent = t.backward.sent();
+    traffic->backwardBytesReceived = t.backward.received();
     return absl::OkStatus();
   });
 }

@@ -20,20 +20,19 @@ namespace hsap {
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
                                                                        const Layout& layout);
 
-// What a batch being created runs on, prepared now (at creation, not in the first forward
-// call) unless `local` already holds an error: on a host communicator its host kernels
-// (`kernels`), on a CUDA one its CUDA kernels compiled and loaded, wrapped in the
-// BatchDevice that runs the batch on the communicator's GPU (`device`). A failure is stored
-// in `local` and both stay null: the rank still takes part in the collective creation, so
-// that its peers fail promptly too, with kernels() standing in.
+// What a batch being created runs on, chosen once here and prepared now (at creation, not
+// in the first forward call) unless `local` already holds an error: on a host communicator
+// the host runners with the batch's host kernels (`kernels`, JIT-compiled now), on a CUDA
+// one the GPU runners with its CUDA kernels compiled and loaded (the fused forward only for
+// batches without a plan). A failure is stored in `local`, and runners over the hand-written
+// kernels stand in: the rank still takes part in the collective creation, so that its peers
+// fail promptly too.
 struct BatchBackend {
-  std::shared_ptr<const KernelSet> kernels;
-  std::unique_ptr<BatchDevice> device;
-  // The kernels to hand to Batch::Create (a placeholder when there are none).
-  const KernelSet& kernel_set() const;
+  std::shared_ptr<const KernelSet> kernels;  // host communicators
+  std::unique_ptr<RunnerFactory> runners;
 };
 BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
-                              const Layout& layout, absl::Status& local);
+                              const Layout& layout, bool planned, absl::Status& local);
 
 // The handle of a created batch; it owns the batch and keeps its kernels alive.
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,

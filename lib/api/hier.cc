@@ -67,9 +67,9 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     static const hsap::Plan* const kNoPlan = new hsap::Plan();
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
-    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, local);
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b = hsap::Batch::CreateWithPlan(
-        *comm->comm, l, p, options, backend.kernel_set(), local, std::move(backend.device));
+    hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, /*planned=*/true, local);
+    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
+        hsap::Batch::CreateWithPlan(*comm->comm, l, p, options, *backend.runners, local);
     if (!b.ok()) return b.status();
     *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
     return absl::OkStatus();
@@ -83,14 +83,14 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
     }
     if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
     const hsap::BatchTraffic& t = batch->batch->traffic();
-    traffic->forwardAllToAllBytesSent = t.hier_forward.a2a_sent;
-    traffic->forwardAllToAllBytesReceived = t.hier_forward.a2a_received;
-    traffic->forwardRingBytesSent = t.hier_forward.ring_sent;
-    traffic->forwardRingBytesReceived = t.hier_forward.ring_received;
-    traffic->backwardAllToAllBytesSent = t.hier_backward.a2a_sent;
-    traffic->backwardAllToAllBytesReceived = t.hier_backward.a2a_received;
-    traffic->backwardRingBytesSent = t.hier_backward.ring_sent;
-    traffic->backwardRingBytesReceived = t.hier_backward.ring_received;
+    traffic->forwardAllToAllBytesSent = t.forward.a2a_sent;
+    traffic->forwardAllToAllBytesReceived = t.forward.a2a_received;
+    traffic->forwardRingBytesSent = t.forward.ring_sent;
+    traffic->forwardRingBytesReceived = t.forward.ring_received;
+    traffic->backwardAllToAllBytesSent = t.backward.a2a_sent;
+    traffic->backwardAllToAllBytesReceived = t.backward.a2a_received;
+    traffic->backwardRingBytesSent = t.backward.ring_sent;
+    traffic->backwardRingBytesReceived = t.backward.ring_received;
     return absl::OkStatus();
   });
 }

@@ -103,17 +103,6 @@ class Transport {
   virtual TrafficCounters counters() const = 0;
   virtual void ResetCounters() = 0;
 
-  // The CUDA stream (cudaStream_t) a device transport moves data on -- NCCL's
-  // communication stream, a loopback rank's stream -- or null for a transport that copies on
-  // the host. The GPU executor makes it wait for its compute stream before each stage.
-  virtual void* transfer_stream() const { return nullptr; }
-
-  // Whether batches on this transport may move forward's K/V through peer windows
-  // (lib/cuda/runtime/peer_window.h): loopback ranks share one process and GPU; NCCL ranks on one
-  // host may open each other's windows with CUDA IPC. The exchange of the windows at batch
-  // creation decides, for all ranks alike, whether they actually can.
-  virtual bool offers_peer_windows() const { return false; }
-
  private:
   // Sequence number of the next AllGather (all ranks call collectives in the same order,
   // so equal sequence numbers meet; a rank one call ahead shows up as a timeout naming

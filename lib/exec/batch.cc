@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "lib/exec/hierarchical_executor.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -67,10 +67,9 @@ absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& o) {
 }
 
 std::unique_ptr<Batch> Batch::NewBatch(Communicator& comm, const BatchOptions& options,
-                                       const KernelSet& kernels, absl::Status& local) {
+                                       absl::Status& local) {
   std::unique_ptr<Batch> batch(new Batch());
   batch->comm_ = &comm;
-  batch->kernels_ = &kernels;
   batch->options_ = options;
   if (local.ok()) {
     absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
@@ -87,11 +86,17 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
                                                      absl::Span<const double> weights,
                                                      const BatchOptions& options,
                                                      const KernelSet& kernels,
-                                                     absl::Status local_check,
-                                                     std::unique_ptr<BatchDevice> device) {
+                                                     absl::Status local_check) {
+  return Create(comm, layout, weights, options, *HostRunners(kernels), std::move(local_check));
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const Layout& layout,
+                                                     absl::Span<const double> weights,
+                                                     const BatchOptions& options,
+                                                     RunnerFactory& runners,
+                                                     absl::Status local_check) {
   absl::Status local = local_check;
-  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
-  batch->device_ = std::move(device);
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, local);
   if (local.ok()) {
     absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
     if (p.ok()) {
@@ -107,28 +112,21 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
     for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
     weights_hash = h;
   }
-  if (absl::Status s = batch->AgreeOnCreate(layout, weights_hash, local); !s.ok()) return s;
-
-  absl::StatusOr<Schedule> schedule =
-      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ);
-  if (!schedule.ok()) return schedule.status();
-  batch->schedule_ = *std::move(schedule);
-  if (batch->device_ != nullptr) {
-    const absl::Status prepared =
-        batch->device_->Prepare(comm.transport(), batch->schedule_, batch->dims_, options.dtype);
-    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
-  }
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, weights_hash, local, /*planned=*/false));
+  HSAP_ASSIGN_OR_RETURN(Schedule schedule,
+                        BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ));
+  batch->schedule_ = std::make_unique<const Schedule>(std::move(schedule));
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnRunner(
+      runners.ForSchedule(comm, *batch->schedule_, batch->dims_, options.dtype)));
   return batch;
 }
 
-absl::Status Batch::AgreeOnPrepared(const absl::Status& local) {
+absl::Status Batch::AgreeOnRunner(absl::StatusOr<std::unique_ptr<BatchRunner>> runner) {
+  const absl::Status local = runner.status();
   const uint64_t mine = local.ok() ? 1 : 0;
   std::vector<uint64_t> all(comm_->size());
-  if (absl::Status s = comm_->transport().AllGather(&mine, all.data(), sizeof(uint64_t),
-                                                    "batch creation (device preparation)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(comm_->transport().AllGather(&mine, all.data(), sizeof(uint64_t),
+                                                    "batch creation (device preparation)"));
   if (!local.ok()) return local;
   for (int r = 0; r < comm_->size(); ++r) {
     if (all[r] == 0) {
@@ -138,11 +136,12 @@ absl::Status Batch::AgreeOnPrepared(const absl::Status& local) {
           "created the batch"));
     }
   }
+  runner_ = *std::move(runner);
   return absl::OkStatus();
 }
 
-absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
-                                  const absl::Status& local) {
+absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local,
+                                  bool planned) {
   Communicator& comm = *comm_;
   const BatchOptions& options = options_;
   CreateRecord mine;
@@ -174,7 +173,7 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
   for (int r = 1; r < comm.size(); ++r) {
     const CreateRecord& o = all[r];
     const char* what = o.layout != ref.layout       ? "layout"
-                       : o.weights != ref.weights   ? (hierarchy_ != nullptr ? "plan" : "weights")
+                       : o.weights != ref.weights   ? (planned ? "plan" : "weights")
                        : o.dtype != ref.dtype       ? "dtype"
                        : o.heads_q != ref.heads_q   ? "numHeadsQ"
                        : o.heads_kv != ref.heads_kv ? "numHeadsKV"
@@ -186,7 +185,7 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
           absl::StrCat("rank ", r, "'s ", what,
                        " differs from rank 0's; every rank of the "
                        "communicator must create the batch with the same layout, ",
-                       hierarchy_ != nullptr ? "plan" : "weights", " and config"));
+                       planned ? "plan" : "weights", " and config"));
     }
   }
   uint64_t h = Mix(ref.layout, ref.weights);
@@ -195,13 +194,32 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(
-    Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
-    const KernelSet& kernels, absl::Status local_check, std::unique_ptr<BatchDevice> device) {
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
+                                                             const Layout& layout, const Plan& plan,
+                                                             const BatchOptions& options,
+                                                             const KernelSet& kernels,
+                                                             absl::Status local_check) {
+  return CreateWithPlan(comm, layout, plan, options, *HostRunners(kernels), std::move(local_check));
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
+                                                             const Layout& layout, const Plan& plan,
+                                                             const BatchOptions& options,
+                                                             RunnerFactory& runners,
+                                                             absl::Status local_check) {
   absl::Status local = local_check;
-  std::unique_ptr<Batch> batch = NewBatch(comm, options, kernels, local);
-  batch->device_ = std::move(device);
-  if (local.ok()) local = plan.Validate();
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, local);
+  // Every rank builds the same hierarchy (which validates the plan); this rank keeps its own
+  // part.
+  std::optional<Hierarchy> hierarchy;
+  if (local.ok()) {
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+    if (h.ok()) {
+      hierarchy = *std::move(h);
+    } else {
+      local = h.status();
+    }
+  }
   if (local.ok() && plan.num_ranks != comm.size()) {
     local = absl::InvalidArgumentError(absl::StrCat("plan is for ", plan.num_ranks,
                                                     " ranks but the communicator has ", comm.size(),
@@ -211,16 +229,6 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(
     local = absl::InvalidArgumentError(absl::StrCat(
         "plan has ", plan.heads_q, " query and ", plan.heads_kv, " KV heads but the config says ",
         options.heads_q, " and ", options.heads_kv, "; they must agree"));
-  }
-  // Every rank builds the same hierarchy; this rank keeps its own part.
-  std::optional<Hierarchy> hierarchy;
-  if (local.ok()) {
-    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
-    if (h.ok()) {
-      hierarchy = *std::move(h);
-    } else {
-      local = h.status();
-    }
   }
   if (local.ok()) {
     absl::StatusOr<RankHierarchy> mine = hierarchy->BuildRank(layout, comm.rank(), kKernelBlockQ);
@@ -242,15 +250,9 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(
   if (local.ok()) {
     for (char c : PlanToJsonText(plan, -1)) plan_hash = Mix(plan_hash, static_cast<uint8_t>(c));
   }
-  if (absl::Status s = batch->AgreeOnCreate(layout, plan_hash, local); !s.ok()) return s;
-  batch->schedule_.rank = comm.rank();
-  batch->schedule_.num_ranks = comm.size();
-  batch->schedule_.local_rows = batch->hierarchy_->shard_tokens;
-  if (batch->device_ != nullptr) {
-    const absl::Status prepared =
-        batch->device_->PrepareHierarchy(*batch->hierarchy_, batch->dims_, options.dtype);
-    if (absl::Status s = batch->AgreeOnPrepared(prepared); !s.ok()) return s;
-  }
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, plan_hash, local, /*planned=*/true));
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnRunner(
+      runners.ForHierarchy(comm, *batch->hierarchy_, batch->dims_, options.dtype)));
   return batch;
 }
 
@@ -290,47 +292,16 @@ absl::Status Batch::AgreeOnCall(uint64_t kind, const absl::Status& local_check) 
 absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* out, float* lse,
                             absl::Status local_check) {
   const uint64_t call = calls_;
-  if (absl::Status s = AgreeOnCall(1, local_check); !s.ok()) return s;
-  if (device_ != nullptr) {
-    absl::Status s =
-        device_->Forward(comm_->transport(), call, q, k, v, out, lse, &traffic_.hier_forward);
-    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
-    return s;
-  }
-  if (hierarchy_ != nullptr) {
-    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
-    absl::Status s = HierarchicalForward(hctx, q, k, v, out, lse, &traffic_.hier_forward);
-    traffic_.forward = {traffic_.hier_forward.sent(), traffic_.hier_forward.received()};
-    return s;
-  }
-  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  absl::Status s = ExecuteForward(ctx, q, k, v, out, lse, &traffic_.forward);
-  traffic_.hier_forward = {0, 0, traffic_.forward.bytes_sent, traffic_.forward.bytes_received};
-  return s;
+  HSAP_RETURN_IF_ERROR(AgreeOnCall(1, local_check));
+  return runner_->Forward(call, q, k, v, out, lse, traffic_.forward);
 }
 
 absl::Status Batch::Backward(const void* dout, const void* q, const void* k, const void* v,
                              const void* out, const float* lse, void* dq, void* dk, void* dv,
                              absl::Status local_check) {
   const uint64_t call = calls_;
-  if (absl::Status s = AgreeOnCall(2, local_check); !s.ok()) return s;
-  if (device_ != nullptr) {
-    absl::Status s = device_->Backward(comm_->transport(), call, dout, q, k, v, out, lse, dq, dk,
-                                       dv, &traffic_.hier_backward);
-    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
-    return s;
-  }
-  if (hierarchy_ != nullptr) {
-    HierExecContext hctx{comm_, hierarchy_.get(), kernels_, dims_, options_.dtype, call};
-    absl::Status s =
-        HierarchicalBackward(hctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.hier_backward);
-    traffic_.backward = {traffic_.hier_backward.sent(), traffic_.hier_backward.received()};
-    return s;
-  }
-  ExecContext ctx{comm_, &schedule_, kernels_, dims_, options_.dtype, call};
-  absl::Status s = ExecuteBackward(ctx, dout, q, k, v, out, lse, dq, dk, dv, &traffic_.backward);
-  traffic_.hier_backward = {0, 0, traffic_.backward.bytes_sent, traffic_.backward.bytes_received};
-  return s;
+  HSAP_RETURN_IF_ERROR(AgreeOnCall(2, local_check));
+  return runner_->Backward(call, dout, q, k, v, out, lse, dq, dk, dv, traffic_.backward);
 }
 
 }  // namespace hsap

@@ -24,7 +24,7 @@
 #include "attention/kernel.h"
 #include "attention/layout.h"
 #include "lib/comm/communicator.h"
-#include "lib/exec/executor.h"
+#include "lib/exec/runner.h"
 #include "lib/sched/hierarchy.h"
 #include "lib/sched/partition.h"
 #include "lib/sched/plan.h"
@@ -45,56 +45,38 @@ struct BatchOptions {
 absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& options);
 
 struct BatchTraffic {
-  ExecTraffic forward;   // of the last forward
-  ExecTraffic backward;  // of the last backward
-  // The same split into all-to-all (inside a group) and sub-ring (across groups) bytes; for
-  // a batch without a plan everything is ring traffic.
-  HierTraffic hier_forward, hier_backward;
-};
-
-// Runs a batch somewhere other than the host kernels: on a GPU (lib/cuda/exec/gpu_batch.h).
-// Tensors are then that device's memory.
-class BatchDevice {
- public:
-  virtual ~BatchDevice() = default;
-  // Called once on every rank, after its schedule (batch without a plan) or its part of the
-  // hierarchy (batch under a plan) exists: uploads, pool reservation. The schedule or
-  // hierarchy outlives the device object. Prepare may run collectives on `transport`
-  // (every rank's device takes part, in the same order).
-  virtual absl::Status Prepare(Transport& transport, const Schedule& schedule,
-                               const AttentionDims& dims, DType dtype) = 0;
-  virtual absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
-                                        DType dtype) = 0;
-  // Traffic: a batch without a plan reports all of it as ring bytes.
-  virtual absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
-                               const void* v, void* out, float* lse, HierTraffic* traffic) = 0;
-  virtual absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout,
-                                const void* q, const void* k, const void* v, const void* out,
-                                const float* lse, void* dq, void* dk, void* dv,
-                                HierTraffic* traffic) = 0;
+  CallTraffic forward;   // of the last forward
+  CallTraffic backward;  // of the last backward
 };
 
 class Batch {
  public:
-  // `comm` and `kernels` must outlive the batch. weights: one per rank or empty (equal).
-  // `local_check`: the caller's verdict on its other arguments; when it is not OK the
-  // rank still takes part in the agreement (so that its peers fail at once rather than
-  // time out) and returns it. `device`: run on it instead of `kernels` (every rank of the
-  // communicator passes one or none); its Prepare is followed by a second agreement, so a
-  // rank whose device cannot hold the batch makes every rank fail.
+  // `comm` must outlive the batch. weights: one per rank or empty (equal). `local_check`:
+  // the caller's verdict on its other arguments; when it is not OK the rank still takes part
+  // in the agreement (so that its peers fail at once rather than time out) and returns it.
+  // `runners` makes what the batch runs (runner.h); a second agreement after it follows, so
+  // a rank that could not prepare (e.g. its GPU cannot hold the batch) makes every rank fail.
+  static absl::StatusOr<std::unique_ptr<Batch>> Create(Communicator& comm, const Layout& layout,
+                                                       absl::Span<const double> weights,
+                                                       const BatchOptions& options,
+                                                       RunnerFactory& runners,
+                                                       absl::Status local_check = absl::OkStatus());
+  // On the host executors with `kernels` (which must outlive the batch).
   static absl::StatusOr<std::unique_ptr<Batch>> Create(
       Communicator& comm, const Layout& layout, absl::Span<const double> weights,
       const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
-      absl::Status local_check = absl::OkStatus(), std::unique_ptr<BatchDevice> device = nullptr);
+      absl::Status local_check = absl::OkStatus());
 
   // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
   // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
-  // options. Ranks agree on the layout, the plan (its JSON form) and the options as above.
-  // Tensors are this rank's shard: local_tokens() rows, all heads.
+  // options. Ranks agree on the layout, the plan and the options as above. Tensors are this
+  // rank's shard: local_tokens() rows, all heads.
   static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPlan(
       Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
-      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus(),
-      std::unique_ptr<BatchDevice> device = nullptr);
+      RunnerFactory& runners, absl::Status local_check = absl::OkStatus());
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPlan(
+      Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
+      const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus());
 
   // Tensors as in executor.h, sized by local_tokens(). local_check as above.
   absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,
@@ -104,14 +86,15 @@ class Batch {
                         absl::Status local_check = absl::OkStatus());
 
   const std::shared_ptr<const Partition>& partition() const { return partition_; }
-  const Schedule& schedule() const { return schedule_; }
-  int64_t local_tokens() const {
-    return hierarchy_ != nullptr ? hierarchy_->shard_tokens : schedule_.local_rows;
-  }
-  // This rank's hierarchical layout; null for a batch created without a plan.
+  // This rank's schedule; null for a batch under a plan.
+  const Schedule* schedule() const { return schedule_.get(); }
+  // This rank's part of the hierarchy; null for a batch without a plan.
   const RankHierarchy* hierarchy() const { return hierarchy_.get(); }
-  // The device the batch runs on; null for the host kernels.
-  BatchDevice* device() const { return device_.get(); }
+  int64_t local_tokens() const {
+    return hierarchy_ != nullptr ? hierarchy_->shard_tokens : schedule_->local_rows;
+  }
+  // What the batch runs (host or GPU executor, chosen at creation).
+  BatchRunner* runner() const { return runner_.get(); }
   const AttentionDims& dims() const { return dims_; }
   DType dtype() const { return options_.dtype; }
   const BatchTraffic& traffic() const { return traffic_; }
@@ -122,23 +105,24 @@ class Batch {
   // The part both creators share: fields set, dims derived from the options unless `local`
   // already holds an error (a failure is stored in `local`).
   static std::unique_ptr<Batch> NewBatch(Communicator& comm, const BatchOptions& options,
-                                         const KernelSet& kernels, absl::Status& local);
-  // After BatchDevice::Prepare: every rank learns whether every device is ready.
-  absl::Status AgreeOnPrepared(const absl::Status& local);
+                                         absl::Status& local);
+  // After the factory made (or failed to make) this rank's runner: every rank learns whether
+  // every rank has one; keeps it.
+  absl::Status AgreeOnRunner(absl::StatusOr<std::unique_ptr<BatchRunner>> runner);
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
   // The creation agreement; `inputs` hashes what must be equal beyond layout and options
-  // (weights, or the plan).
-  absl::Status AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local);
+  // (weights, or the plan when `planned`).
+  absl::Status AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local,
+                             bool planned);
 
   Communicator* comm_ = nullptr;
-  const KernelSet* kernels_ = nullptr;
   BatchOptions options_;
   AttentionDims dims_;
   std::shared_ptr<const Partition> partition_;
-  Schedule schedule_;
-  std::unique_ptr<const RankHierarchy> hierarchy_;  // set for a batch under a plan
-  std::unique_ptr<BatchDevice> device_;             // set for a batch on a device
+  std::unique_ptr<const Schedule> schedule_;        // a batch without a plan
+  std::unique_ptr<const RankHierarchy> hierarchy_;  // a batch under a plan
+  std::unique_ptr<BatchRunner> runner_;
   uint64_t fingerprint_ = 0;
   uint64_t calls_ = 0;
   BatchTraffic traffic_;

@@ -316,7 +316,7 @@ class EmulatedDevice : public cuda::Device {
 // A transport whose stages run on a stream of an asynchronous EmulatedDevice, like NCCL
 // groups on a communication stream: Start() enqueues the stage (the inner transport's
 // Start and Wait, in the stream's order), Pending::Wait() waits on the host for it.
-class EmulatedDeviceTransport : public Transport {
+class EmulatedDeviceTransport : public cuda::DeviceTransport {
  public:
   // share_memory: claim that the ranks can read each other's memory (they can: it is the
   // host's), so that batches use the fused forward (peer_window.h).
@@ -346,7 +346,7 @@ class EmulatedDeviceTransport : public Transport {
   bool aborted() const override { return inner_->aborted(); }
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
-  void* transfer_stream() const override { return stream_; }
+  cuda::cudaStream transfer_stream() const override { return stream_; }
   bool offers_peer_windows() const override { return share_memory_; }
 
  private:

@@ -10,10 +10,11 @@
 
 #include "lib/comm/transport.h"
 #include "lib/cuda/exec/nccl_lowering.h"
+#include "lib/cuda/runtime/device.h"
 
 namespace hsap::cuda {
 
-class RecordingTransport : public Transport {
+class RecordingTransport : public DeviceTransport {
  public:
   explicit RecordingTransport(std::unique_ptr<Transport> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
@@ -28,8 +29,8 @@ class RecordingTransport : public Transport {
   bool aborted() const override { return inner_->aborted(); }
   TrafficCounters counters() const override { return inner_->counters(); }
   void ResetCounters() override { inner_->ResetCounters(); }
-  void* transfer_stream() const override { return inner_->transfer_stream(); }
-  bool offers_peer_windows() const override { return inner_->offers_peer_windows(); }
+  cudaStream transfer_stream() const override { return TransferStream(*inner_); }
+  bool offers_peer_windows() const override { return OffersPeerWindows(*inner_); }
   P2pProgram TakeRecorded() { return std::exchange(recorded_, {}); }
 
  private:

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "jit/codegen_cuda.h"
 #include "lib/cuda/exec/gpu_executor.h"
 #include "lib/cuda/exec/gpu_hier_executor.h"
@@ -14,155 +15,89 @@
 namespace hsap::cuda {
 namespace {
 
-class GpuBatchDevice : public BatchDevice {
+// What both GPU runners share: the communicator, the kernels, the mode and the end of a
+// call on a synchronous communicator.
+class GpuRunner : public BatchRunner {
  public:
-  GpuBatchDevice(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
+  GpuRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
+  void set_mode(GpuExecMode mode) { mode_ = mode; }
 
-  absl::Status Prepare(Transport& transport, const Schedule& schedule, const AttentionDims& dims,
-                       DType dtype) override {
-    ScopedDevice on(comm_->device());
-    const absl::Status local = on.status().ok() ? PrepareLocal(schedule, dims, dtype) : on.status();
-    // Every rank of a transport that offers peer windows exchanges them, also after a local
-    // failure or without the fused kernel, so that the collectives stay in step.
-    if (!transport.offers_peer_windows()) return local;
-    PeerWindow& window = comm_->peer_window(transport.rank(), transport.size());
-    const size_t kv_row_bytes =
-        static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
-    absl::StatusOr<std::optional<FusedRoutes>> routes =
-        window.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
-                        kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
-                        /*willing=*/kernels_->max_fused_steps() > 0, local);
-    if (!routes.ok()) return routes.status();
-    if (!routes->has_value()) return absl::OkStatus();  // out of reach: stages, on every rank
-    routes_ = **std::move(routes);
-    window_ = &window;
-    return absl::OkStatus();
+ protected:
+  // A communicator without a caller's stream returns after the work finished.
+  absl::Status Finish(const char* pass) {
+    if (!comm_->synchronous()) return absl::OkStatus();
+    return comm_->device().Synchronize(comm_->stream(), absl::Now() + comm_->timeout(),
+                                       absl::StrCat(pass, " kernels"));
   }
 
-  absl::Status PrepareHierarchy(const RankHierarchy& rank, const AttentionDims& dims,
-                                DType dtype) override {
-    ScopedDevice on(comm_->device());
-    if (!on.status().ok()) return on.status();
-    absl::StatusOr<std::unique_ptr<DeviceHierProgram>> program =
-        DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream());
-    if (!program.ok()) return program.status();
-    if (absl::Status s = comm_->pool().Reserve((*program)->pool_bytes()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
-                                                 (*program)->pool_bytes(), " B): ", s.message()));
-    }
-    hier_ = *std::move(program);
-    return absl::OkStatus();
+  std::shared_ptr<GpuComm> comm_;
+  std::shared_ptr<const DeviceKernels> kernels_;
+  GpuExecMode mode_ = GpuExecMode::kFull;
+};
+
+// A batch without a plan: the GPU ring executor over a DeviceRingProgram built once, with
+// the fused forward through peer windows when every rank reaches every other's.
+class GpuRingRunner : public GpuRunner {
+ public:
+  GpuRingRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
+                Transport& transport, std::unique_ptr<DeviceRingProgram> program,
+                PeerWindow* window, FusedRoutes routes)
+      : GpuRunner(std::move(comm), std::move(kernels)),
+        program_(std::move(program)),
+        window_(window),
+        routes_(std::move(routes)) {
+    ctx_.device = &comm_->device();
+    ctx_.kernels = kernels_.get();
+    ctx_.transport = &transport;
+    ctx_.program = program_.get();
+    ctx_.stream = comm_->stream();
+    ctx_.window = window_;
+    ctx_.routes = &routes_;
+    ctx_.peer_timeout = comm_->timeout();
   }
 
-  absl::Status Forward(Transport& transport, uint64_t call_id, const void* q, const void* k,
-                       const void* v, void* out, float* lse, HierTraffic* traffic) override {
+  absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
+                       float* lse, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
-    if (!on.status().ok()) return on.status();
-    absl::Status s;
-    if (hier_ != nullptr) {
-      s = GpuHierarchicalForward(HierContext(transport, call_id), q, k, v, out, lse, traffic);
-    } else {
-      ExecTraffic t;
-      s = GpuExecuteForward(Context(transport, call_id), q, k, v, out, lse, &t);
-      *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
-    }
-    if (!s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(on.status());
+    ExecTraffic t;
+    HSAP_RETURN_IF_ERROR(GpuExecuteForward(Context(call_id), q, k, v, out, lse, &t));
+    traffic = {0, 0, t.bytes_sent, t.bytes_received};
     // A fused forward that finishes here also reads its window's error word back, in the
     // same wait as its kernels. (With a caller's stream the call returns before the kernels
     // ran, and the word is not read.)
     uint32_t peer_errors = 0;
     const bool check = window_ != nullptr && comm_->synchronous() && mode_ == GpuExecMode::kFull;
     if (check) {
-      if (absl::Status e = comm_->device().CopyAsync(&peer_errors, window_->error_word(),
-                                                     sizeof(peer_errors), comm_->stream());
-          !e.ok()) {
-        return e;
-      }
+      HSAP_RETURN_IF_ERROR(comm_->device().CopyAsync(&peer_errors, window_->error_word(),
+                                                     sizeof(peer_errors), comm_->stream()));
     }
-    if (absl::Status done = Finish("forward"); !done.ok()) return done;
+    HSAP_RETURN_IF_ERROR(Finish("forward"));
     return check ? PeerErrors(peer_errors) : absl::OkStatus();
   }
 
-  absl::Status Backward(Transport& transport, uint64_t call_id, const void* dout, const void* q,
-                        const void* k, const void* v, const void* out, const float* lse, void* dq,
-                        void* dk, void* dv, HierTraffic* traffic) override {
+  absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
+                        const void* v, const void* out, const float* lse, void* dq, void* dk,
+                        void* dv, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
-    if (!on.status().ok()) return on.status();
-    absl::Status s;
-    if (hier_ != nullptr) {
-      s = GpuHierarchicalBackward(HierContext(transport, call_id), dout, q, k, v, out, lse, dq, dk,
-                                  dv, traffic);
-    } else {
-      ExecTraffic t;
-      s = GpuExecuteBackward(Context(transport, call_id), dout, q, k, v, out, lse, dq, dk, dv, &t);
-      *traffic = HierTraffic{0, 0, t.bytes_sent, t.bytes_received};
-    }
-    if (!s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(on.status());
+    ExecTraffic t;
+    HSAP_RETURN_IF_ERROR(
+        GpuExecuteBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &t));
+    traffic = {0, 0, t.bytes_sent, t.bytes_received};
     return Finish("backward");
   }
 
-  void set_mode(GpuExecMode mode) { mode_ = mode; }
   bool fused() const { return window_ != nullptr; }
 
  private:
-  absl::Status PrepareLocal(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
-    schedule_ = &schedule;
-    dims_ = dims;
-    dtype_ = dtype;
-    absl::StatusOr<PoolLayout> layout = ComputePoolLayout(schedule, dims, dtype);
-    if (!layout.ok()) return layout.status();
-    // Growing the pool frees the old block, which waits for the device.
-    if (absl::Status s = comm_->pool().Reserve(layout->total_bytes()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
-                                                 layout->DebugString(), "): ", s.message()));
-    }
-    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
-        DeviceWorkLists::Upload(comm_->device(), schedule, comm_->stream());
-    if (!lists.ok()) return lists.status();
-    lists_ = *std::move(lists);
-    return absl::OkStatus();
-  }
-
-  GpuExecContext Context(Transport& transport, uint64_t call_id) const {
-    GpuExecContext ctx;
-    ctx.device = &comm_->device();
-    ctx.kernels = kernels_.get();
-    ctx.transport = &transport;
-    ctx.schedule = schedule_;
-    ctx.lists = lists_.get();
-    ctx.pool = comm_->pool().base();
-    ctx.pool_bytes = comm_->pool().size();
-    ctx.dims = dims_;
-    ctx.dtype = dtype_;
-    ctx.call_id = call_id;
-    ctx.stream = comm_->stream();
-    ctx.mode = mode_;
-    ctx.window = window_;
-    ctx.routes = &routes_;
-    ctx.peer_timeout = comm_->timeout();
-    return ctx;
-  }
-
-  GpuHierContext HierContext(Transport& transport, uint64_t call_id) const {
-    GpuHierContext ctx;
-    ctx.device = &comm_->device();
-    ctx.kernels = kernels_.get();
-    ctx.transport = &transport;
-    ctx.program = hier_.get();
-    ctx.pool = comm_->pool().base();
-    ctx.pool_bytes = comm_->pool().size();
-    ctx.call_id = call_id;
-    ctx.stream = comm_->stream();
-    ctx.mode = mode_;
-    return ctx;
-  }
-
-  // A communicator without a caller's stream returns after the work finished.
-  absl::Status Finish(const char* pass) {
-    if (!comm_->synchronous()) return absl::OkStatus();
-    return comm_->device().Synchronize(comm_->stream(), absl::Now() + comm_->timeout(),
-                                       absl::StrCat(pass, " kernels"));
+  GpuExecContext Context(uint64_t call_id) {
+    ctx_.pool = comm_->pool().base();
+    ctx_.pool_bytes = comm_->pool().size();
+    ctx_.call_id = call_id;
+    ctx_.mode = mode_;
+    return ctx_;
   }
 
   // The error word of a finished fused forward: a copy CTA that gave up on a peer marked
@@ -171,14 +106,8 @@ class GpuBatchDevice : public BatchDevice {
     if (bits == 0) return absl::OkStatus();
     Device& device = comm_->device();
     const absl::Time deadline = absl::Now() + comm_->timeout();
-    if (absl::Status s = device.ZeroAsync(window_->error_word(), sizeof(bits), comm_->stream());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = device.Synchronize(comm_->stream(), deadline, "fused forward check");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(device.ZeroAsync(window_->error_word(), sizeof(bits), comm_->stream()));
+    HSAP_RETURN_IF_ERROR(device.Synchronize(comm_->stream(), deadline, "fused forward check"));
     if ((bits & hsap_dev::kErrorPeerTimeout) != 0) {
       return absl::DeadlineExceededError(
           absl::StrCat("fused forward: a peer did not publish its K/V within ",
@@ -189,16 +118,114 @@ class GpuBatchDevice : public BatchDevice {
         absl::StrCat("fused forward: the kernel reported error bits ", bits));
   }
 
-  std::shared_ptr<GpuComm> comm_;
-  std::shared_ptr<const DeviceKernels> kernels_;
-  const Schedule* schedule_ = nullptr;
-  AttentionDims dims_;
-  DType dtype_ = DType::kBF16;
-  std::unique_ptr<DeviceWorkLists> lists_;   // a batch without a plan
-  std::unique_ptr<DeviceHierProgram> hier_;  // a batch under a plan
-  GpuExecMode mode_ = GpuExecMode::kFull;
+  std::unique_ptr<DeviceRingProgram> program_;
   PeerWindow* window_ = nullptr;  // the communicator's, when forward is fused
   FusedRoutes routes_;
+  GpuExecContext ctx_;  // what does not change between calls
+};
+
+// A batch under a plan: the GPU plan executor over the rank's DeviceHierProgram.
+class GpuPlanRunner : public GpuRunner {
+ public:
+  GpuPlanRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
+                Transport& transport, std::unique_ptr<DeviceHierProgram> program)
+      : GpuRunner(std::move(comm), std::move(kernels)), program_(std::move(program)) {
+    ctx_.device = &comm_->device();
+    ctx_.kernels = kernels_.get();
+    ctx_.transport = &transport;
+    ctx_.program = program_.get();
+    ctx_.stream = comm_->stream();
+  }
+
+  absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
+                       float* lse, CallTraffic& traffic) override {
+    ScopedDevice on(comm_->device());
+    HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_RETURN_IF_ERROR(GpuHierarchicalForward(Context(call_id), q, k, v, out, lse, &traffic));
+    return Finish("forward");
+  }
+
+  absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
+                        const void* v, const void* out, const float* lse, void* dq, void* dk,
+                        void* dv, CallTraffic& traffic) override {
+    ScopedDevice on(comm_->device());
+    HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_RETURN_IF_ERROR(
+        GpuHierarchicalBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &traffic));
+    return Finish("backward");
+  }
+
+ private:
+  GpuHierContext Context(uint64_t call_id) {
+    ctx_.pool = comm_->pool().base();
+    ctx_.pool_bytes = comm_->pool().size();
+    ctx_.call_id = call_id;
+    ctx_.mode = mode_;
+    return ctx_;
+  }
+
+  std::unique_ptr<DeviceHierProgram> program_;
+  GpuHierContext ctx_;  // what does not change between calls
+};
+
+class GpuRunnerFactory : public RunnerFactory {
+ public:
+  GpuRunnerFactory(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
+      : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
+
+  absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
+                                                           const Schedule& schedule,
+                                                           const AttentionDims& dims,
+                                                           DType dtype) override {
+    Transport& transport = comm.transport();
+    ScopedDevice on(comm_->device());
+    absl::StatusOr<std::unique_ptr<DeviceRingProgram>> program =
+        on.status().ok() ? DeviceRingProgram::Build(comm_->device(), schedule, dims, dtype,
+                                                    comm_->stream(), &comm_->pool())
+                         : on.status();
+    // Every rank of a transport that offers peer windows exchanges them, also after a local
+    // failure or without the fused kernel, so that the collectives stay in step.
+    PeerWindow* window = nullptr;
+    FusedRoutes routes;
+    if (OffersPeerWindows(transport)) {
+      PeerWindow& w = comm_->peer_window(transport.rank(), transport.size());
+      const size_t kv_row_bytes =
+          static_cast<size_t>(dims.heads_kv) * dims.head_dim * DTypeSize(dtype);
+      HSAP_ASSIGN_OR_RETURN(
+          std::optional<FusedRoutes> reached,
+          w.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
+                     kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
+                     /*willing=*/kernels_->max_fused_steps() > 0, program.status()));
+      if (reached.has_value()) {  // else out of reach: stages, on every rank
+        routes = *std::move(reached);
+        window = &w;
+      }
+    }
+    HSAP_RETURN_IF_ERROR(program.status());
+    return std::make_unique<GpuRingRunner>(comm_, kernels_, transport, *std::move(program), window,
+                                           std::move(routes));
+  }
+
+  absl::StatusOr<std::unique_ptr<BatchRunner>> ForHierarchy(Communicator& comm,
+                                                            const RankHierarchy& rank,
+                                                            const AttentionDims& dims,
+                                                            DType dtype) override {
+    ScopedDevice on(comm_->device());
+    HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_ASSIGN_OR_RETURN(
+        std::unique_ptr<DeviceHierProgram> program,
+        DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream()));
+    // Growing the pool frees the old block, which waits for the device.
+    if (absl::Status s = comm_->pool().Reserve(program->pool_bytes()); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
+                                                 program->pool_bytes(), " B): ", s.message()));
+    }
+    return std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program));
+  }
+
+ private:
+  std::shared_ptr<GpuComm> comm_;
+  std::shared_ptr<const DeviceKernels> kernels_;
 };
 
 }  // namespace
@@ -233,21 +260,21 @@ GpuComm::~GpuComm() {
   if (owns_stream_) device_->DestroyStream(stream_);
 }
 
-bool UsesFusedForward(const BatchDevice* device) {
-  const auto* gpu = dynamic_cast<const GpuBatchDevice*>(device);
-  return gpu != nullptr && gpu->fused();
+bool UsesFusedForward(const BatchRunner* runner) {
+  const auto* ring = dynamic_cast<const GpuRingRunner*>(runner);
+  return ring != nullptr && ring->fused();
 }
 
-bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode) {
-  auto* gpu = dynamic_cast<GpuBatchDevice*>(device);
+bool SetGpuExecMode(BatchRunner* runner, GpuExecMode mode) {
+  auto* gpu = dynamic_cast<GpuRunner*>(runner);
   if (gpu == nullptr) return false;
   gpu->set_mode(mode);
   return true;
 }
 
-std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
-                                               std::shared_ptr<const DeviceKernels> kernels) {
-  return std::make_unique<GpuBatchDevice>(std::move(comm), std::move(kernels));
+std::unique_ptr<RunnerFactory> NewGpuRunners(std::shared_ptr<GpuComm> comm,
+                                             std::shared_ptr<const DeviceKernels> kernels) {
+  return std::make_unique<GpuRunnerFactory>(std::move(comm), std::move(kernels));
 }
 
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,

@@ -1,5 +1,5 @@
-// Batches on CUDA communicators: the GPU side of a communicator and the BatchDevice
-// (lib/exec/batch.h) that runs a batch's schedule with the GPU executor.
+// Batches on CUDA communicators: the GPU side of a communicator and the runners
+// (lib/exec/runner.h) of batches with and without a plan on it.
 //
 // Streams. A communicator created with a caller's stream (hsapCommConfig_t::cudaStream)
 // runs every kernel of forward/backward on it, and the calls return once the work is
@@ -30,6 +30,7 @@
 #include "lib/cuda/runtime/device.h"
 #include "lib/cuda/runtime/peer_window.h"
 #include "lib/exec/batch.h"
+#include "lib/exec/runner.h"
 
 namespace hsap::cuda {
 
@@ -63,26 +64,30 @@ class GpuComm {
   absl::Duration timeout_;
 };
 
-// A BatchDevice for `comm` with `kernels` (both shared with other batches).
-std::unique_ptr<BatchDevice> NewGpuBatchDevice(std::shared_ptr<GpuComm> comm,
-                                               std::shared_ptr<const DeviceKernels> kernels);
+// The runners of batches on `comm` with `kernels` (both shared with other batches): the GPU
+// ring executor (gpu_executor.h) for batches without a plan, the GPU plan executor
+// (gpu_hier_executor.h) under a plan. Their device programs (work lists, exchange copy
+// lists, pool layout) are built and the pool grown when the runner is made.
+std::unique_ptr<RunnerFactory> NewGpuRunners(std::shared_ptr<GpuComm> comm,
+                                             std::shared_ptr<const DeviceKernels> kernels);
 
-// Sets the mode of the later calls of a batch on `device` (GpuExecMode: the bench measures
-// the share of transfer time hidden behind compute with it). False when `device` is not a
-// GPU batch device.
-bool SetGpuExecMode(BatchDevice* device, GpuExecMode mode);
+// Sets the mode of the later calls of a batch whose runner is `runner` (GpuExecMode: the
+// bench measures the share of transfer time hidden behind compute with it). False when
+// `runner` is not a GPU runner.
+bool SetGpuExecMode(BatchRunner* runner, GpuExecMode mode);
 
 // The JIT kernels of a batch on the current CUDA device: the configuration of (device
 // architecture, dtype, head dim, heads_q / heads_kv, whether the layout has banded
 // slices, fused), compiled through the compile cache and loaded once per process.
-// `fused`: with the fused forward (for communicators whose transport offers peer windows).
+// `fused`: with the fused forward (for batches without a plan on communicators whose
+// transport offers peer windows; plan batches never use it).
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
                                                                         const Layout& layout,
                                                                         bool fused = false);
 
-// Whether the batch on `device` runs its forward through peer windows (false when `device`
-// is not a GPU batch device).
-bool UsesFusedForward(const BatchDevice* device);
+// Whether the batch running `runner` runs its forward through peer windows (false when
+// `runner` is not a GPU ring runner).
+bool UsesFusedForward(const BatchRunner* runner);
 
 }  // namespace hsap::cuda
 

@@ -32,24 +32,13 @@ class GpuCall {
  public:
   GpuCall(const GpuExecContext& ctx, const char* pass)
       : ctx_(ctx), events_(*ctx.device), pass_(pass), transfer_(TransferStream(*ctx.transport)) {
-    kv_row_bytes_ =
-        static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim * DTypeSize(ctx.dtype);
-    kv_row32_ = static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim;
+    const AttentionDims& dims = ctx.program->dims();
+    kv_row32_ = static_cast<size_t>(dims.heads_kv) * dims.head_dim;
+    kv_row_bytes_ = kv_row32_ * DTypeSize(ctx.program->dtype());
   }
 
-  absl::Status Init(PoolLayout& layout) {
-    if (ctx_.device == nullptr || ctx_.kernels == nullptr || ctx_.transport == nullptr ||
-        ctx_.schedule == nullptr || ctx_.lists == nullptr) {
-      return absl::InternalError("GPU executor context is incomplete");
-    }
-    if (!ctx_.dims.kv_head_of_q.empty()) {
-      return absl::InternalError(
-          "the ring executor takes no kv-head map; batches under a plan run on "
-          "GpuHierarchicalForward/Backward");
-    }
-    absl::StatusOr<PoolLayout> l = ComputePoolLayout(*ctx_.schedule, ctx_.dims, ctx_.dtype);
-    if (!l.ok()) return l.status();
-    layout = *l;
+  absl::Status Init() {
+    const PoolLayout& layout = ctx_.program->pool_layout();
     if (ctx_.pool == nullptr || ctx_.pool_bytes < layout.total_bytes()) {
       return absl::InternalError(absl::StrCat("the communicator's pool holds ", ctx_.pool_bytes,
                                               " B; this batch needs ", layout.total_bytes(), " B (",
@@ -85,7 +74,7 @@ class GpuCall {
   // Posts stage i's K/V transfers into slot i % 2 (see the header for the ordering).
   absl::StatusOr<std::unique_ptr<Transport::Pending>> PostKv(size_t i, const void* k,
                                                              const void* v) {
-    const Stage& st = ctx_.schedule->stages[i];
+    const Stage& st = ctx_.program->schedule().stages[i];
     const int slot = static_cast<int>(i % 2);
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
@@ -177,9 +166,9 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
                                 const void* v, const hsap_dev::FwdParams& fwd) {
   PeerWindow& w = *ctx.window;
   const FusedRoutes& routes = *ctx.routes;
-  const Schedule& sched = *ctx.schedule;
+  const Schedule& sched = ctx.program->schedule();
   const int me = sched.rank;
-  const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.dtype);
+  const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.program->dtype());
   Device& device = *ctx.device;
   for (const Stage& st : sched.stages) {
     if (st.recv_from >= 0 && !w.reachable(st.recv_from)) {
@@ -221,8 +210,8 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
     return s;
   }
   // Local keys, then the peers' in fused launches.
-  if (absl::Status s =
-          LaunchForward(*ctx.kernels, fwd, ctx.lists->local(), k, v, sched.local_rows, ctx.stream);
+  if (absl::Status s = LaunchForward(*ctx.kernels, fwd, ctx.program->lists().local(), k, v,
+                                     sched.local_rows, ctx.stream);
       !s.ok()) {
     return s;
   }
@@ -257,7 +246,7 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   for (size_t i = 0; i < sched.stages.size(); ++i) {
     const Stage& st = sched.stages[i];
     if (st.recv_from < 0) continue;
-    const DeviceWorkLists::List& list = ctx.lists->stage(i);
+    const DeviceWorkLists::List& list = ctx.program->lists().stage(i);
     hsap_dev::FusedStep step{};
     step.k_src = w.export_area(st.recv_from) + routes.read_offset[i];
     step.v_src =
@@ -286,11 +275,11 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "forward");
-  PoolLayout layout;
-  if (absl::Status s = call.Init(layout); !s.ok()) return s;
-  const Schedule& sched = *ctx.schedule;
+  const PoolLayout& layout = ctx.program->pool_layout();
+  HSAP_RETURN_IF_ERROR(call.Init());
+  const Schedule& sched = ctx.program->schedule();
   const int64_t rows = sched.local_rows;
-  const AttentionDims& dims = ctx.dims;
+  const AttentionDims& dims = ctx.program->dims();
   const size_t out_elems = static_cast<size_t>(rows) * dims.heads_q * dims.head_dim;
   const size_t lse_elems = static_cast<size_t>(rows) * dims.heads_q;
   PoolCursor cursor(static_cast<char*>(ctx.pool) + call.pool_cursor());
@@ -323,11 +312,12 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
           ? FusedForwardStages(ctx, call, k, v, p)
           : RunStaged(
                 sched.stages.size(), [&](size_t i) { return call.PostKv(i, k, v); },
-                [&] { return attend(ctx.lists->local(), k, v, rows); },
+                [&] { return attend(ctx.program->lists().local(), k, v, rows); },
                 [&](size_t i) {
                   const Stage& st = sched.stages[i];
                   if (st.recv_from < 0) return absl::OkStatus();
-                  return attend(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
+                  return attend(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i),
+                                st.recv_rows);
                 });
   if (!staged.ok()) return staged;
   if (absl::Status s = Store(ctx, out32, out, out_elems); !s.ok()) return s;
@@ -346,11 +336,11 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "backward");
-  PoolLayout layout;
-  if (absl::Status s = call.Init(layout); !s.ok()) return s;
-  const Schedule& sched = *ctx.schedule;
+  const PoolLayout& layout = ctx.program->pool_layout();
+  HSAP_RETURN_IF_ERROR(call.Init());
+  const Schedule& sched = ctx.program->schedule();
   const int64_t rows = sched.local_rows;
-  const AttentionDims& dims = ctx.dims;
+  const AttentionDims& dims = ctx.program->dims();
   const size_t q_elems = static_cast<size_t>(rows) * dims.heads_q * dims.head_dim;
   const size_t kv_elems = static_cast<size_t>(rows) * call.kv_row32();
   const size_t stat_elems = static_cast<size_t>(rows) * dims.heads_q;
@@ -412,7 +402,7 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   ExecTraffic grad_moved;
   BackwardStages hooks;
   hooks.post_kv = [&](size_t i) { return call.PostKv(i, k, v); };
-  hooks.local = [&] { return backward(ctx.lists->local(), k, v, rows, dk32, dv32); };
+  hooks.local = [&] { return backward(ctx.program->lists().local(), k, v, rows, dk32, dv32); };
   hooks.compute = [&](size_t i) -> absl::Status {
     const Stage& st = sched.stages[i];
     const int slot = static_cast<int>(i % 2);
@@ -421,8 +411,8 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     for (float* g : {part_k[slot], part_v[slot]}) {
       HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(g, bytes, ctx.stream));
     }
-    return backward(ctx.lists->stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows, part_k[slot],
-                    part_v[slot]);
+    return backward(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows,
+                    part_k[slot], part_v[slot]);
   };
   hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
     const Stage& st = sched.stages[i];
@@ -472,6 +462,31 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     traffic->bytes_received = call.moved().bytes_received + grad_moved.bytes_received;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DeviceRingProgram>> DeviceRingProgram::Build(
+    Device& device, const Schedule& schedule, const AttentionDims& dims, DType dtype,
+    cudaStream stream, DeviceBufferPool* pool) {
+  if (!dims.kv_head_of_q.empty()) {
+    return absl::InternalError(
+        "the ring executor takes no kv-head map; batches under a plan run on "
+        "GpuHierarchicalForward/Backward");
+  }
+  auto program = std::unique_ptr<DeviceRingProgram>(new DeviceRingProgram());
+  program->schedule_ = &schedule;
+  program->dims_ = dims;
+  program->dtype_ = dtype;
+  HSAP_ASSIGN_OR_RETURN(program->pool_layout_, ComputePoolLayout(schedule, dims, dtype));
+  if (pool != nullptr) {
+    // Growing the pool frees the old block, which waits for the device.
+    if (absl::Status s = pool->Reserve(program->pool_layout_.total_bytes()); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("reserving the communicator's device pool (",
+                                       program->pool_layout_.DebugString(), "): ", s.message()));
+    }
+  }
+  HSAP_ASSIGN_OR_RETURN(program->lists_, DeviceWorkLists::Upload(device, schedule, stream));
+  return program;
 }
 
 }  // namespace hsap::cuda

@@ -58,18 +58,43 @@ namespace hsap::cuda {
 // launches no attention kernel (outputs are garbage). Every rank must use the same mode.
 enum class GpuExecMode { kFull, kComputeOnly, kTransfersOnly };
 
+// The device side of one rank's batch without a plan, built once at batch creation: the
+// schedule's work lists in device memory and the layout of the pool regions its calls use.
+class DeviceRingProgram {
+ public:
+  // `schedule` must outlive the program. With `pool`, grows it to the program's need first
+  // (so a device that cannot hold the batch says so before anything is uploaded). Blocks the
+  // host until the upload is done.
+  static absl::StatusOr<std::unique_ptr<DeviceRingProgram>> Build(Device& device,
+                                                                  const Schedule& schedule,
+                                                                  const AttentionDims& dims,
+                                                                  DType dtype, cudaStream stream,
+                                                                  DeviceBufferPool* pool = nullptr);
+
+  const Schedule& schedule() const { return *schedule_; }
+  const AttentionDims& dims() const { return dims_; }
+  DType dtype() const { return dtype_; }
+  const PoolLayout& pool_layout() const { return pool_layout_; }
+  const DeviceWorkLists& lists() const { return *lists_; }
+
+ private:
+  DeviceRingProgram() = default;
+  const Schedule* schedule_ = nullptr;
+  AttentionDims dims_;
+  DType dtype_ = DType::kBF16;
+  PoolLayout pool_layout_;
+  std::unique_ptr<DeviceWorkLists> lists_;
+};
+
 struct GpuExecContext {
   Device* device = nullptr;
   const DeviceKernels* kernels = nullptr;
   Transport* transport = nullptr;
-  const Schedule* schedule = nullptr;
-  const DeviceWorkLists* lists = nullptr;
-  // The pool: at least ComputePoolLayout(schedule).total_bytes() bytes at `pool`.
+  const DeviceRingProgram* program = nullptr;
+  // The pool: at least program->pool_layout().total_bytes() bytes at `pool`.
   void* pool = nullptr;
   size_t pool_bytes = 0;
-  AttentionDims dims;
-  DType dtype = DType::kBF16;
-  uint64_t call_id = 0;         // as ExecContext::call_id (tags)
+  uint64_t call_id = 0;         // the batch's call number (tags, lib/exec/protocol.h)
   cudaStream stream = nullptr;  // the compute stream
   GpuExecMode mode = GpuExecMode::kFull;
   // The fused forward (peer_window.h), when the batch was set up for it: forward moves K/V

@@ -231,7 +231,13 @@ absl::StatusOr<std::string> CurrentCudaArch() {
 }
 
 cudaStream TransferStream(const Transport& t) {
-  return static_cast<cudaStream>(t.transfer_stream());
+  const auto* device = dynamic_cast<const DeviceTransport*>(&t);
+  return device != nullptr ? device->transfer_stream() : nullptr;
+}
+
+bool OffersPeerWindows(const Transport& t) {
+  const auto* device = dynamic_cast<const DeviceTransport*>(&t);
+  return device != nullptr && device->offers_peer_windows();
 }
 
 }  // namespace hsap::cuda

@@ -169,8 +169,24 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
 // "sm_90" for the current CUDA device (its compute capability).
 absl::StatusOr<std::string> CurrentCudaArch();
 
-// t.transfer_stream() as a CUDA stream (null for a host transport).
+// A transport that moves device memory: NCCL ranks, loopback ranks sharing one GPU.
+class DeviceTransport : public Transport {
+ public:
+  // The CUDA stream it moves data on (NCCL's communication stream, a loopback rank's
+  // stream). The GPU executors make it wait for their compute stream before each stage.
+  virtual cudaStream transfer_stream() const = 0;
+  // Whether batches on this transport may move forward's K/V through peer windows
+  // (peer_window.h): loopback ranks share one process and GPU; NCCL ranks on one host may
+  // open each other's windows with CUDA IPC. The exchange of the windows at batch creation
+  // decides, for all ranks alike, whether they actually can.
+  virtual bool offers_peer_windows() const = 0;
+};
+
+// t's transfer stream when it is a DeviceTransport, else null (a host transport).
 cudaStream TransferStream(const Transport& t);
+
+// Whether `t` is a DeviceTransport that offers peer windows.
+bool OffersPeerWindows(const Transport& t);
 
 // Owns a device allocation; frees it through its Device.
 class DeviceBuffer {

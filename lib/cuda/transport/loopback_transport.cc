@@ -84,7 +84,7 @@ void Connect(World& w, const std::shared_ptr<Op>& send, const std::shared_ptr<Op
   send->copied = recv->copied = done;
 }
 
-class LoopbackTransport : public Transport {
+class LoopbackTransport : public DeviceTransport {
  public:
   LoopbackTransport(std::shared_ptr<World> w, int rank, bool owns_stream)
       : w_(std::move(w)), rank_(rank), owns_stream_(owns_stream) {}
@@ -97,7 +97,7 @@ class LoopbackTransport : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(w_->streams.size()); }
   cudaStream stream() const { return w_->streams[rank_]; }
-  void* transfer_stream() const override { return stream(); }
+  cudaStream transfer_stream() const override { return stream(); }
   bool offers_peer_windows() const override { return true; }
 
   class LoopbackPending : public Pending {

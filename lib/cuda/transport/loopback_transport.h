@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "lib/comm/transport.h"
 #include "lib/cuda/runtime/cuda_loader.h"
+#include "lib/cuda/runtime/device.h"
 
 namespace hsap::cuda {
 

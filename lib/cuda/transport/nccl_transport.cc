@@ -294,7 +294,9 @@ void NcclTransport::Abort(absl::string_view reason) {
   owns_comm_ = false;  // aborted: nothing left to destroy
 }
 
-bool IsCudaTransport(const Transport& t) { return t.transfer_stream() != nullptr; }
+bool IsCudaTransport(const Transport& t) {
+  return dynamic_cast<const DeviceTransport*>(&t) != nullptr;
+}
 
 void NcclTransport::CountCompleted(const TrafficCounters& delta) {
   std::lock_guard<std::mutex> lock(mu_);

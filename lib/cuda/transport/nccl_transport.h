@@ -32,10 +32,11 @@
 #include "absl/time/time.h"
 #include "lib/comm/transport.h"
 #include "lib/cuda/runtime/cuda_loader.h"
+#include "lib/cuda/runtime/device.h"
 
 namespace hsap::cuda {
 
-class NcclTransport : public Transport {
+class NcclTransport : public DeviceTransport {
  public:
   // Adopts `comm` (destroyed with the transport when owns_comm). `stream`: the caller's
   // CUDA stream for communication; null creates a non-blocking stream of our own. The
@@ -57,7 +58,7 @@ class NcclTransport : public Transport {
 
   ncclComm comm() const { return comm_; }
   cudaStream stream() const { return stream_; }
-  void* transfer_stream() const override { return stream_; }
+  cudaStream transfer_stream() const override { return stream_; }
   bool offers_peer_windows() const override { return true; }
   const NcclApi& nccl() const { return *nccl_; }
   const CudaRuntimeApi& runtime() const { return *rt_; }

@@ -373,10 +373,10 @@ TEST(HierarchicalDegenerate, GroupsOfOneAreTheSequenceAwareRing) {
     Unslice(outs[r], ranges[r], out);
     Unslice(dks[r], ranges[r], dk);
     EXPECT_EQ(hier.forward[r].a2a_sent + hier.forward[r].a2a_received, 0u);
-    EXPECT_EQ(hier.forward[r].ring_sent, traffic[r].forward.bytes_sent);
-    EXPECT_EQ(hier.forward[r].ring_received, traffic[r].forward.bytes_received);
-    EXPECT_EQ(hier.backward[r].ring_sent, traffic[r].backward.bytes_sent);
-    EXPECT_EQ(hier.backward[r].ring_received, traffic[r].backward.bytes_received);
+    EXPECT_EQ(hier.forward[r].ring_sent, traffic[r].forward.sent());
+    EXPECT_EQ(hier.forward[r].ring_received, traffic[r].forward.received());
+    EXPECT_EQ(hier.backward[r].ring_sent, traffic[r].backward.sent());
+    EXPECT_EQ(hier.backward[r].ring_received, traffic[r].backward.received());
   }
   EXPECT_EQ(hier.out.bytes, out.bytes);
   EXPECT_EQ(hier.dk.bytes, dk.bytes);

@@ -128,15 +128,14 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     EmulatedDevice& device = *devices[r];
     EmulatedKernels<Cfg> kernels(&device);
     const cudaStream stream = *device.CreateStream();
-    absl::StatusOr<std::unique_ptr<DeviceWorkLists>> lists =
-        DeviceWorkLists::Upload(device, sched, stream);
-    if (!lists.ok()) {
-      status[r] = lists.status();
+    absl::StatusOr<std::unique_ptr<DeviceRingProgram>> program =
+        DeviceRingProgram::Build(device, sched, dims, dtype, stream);
+    if (!program.ok()) {
+      status[r] = program.status();
       return;
     }
-    absl::StatusOr<PoolLayout> layout_r = ComputePoolLayout(sched, dims, dtype);
     DeviceBufferPool pool(device);
-    status[r] = pool.Reserve(layout_r->total_bytes() - pool_shortfall);
+    status[r] = pool.Reserve((*program)->pool_layout().total_bytes() - pool_shortfall);
     if (!status[r].ok()) return;
 
     testing::ShardTensors t(in, res.outputs, ShardOf(sched), kHeadsQ);
@@ -144,12 +143,9 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     ctx.device = &device;
     ctx.kernels = &kernels;
     ctx.transport = wrapped[r].get();
-    ctx.schedule = &sched;
-    ctx.lists = lists->get();
+    ctx.program = program->get();
     ctx.pool = pool.base();
     ctx.pool_bytes = pool.size();
-    ctx.dims = dims;
-    ctx.dtype = dtype;
     ctx.call_id = 7;
     ctx.stream = stream;
     ctx.mode = mode;
@@ -487,13 +483,11 @@ void RunThroughBatchApi(bool fused, Where where = Where::kNowhere, int resident 
     got.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
     got.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
     testing::OnEveryRank(R, [&](int r) {
-      std::unique_ptr<BatchDevice> device = NewGpuBatchDevice(w.gpus[r], kernels);
-      const BatchDevice* device_view = device.get();
-      auto batch = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
-                                 absl::OkStatus(), std::move(device));
+      std::unique_ptr<RunnerFactory> runners = NewGpuRunners(w.gpus[r], kernels);
+      auto batch = Batch::Create(*w.comms[r], layout, {}, options, *runners);
       ASSERT_TRUE(batch.ok()) << batch.status();
-      EXPECT_EQ(UsesFusedForward(device_view), expect_fused) << "rank " << r;
-      const Schedule& sched = (*batch)->schedule();
+      EXPECT_EQ(UsesFusedForward((*batch)->runner()), expect_fused) << "rank " << r;
+      const Schedule& sched = *(*batch)->schedule();
       needed[r] = std::max(needed[r],
                            ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes());
       testing::ShardTensors t(in, got, ShardOf(sched), kHeadsQ);
@@ -505,7 +499,7 @@ void RunThroughBatchApi(bool fused, Where where = Where::kNowhere, int resident 
                       ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
                                  t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
                       .ok());
-      EXPECT_EQ((*batch)->traffic().forward.bytes_sent,
+      EXPECT_EQ((*batch)->traffic().forward.sent(),
                 ForwardTraffic(sched, (*batch)->dims(), DType::kF32).bytes_sent);
       t.Unslice(got);
     });
@@ -570,13 +564,11 @@ TEST(GpuBatch, FusedForwardReportsASilentPeer) {
   ASSERT_TRUE(layout.ok()) << layout.status();
   std::vector<absl::Status> status(R);
   testing::OnEveryRank(R, [&](int r) {
-    std::unique_ptr<BatchDevice> device = NewGpuBatchDevice(w.gpus[r], kernels);
-    const BatchDevice* device_view = device.get();
-    auto batch = Batch::Create(*w.comms[r], *layout, {}, options, HandWrittenKernels(),
-                               absl::OkStatus(), std::move(device));
+    std::unique_ptr<RunnerFactory> runners = NewGpuRunners(w.gpus[r], kernels);
+    auto batch = Batch::Create(*w.comms[r], *layout, {}, options, *runners);
     ASSERT_TRUE(batch.ok()) << batch.status();
-    ASSERT_TRUE(UsesFusedForward(device_view));
-    const size_t rows = (*batch)->schedule().local_rows;
+    ASSERT_TRUE(UsesFusedForward((*batch)->runner()));
+    const size_t rows = (*batch)->schedule()->local_rows;
     std::vector<float> q(rows * kHeadsQ * kDim, 0.5f), kv(rows * kHeadsKv * kDim, 0.25f),
         out(q.size()), lse(rows * kHeadsQ);
     status[r] = (*batch)->Forward(q.data(), kv.data(), kv.data(), out.data(), lse.data());
@@ -613,8 +605,7 @@ TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
     options.head_dim = kDim;
     std::vector<absl::Status> status(R);
     testing::OnEveryRank(R, [&](int r) {
-      status[r] = Batch::Create(*w.comms[r], layout, {}, options, HandWrittenKernels(),
-                                absl::OkStatus(), NewGpuBatchDevice(w.gpus[r], kernels))
+      status[r] = Batch::Create(*w.comms[r], layout, {}, options, *NewGpuRunners(w.gpus[r], kernels))
                       .status();
     });
     EXPECT_EQ(status[failing].code(), absl::StatusCode::kResourceExhausted) << status[failing];

@@ -223,8 +223,8 @@ TEST(GpuHier, BatchUnderAPlan) {
   testing::OnEveryRank(R, [&](int r) {
     auto gpu = GpuComm::Create(std::make_unique<EmulatedDevice>(), nullptr, absl::Seconds(120));
     ASSERT_TRUE(gpu.ok()) << gpu.status();
-    auto batch = Batch::CreateWithPlan(*(*comms)[r], layout, plan, options, HandWrittenKernels(),
-                                       absl::OkStatus(), NewGpuBatchDevice(*gpu, kernels));
+    auto batch =
+        Batch::CreateWithPlan(*(*comms)[r], layout, plan, options, *NewGpuRunners(*gpu, kernels));
     ASSERT_TRUE(batch.ok()) << batch.status();
     EXPECT_GT((*gpu)->pool_bytes(), 0u);
     const std::vector<TokenRange> shard = (*batch)->partition()->ranges(r);
@@ -235,7 +235,7 @@ TEST(GpuHier, BatchUnderAPlan) {
                     ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
                                t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
                     .ok());
-    EXPECT_EQ((*batch)->traffic().hier_forward,
+    EXPECT_EQ((*batch)->traffic().forward,
               PredictForwardTraffic(*(*batch)->hierarchy(), kDim, DType::kF32));
     t.Unslice(o);
   });

@@ -1,0 +1,86 @@
+#include "lib/exec/runner.h"
+
+#include <utility>
+
+#include "lib/exec/executor.h"
+#include "lib/exec/hierarchical_executor.h"
+
+namespace hsap {
+namespace {
+
+class HostRingRunner : public BatchRunner {
+ public:
+  explicit HostRingRunner(ExecContext ctx) : ctx_(std::move(ctx)) {}
+
+  absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
+                       float* lse, CallTraffic& traffic) override {
+    ctx_.call_id = call_id;
+    ExecTraffic t;
+    absl::Status s = ExecuteForward(ctx_, q, k, v, out, lse, &t);
+    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    return s;
+  }
+  absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
+                        const void* v, const void* out, const float* lse, void* dq, void* dk,
+                        void* dv, CallTraffic& traffic) override {
+    ctx_.call_id = call_id;
+    ExecTraffic t;
+    absl::Status s = ExecuteBackward(ctx_, dout, q, k, v, out, lse, dq, dk, dv, &t);
+    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    return s;
+  }
+
+ private:
+  ExecContext ctx_;
+};
+
+class HostPlanRunner : public BatchRunner {
+ public:
+  explicit HostPlanRunner(HierExecContext ctx) : ctx_(std::move(ctx)) {}
+
+  absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
+                       float* lse, CallTraffic& traffic) override {
+    ctx_.call_id = call_id;
+    return HierarchicalForward(ctx_, q, k, v, out, lse, &traffic);
+  }
+  absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
+                        const void* v, const void* out, const float* lse, void* dq, void* dk,
+                        void* dv, CallTraffic& traffic) override {
+    ctx_.call_id = call_id;
+    return HierarchicalBackward(ctx_, dout, q, k, v, out, lse, dq, dk, dv, &traffic);
+  }
+
+ private:
+  HierExecContext ctx_;
+};
+
+class HostRunnerFactory : public RunnerFactory {
+ public:
+  explicit HostRunnerFactory(const KernelSet& kernels) : kernels_(kernels) {}
+
+  absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
+                                                           const Schedule& schedule,
+                                                           const AttentionDims& dims,
+                                                           DType dtype) override {
+    return std::make_unique<HostRingRunner>(
+        ExecContext{&comm, &schedule, &kernels_, dims, dtype, /*call_id=*/0});
+  }
+  absl::StatusOr<std::unique_ptr<BatchRunner>> ForHierarchy(Communicator& comm,
+                                                            const RankHierarchy& rank,
+                                                            const AttentionDims& dims,
+                                                            DType dtype) override {
+    return std::make_unique<HostPlanRunner>(
+        HierExecContext{&comm, &rank, &kernels_, dims, dtype, /*call_id=*/0});
+  }
+
+ private:
+  const KernelSet& kernels_;
+};
+
+}  // namespace
+
+std::unique_ptr<RunnerFactory> HostRunners(const KernelSet& kernels) {
+  return std::make_unique<HostRunnerFactory>(kernels);
+}
+
+}  // namespace hsap

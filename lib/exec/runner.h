@@ -1,0 +1,63 @@
+// What a batch runs, chosen once when the batch is created.
+//
+// A batch (batch.h) owns one BatchRunner: the host ring executor (executor.h), the host
+// plan executor (hierarchical_executor.h), or their GPU counterparts
+// (lib/cuda/exec/gpu_batch.h). The runner holds everything a call needs that does not
+// change between calls (the schedule or hierarchy it runs, prepared device programs, the
+// pool layout), so a call only runs it. A RunnerFactory makes the runner of a batch without
+// a plan (from its schedule) or under a plan (from this rank's part of the hierarchy).
+#ifndef HSAP_LIB_EXEC_RUNNER_H_
+#define HSAP_LIB_EXEC_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attention/dtype.h"
+#include "attention/kernel.h"
+#include "lib/comm/communicator.h"
+#include "lib/sched/hierarchy.h"
+#include "lib/sched/schedule.h"
+
+namespace hsap {
+
+// Payload bytes of one call: inside the head-parallel group (all-to-all) and along the
+// rings. A batch without a plan moves everything along its ring.
+using CallTraffic = HierTraffic;
+
+class BatchRunner {
+ public:
+  virtual ~BatchRunner() = default;
+  // Tensors as in executor.h (ring) and hierarchical_executor.h (plan): this rank's shard,
+  // in host memory for host runners and device memory for GPU runners. `call_id` is the
+  // batch's call number (lib/exec/protocol.h tags); `traffic` receives the call's bytes.
+  virtual absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v,
+                               void* out, float* lse, CallTraffic& traffic) = 0;
+  virtual absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
+                                const void* v, const void* out, const float* lse, void* dq,
+                                void* dk, void* dv, CallTraffic& traffic) = 0;
+};
+
+class RunnerFactory {
+ public:
+  virtual ~RunnerFactory() = default;
+  // Called once on every rank of `comm` after the ranks agreed on the batch; `schedule` /
+  // `rank` outlive the runner. May run collectives on the communicator (every rank's
+  // factory takes part, in the same order, whether or not its own preparation failed).
+  virtual absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
+                                                                   const Schedule& schedule,
+                                                                   const AttentionDims& dims,
+                                                                   DType dtype) = 0;
+  virtual absl::StatusOr<std::unique_ptr<BatchRunner>> ForHierarchy(Communicator& comm,
+                                                                    const RankHierarchy& rank,
+                                                                    const AttentionDims& dims,
+                                                                    DType dtype) = 0;
+};
+
+// The host executors with `kernels` (which must outlive the runners made).
+std::unique_ptr<RunnerFactory> HostRunners(const KernelSet& kernels);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_EXEC_RUNNER_H_
