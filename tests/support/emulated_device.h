@@ -384,7 +384,6 @@ struct SmallTileCfg {
   static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
   static constexpr bool kHasBand = kBand;
   static constexpr int kNumPeers = kSteps > 0 ? kSteps - 1 : 0;
-  static constexpr unsigned int kNvlinkPeerMask = (1u << kNumPeers) - 1;
   static constexpr int kMaxSteps = kSteps;
   static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * 33 + 32 * 17);
   static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * 33 + 2 * 16 * 17);
