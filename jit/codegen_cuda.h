@@ -2,9 +2,9 @@
 //
 // A configuration fixes what changes code: architecture, storage dtype, head dim, GQA ratio,
 // tile shapes, whether banded (causal / sliding-window / prefix-LM) segments can occur, and
-// the topology role (number of peers and which are NVLink peers, which sizes the fused
-// kernel's step array). Sequence lengths, offsets and work lists stay runtime arguments (the
-// Params structs of jit/device/hsap_params.cuh), so a new packed layout never recompiles.
+// the topology role (the number of peers, which sizes the fused kernel's step array). Sequence
+// lengths, offsets and work lists stay runtime arguments (the Params structs of
+// jit/device/hsap_params.cuh), so a new packed layout never recompiles.
 //
 // The generated source is short: a `HsapCfg` struct of compile-time constants, the includes
 // of our device headers (jit/device/*.cuh, embedded in the library, given to NVRTC as
@@ -20,14 +20,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attention/dtype.h"
 
 namespace hsap::jit {
 
 // The group-topology role of a rank for the fused kernels.
 struct CudaTopologyRole {
-  int num_peers = 0;              // other ranks this rank receives K/V from (0..15)
-  uint32_t nvlink_peer_mask = 0;  // bit i: peer i is reached through NVLink peer pointers
+  int num_peers = 0;  // other ranks this rank receives K/V from (0..15)
 
   friend bool operator==(const CudaTopologyRole&, const CudaTopologyRole&) = default;
 };
@@ -46,7 +46,7 @@ struct CudaKernelConfig {
   // static_asserts must then fail the compile with a clear log).
   bool skip_validation = false;
 
-  // A short identifier, e.g. "sm90_bf16_d128_g8_band_p3_nv5".
+  // A short identifier, e.g. "sm90_bf16_d128_g8_band_p3".
   std::string Name() const;
 };
 
@@ -60,7 +60,7 @@ struct CudaTiles {
 int CudaMaxSharedMemory(int arch);
 
 // Checks the configuration: arch sm_XX >= sm_70, head dim a multiple of 8 in [32, 256],
-// gqa in [1, 64], 0 <= num_peers <= 15 and the mask within them, explicit tiles consistent.
+// gqa in [1, 64], 0 <= num_peers <= 15, explicit tiles consistent.
 absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& config);
 
 // The tile shapes used for `config`: explicit ones kept, the others the largest that fit
@@ -89,6 +89,13 @@ struct CudaKernelSource {
 };
 
 absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& config);
+
+// The struct of compile-time constants that GenerateCudaKernels emits as `struct HsapCfg`
+// (the Cfg of jit/device/hsap_attention.cuh), for `config` with its chosen `tiles`, under
+// the name `struct_name` (which may be a template specialisation, e.g. "Cfg<float, 2>").
+// Host tests render the same text to run the kernels in an emulator.
+std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& tiles,
+                             absl::string_view struct_name);
 
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_attention.cuh.

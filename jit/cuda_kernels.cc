@@ -36,12 +36,12 @@ std::vector<CudaKernelConfig> ShippedCudaConfigs(absl::string_view arch) {
   for (int d : {64, 128, 256}) add(DType::kF16, d, 1, true);
   // fp32: the GPU tests' reference precision.
   for (int d : {64, 128}) add(DType::kF32, d, 1, true);
-  // Topology roles with peers (fused kernels): a pair, a node of 4 and a node of 8 over
-  // NVLink, and a ring of 4 whose last peer is across the network.
-  add(DType::kBF16, 128, 1, true, {1, 0x1});
-  add(DType::kBF16, 128, 8, true, {3, 0x7});
-  add(DType::kBF16, 128, 8, true, {7, 0x7f});
-  add(DType::kBF16, 128, 1, true, {3, 0x3});
+  // Topology roles with peers (fused kernels): a pair, groups of 4 and 8 with GQA-8, and a
+  // group of 4 with MHA.
+  add(DType::kBF16, 128, 1, true, {1});
+  add(DType::kBF16, 128, 8, true, {3});
+  add(DType::kBF16, 128, 8, true, {7});
+  add(DType::kBF16, 128, 1, true, {3});
   return out;
 }
 

@@ -92,13 +92,39 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
   EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert",
                                             "accumulate", "copy_chunks", "add_chunks"));
 
-  c.role = {3, 0x5};
+  c.role = {3};
   s = GenerateCudaKernels(c);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 4;"));
-  EXPECT_THAT(s->source, HasSubstr("kNvlinkPeerMask = 5u;"));
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_p3.cu");
   EXPECT_EQ(s->kernels.back().role, "fused_fwd");
   EXPECT_THAT(s->source, HasSubstr("FusedFwdParamsT<4>"));
+}
+
+// The config struct is rendered by one function: the program NVRTC compiles holds it as
+// `HsapCfg`, and the emulator's configurations (tests/support/gen_emulator_configs.cc) are
+// the same text under another name.
+TEST(CudaConfigStruct, IsTheGeneratedProgramsHsapCfg) {
+  CudaKernelConfig c;
+  c.arch = "sm_80";
+  c.dtype = DType::kBF16;
+  c.head_dim = 64;
+  c.gqa = 8;
+  c.role = {3};
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const std::string hsap_cfg = CudaConfigStruct(c, s->tiles, "HsapCfg");
+  EXPECT_THAT(s->source, HasSubstr(hsap_cfg));
+  EXPECT_THAT(hsap_cfg, HasSubstr("struct HsapCfg {\n  using T = hsap_dev::bf16;\n"));
+  EXPECT_THAT(hsap_cfg, HasSubstr(absl::StrCat("kBlockM = ", s->tiles.block_m,
+                                               ", kBlockN = ", s->tiles.block_n,
+                                               ", kThreads = ", s->tiles.threads, ";")));
+  EXPECT_THAT(hsap_cfg, HasSubstr("kMaxSteps = 4;"));
+
+  std::string renamed = CudaConfigStruct(c, s->tiles, "Cfg<float, 2>");
+  ASSERT_EQ(renamed.rfind("struct Cfg<float, 2> {\n", 0), 0u) << renamed;
+  renamed.replace(0, std::string("struct Cfg<float, 2>").size(), "struct HsapCfg");
+  EXPECT_EQ(renamed, hsap_cfg);
 }
 
 TEST(GenerateCudaKernels, RejectsUnsupportedConfigurations) {
@@ -124,9 +150,9 @@ TEST(GenerateCudaKernels, RejectsUnsupportedConfigurations) {
   c.gqa = 0;
   expect_invalid(c, "gqa");
   c = {};
-  c.role = {2, 0x4};
-  expect_invalid(c, "nvlink_peer_mask");
-  c.role = {16, 0};
+  c.role = {-1};
+  expect_invalid(c, "num_peers");
+  c.role = {16};
   expect_invalid(c, "num_peers");
   c = {};
   c.block_m = 64;
@@ -215,7 +241,7 @@ TEST(ShippedCudaKernels, AllVariantsCompileForSm80AndSm90) {
 TEST(ShippedCudaKernels, PtxFallbackMentionsEveryEntry) {
   REQUIRE_NVRTC();
   CudaKernelConfig c = ShippedCudaConfigs("sm_90").front();
-  c.role = {1, 0x1};
+  c.role = {1};
   absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache(), /*force_ptx=*/true);
   ASSERT_TRUE(k.ok()) << k.status();
   EXPECT_EQ(k->binary.kind, CudaBinary::Kind::kPtx);
@@ -233,7 +259,7 @@ TEST(ShippedCudaKernels, PtxFallbackMentionsEveryEntry) {
   EXPECT_THAT(k->binary.image, HasSubstr("%globaltimer"));
 }
 
-// Loopback batches compile their configuration with the role {7 peers, all NVLink} (the
+// Loopback batches compile their configuration with the role {7 peers} (the
 // fused forward, 8 steps per launch, gpu_batch.cc) for whatever dtype the batch has; the
 // shipped list only has bf16 roles, so fp32 and fp16 are compiled here.
 TEST(ShippedCudaKernels, FusedRoleOfLoopbackBatchesCompilesForFp32AndFp16) {
@@ -245,7 +271,7 @@ TEST(ShippedCudaKernels, FusedRoleOfLoopbackBatchesCompilesForFp32AndFp16) {
     c.head_dim = 64;
     c.gqa = 2;
     c.has_band = true;
-    c.role = {7, 0x7f};
+    c.role = {7};
     absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());
     ASSERT_TRUE(k.ok()) << k.status();
     EXPECT_TRUE(k->LoweredName("fused_fwd").ok()) << c.Name();
@@ -316,7 +342,7 @@ TEST(CudaDeviceHeaders, CompileWithNvcc) {
   c.arch = "sm_80";
   c.dtype = DType::kBF16;
   c.head_dim = 64;
-  c.role = {1, 0x1};
+  c.role = {1};
   absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
   ASSERT_TRUE(s.ok()) << s.status();
   const std::string dir = TempDir();

@@ -1,15 +1,17 @@
 // The CUDA kernels of jit/device/hsap_attention.cuh, run on the CPU by the emulator of
-// tests/jit/cuda_emulator.h (one std::thread per CUDA thread), against the fp64 reference
+// tests/support/cuda_emulator.h (one std::thread per CUDA thread), against the fp64 reference
 // under the project's rule:
 //   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
 // where `naive` is the same computation with every intermediate rounded to the storage type.
 // This checks the kernels' indexing, masking, online softmax, merges, barriers, shuffles
 // and the fused kernel's flag protocol on a machine without a GPU; tiles are small so that
-// several tiles, chunks and segments occur on short rows.
+// several tiles, chunks and segments occur on short rows. The configurations are those
+// jit/codegen_cuda emits (tests/support/emulator_configs.h, generated at build time).
 // The emulator must come before the device code.
 // clang-format off
 #include "tests/support/cuda_emulator.h"
 #include "jit/device/hsap_attention.cuh"
+#include "tests/support/emulator_configs.h"
 // clang-format on
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <cmath>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -25,27 +28,14 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
+#include "jit/cuda_kernels.h"
 #include "tests/support/attention_test_util.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap {
 namespace {
 
-// A configuration as jit/codegen_cuda emits it, with small tiles.
-template <typename StorageT, int kD, int kG, bool kBand, int kSteps>
-struct TestCfg {
-  using T = StorageT;
-  static constexpr int kHeadDim = kD;
-  static constexpr int kGqa = kG;
-  static constexpr int kBlockM = 32, kBlockN = 16, kThreads = 64;
-  static constexpr int kBwdBlockM = 16, kBwdBlockN = 16, kBwdThreads = 32;
-  static constexpr bool kHasBand = kBand;
-  static constexpr int kNumPeers = kSteps > 0 ? kSteps - 1 : 0;
-  static constexpr unsigned int kNvlinkPeerMask = 0;
-  static constexpr int kMaxSteps = kSteps;
-  static constexpr int kFwdSmemBytes = 4 * ((32 + 2 * 16) * (kD + 1) + 32 * 17);
-  static constexpr int kBwdSmemBytes = 4 * ((2 * 16 + 2 * 16) * (kD + 1) + 2 * 16 * 17);
-};
+using testing::SmallTileCfg;
 
 constexpr int kDim = 32;
 constexpr int kHeadsQ = 4;
@@ -121,21 +111,22 @@ Layout MixedLayout() {
   return *Layout::FromDocuments(cu, kinds, params);
 }
 
-Problem MakeProblem(Layout layout, DType dtype, uint64_t seed, int heads_kv = kHeadsKv) {
+Problem MakeProblem(Layout layout, DType dtype, uint64_t seed, int heads_kv = kHeadsKv,
+                    int heads_q = kHeadsQ, int head_dim = kDim) {
   std::mt19937_64 rng(seed);
   AttentionDims dims;
-  dims.heads_q = kHeadsQ;
+  dims.heads_q = heads_q;
   dims.heads_kv = heads_kv;
-  dims.head_dim = kDim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  dims.head_dim = head_dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t T = layout.num_tokens();
   Problem p{std::move(layout),
             dtype,
             dims,
-            RandomTensor(rng, dtype, T * kHeadsQ * kDim),
-            RandomTensor(rng, dtype, T * heads_kv * kDim),
-            RandomTensor(rng, dtype, T * heads_kv * kDim),
-            RandomTensor(rng, dtype, T * kHeadsQ * kDim)};
+            RandomTensor(rng, dtype, T * heads_q * head_dim),
+            RandomTensor(rng, dtype, T * heads_kv * head_dim),
+            RandomTensor(rng, dtype, T * heads_kv * head_dim),
+            RandomTensor(rng, dtype, T * heads_q * head_dim)};
   return p;
 }
 
@@ -176,9 +167,10 @@ std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
 }
 
 template <class Cfg>
-void LaunchInit(float* out, float* lse, int64_t rows) {
-  hsap_dev::InitParams p{out, lse, rows, kHeadsQ};
-  hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::init_partial_kernel<Cfg>(p); });
+void LaunchInit(float* out, float* lse, int64_t rows, int heads = kHeadsQ) {
+  hsap_dev::InitParams p{out, lse, rows, heads};
+  ASSERT_EQ(hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::init_partial_kernel<Cfg>(p); }),
+            absl::OkStatus());
 }
 
 // Forward of the work list `w` (q buffer = whole row, k/v buffer as given) into out/lse.
@@ -202,33 +194,38 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, const void* k, c
   fp.q_rows = p.T();
   fp.k_rows = k_rows;
   fp.num_blocks = static_cast<int>(blocks.size());
-  fp.heads_q = kHeadsQ;
+  fp.heads_q = p.dims.heads_q;
   fp.heads_kv = heads_kv;
   fp.scale = p.dims.scale;
   if (fp.num_blocks > 0) {
-    hsap_emu::Launch(fp.num_blocks, kHeadsQ, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
-                     [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); });
+    EXPECT_EQ(hsap_emu::Launch(fp.num_blocks, fp.heads_q, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
+                               [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); }),
+              absl::OkStatus());
   }
   return error_flag;
 }
 
-template <typename StorageT, DType kType>
-void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
-  using Cfg = TestCfg<StorageT, kDim, kHeadsQ / kHeadsKv, true, 0>;
-  Problem p = MakeProblem(MixedLayout(), kType, seed);
+// Forward, delta and backward of `p` with the kernels of Cfg against the reference; the
+// work list's query blocks have at most `block_rows` rows (more than Cfg::kBlockM: blocks
+// are processed in chunks).
+template <class Cfg>
+void CheckForwardAndBackward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
+  ASSERT_EQ(p.dims.head_dim, Cfg::kHeadDim);
+  const DType kType = p.dtype;
+  const int HQ = p.dims.heads_q, HKV = p.dims.heads_kv, D = p.dims.head_dim;
   p.dims.kv_head_of_q = kv_map;
   const int* kv_map_ptr = kv_map.empty() ? nullptr : kv_map.data();
   const int64_t T = p.T();
-  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 40);  // > kBlockM: chunked blocks
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
   ASSERT_TRUE(w.ok()) << w.status();
 
-  std::vector<float> out(T * kHeadsQ * kDim, 7.0f), lse(T * kHeadsQ, 7.0f);
-  LaunchInit<Cfg>(out.data(), lse.data(), T);
+  std::vector<float> out(T * HQ * D, 7.0f), lse(T * HQ, 7.0f);
+  LaunchInit<Cfg>(out.data(), lse.data(), T, HQ);
   for (float x : lse) ASSERT_EQ(x, -INFINITY);
   for (float x : out) ASSERT_EQ(x, 0.0f);
-  EXPECT_EQ(LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data(), kHeadsKv,
-                               kv_map_ptr),
-            0u);
+  EXPECT_EQ(
+      LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data(), HKV, kv_map_ptr),
+      0u);
 
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
@@ -239,19 +236,21 @@ void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
   // Backward from the kernel's own (out, lse), out stored in the storage type.
   Tensor out_stored(kType, out.size());
   hsap_dev::ConvertParams cp{out.data(), out_stored.data(), static_cast<long long>(out.size())};
-  hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::convert_out_kernel<Cfg>(cp); });
+  ASSERT_EQ(hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::convert_out_kernel<Cfg>(cp); }),
+            absl::OkStatus());
   for (size_t i = 0; i < out.size(); i += 97) {
     EXPECT_EQ(LoadAsFloat(kType, out_stored.data(), i), RoundTo(kType, out[i]));
   }
-  std::vector<float> delta(T * kHeadsQ, -1.0f);
-  hsap_dev::DeltaParams dp{p.dout.data(), out_stored.data(), delta.data(), T, kHeadsQ};
+  std::vector<float> delta(T * HQ, -1.0f);
+  hsap_dev::DeltaParams dp{p.dout.data(), out_stored.data(), delta.data(), T, HQ};
   // Fewer warps than items: the warp-stride loop covers the rest.
-  hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::attn_delta_kernel<Cfg>(dp); });
+  ASSERT_EQ(hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::attn_delta_kernel<Cfg>(dp); }),
+            absl::OkStatus());
   for (int64_t r = 0; r < T; r += 13) {
-    for (int h = 0; h < kHeadsQ; ++h) {
+    for (int h = 0; h < HQ; ++h) {
       double want = 0;
-      for (int d = 0; d < kDim; ++d) {
-        const size_t i = (r * kHeadsQ + h) * kDim + d;
+      for (int d = 0; d < D; ++d) {
+        const size_t i = (r * HQ + h) * D + d;
         want +=
             double{LoadAsFloat(kType, p.dout.data(), i)} * LoadAsFloat(kType, out_stored.data(), i);
       }
@@ -261,7 +260,7 @@ void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
 
   const auto blocks = DeviceBlocks(*w);
   const auto segments = DeviceSegments(*w);
-  std::vector<float> dq(out.size(), 0.0f), dk(T * kHeadsKv * kDim, 0.0f), dv(dk.size(), 0.0f);
+  std::vector<float> dq(out.size(), 0.0f), dk(T * HKV * D, 0.0f), dv(dk.size(), 0.0f);
   unsigned int error_flag = 0;
   hsap_dev::BwdParams bp{};
   bp.q = p.q.data();
@@ -280,11 +279,12 @@ void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
   bp.q_rows = T;
   bp.k_rows = T;
   bp.num_blocks = static_cast<int>(blocks.size());
-  bp.heads_q = kHeadsQ;
-  bp.heads_kv = kHeadsKv;
+  bp.heads_q = HQ;
+  bp.heads_kv = HKV;
   bp.scale = p.dims.scale;
-  hsap_emu::Launch(bp.num_blocks, kHeadsQ, Cfg::kBwdThreads, Cfg::kBwdSmemBytes, false,
-                   [&] { hsap_dev::attn_bwd_kernel<Cfg>(bp); });
+  ASSERT_EQ(hsap_emu::Launch(bp.num_blocks, HQ, Cfg::kBwdThreads, Cfg::kBwdSmemBytes, false,
+                             [&] { hsap_dev::attn_bwd_kernel<Cfg>(bp); }),
+            absl::OkStatus());
   EXPECT_EQ(error_flag, 0u);
   const ReferenceGradients gref = ReferenceBackward(p.layout, in, p.dout.data());
   const ReferenceGradients gnaive = NaiveBackward(p.layout, in, p.dout.data());
@@ -293,22 +293,46 @@ void CheckForwardAndBackward(uint64_t seed, std::vector<int> kv_map = {}) {
   ExpectWithinRule("dv", dv, gnaive.dv, gref.dv);
 }
 
-TEST(CudaEmulation, ForwardAndBackwardFp32) { CheckForwardAndBackward<float, DType::kF32>(1); }
+TEST(CudaEmulation, ForwardAndBackwardFp32) {
+  CheckForwardAndBackward<SmallTileCfg<float, kHeadsQ / kHeadsKv, true>>(
+      MakeProblem(MixedLayout(), DType::kF32, 1), 40);
+}
 TEST(CudaEmulation, ForwardAndBackwardBf16) {
-  CheckForwardAndBackward<hsap_dev::bf16, DType::kBF16>(2);
+  CheckForwardAndBackward<SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true>>(
+      MakeProblem(MixedLayout(), DType::kBF16, 2), 40);
 }
 TEST(CudaEmulation, ForwardAndBackwardFp16) {
-  CheckForwardAndBackward<hsap_dev::f16, DType::kF16>(3);
+  CheckForwardAndBackward<SmallTileCfg<hsap_dev::f16, kHeadsQ / kHeadsKv, true>>(
+      MakeProblem(MixedLayout(), DType::kF16, 3), 40);
 }
 // A non-contiguous query-head to kv-head map (HexiSeq head ranges), given at run time.
 TEST(CudaEmulation, ForwardAndBackwardWithKvHeadMap) {
-  CheckForwardAndBackward<float, DType::kF32>(8, {1, 0, 0, 1});
+  CheckForwardAndBackward<SmallTileCfg<float, kHeadsQ / kHeadsKv, true>>(
+      MakeProblem(MixedLayout(), DType::kF32, 8), 40, {1, 0, 0, 1});
+}
+
+// The tiles a GPU runs: the configuration ChooseCudaTiles gives a shipped variant (bf16, head
+// dim 128, 64x64 forward and 64x32 backward tiles on 128 threads), on a short row whose
+// documents end inside, at and across the 64-row tiles. Blocks of up to 160 rows are
+// processed in 64-row chunks.
+TEST(CudaEmulation, ForwardAndBackwardWithTheTilesOfTheGpu) {
+  using Cfg = testing::ChosenTileCfg<hsap_dev::bf16, 128, 1, true>;
+  static_assert(Cfg::kBlockM == 64 && Cfg::kBlockN == 64 && Cfg::kThreads == 128);
+  static_assert(Cfg::kBwdBlockM == 64 && Cfg::kBwdBlockN == 32 && Cfg::kBwdThreads == 128);
+  const std::vector<int64_t> cu = {0, 100, 164, 220};
+  const std::vector<MaskKind> kinds = {MaskKind::kCausal, MaskKind::kFull,
+                                       MaskKind::kSlidingWindow};
+  const std::vector<int64_t> params = {0, 0, 40};
+  absl::StatusOr<Layout> layout = Layout::FromDocuments(cu, kinds, params);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  CheckForwardAndBackward<Cfg>(
+      MakeProblem(*std::move(layout), DType::kBF16, 12, /*heads_kv=*/2, /*heads_q=*/2, 128), 160);
 }
 
 // Keys in two shards: two partial forwards (rows that see nothing in a shard keep lse
 // -inf), merged by the merge kernel, equal the whole-row reference.
 TEST(CudaEmulation, SplitKeysMergeKernel) {
-  using Cfg = TestCfg<float, kDim, kHeadsQ / kHeadsKv, true, 0>;
+  using Cfg = SmallTileCfg<float, kHeadsQ / kHeadsKv, true>;
   const Problem p = MakeProblem(MixedLayout(), DType::kF32, 4);
   const int64_t T = p.T();
   std::mt19937_64 rng(5);
@@ -351,7 +375,8 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
   EXPECT_TRUE(std::any_of(lses[0].begin(), lses[0].end(), [](float x) { return std::isinf(x); }));
   hsap_dev::MergeParams mp{
       outs[0].data(), lses[0].data(), outs[1].data(), lses[1].data(), T, kHeadsQ, T, T};
-  hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::lse_merge_kernel<Cfg>(mp); });
+  ASSERT_EQ(hsap_emu::Launch(2, 1, 64, 0, false, [&] { hsap_dev::lse_merge_kernel<Cfg>(mp); }),
+            absl::OkStatus());
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
   const ReferenceForwardResult naive = NaiveForward(p.layout, in);
@@ -367,7 +392,7 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
 // the error word), the kernel still finishes and balances every counter.
 template <int kSteps>
 void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready = false) {
-  using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, kSteps>;
+  using Cfg = SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true, kSteps>;
   const Problem p = MakeProblem(MixedLayout(), DType::kBF16, seed);
   const int64_t T = p.T();
   const std::vector<TokenRun> all = {{0, 0, T}};
@@ -441,8 +466,9 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::atomic_ref<unsigned int>(ready_flags[kSteps - 1]).store(1, std::memory_order_release);
   });
-  hsap_emu::Launch(copy_ctas + compute_ctas, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
-                   /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); });
+  EXPECT_EQ(hsap_emu::Launch(copy_ctas + compute_ctas, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
+                             /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); }),
+            absl::OkStatus());
   peer.join();
 
   EXPECT_EQ(error_flag, never_ready ? hsap_dev::kErrorPeerTimeout : 0u);
@@ -477,13 +503,13 @@ TEST(CudaEmulation, ContractViolationsAreFlagged) {
   std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
   {
     // A full-only variant given causal segments.
-    using FullOnly = TestCfg<float, kDim, kHeadsQ / kHeadsKv, false, 0>;
+    using FullOnly = SmallTileCfg<float, kHeadsQ / kHeadsKv, false>;
     LaunchInit<FullOnly>(out.data(), lse.data(), T);
     const unsigned int flag =
         LaunchForward<FullOnly>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data());
     EXPECT_EQ(flag, static_cast<unsigned int>(hsap_dev::kErrorBandInFullOnlyVariant));
   }
-  using Cfg = TestCfg<float, kDim, kHeadsQ / kHeadsKv, true, 0>;
+  using Cfg = SmallTileCfg<float, kHeadsQ / kHeadsKv, true>;
   {
     // heads_q != heads_kv * kGqa without a map.
     LaunchInit<Cfg>(out.data(), lse.data(), T);
@@ -501,8 +527,9 @@ TEST(CudaEmulation, ContractViolationsAreFlagged) {
   }
 }
 
-// The test configuration is one the generator emits for the same tiles.
-TEST(CudaEmulation, TestConfigMatchesTheGenerator) {
+// The emulated configurations are generated (tests/support/gen_emulator_configs.cc): their
+// constants are those of the generator's program for the same configuration.
+TEST(CudaEmulation, ConfigurationsAreTheGenerators) {
   jit::CudaKernelConfig c;
   c.arch = "sm_90";
   c.dtype = DType::kBF16;
@@ -514,17 +541,122 @@ TEST(CudaEmulation, TestConfigMatchesTheGenerator) {
   c.bwd_block_m = 16;
   c.bwd_block_n = 16;
   c.bwd_threads = 32;
-  c.role = {2, 0x3};
+  c.role = {2};
   absl::StatusOr<jit::CudaKernelSource> s = jit::GenerateCudaKernels(c);
   ASSERT_TRUE(s.ok()) << s.status();
-  using Cfg = TestCfg<hsap_dev::bf16, kDim, kHeadsQ / kHeadsKv, true, 3>;
+  using Cfg = SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true, 3>;
   EXPECT_EQ(s->tiles.fwd_smem_bytes, Cfg::kFwdSmemBytes);
   EXPECT_EQ(s->tiles.bwd_smem_bytes, Cfg::kBwdSmemBytes);
   EXPECT_THAT(s->source,
               ::testing::HasSubstr(absl::StrCat("kFwdSmemBytes = ", Cfg::kFwdSmemBytes, ";")));
   EXPECT_THAT(s->source, ::testing::HasSubstr("kMaxSteps = 3;"));
+  EXPECT_EQ(Cfg::kMaxSteps, 3);
   EXPECT_EQ(hsap_dev::FwdShape<Cfg>::kFwdSmemBytes, Cfg::kFwdSmemBytes);
   EXPECT_EQ(hsap_dev::BwdShape<Cfg>::kBwdSmemBytes, Cfg::kBwdSmemBytes);
+
+  // The GPU-tiled configuration is a shipped variant with the tiles ChooseCudaTiles picks.
+  using Gpu = testing::ChosenTileCfg<hsap_dev::bf16, 128, 1, true>;
+  jit::CudaKernelConfig shipped;
+  shipped.arch = "sm_90";
+  shipped.dtype = DType::kBF16;
+  shipped.head_dim = 128;
+  shipped.gqa = 1;
+  shipped.has_band = true;
+  bool found = false;
+  for (const jit::CudaKernelConfig& k : jit::ShippedCudaConfigs("sm_90")) {
+    found |= k.Name() == shipped.Name();
+  }
+  EXPECT_TRUE(found) << shipped.Name();
+  absl::StatusOr<jit::CudaTiles> tiles = jit::ChooseCudaTiles(shipped);
+  ASSERT_TRUE(tiles.ok()) << tiles.status();
+  EXPECT_EQ(tiles->block_m, Gpu::kBlockM);
+  EXPECT_EQ(tiles->block_n, Gpu::kBlockN);
+  EXPECT_EQ(tiles->threads, Gpu::kThreads);
+  EXPECT_EQ(tiles->bwd_block_m, Gpu::kBwdBlockM);
+  EXPECT_EQ(tiles->bwd_block_n, Gpu::kBwdBlockN);
+  EXPECT_EQ(tiles->bwd_threads, Gpu::kBwdThreads);
+  EXPECT_EQ(tiles->fwd_smem_bytes, Gpu::kFwdSmemBytes);
+  EXPECT_EQ(tiles->bwd_smem_bytes, Gpu::kBwdSmemBytes);
+}
+
+// 16-byte vector copies of `n` uint4 per thread at src + i and dst + i (the copy loop of
+// copy_slice, without its alignment test). Misaligned pointers are the point here, so the
+// undefined-behaviour sanitizer's alignment check (which would abort first) is off.
+__attribute__((no_sanitize("alignment"))) void CopyVectors(const unsigned char* src,
+                                                           unsigned char* dst) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+  d[i] = s[i];
+}
+
+// Two CTAs of 64 threads copy 16 bytes each; threads meet at barriers before and after.
+absl::Status LaunchVectorCopy(const unsigned char* src, unsigned char* dst) {
+  return hsap_emu::Launch(2, 1, 64, 0, /*all_concurrent=*/false, [&] {
+    __syncthreads();
+    CopyVectors(src, dst);
+    __syncthreads();
+    __syncwarp();
+  });
+}
+
+TEST(CudaEmulation, AlignedVectorCopiesRun) {
+  alignas(16) unsigned char src[2 * 64 * 16], dst[2 * 64 * 16] = {};
+  for (size_t i = 0; i < sizeof(src); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
+  ASSERT_EQ(LaunchVectorCopy(src, dst), absl::OkStatus());
+  EXPECT_EQ(std::vector<unsigned char>(dst, dst + sizeof(dst)),
+            std::vector<unsigned char>(src, src + sizeof(src)));
+}
+
+// A misaligned 16-byte load or store fails the launch with the GPU's "misaligned address"
+// (the other threads leave at their next barrier), and the process carries on.
+TEST(CudaEmulation, MisalignedVectorAccessFailsTheLaunch) {
+  alignas(16) unsigned char src[2 * 64 * 16 + 16] = {}, dst[2 * 64 * 16 + 16] = {};
+  for (auto [from, to, access] : {std::tuple{src + 4, dst, "load"}, {src, dst + 8, "store"}}) {
+    const absl::Status launched = LaunchVectorCopy(from, to);
+    EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
+    EXPECT_THAT(launched.message(), ::testing::HasSubstr("misaligned address"));
+    EXPECT_THAT(launched.message(), ::testing::HasSubstr(absl::StrCat("16-byte ", access)));
+  }
+  // The emulator is usable after a fault.
+  alignas(16) unsigned char copy[2 * 64 * 16];
+  EXPECT_EQ(LaunchVectorCopy(src, copy), absl::OkStatus());
+}
+
+// The same fault in a launch whose CTAs wait on one another: the waiting CTA stops too.
+TEST(CudaEmulation, MisalignedVectorAccessStopsWaitingCtas) {
+  alignas(16) unsigned char buf[64 * 16 + 16] = {};
+  unsigned int flag = 0;
+  const absl::Status launched = hsap_emu::Launch(2, 1, 64, 0, /*all_concurrent=*/true, [&] {
+    if (blockIdx.x == 0) {
+      CopyVectors(buf + 4, buf);  // faults; never signals
+      hsap_dev::cta_signal_add_gpu(&flag, 1);
+    } else {
+      hsap_dev::cta_wait_geq_gpu(&flag, 1);
+    }
+  });
+  EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
+  EXPECT_THAT(launched.message(), ::testing::HasSubstr("CTA (0, 0)"));
+  EXPECT_EQ(flag, 0u);
+}
+
+// The device code's own vector copy takes the 4-byte path when a pointer or the size is
+// not 16-byte aligned, so it never faults.
+TEST(CudaEmulation, CopySliceAvoidsMisalignedVectors) {
+  alignas(16) unsigned char src[1024 + 16], dst[1024 + 16] = {};
+  for (size_t i = 0; i < sizeof(src); ++i) src[i] = static_cast<unsigned char>(i * 13 + 5);
+  for (auto [from, to, bytes] :
+       {std::tuple{0, 0, 1024}, {4, 0, 1024}, {0, 12, 1000}, {8, 8, 1012}}) {
+    std::fill(std::begin(dst), std::end(dst), 0);
+    ASSERT_EQ(hsap_emu::Launch(
+                  2, 1, 64, 0, false,
+                  [&] { hsap_dev::copy_slice<64>(dst + to, src + from, bytes, blockIdx.x, 2); }),
+              absl::OkStatus())
+        << from << " " << to << " " << bytes;
+    EXPECT_EQ(std::vector<unsigned char>(dst + to, dst + to + bytes),
+              std::vector<unsigned char>(src + from, src + from + bytes))
+        << from << " " << to << " " << bytes;
+  }
 }
 
 }  // namespace

@@ -8,6 +8,10 @@
 // lane), dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
 // acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
 // A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
+// Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
+// stops the launch as the GPU's "misaligned address" error does: the faulting thread leaves,
+// the others leave at their next barrier or spin, no further CTA starts, and Launch returns
+// the error (the process carries on).
 // What is not: performance, the weak memory model of the GPU beyond what the C++ model
 // gives, PTX-specific rounding (conversions use attention/dtype.h, which rounds the same).
 #ifndef HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
@@ -24,9 +28,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "attention/dtype.h"
 
 #define __device__
@@ -39,8 +47,69 @@ struct EmuDim3 {
 };
 inline thread_local EmuDim3 threadIdx, blockIdx, blockDim, gridDim;
 
-struct uint4 {
+namespace hsap_emu {
+
+// A launch's fault: the first one is kept, and its flag stops every thread of the launch.
+struct LaunchState {
+  std::atomic<bool> faulted{false};
+  std::mutex mu;
+  std::string fault;
+};
+inline thread_local LaunchState* tl_launch = nullptr;
+
+// Thrown to take a thread out of a stopped launch (caught by Launch).
+struct LaunchStopped {};
+
+// Records a fault of the calling thread's launch and stops the thread.
+[[noreturn]] inline void Fault(const std::string& what) {
+  LaunchState* launch = tl_launch;
+  if (launch != nullptr) {
+    std::lock_guard<std::mutex> lock(launch->mu);
+    if (!launch->faulted.load()) {
+      launch->fault = absl::StrCat(what, " (thread ", threadIdx.x, " of CTA (", blockIdx.x, ", ",
+                                   blockIdx.y, "))");
+      launch->faulted.store(true);
+    }
+  }
+  throw LaunchStopped{};
+}
+
+// Leaves the kernel when another thread of the launch has faulted (called where a thread
+// would otherwise wait for the faulted one: barriers and spins).
+inline void StopIfFaulted() {
+  if (tl_launch != nullptr && tl_launch->faulted.load(std::memory_order_relaxed)) {
+    throw LaunchStopped{};
+  }
+}
+
+// A 16-byte access must be 16-byte aligned. The empty asm hides the address from the
+// optimiser, which may otherwise assume an aligned uint4* and fold the test away.
+inline void CheckVectorAccess(const void* p, const char* access) {
+  auto address = reinterpret_cast<std::uintptr_t>(p);
+  asm("" : "+r"(address));
+  if ((address & 15u) != 0) {
+    Fault(absl::StrCat("misaligned address: 16-byte ", access, " at 0x", absl::Hex(address)));
+  }
+}
+
+}  // namespace hsap_emu
+
+// CUDA's 16-byte vector. Copies are the loads and stores device code makes of it, so they
+// check both addresses, as the GPU's vector instructions do.
+struct alignas(16) uint4 {
   unsigned int x, y, z, w;
+
+  uint4() = default;
+  uint4(const uint4& other) {
+    hsap_emu::CheckVectorAccess(&other, "load");
+    x = other.x, y = other.y, z = other.z, w = other.w;
+  }
+  uint4& operator=(const uint4& other) {
+    hsap_emu::CheckVectorAccess(&other, "load");
+    hsap_emu::CheckVectorAccess(this, "store");
+    x = other.x, y = other.y, z = other.z, w = other.w;
+    return *this;
+  }
 };
 
 namespace hsap_emu {
@@ -59,7 +128,10 @@ struct Cta {
 
 inline thread_local Cta* tl_cta = nullptr;
 
-inline void SyncWarp() { tl_cta->warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
+inline void SyncWarp() {
+  tl_cta->warp_bars[threadIdx.x / 32]->arrive_and_wait();
+  StopIfFaulted();
+}
 
 inline float ShflXor(float v, int offset) {
   float* slots = tl_cta->shfl.data() + (threadIdx.x / 32) * 32;
@@ -75,8 +147,11 @@ inline float ShflXor(float v, int offset) {
 // `all_concurrent` every CTA runs at once (kernels whose CTAs wait on one another, like a
 // cooperative launch); otherwise CTAs run in batches of kBatch (independent CTAs; batching
 // bounds the number of threads while overlapping the barrier round trips of several CTAs).
-inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t smem_bytes,
-                   bool all_concurrent, const std::function<void()>& kernel) {
+// Internal with the fault's description when a thread faulted.
+[[nodiscard]] inline absl::Status Launch(unsigned int grid_x, unsigned int grid_y, int threads,
+                                         size_t smem_bytes, bool all_concurrent,
+                                         const std::function<void()>& kernel) {
+  LaunchState launch;
   struct Item {
     unsigned int bx, by;
   };
@@ -92,13 +167,19 @@ inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t
       Cta* cta = ctas.back().get();
       const Item item = items[i];
       for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([=, &kernel] {
+        pool.emplace_back([=, &kernel, &launch] {
           threadIdx = {static_cast<unsigned int>(t), 0, 0};
           blockIdx = {item.bx, item.by, 0};
           blockDim = {static_cast<unsigned int>(threads), 1, 1};
           gridDim = {grid_x, grid_y, 1};
           tl_cta = cta;
-          kernel();
+          tl_launch = &launch;
+          try {
+            kernel();
+          } catch (const LaunchStopped&) {
+            // Left the kernel: faulted, or stopped by another thread's fault.
+          }
+          tl_launch = nullptr;
           cta->warp_bars[t / 32]->arrive_and_drop();
           cta->bar.arrive_and_drop();
         });
@@ -110,15 +191,22 @@ inline void Launch(unsigned int grid_x, unsigned int grid_y, int threads, size_t
   if (all_concurrent) {
     run_ctas(0, items.size());
   } else {
-    for (size_t i = 0; i < items.size(); i += kBatch) {
+    for (size_t i = 0; i < items.size() && !launch.faulted.load(); i += kBatch) {
       run_ctas(i, std::min(kBatch, items.size() - i));
     }
   }
+  if (launch.faulted.load()) {
+    return absl::InternalError(absl::StrCat("emulated kernel launch failed: ", launch.fault));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace hsap_emu
 
-inline void __syncthreads() { hsap_emu::tl_cta->bar.arrive_and_wait(); }
+inline void __syncthreads() {
+  hsap_emu::tl_cta->bar.arrive_and_wait();
+  hsap_emu::StopIfFaulted();
+}
 inline void __syncwarp(unsigned int = 0xffffffffu) { hsap_emu::SyncWarp(); }
 inline float __shfl_xor_sync(unsigned int, float v, int offset) {
   return hsap_emu::ShflXor(v, offset);
@@ -132,7 +220,10 @@ inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-inline void __nanosleep(unsigned int) { std::this_thread::yield(); }
+inline void __nanosleep(unsigned int) {
+  hsap_emu::StopIfFaulted();
+  std::this_thread::yield();
+}
 
 inline float hsap_emu_f16_to_float(unsigned short bits) {
   return hsap::F16ToFloat(hsap::F16{bits});

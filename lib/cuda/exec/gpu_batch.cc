@@ -292,7 +292,7 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   config.has_band = false;
   for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
   // The fused kernel takes up to 8 stages per launch (more run as further launches).
-  if (fused) config.role = {7, 0x7f};
+  if (fused) config.role = {7};
   if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
     return absl::Status(s.code(),
                         absl::StrCat("the CUDA kernels cannot serve this batch: ", s.message()));

@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "jit/cache.h"
 #include "jit/cuda_kernels.h"
+#include "lib/cuda/exec/launch_grid.h"
 
 namespace hsap::cuda {
 namespace {
@@ -106,32 +108,30 @@ class JitDeviceKernels : public DeviceKernels {
   }
 
   absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
-    if (p.num_blocks == 0 || p.heads_q == 0) return absl::OkStatus();
-    return Launch(fwd_, "attention forward", p.num_blocks, p.heads_q, &p, s);
+    HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
+    return Launch(fwd_, "attention forward", grid, &p, s);
   }
   absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
-    if (p.num_blocks == 0 || p.heads_q == 0) return absl::OkStatus();
-    return Launch(bwd_, "attention backward", p.num_blocks, p.heads_q, &p, s);
+    HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
+    return Launch(bwd_, "attention backward", grid, &p, s);
   }
   absl::Status Delta(const hsap_dev::DeltaParams& p, cudaStream s) const override {
-    return Launch(delta_, "delta", HelperGrid(p.rows * p.heads * 32), 1, &p, s);
+    return Launch(delta_, "delta", HelperGrid(p, helper_ctas_), &p, s);
   }
   absl::Status Init(const hsap_dev::InitParams& p, cudaStream s) const override {
-    return Launch(init_, "init", HelperGrid(p.rows * p.heads * 4), 1, &p, s);
+    return Launch(init_, "init", HelperGrid(p, helper_ctas_), &p, s);
   }
   absl::Status Convert(const hsap_dev::ConvertParams& p, cudaStream s) const override {
-    return Launch(convert_, "convert", HelperGrid(p.count), 1, &p, s);
+    return Launch(convert_, "convert", HelperGrid(p, helper_ctas_), &p, s);
   }
   absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const override {
-    return Launch(accumulate_, "accumulate", HelperGrid(p.count), 1, &p, s);
+    return Launch(accumulate_, "accumulate", HelperGrid(p, helper_ctas_), &p, s);
   }
   absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
-    if (p.num_chunks == 0) return absl::OkStatus();
-    return Launch(copy_chunks_, "copy chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+    return Launch(copy_chunks_, "copy chunks", HelperGrid(p, helper_ctas_), &p, s);
   }
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
-    if (p.num_chunks == 0) return absl::OkStatus();
-    return Launch(add_chunks_, "add chunks", HelperGrid(p.num_chunks * 256), 1, &p, s);
+    return Launch(add_chunks_, "add chunks", HelperGrid(p, helper_ctas_), &p, s);
   }
 
   int max_fused_steps() const override { return max_fused_steps_; }
@@ -144,18 +144,9 @@ class JitDeviceKernels : public DeviceKernels {
                                               "take at most ", max_fused_steps_));
     }
     if (steps == 0) return absl::OkStatus();
-    // Compute CTAs: enough for the largest step, within this launch's share of residency.
-    long long work = 1;
-    for (const hsap_dev::FusedStep& st : launch.steps) {
-      work = std::max<long long>(work, static_cast<long long>(st.num_blocks) * launch.head.heads_q);
-    }
-    const int resident = fused_resident_ / std::max(1, launch.share);
-    const long long compute = std::min<long long>(work, resident - fused_copy_ctas_);
-    if (compute < 1) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the fused forward needs ", fused_copy_ctas_ + 1, " resident CTAs; this GPU keeps ",
-          fused_resident_, " resident, shared by ", launch.share, " ranks"));
-    }
+    HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid,
+                          FusedForwardGrid(launch.steps, launch.head.heads_q, fused_resident_,
+                                           launch.share, fused_copy_ctas_));
     // FusedFwdParamsT<kMaxSteps>: the head, then kMaxSteps steps (unused ones zero).
     std::vector<char> params(kFusedStepsOffset + max_fused_steps_ * sizeof(hsap_dev::FusedStep), 0);
     hsap_dev::FusedFwdHead head = launch.head;
@@ -164,8 +155,7 @@ class JitDeviceKernels : public DeviceKernels {
     std::memcpy(params.data(), &head, sizeof(head));
     std::memcpy(params.data() + kFusedStepsOffset, launch.steps.data(),
                 launch.steps.size() * sizeof(hsap_dev::FusedStep));
-    return Launch(fused_, "fused forward", static_cast<unsigned>(fused_copy_ctas_ + compute), 1,
-                  params.data(), s);
+    return Launch(fused_, "fused forward", grid, params.data(), s);
   }
 
  private:
@@ -178,24 +168,20 @@ class JitDeviceKernels : public DeviceKernels {
 
   JitDeviceKernels() = default;
 
-  // CTAs of 256 threads for `threads_wanted` threads of work, at most helper_ctas_.
-  unsigned HelperGrid(long long threads_wanted) const {
-    const long long ctas = (threads_wanted + 255) / 256;
-    return static_cast<unsigned>(std::clamp<long long>(ctas, 1, helper_ctas_));
-  }
-
+  // An empty grid launches nothing.
   template <typename Params>
-  absl::Status Launch(const Kernel& k, const char* what, unsigned grid_x, unsigned grid_y,
-                      const Params* params, cudaStream s) const {
+  absl::Status Launch(const Kernel& k, const char* what, LaunchGrid grid, const Params* params,
+                      cudaStream s) const {
+    if (grid.empty()) return absl::OkStatus();
     void* args[] = {const_cast<void*>(static_cast<const void*>(params))};
     if (absl::Status st = driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent");
         !st.ok()) {
       return st;
     }
     return driver_->Check(
-        driver_->LaunchKernel(k.function, grid_x, grid_y, 1, static_cast<unsigned>(k.threads), 1, 1,
+        driver_->LaunchKernel(k.function, grid.x, grid.y, 1, static_cast<unsigned>(k.threads), 1, 1,
                               static_cast<unsigned>(k.smem), s, args, nullptr),
-        absl::StrCat("cuLaunchKernel(", what, ", grid ", grid_x, "x", grid_y, ", ", k.threads,
+        absl::StrCat("cuLaunchKernel(", what, ", grid ", grid.x, "x", grid.y, ", ", k.threads,
                      " threads, ", k.smem, " B shared)"));
   }
 

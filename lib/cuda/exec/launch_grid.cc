@@ -1,0 +1,62 @@
+#include "lib/cuda/exec/launch_grid.h"
+
+#include <algorithm>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace hsap::cuda {
+
+absl::StatusOr<LaunchGrid> AttentionGrid(long long num_blocks, long long heads_q) {
+  if (num_blocks < 0 || heads_q < 0 || num_blocks > kMaxGridX || heads_q > kMaxGridY) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "an attention launch of ", num_blocks, " query blocks x ", heads_q,
+        " query heads: one CTA each needs a grid of at most ", kMaxGridX, " x ", kMaxGridY));
+  }
+  if (num_blocks == 0 || heads_q == 0) return LaunchGrid{};
+  return LaunchGrid{static_cast<unsigned int>(num_blocks), static_cast<unsigned int>(heads_q)};
+}
+
+LaunchGrid HelperGrid(long long threads_wanted, long long max_ctas) {
+  // Rounded up without forming threads_wanted + 255, which overflows near the maximum.
+  const long long ctas = threads_wanted / kHelperThreads + (threads_wanted % kHelperThreads > 0);
+  const long long cap = std::clamp<long long>(max_ctas, 1, kMaxGridX);
+  return LaunchGrid{static_cast<unsigned int>(std::clamp<long long>(ctas, 1, cap)), 1};
+}
+
+LaunchGrid HelperGrid(const hsap_dev::DeltaParams& p, long long max_ctas) {
+  return HelperGrid(p.rows * p.heads * 32, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::InitParams& p, long long max_ctas) {
+  return HelperGrid(p.rows * p.heads * 4, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::ConvertParams& p, long long max_ctas) {
+  return HelperGrid(p.count, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::AccumulateParams& p, long long max_ctas) {
+  return HelperGrid(p.count, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::ChunksParams& p, long long max_ctas) {
+  if (p.num_chunks <= 0) return LaunchGrid{};
+  return HelperGrid(p.num_chunks * kHelperThreads, max_ctas);
+}
+
+absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep> steps,
+                                            int heads_q, long long resident_ctas, int share,
+                                            int copy_ctas) {
+  if (steps.empty()) return LaunchGrid{};
+  long long work = 1;
+  for (const hsap_dev::FusedStep& step : steps) {
+    work = std::max<long long>(work, static_cast<long long>(step.num_blocks) * heads_q);
+  }
+  const long long resident = resident_ctas / std::max(1, share);
+  const long long compute = std::min({work, resident - copy_ctas, kMaxGridX - copy_ctas});
+  if (compute < 1) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the fused forward needs ", copy_ctas + 1, " resident CTAs; this GPU keeps ",
+                     resident_ctas, " resident, shared by ", share, " ranks"));
+  }
+  return LaunchGrid{static_cast<unsigned int>(copy_ctas + compute), 1};
+}
+
+}  // namespace hsap::cuda

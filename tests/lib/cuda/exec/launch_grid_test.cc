@@ -1,0 +1,133 @@
+#include "lib/cuda/exec/launch_grid.h"
+
+#include <climits>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace hsap::cuda {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(AttentionGrid, OneCtaPerQueryBlockAndHead) {
+  absl::StatusOr<LaunchGrid> g = AttentionGrid(7, 3);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (LaunchGrid{7, 3}));
+  EXPECT_FALSE(g->empty());
+}
+
+TEST(AttentionGrid, NoWorkIsAnEmptyGrid) {
+  for (auto [blocks, heads] : {std::pair{0LL, 8LL}, {5LL, 0LL}, {0LL, 0LL}}) {
+    absl::StatusOr<LaunchGrid> g = AttentionGrid(blocks, heads);
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_TRUE(g->empty()) << blocks << " x " << heads;
+  }
+}
+
+TEST(AttentionGrid, ReachesTheGridLimitsExactly) {
+  absl::StatusOr<LaunchGrid> g = AttentionGrid(kMaxGridX, kMaxGridY);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->x, 2147483647u);
+  EXPECT_EQ(g->y, 65535u);
+}
+
+// The kernels do not loop over blocks or heads: work beyond the grid is refused, never cut.
+TEST(AttentionGrid, WorkBeyondTheGridIsInvalid) {
+  for (auto [blocks, heads] : {std::pair{1LL, kMaxGridY + 1},
+                               {kMaxGridX + 1, 1LL},
+                               {LLONG_MAX, LLONG_MAX},
+                               {-1LL, 4LL},
+                               {4LL, -1LL}}) {
+    absl::StatusOr<LaunchGrid> g = AttentionGrid(blocks, heads);
+    ASSERT_FALSE(g.ok()) << blocks << " x " << heads;
+    EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(g.status().message(), HasSubstr("65535"));
+  }
+}
+
+TEST(HelperGrid, RoundsUpToWholeCtas) {
+  EXPECT_EQ(HelperGrid(1, 100), (LaunchGrid{1, 1}));
+  EXPECT_EQ(HelperGrid(256, 100), (LaunchGrid{1, 1}));
+  EXPECT_EQ(HelperGrid(257, 100), (LaunchGrid{2, 1}));
+  EXPECT_EQ(HelperGrid(256 * 37, 100), (LaunchGrid{37, 1}));
+}
+
+// No work still launches one CTA, whose grid-stride loop does nothing.
+TEST(HelperGrid, NoWorkIsOneCta) {
+  EXPECT_EQ(HelperGrid(0, 100), (LaunchGrid{1, 1}));
+  EXPECT_EQ(HelperGrid(-5, 100), (LaunchGrid{1, 1}));
+}
+
+TEST(HelperGrid, CappedByTheDeviceAndTheGridLimit) {
+  EXPECT_EQ(HelperGrid(256 * 1000, 264), (LaunchGrid{264, 1}));
+  EXPECT_EQ(HelperGrid(LLONG_MAX, 264), (LaunchGrid{264, 1}));
+  EXPECT_EQ(HelperGrid(LLONG_MAX, LLONG_MAX), (LaunchGrid{2147483647u, 1}));
+  EXPECT_EQ(HelperGrid(1000, 0), (LaunchGrid{1, 1}));  // a cap below one CTA: one CTA
+}
+
+TEST(HelperGrid, EachKernelByItsThreadsOfWork) {
+  // Delta: a warp per (row, head): 10 rows x 4 heads x 32 = 1280 threads = 5 CTAs.
+  EXPECT_EQ(HelperGrid(hsap_dev::DeltaParams{nullptr, nullptr, nullptr, 10, 4}, 100).x, 5u);
+  // Init: 4 threads per (row, head): 100 x 8 x 4 = 3200 threads = 12.5 CTAs.
+  EXPECT_EQ(HelperGrid(hsap_dev::InitParams{nullptr, nullptr, 100, 8}, 100).x, 13u);
+  EXPECT_EQ(HelperGrid(hsap_dev::ConvertParams{nullptr, nullptr, 513}, 100).x, 3u);
+  EXPECT_EQ(HelperGrid(hsap_dev::AccumulateParams{nullptr, nullptr, 512}, 100).x, 2u);
+  // Chunks: a CTA per chunk; none: nothing to launch.
+  EXPECT_EQ(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 9}, 100).x, 9u);
+  EXPECT_TRUE(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 0}, 100).empty());
+  EXPECT_EQ(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 1LL << 40}, 100).x, 100u);
+  // Very large rows stay in range.
+  EXPECT_EQ(HelperGrid(hsap_dev::DeltaParams{nullptr, nullptr, nullptr, 1LL << 40, 64}, 132).x,
+            132u);
+}
+
+std::vector<hsap_dev::FusedStep> Steps(std::vector<int> num_blocks) {
+  std::vector<hsap_dev::FusedStep> steps(num_blocks.size());
+  for (size_t i = 0; i < steps.size(); ++i) steps[i].num_blocks = num_blocks[i];
+  return steps;
+}
+
+TEST(FusedForwardGrid, CopyCtasThenComputeForTheLargestStep) {
+  // Largest step: 5 blocks x 4 heads = 20 compute CTAs, after 2 copy CTAs.
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({3, 5, 1}), 4, 1000, 1, 2);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (LaunchGrid{22, 1}));
+}
+
+TEST(FusedForwardGrid, ComputeWithinTheLaunchsPartOfResidency) {
+  // 264 resident, 3 ranks sharing: 88 each, 8 of them copy CTAs.
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({1000}), 8, 264, 3, 8);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (LaunchGrid{88, 1}));
+}
+
+// Steps without work still get one compute CTA (the protocol needs one to consume).
+TEST(FusedForwardGrid, NoWorkIsOneComputeCta) {
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({0, 0}), 4, 100, 1, 1);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(*g, (LaunchGrid{2, 1}));
+  g = FusedForwardGrid({}, 4, 100, 1, 1);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_TRUE(g->empty());
+}
+
+TEST(FusedForwardGrid, NoRoomForAComputeCtaIsResourceExhausted) {
+  // 5 resident shared by 3 ranks: 1 each, all of it the copy CTA.
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({4}), 2, 5, 3, 1);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(g.status().message(), HasSubstr("needs 2 resident CTAs"));
+  EXPECT_THAT(g.status().message(), HasSubstr("shared by 3 ranks"));
+  EXPECT_FALSE(FusedForwardGrid(Steps({4}), 2, 0, 1, 1).ok());
+}
+
+TEST(FusedForwardGrid, VeryLargeResidencyStaysWithinGridX) {
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({INT_MAX}), 65535, LLONG_MAX, 1, 8);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->x, 2147483647u);
+}
+
+}  // namespace
+}  // namespace hsap::cuda
