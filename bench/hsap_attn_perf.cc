@@ -41,6 +41,7 @@
 #include "lib/cuda/runtime/cuda_loader.h"
 #include "lib/sched/hierarchy.h"
 #include "lib/sched/partition.h"
+#include "lib/sched/plan_json.h"
 
 namespace {
 

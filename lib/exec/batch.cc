@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lib/exec/hierarchical_executor.h"
+#include "lib/sched/plan_json.h"
 
 namespace hsap {
 namespace {
