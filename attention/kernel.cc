@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "attention/layout.h"
 #include "attention/merge.h"
 #include "attention/parallel.h"
 
@@ -300,9 +301,9 @@ absl::Status CheckWork(const WorkList& work, int64_t q_rows, int64_t k_rows) {
     const KeySegment& seg = work.segments[s];
     if (seg.k_begin < 0 || seg.k_begin > seg.k_end || seg.k_end > k_rows ||
         seg.diag_lo > seg.diag_hi) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("work.segments[", s, "] = {k [", seg.k_begin, ", ", seg.k_end, "), diag [",
-                       seg.diag_lo, ", ", seg.diag_hi, "]} does not fit k_rows = ", k_rows));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "work.segments[", s, "] = {k [", seg.k_begin, ", ", seg.k_end, "), ",
+          DescribeDiagBand(seg.diag_lo, seg.diag_hi), "} does not fit k_rows = ", k_rows));
     }
   }
   return absl::OkStatus();

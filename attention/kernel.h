@@ -16,10 +16,10 @@
 // over the listed blocks and the q heads of the group in a fixed order, then (q head,
 // block) tasks produce dq: no atomics, no order that depends on the thread count.
 //
-// Accuracy (tests/attention/kernel_test.cc): for out, lse, dq, dk and dv,
-//   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
-// where ref is ReferenceForward/Backward (fp64) and naive is NaiveForward/Backward (every
-// intermediate rounded to the storage type). Rows that see no key stay exactly (0, -inf).
+// Accuracy (tests/attention/kernel_test.cc): out, lse, dq, dk and dv meet the rule of
+// attention/tolerance.h with the kernels' floor,
+//   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|).
+// Rows that see no key stay exactly (0, -inf).
 #ifndef HSAP_ATTENTION_KERNEL_H_
 #define HSAP_ATTENTION_KERNEL_H_
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 #include <queue>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -46,11 +47,6 @@ uint64_t Mix(uint64_t h, uint64_t v) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
-}
-
-std::string SliceString(const MaskSlice& s) {
-  return absl::StrCat("{q [", s.q_begin, ", ", s.q_end, "), k [", s.k_begin, ", ", s.k_end,
-                      "), diag [", s.diag_lo, ", ", s.diag_hi, "]}");
 }
 
 // Reports every pair of slices whose rectangles overlap, in O(n log n + overlapping pairs
@@ -120,8 +116,8 @@ absl::Status CheckNoOverlap(const std::vector<MaskSlice>& slices) {
         if (lo_band <= hi_band) {
           return absl::InvalidArgumentError(absl::StrCat(
               "slices overlap: slices[", std::min(id, other_id), "] ",
-              SliceString(slices[std::min(id, other_id)]), " and slices[", std::max(id, other_id),
-              "] ", SliceString(slices[std::max(id, other_id)]),
+              slices[std::min(id, other_id)].ToString(), " and slices[", std::max(id, other_id),
+              "] ", slices[std::max(id, other_id)].ToString(),
               " share visible (query, key) pairs; every pair must belong to one slice"));
         }
         continue;
@@ -150,6 +146,20 @@ int64_t CountPairsInBand(int64_t q_begin, int64_t q_end, int64_t k_begin, int64_
   const int64_t below_lo =
       lo <= -kNoDiagLimit ? 0 : PairsAtOrBelow(q_begin, q_end, k_begin, k_end, lo - 1);
   return below_hi - below_lo;
+}
+
+std::string DescribeDiagBand(int64_t diag_lo, int64_t diag_hi) {
+  const bool open_below = diag_lo <= -kNoDiagLimit, open_above = diag_hi >= kNoDiagLimit;
+  if (open_below && open_above) return "full";
+  if (diag_hi == 0 && open_below) return "causal";
+  if (diag_hi == 0 && diag_lo <= 0) return absl::StrCat("causal, window ", 1 - diag_lo);
+  return absl::StrCat("diag [", open_below ? "-inf" : absl::StrCat(diag_lo), ", ",
+                      open_above ? "+inf" : absl::StrCat(diag_hi), "]");
+}
+
+std::string MaskSlice::ToString() const {
+  return absl::StrCat("{q [", q_begin, ", ", q_end, "), k [", k_begin, ", ", k_end, "), ",
+                      DescribeDiagBand(diag_lo, diag_hi), "}");
 }
 
 MaskSlice MaskSlice::Full(int64_t q_begin, int64_t q_end, int64_t k_begin, int64_t k_end) {
@@ -288,7 +298,7 @@ absl::StatusOr<Layout> Layout::FromSlices(int64_t num_tokens, std::vector<MaskSl
   }
   for (size_t i = 0; i < slices.size(); ++i) {
     MaskSlice& s = slices[i];
-    const std::string where = absl::StrCat("slices[", i, "] ", SliceString(s));
+    const std::string where = absl::StrCat("slices[", i, "] ", s.ToString());
     if (s.q_begin < 0 || s.q_end > num_tokens || s.k_begin < 0 || s.k_end > num_tokens) {
       return absl::InvalidArgumentError(
           absl::StrCat(where, " lies outside the row [0, ", num_tokens, ")"));

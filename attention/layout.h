@@ -8,6 +8,7 @@
 #define HSAP_ATTENTION_LAYOUT_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -58,9 +59,17 @@ struct MaskSlice {
   // Number of visible (q, k) pairs with q in [qb, qe) and k in [kb, ke); O(1) closed form.
   int64_t VisiblePairsIn(int64_t qb, int64_t qe, int64_t kb, int64_t ke) const;
   int64_t VisiblePairs() const { return VisiblePairsIn(q_begin, q_end, k_begin, k_end); }
+  // The slice as its author wrote it, for messages: "{q [0, 8), k [0, 8), causal, window 4}"
+  // (see DescribeDiagBand).
+  std::string ToString() const;
 
   friend bool operator==(const MaskSlice&, const MaskSlice&) = default;
 };
+
+// A diagonal band in the user's words, never with the kNoDiagLimit sentinel: "full",
+// "causal", "causal, window w" (the bands of MaskSlice::Full and MaskSlice::Causal), else
+// "diag [lo, hi]" with "-inf" / "+inf" for an unlimited side.
+std::string DescribeDiagBand(int64_t diag_lo, int64_t diag_hi);
 
 // #{(q, k) : q in [q_begin, q_end), k in [k_begin, k_end), lo <= k - q <= hi}, in O(1).
 // lo <= -kNoDiagLimit / hi >= kNoDiagLimit mean no bound on that side.

@@ -21,6 +21,7 @@
 #include "attention/layout.h"
 #include "attention/parallel.h"
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "bench/bench_util.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
@@ -204,7 +205,8 @@ struct Buffer {
   size_t size() const { return static_cast<size_t>(t.numTokens) * t.numHeads * t.headDim; }
 };
 
-// Elements of `got` with |got - ref| > 2 * (max naive error) + floor: the tolerance rule.
+// Elements of `got` outside the tolerance rule of the tests (attention/tolerance.h) for
+// results stored in `dtype`.
 int64_t CountWrong(hsap::DType dtype, const Buffer& got, const std::vector<double>& ref,
                    const std::vector<double>& naive) {
   double naive_err = 0.0, magnitude = 1.0;
@@ -212,10 +214,7 @@ int64_t CountWrong(hsap::DType dtype, const Buffer& got, const std::vector<doubl
     naive_err = std::max(naive_err, std::abs(naive[i] - ref[i]));
     magnitude = std::max(magnitude, std::abs(ref[i]));
   }
-  const double unit = dtype == hsap::DType::kF32    ? std::ldexp(1.0, -24)
-                      : dtype == hsap::DType::kBF16 ? std::ldexp(1.0, -8)
-                                                    : std::ldexp(1.0, -11);
-  const double tol = 2.0 * naive_err + 4.0 * unit * magnitude;
+  const double tol = hsap::ToleranceBound(naive_err, magnitude, hsap::StorageFloor(dtype));
   int64_t wrong = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double e = std::abs(hsap::LoadAsFloat(dtype, got.bytes.data(), i) - ref[i]);

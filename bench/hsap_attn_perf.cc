@@ -31,6 +31,7 @@
 #include "attention/dtype.h"
 #include "attention/layout.h"
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "bench/bench_util.h"
 #include "bench/cudnn_attention.h"
 #include "hsap/hsap.h"
@@ -41,6 +42,7 @@
 #include "lib/cuda/runtime/cuda_loader.h"
 #include "lib/sched/hierarchy.h"
 #include "lib/sched/partition.h"
+#include "lib/sched/plan_json.h"
 
 namespace {
 
@@ -373,8 +375,8 @@ class DeviceCopies {
   std::vector<std::pair<std::vector<uint8_t>*, void*>> placed_;
 };
 
-// Elements of `got` with |got - ref| > 2 * (max naive error) + 4 rounding units of the
-// result's magnitude: the tolerance rule of the tests.
+// Elements of `got` outside the tolerance rule of the tests (attention/tolerance.h) for
+// results stored in `dtype`.
 int64_t CountWrong(hsap::DType dtype, const uint8_t* got, const std::vector<double>& ref,
                    const std::vector<double>& naive) {
   double naive_err = 0.0, magnitude = 1.0;
@@ -382,10 +384,7 @@ int64_t CountWrong(hsap::DType dtype, const uint8_t* got, const std::vector<doub
     naive_err = std::max(naive_err, std::abs(naive[i] - ref[i]));
     magnitude = std::max(magnitude, std::abs(ref[i]));
   }
-  const double unit = dtype == hsap::DType::kF32    ? std::ldexp(1.0, -24)
-                      : dtype == hsap::DType::kBF16 ? std::ldexp(1.0, -8)
-                                                    : std::ldexp(1.0, -11);
-  const double tol = 2.0 * naive_err + 4.0 * unit * magnitude;
+  const double tol = hsap::ToleranceBound(naive_err, magnitude, hsap::StorageFloor(dtype));
   int64_t wrong = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
     const double e = std::abs(hsap::LoadAsFloat(dtype, got, i) - ref[i]);

@@ -23,6 +23,7 @@
 #include "lib/planner/planner.h"
 #include "lib/planner/simulator.h"
 #include "lib/sched/plan.h"
+#include "lib/sched/plan_json.h"
 
 namespace {
 

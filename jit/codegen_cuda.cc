@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "jit/embed_file.h"
 #include "jit/nvrtc.h"
 
 // Included for the build's dependency tracking only: the .cuh bodies are visible to CUDA
@@ -11,31 +12,11 @@
 #include "jit/device/hsap_params.cuh"
 #include "jit/device/hsap_sync.cuh"
 
-// The device headers' text, embedded at build time with the assembler's .incbin (no build
-// step, no copy of the text in a C++ string that could drift from the files).
-#define HSAP_EMBED_FILE(symbol, file)                  \
-  __asm__(                                             \
-      ".pushsection .rodata\n"                         \
-      ".balign 16\n"                                   \
-      ".global " #symbol                               \
-      "\n"                                             \
-      ".hidden " #symbol "\n" #symbol                  \
-      ":\n"                                            \
-      ".incbin \"" HSAP_SOURCE_DIR "/jit/device/" file \
-      "\"\n"                                           \
-      ".global " #symbol                               \
-      "_end\n"                                         \
-      ".hidden " #symbol "_end\n" #symbol              \
-      "_end:\n"                                        \
-      ".byte 0\n"                                      \
-      ".popsection\n");                                \
-  extern "C" const char symbol[];                      \
-  extern "C" const char symbol##_end[]
-
-HSAP_EMBED_FILE(hsap_embedded_params_cuh, "hsap_params.cuh");
-HSAP_EMBED_FILE(hsap_embedded_device_cuh, "hsap_device.cuh");
-HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "hsap_sync.cuh");
-HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "hsap_attention.cuh");
+// The device headers' text, embedded at build time (jit/embed_file.h).
+HSAP_EMBED_FILE(hsap_embedded_params_cuh, "jit/device/hsap_params.cuh");
+HSAP_EMBED_FILE(hsap_embedded_device_cuh, "jit/device/hsap_device.cuh");
+HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "jit/device/hsap_sync.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 
 namespace hsap::jit {
 namespace {

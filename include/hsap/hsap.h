@@ -12,8 +12,14 @@
  *  - Config structs start with size/magic/version and must be filled by their
  *    HSAP_*_INITIALIZER macro before fields are set, so that fields can be added later
  *    without breaking callers.
- *  - Handles are opaque. A handle is used by one thread at a time unless stated otherwise.
- *    Every hsap*Destroy accepts NULL and does nothing.
+ *  - Handles are opaque. Every hsap*Destroy accepts NULL and does nothing.
+ *  - Threads. Layouts, plans and partitions are read-only once created (no call changes
+ *    them), so the threads of several ranks may use one at the same time, e.g. every rank
+ *    passing the same layout to hsapBatchCreate; destroy one only after every call using it
+ *    has returned. Communicators and batches belong to their rank's thread: use each from
+ *    one thread at a time (hsapCommAbort excepted).
+ *  - Head dims: headDim is a multiple of 8 in [32, 256] everywhere (local attention, batch
+ *    creation with or without a plan); any other value gives hsapInvalidArgument.
  */
 #ifndef HSAP_HSAP_H_
 #define HSAP_HSAP_H_
@@ -72,7 +78,7 @@ typedef struct {
   int64_t qBegin, qEnd;
   int64_t kBegin, kEnd;
   hsapSliceKind_t kind;
-  int64_t window; /* 0: unlimited; only with hsapSliceCausal */
+  int64_t window; /* >= 0, 0: unlimited; only with hsapSliceCausal (hsapSliceFull: 0) */
 } hsapMaskSlice_t;
 
 /* A dense tensor [numTokens, numHeads, headDim], contiguous, in host memory for the host
@@ -101,12 +107,17 @@ typedef struct hsapLayout_st* hsapLayout_t;
 /* Documents from cu_seqlens[0..numDocs] (cu_seqlens[0] == 0, non-decreasing; empty
  * documents allowed). `kinds` may be NULL (all causal). `params` holds the prefix length
  * (prefix-LM) or the window (sliding window) per document; NULL when no document needs one.
- * The row has cu_seqlens[numDocs] tokens. */
+ * For a document of L > 0 tokens, a prefix length must be in [0, L] (0: causal, L: full) and
+ * a window in [1, L] (1: each token sees only itself, L: causal); anything else, a longer
+ * one included, gives hsapInvalidArgument naming the document. Other kinds and empty
+ * documents ignore their param. The row has cu_seqlens[numDocs] tokens (at most 2^40). */
 hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, int64_t numDocs,
                               const hsapMaskKind_t* kinds, const int64_t* params);
 /* A row of numTokens tokens with an arbitrary block-sparse mask given as slices. */
 hsapResult_t hsapLayoutCreateFromSlices(hsapLayout_t* layout, int64_t numTokens,
                                         const hsapMaskSlice_t* slices, int64_t numSlices);
+/* Partitions and batches created from a layout keep what they need of it: the layout may be
+ * destroyed right after their creation. */
 hsapResult_t hsapLayoutDestroy(hsapLayout_t layout);
 hsapResult_t hsapLayoutGetNumTokens(hsapLayout_t layout, int64_t* numTokens);
 /* Number of visible (query, key) pairs: the work of one head of attention. */
@@ -173,7 +184,8 @@ typedef struct {
  * NULL. */
 hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
 /* Frees one rank. Not collective; a rank must not be destroyed while a peer still waits on
- * it (abort first if unsure). */
+ * it (abort first if unsure). The batches created on comm must be destroyed first: while one
+ * exists, hsapInvalidUsage is returned and comm stays valid. */
 hsapResult_t hsapCommDestroy(hsapComm_t comm);
 /* Releases every rank of the communicator from its current and future waits with
  * hsapAborted. Any thread may call it. */
@@ -186,8 +198,10 @@ hsapResult_t hsapCommUserRank(hsapComm_t comm, int* rank);
 typedef struct hsapPartition_st* hsapPartition_t;
 
 /* Splits the row of `layout` over nranks so that each rank's attention work (visible
- * pairs) is proportional to weights[r] (NULL: equal). Causal documents are cut head to tail
- * (zigzag). Deterministic: the same inputs give the same partition on every rank. */
+ * pairs) is proportional to weights[r] (NULL: equal). Weights are finite and >= 0, at least
+ * one positive; a rank of weight 0 holds no token (a shard of 0 rows). Causal documents are
+ * cut head to tail (zigzag). Deterministic: the same inputs give the same partition on every
+ * rank. */
 hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout, int nranks,
                                  const double* weights);
 hsapResult_t hsapPartitionDestroy(hsapPartition_t partition);
@@ -223,7 +237,9 @@ typedef struct {
 
 /* Collective: every rank of comm calls it with the same layout, weights and config (checked:
  * a mismatch returns hsapInvalidUsage on every rank). Partitions the row and builds this
- * rank's schedule. weights: one per rank, NULL for equal. On a CUDA communicator it also
+ * rank's schedule. weights: one per rank as in hsapPartitionCreate (a rank of weight 0
+ * holds no token and still takes part in every collective call), NULL for equal.
+ * config->headDim: a multiple of 8 in [32, 256]. On a CUDA communicator it also
  * compiles (NVRTC, cached on disk) and loads the CUDA kernels of the configuration, uploads
  * the schedule's work lists and grows the communicator's device pool to what the batch
  * needs, so that forward and backward allocate nothing; tensors and lse are then device
@@ -233,6 +249,7 @@ typedef struct {
  * that off. */
 hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                              const double* weights, const hsapBatchConfig_t* config);
+/* Not collective. Destroy every batch before its communicator (see hsapCommDestroy). */
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch);
 /* The partition the batch uses (owned by the batch; do not destroy). */
 hsapResult_t hsapBatchGetPartition(hsapBatch_t batch, hsapPartition_t* partition);
@@ -266,7 +283,9 @@ hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic);
  * weight and, after the all-to-all, all of the group's tokens for its own set of query
  * heads (any subset, possibly non-contiguous). The heads of a group's ranks partition
  * [0, numHeadsQ) exactly. K/V travels between groups along the ring order. One group is
- * Ulysses; groups of one rank are ring attention. Plans are immutable once created. */
+ * Ulysses; groups of one rank are ring attention. Plans are immutable once created (shared
+ * by the ranks' threads as layouts are). A rank of token weight 0 holds no token before the
+ * all-to-all (it still computes its heads for its group's tokens). */
 typedef struct hsapPlan_st* hsapPlan_t;
 
 /* Builds a plan by hand. Flat arrays, groups one after another:

@@ -83,9 +83,6 @@ __device__ __forceinline__ bool counter_reached(unsigned int a, unsigned int b) 
 __device__ __forceinline__ void wait_geq_gpu(const unsigned int* flag, unsigned int value) {
   while (!counter_reached(ld_acquire_gpu(flag), value)) __nanosleep(64);
 }
-__device__ __forceinline__ void wait_geq_sys(const unsigned int* flag, unsigned int value) {
-  while (!counter_reached(ld_acquire_sys(flag), value)) __nanosleep(128);
-}
 
 // Spin until *flag >= value, or false once timeout_ns (0: never) have passed. ONE thread.
 __device__ __forceinline__ bool wait_geq_sys_until(const unsigned int* flag, unsigned int value,

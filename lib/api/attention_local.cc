@@ -118,7 +118,7 @@ absl::StatusOr<LocalProblem> CheckProblem(
         absl::StrCat("q has head dim ", q->headDim, "; it must be positive"));
   }
   if (q->headDim < 32 || q->headDim > 256 || q->headDim % 8 != 0) {
-    return absl::UnimplementedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "q has head dim ", q->headDim,
         ", which is not supported: the head dim must be a multiple of 8 in [32, 256]"));
   }

@@ -89,13 +89,15 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
   return BatchBackend{nullptr, HostRunners(HandWrittenKernels())};
 }
 
-hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
-                             std::shared_ptr<const KernelSet> kernels) {
+hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const KernelSet> kernels,
+                             hsapComm_st& comm) {
   auto handle = std::make_unique<hsapBatch_st>();
   handle->partition.partition = batch->partition();
   handle->partition.owned_by_batch = true;
   handle->batch = std::move(batch);
   handle->kernels = std::move(kernels);
+  handle->comm = &comm;
+  comm.live_batches.fetch_add(1);
   return handle.release();
 }
 
@@ -149,7 +151,7 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
         hsap::Batch::Create(c, l, w, options, *backend.runners, local);
     if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels), *comm);
     return absl::OkStatus();
   });
 }

@@ -34,9 +34,10 @@ struct BatchBackend {
 BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
                               const Layout& layout, bool planned, absl::Status& local);
 
-// The handle of a created batch; it owns the batch and keeps its kernels alive.
-hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch,
-                             std::shared_ptr<const KernelSet> kernels);
+// The handle of a created batch on `comm`; it owns the batch, keeps its kernels alive and
+// counts in comm's live batches until it is destroyed.
+hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const KernelSet> kernels,
+                             hsapComm_st& comm);
 
 }  // namespace hsap
 

@@ -76,6 +76,14 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
 hsapResult_t hsapCommDestroy(hsapComm_t comm) {
   // Like free(): destroying NULL does nothing.
   return hsap::RunApi("hsapCommDestroy", [&]() -> absl::Status {
+    if (comm != nullptr) {
+      if (const int batches = comm->live_batches.load(); batches > 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("comm still has ", batches,
+                         " batch(es) created on it; destroy them with hsapBatchDestroy first (the "
+                         "communicator stays valid)"));
+      }
+    }
     delete comm;
     return absl::OkStatus();
   });

@@ -1,11 +1,14 @@
 // The objects behind the opaque handles of hsap.h, in one place.
 //
-// Layouts and plans are immutable after creation, so the threads of several ranks may share
-// one. A partition handle either owns its partition or views a batch's (owned_by_batch).
-// A batch keeps its kernels alive; communicators outlive their batches (hsap.h).
+// Layouts, plans and partitions are immutable after creation (no entry point changes them),
+// so the threads of several ranks may share one. A partition handle either owns its
+// partition or views a batch's (owned_by_batch). A batch copies what it needs of its layout
+// and plan, and keeps its kernels alive; a communicator counts its live batches, so that
+// destroying it before them fails instead of leaving them dangling (hsap.h).
 #ifndef HSAP_LIB_API_HANDLES_H_
 #define HSAP_LIB_API_HANDLES_H_
 
+#include <atomic>
 #include <memory>
 
 #include "attention/kernel.h"
@@ -21,7 +24,7 @@ class GpuComm;
 }  // namespace hsap::cuda
 
 struct hsapLayout_st {
-  hsap::Layout layout;  // immutable after creation
+  const hsap::Layout layout;  // immutable after creation: threads may share the handle
 };
 
 struct hsapComm_st {
@@ -29,10 +32,12 @@ struct hsapComm_st {
   // The GPU side of a CUDA communicator (device, compute stream, pool); null for the host
   // backend.
   std::shared_ptr<hsap::cuda::GpuComm> gpu;
+  // Batches created on this communicator and not destroyed yet (they refer to it).
+  std::atomic<int> live_batches{0};
 };
 
 struct hsapPlan_st {
-  hsap::Plan plan;  // validated on creation, immutable afterwards
+  const hsap::Plan plan;  // validated on creation, immutable afterwards
 };
 
 struct hsapPartition_st {
@@ -42,11 +47,18 @@ struct hsapPartition_st {
 };
 
 struct hsapBatch_st {
+  ~hsapBatch_st() {
+    batch.reset();  // before the kernels and the communicator's count: it refers to both
+    if (comm != nullptr) comm->live_batches.fetch_sub(1);
+  }
+
   // The kernels the batch runs (declared first: the batch refers to them, so they must be
   // destroyed after it).
   std::shared_ptr<const hsap::KernelSet> kernels;
   std::unique_ptr<hsap::Batch> batch;
   hsapPartition_st partition;
+  // The communicator the batch runs on; its live_batches counts this batch.
+  hsapComm_st* comm = nullptr;
 };
 
 #endif  // HSAP_LIB_API_HANDLES_H_

@@ -71,7 +71,7 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
         hsap::Batch::CreateWithPlan(*comm->comm, l, p, options, *backend.runners, local);
     if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels));
+    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels), *comm);
     return absl::OkStatus();
   });
 }

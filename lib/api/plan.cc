@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "lib/api/handles.h"
 #include "lib/api/result.h"
+#include "lib/sched/plan_json.h"
 
 namespace hsap {
 namespace {

@@ -246,10 +246,7 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
       local = p.status();
     }
   }
-  uint64_t plan_hash = 0x706c616eu;  // "plan"
-  if (local.ok()) {
-    for (char c : PlanToJsonText(plan, -1)) plan_hash = Mix(plan_hash, static_cast<uint8_t>(c));
-  }
+  const uint64_t plan_hash = local.ok() ? plan.Fingerprint() : 0;
   HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, plan_hash, local, /*planned=*/true));
   HSAP_RETURN_IF_ERROR(batch->AgreeOnRunner(
       runners.ForHierarchy(comm, *batch->hierarchy_, batch->dims_, options.dtype)));

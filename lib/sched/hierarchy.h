@@ -125,8 +125,6 @@ class Hierarchy {
   const Plan& plan() const { return plan_; }
   // The partition over ring positions (rank p = group RingOrder()[p]).
   const Partition& positions() const { return positions_; }
-  int group_at(int position) const { return ring_[position]; }
-  int position_of(int group) const { return position_of_[group]; }
   // Shard of a world rank before the all-to-all (global ranges, increasing).
   const std::vector<TokenRange>& shard(int rank) const { return shards_[rank]; }
   int64_t shard_tokens(int rank) const;

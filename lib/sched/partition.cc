@@ -102,11 +102,18 @@ absl::Status ValidateWeights(int num_ranks, absl::Span<const double> weights) {
                                                    " entries; pass one per rank (", num_ranks,
                                                    ") or none for equal weights"));
   }
+  bool any_positive = false;
   for (int r = 0; r < num_ranks; ++r) {
-    if (!std::isfinite(weights[r]) || weights[r] <= 0.0) {
-      return absl::InvalidArgumentError(absl::StrCat("weights[", r, "] is ", weights[r],
-                                                     "; every weight must be finite and positive"));
+    if (!std::isfinite(weights[r]) || weights[r] < 0.0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weights[", r, "] is ", weights[r],
+                       "; every weight must be finite and >= 0 (0: the rank holds no token)"));
     }
+    any_positive = any_positive || weights[r] > 0.0;
+  }
+  if (!any_positive) {
+    return absl::InvalidArgumentError(
+        "every weight is 0; at least one rank needs a positive weight to hold the row");
   }
   return absl::OkStatus();
 }
@@ -160,18 +167,26 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
 
   p.target_.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r) p.target_[r] = static_cast<double>(total) * p.weights_[r];
-  const double min_target = *std::min_element(p.target_.begin(), p.target_.end());
+  // Ranks of weight 0 take no part: they receive nothing.
+  std::vector<int> holders;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (p.weights_[r] > 0.0) holders.push_back(r);
+  }
+  double min_target = 0.0;  // the smallest target of a holder
+  for (int r : holders) {
+    if (min_target == 0.0 || p.target_[r] < min_target) min_target = p.target_[r];
+  }
   std::vector<double> remaining = p.target_;
   p.work_.assign(num_ranks, 0);
   std::vector<std::vector<TokenRange>> pieces(num_ranks);
 
-  std::vector<int> by_remaining(num_ranks);
+  std::vector<int> by_remaining;
   for (size_t ui : order) {
     const Unit& u = units[ui];
     const double w = static_cast<double>(u.work);
     // Best fit: the smallest remaining capacity that holds the unit whole.
-    int best = -1, largest = 0;
-    for (int r = 0; r < num_ranks; ++r) {
+    int best = -1, largest = holders.front();
+    for (int r : holders) {
       if (remaining[r] >= w && (best < 0 || remaining[r] < remaining[best])) best = r;
       if (remaining[r] > remaining[largest]) largest = r;
     }
@@ -187,11 +202,12 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     // Split: fill the ranks with the most room first.
     UnitPositions pos(u, UnitTokenWork(u, slices, memory_only));
     p.max_position_work_ = std::max(p.max_position_work_, pos.max_work());
-    std::iota(by_remaining.begin(), by_remaining.end(), 0);
+    by_remaining = holders;
     std::stable_sort(by_remaining.begin(), by_remaining.end(),
                      [&](int a, int b) { return remaining[a] > remaining[b]; });
+    const int num_holders = static_cast<int>(by_remaining.size());
     int num_positive = 0;
-    while (num_positive < num_ranks && remaining[by_remaining[num_positive]] > 0) ++num_positive;
+    while (num_positive < num_holders && remaining[by_remaining[num_positive]] > 0) ++num_positive;
     num_positive = std::max(num_positive, 1);
     // Cuts at the cumulative capacities, so that rounding to whole positions does not
     // accumulate along the unit (a rank whose capacity is under half a position may get

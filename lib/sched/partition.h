@@ -20,7 +20,8 @@
 //  A row without visible pairs is split by token count (memory only).
 //
 // Balance rule (tested): with g = max_position_work() (the work of one folded position of
-// a unit that went through step 3, at most twice its largest per-token work; 0 if none),
+// a unit that went through step 3, at most twice its largest per-token work; 0 if none) and
+// min_target the smallest target of a rank of positive weight,
 //   |work(r) - target(r)| <= 0.02 * min_target + 2 * g       for every rank r.
 // Memory (tokens held) is proportional to work inside split documents; across whole
 // documents it cannot be both (a causal document's work grows with the square of its
@@ -28,7 +29,8 @@
 //
 // Every token belongs to exactly one rank. A rank's shard holds its token ranges in
 // increasing order of position (adjacent ranges merged); a rank may hold no token (e.g.
-// fewer tokens than ranks). No length needs to be a multiple of anything.
+// fewer tokens than ranks); a rank of weight 0 never holds one. No length needs to be a multiple of
+// anything.
 #ifndef HSAP_LIB_SCHED_PARTITION_H_
 #define HSAP_LIB_SCHED_PARTITION_H_
 
@@ -52,7 +54,8 @@ struct Placement {
 
 class Partition {
  public:
-  // weights: one positive finite value per rank; empty means equal. num_ranks >= 1.
+  // weights: one finite value >= 0 per rank, at least one positive; empty means equal. A
+  // rank of weight 0 holds no token. num_ranks >= 1.
   static absl::StatusOr<Partition> Create(const Layout& layout, int num_ranks,
                                           absl::Span<const double> weights = {});
   // A partition given by its ranges (e.g. the shards of a hierarchical plan, see

@@ -21,13 +21,13 @@
 #ifndef HSAP_LIB_SCHED_PLAN_H_
 #define HSAP_LIB_SCHED_PLAN_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "nlohmann/json.hpp"
 
 namespace hsap {
 
@@ -81,6 +81,12 @@ struct Plan {
   std::vector<double> RankShares() const;
   // KV heads rank i of group g needs (sorted, unique).
   std::vector<int> KvHeadsOf(int group, int index) const;
+  // A hash of what the ranks do under the plan: num_ranks, the head counts, every group's
+  // ranks, sequence weight, token weights and heads, and the ring order (empty and the
+  // expanded default hash alike). Equal for equal structures on every platform; the
+  // predictions and the description do not count. Cheap: one pass over the fields, for
+  // the ranks' agreement on a batch.
+  uint64_t Fingerprint() const;
 
   friend bool operator==(const Plan&, const Plan&) = default;
 };
@@ -89,13 +95,6 @@ struct Plan {
 std::string FormatHeads(const std::vector<int>& heads);
 // Inverse of FormatHeads: comma-separated heads and inclusive ranges "a-b"; "" is empty.
 absl::StatusOr<std::vector<int>> ParseHeads(absl::string_view text);
-
-// JSON form (nlohmann). Heads are written as strings like "0-5,12"; on reading, a head list
-// may be such a string or an array of integers. Validate() runs on reading.
-nlohmann::json PlanToJson(const Plan& plan);
-absl::StatusOr<Plan> PlanFromJson(const nlohmann::json& json);
-absl::StatusOr<Plan> PlanFromJsonText(absl::string_view text);
-std::string PlanToJsonText(const Plan& plan, int indent = 2);
 
 // A human-readable summary, one line per group and rank.
 std::string DescribePlan(const Plan& plan);

@@ -84,16 +84,6 @@ int64_t Schedule::rows_received() const {
   return n;
 }
 
-std::vector<TokenRange> KeyRangesNeeded(const Layout& layout, const Partition& partition,
-                                        int query_rank, int key_rank) {
-  std::vector<TokenRange> out;
-  ScanNeeds(
-      layout, partition, [&](int q, int k) { return q == query_rank && (k < 0 || k == key_rank); },
-      [&](int, int, TokenRange r, size_t) { out.push_back(r); });
-  SortAndMerge(out);
-  return out;
-}
-
 absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& partition, int rank,
                                        int64_t block_q) {
   const int R = partition.num_ranks();

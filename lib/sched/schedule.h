@@ -64,12 +64,6 @@ struct Schedule {
 absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& partition, int rank,
                                        int64_t block_q);
 
-// Global key ranges (sorted, disjoint, merged) held by `key_rank` that some query held by
-// `query_rank` sees. Computed from the slices' geometry; used by BuildSchedule and handy
-// for accounting.
-std::vector<TokenRange> KeyRangesNeeded(const Layout& layout, const Partition& partition,
-                                        int query_rank, int key_rank);
-
 }  // namespace hsap
 
 #endif  // HSAP_LIB_SCHED_SCHEDULE_H_

@@ -1,13 +1,7 @@
 // The hand-written kernels against the fp64 reference.
 //
-// Tolerance rule (the same for out, lse, dq, dk and dv):
-//   max |kernel - ref| <= 2 * max |naive - ref| + floor,   floor = 1e-6 * max(1, max |ref|)
-// where ref is ReferenceForward/Backward (fp64) and naive is the same attention computed
-// with every intermediate rounded to the storage type (NaiveForward/Backward). The floor
-// covers tensors that the naive computation happens to get (almost) exactly, e.g. a row
-// with a single visible key where out = v exactly: the kernel still rounds its fp32 scores,
-// exponentials and sums a few times, i.e. a few fp32 ulps (2^-23 ~ 1.2e-7 relative) of the
-// tensor's magnitude; 1e-6 relative is about 8 ulps.
+// Tolerance: the rule of attention/tolerance.h with the kernels' floor (kKernelFloor), the
+// same for out, lse, dq, dk and dv.
 #include "attention/kernel.h"
 
 #include <cmath>
@@ -17,6 +11,7 @@
 #include <vector>
 
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/attention_test_util.h"
@@ -152,7 +147,7 @@ double MaxError(const std::vector<A>& a, const std::vector<double>& ref, const c
 
 void ExpectWithinRule(const char* name, double kernel_err, double naive_err,
                       const std::vector<double>& ref) {
-  const double bound = 2 * naive_err + 1e-6 * std::max(1.0, MaxAbs(ref));
+  const double bound = ToleranceBound(naive_err, MaxAbs(ref), kKernelFloor);
   EXPECT_LE(kernel_err, bound) << name << ": kernel error " << kernel_err << ", naive error "
                                << naive_err;
 }

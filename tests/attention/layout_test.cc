@@ -238,5 +238,17 @@ TEST(LayoutTest, FingerprintIdentifiesTheMask) {
   EXPECT_NE(a.Fingerprint(), d.Fingerprint());
 }
 
+TEST(LayoutTest, DescribeDiagBandNeverShowsTheSentinel) {
+  EXPECT_EQ(DescribeDiagBand(-kNoDiagLimit, kNoDiagLimit), "full");
+  EXPECT_EQ(DescribeDiagBand(-kNoDiagLimit, 0), "causal");
+  EXPECT_EQ(DescribeDiagBand(-2, 0), "causal, window 3");
+  EXPECT_EQ(DescribeDiagBand(0, 0), "causal, window 1");
+  EXPECT_EQ(DescribeDiagBand(-kNoDiagLimit, 4), "diag [-inf, 4]");
+  EXPECT_EQ(DescribeDiagBand(-1, kNoDiagLimit), "diag [-1, +inf]");
+  EXPECT_EQ(DescribeDiagBand(2, 0), "diag [2, 0]");
+  EXPECT_EQ(MaskSlice::Causal(0, 4, 0, 4, 2).ToString(), "{q [0, 4), k [0, 4), causal, window 2}");
+  EXPECT_EQ(MaskSlice::Full(1, 2, 3, 4).ToString(), "{q [1, 2), k [3, 4), full}");
+}
+
 }  // namespace
 }  // namespace hsap

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "attention/worklist.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -149,8 +150,7 @@ void ExpectWithinRule(const std::string& name, const std::vector<float>& kernel,
                       const std::vector<double>& naive, const std::vector<double>& ref) {
   const double kernel_err = MaxError(kernel, ref, name.c_str());
   const double naive_err = MaxError(naive, ref, "naive");
-  const double bound =
-      2 * naive_err + testing::kCudaKernelFloor * std::max(1.0, testing::MaxAbs(ref));
+  const double bound = ToleranceBound(naive_err, testing::MaxAbs(ref), kKernelFloor);
   EXPECT_LE(kernel_err, bound) << name << ": kernel error " << kernel_err << ", naive error "
                                << naive_err;
 }

@@ -147,6 +147,9 @@ struct DistCase {
       hsapCommInitAll;
   TensorPlacement* placement = nullptr;
   std::function<void(int)> enter_rank;
+  // What each rank's thread does once its batch exists, before forward (e.g. destroy the
+  // layout).
+  std::function<void(int)> after_create;
 };
 
 // Full-row inputs.
@@ -299,6 +302,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     if (hsapResult_t e = hsapBatchCreate(&batch, comms[r], layout, weights, &bc); e) {
       return fail(e);
     }
+    if (c.after_create) c.after_create(r);
     int64_t n = -1;
     hsapBatchGetLocalTokens(batch, &n);
     res.local_tokens[r] = n;

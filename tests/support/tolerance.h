@@ -1,7 +1,6 @@
-// The tolerance rule of the distributed and C-API tests, in one place:
-//   error <= 2 x (error of the same computation done naively in the storage precision)
-//            + 4 rounding units of the storage type x max(1, magnitude of the result),
-// errors measured as the largest |got - fp64 reference| over all elements.
+// Checks of results against the fp64 reference under the tolerance rule of
+// attention/tolerance.h (errors measured as the largest |got - ref| over all elements), for
+// the distributed and C-API tests.
 #ifndef HSAP_TESTS_SUPPORT_TOLERANCE_H_
 #define HSAP_TESTS_SUPPORT_TOLERANCE_H_
 
@@ -13,6 +12,7 @@
 #include "attention/dtype.h"
 #include "attention/layout.h"
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "gtest/gtest.h"
 
 namespace hsap::testing {
@@ -48,24 +48,17 @@ inline double MaxAbs(const std::vector<double>& x) {
   return m;
 }
 
-// The rounding unit of a storage type: results are stored in that type once.
-inline double Unit(DType t) {
-  return t == DType::kF32    ? std::ldexp(1.0, -24)
-         : t == DType::kBF16 ? std::ldexp(1.0, -8)
-                             : std::ldexp(1.0, -11);
-}
+// The floor of the CUDA kernels' results (their softmax runs through exp2 with an fp32
+// log-sum-exp): the kernels' floor of the rule.
+inline constexpr double kCudaKernelFloor = kKernelFloor;
 
-// The floor of the CUDA kernels' rule (tests/jit/cuda_emulation_test.cc): their softmax runs
-// through exp2 with an fp32 log-sum-exp, a few fp32 ulps of the result beyond the naive
-// computation's error, so their floor is at least 1e-6 of the magnitude.
-inline constexpr double kCudaKernelFloor = 1e-6;
-
-// min_floor: a floor (relative to the magnitude) the rule must not go below.
+// The rule with the floor of results stored in `dtype`, or min_floor where that is larger.
 inline void ExpectWithinRule(std::string_view what, double err, double naive_err, double magnitude,
                              DType dtype, double min_floor = 0.0) {
-  const double floor = std::max(4.0 * Unit(dtype), min_floor) * std::max(1.0, magnitude);
-  EXPECT_LE(err, 2.0 * naive_err + floor) << what << " (" << DTypeName(dtype) << "): error " << err
-                                          << ", naive error " << naive_err << ", floor " << floor;
+  const double floor = std::max(StorageFloor(dtype), min_floor);
+  EXPECT_LE(err, ToleranceBound(naive_err, magnitude, floor))
+      << what << " (" << DTypeName(dtype) << "): error " << err << ", naive error " << naive_err
+      << ", floor " << floor * std::max(1.0, magnitude);
 }
 
 // Checks a whole-row result against ReferenceForward (out, and lse [heads_q, T] in fp32) and,

@@ -56,9 +56,4 @@ absl::Status DeviceBufferPool::Reserve(size_t bytes) {
   return absl::OkStatus();
 }
 
-void* DeviceBufferPool::At(size_t offset, size_t bytes) const {
-  if (base_ == nullptr || offset > size_ || bytes > size_ - offset) return nullptr;
-  return static_cast<char*>(base_) + offset;
-}
-
 }  // namespace hsap::cuda

@@ -73,8 +73,6 @@ class DeviceBufferPool {
   size_t size() const { return size_; }
   // The pool's base pointer (device memory), null before the first Reserve.
   void* base() const { return base_; }
-  // base() + offset; null when offset + bytes exceeds the pool.
-  void* At(size_t offset, size_t bytes) const;
 
  private:
   Device& device_;

@@ -295,9 +295,4 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   return out;
 }
 
-cudaStream LoopbackStream(const Transport& t) {
-  auto* l = dynamic_cast<const LoopbackTransport*>(&t);
-  return l != nullptr ? l->stream() : nullptr;
-}
-
 }  // namespace hsap::cuda

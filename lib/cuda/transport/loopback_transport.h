@@ -30,9 +30,6 @@ namespace hsap::cuda {
 absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
     int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams = {});
 
-// The CUDA stream of a loopback rank (null if `t` is not one).
-cudaStream LoopbackStream(const Transport& t);
-
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_TRANSPORT_LOOPBACK_TRANSPORT_H_

@@ -396,7 +396,7 @@ TEST_F(ApiLocalErrorsTest, ShapesAgainstTheLayoutAndEachOther) {
   for (int bad_dim : {16, 36, 264}) {
     ForwardCall call(p_, layout_.h);
     for (hsapTensor_t* t : {&call.q, &call.k, &call.v, &call.out}) t->headDim = bad_dim;
-    ExpectForwardFails(call, hsapUnsupported, "head dim " + std::to_string(bad_dim));
+    ExpectForwardFails(call, hsapInvalidArgument, "head dim " + std::to_string(bad_dim));
   }
   {
     ForwardCall call(p_, layout_.h);

@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
 #include "lib/api/handles.h"
+#include "lib/sched/plan_json.h"
 
 namespace hsap {
 namespace {

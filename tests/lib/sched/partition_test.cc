@@ -57,6 +57,11 @@ void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
   const int64_t total_work = std::accumulate(per_token.begin(), per_token.end(), int64_t{0});
   double min_target = 1e300, sum_target = 0;
   for (int r = 0; r < p.num_ranks(); ++r) {
+    if (p.weights()[r] == 0.0) {
+      EXPECT_EQ(p.local_tokens(r), 0) << "rank " << r << " has weight 0";
+      EXPECT_EQ(p.work(r), 0) << "rank " << r << " has weight 0";
+      continue;
+    }
     min_target = std::min(min_target, p.target(r));
     sum_target += p.target(r);
   }
@@ -70,7 +75,7 @@ void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
 
 TEST(PartitionTest, BalancedForEqualAndUnevenWeights) {
   const std::vector<std::vector<double>> weight_sets = {
-      {}, {3, 1, 1, 3}, {1, 2}, {5, 1, 1, 1, 1, 1, 1, 5}, {1, 1, 1}};
+      {}, {3, 1, 1, 3}, {1, 2}, {5, 1, 1, 1, 1, 1, 1, 5}, {1, 1, 1}, {2, 0, 1, 1}, {0, 1}};
   for (DocMix mix : {DocMix::kLongTail, DocMix::kUniform, DocMix::kOneHuge, DocMix::kTiny}) {
     for (uint64_t seed = 1; seed <= 100; ++seed) {
       const Layout layout = RandomLayout(1200, mix, seed, /*causal_only=*/false);
@@ -228,6 +233,9 @@ TEST(PartitionTest, RejectsBadArguments) {
   absl::StatusOr<Partition> negative = Partition::Create(*layout, 2, std::vector<double>{1, -1});
   EXPECT_THAT(negative.status().message(), ::testing::HasSubstr("weights[1]"));
   EXPECT_FALSE(Partition::Create(*layout, 2, std::vector<double>{1, std::nan("")}).ok());
+  absl::StatusOr<Partition> all_zero = Partition::Create(*layout, 2, std::vector<double>{0, 0});
+  EXPECT_EQ(all_zero.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(all_zero.status().message(), ::testing::HasSubstr("every weight is 0"));
 }
 
 TEST(PartitionTest, ScatterGatherRoundTrip) {

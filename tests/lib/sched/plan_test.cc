@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
 #include "lib/api/handles.h"
+#include "lib/sched/plan_json.h"
 
 namespace hsap {
 namespace {
@@ -101,6 +102,44 @@ TEST(PlanTest, HeadsFormatAndParse) {
   EXPECT_EQ(*ParseHeads("0-5,12"), (std::vector<int>{0, 1, 2, 3, 4, 5, 12}));
   EXPECT_FALSE(ParseHeads("3-1").ok());
   EXPECT_FALSE(ParseHeads("a").ok());
+}
+
+TEST(PlanTest, FingerprintFollowsTheStructureOnly) {
+  const Plan plan = ExamplePlan();
+  const uint64_t base = plan.Fingerprint();
+  EXPECT_EQ(ExamplePlan().Fingerprint(), base);
+
+  // Predictions and the description do not change what the ranks do.
+  Plan predicted = plan;
+  predicted.predicted_forward_seconds = 0.5;
+  predicted.ranks.resize(6);
+  predicted.ranks[2].reason = "fast";
+  predicted.description = "other";
+  EXPECT_EQ(predicted.Fingerprint(), base);
+  // The default ring order hashes like its expansion.
+  Plan in_order = plan;
+  in_order.ring_order = {0, 1};
+  Plan defaulted = plan;
+  defaulted.ring_order.clear();
+  EXPECT_EQ(in_order.Fingerprint(), defaulted.Fingerprint());
+
+  // Every structural field counts, including where a list is cut.
+  std::vector<Plan> changed(8, plan);
+  changed[0].heads_q = 32;
+  changed[1].heads_kv = 8;
+  changed[2].groups[0].ranks = {0, 1, 3, 2};
+  changed[3].groups[1].sequence_weight = 0.31;
+  changed[4].groups[0].token_weights[3] = 1e-9;
+  changed[5].groups[0].heads[1] = {6};
+  changed[5].groups[0].heads[2].insert(changed[5].groups[0].heads[2].begin(), 7);
+  changed[6].ring_order = {0, 1};
+  changed[7].num_ranks = 7;
+  for (size_t i = 0; i < changed.size(); ++i) {
+    EXPECT_NE(changed[i].Fingerprint(), base) << "change " << i;
+    for (size_t j = 0; j < i; ++j) {
+      EXPECT_NE(changed[i].Fingerprint(), changed[j].Fingerprint()) << i << " vs " << j;
+    }
+  }
 }
 
 TEST(PlanTest, JsonRoundTrip) {
