@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -317,7 +318,7 @@ absl::StatusOr<Layout> Layout::FromSlices(int64_t num_tokens, std::vector<MaskSl
           absl::StrCat(where, " has no visible pair: its diagonal band misses the rectangle"));
     }
   }
-  if (absl::Status st = CheckNoOverlap(slices); !st.ok()) return st;
+  HSAP_RETURN_IF_ERROR(CheckNoOverlap(slices));
   Layout layout;
   layout.num_tokens_ = num_tokens;
   layout.slices_ = std::move(slices);

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "jit/embed_file.h"
 #include "jit/nvrtc.h"
 
@@ -202,7 +203,7 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
 
 absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& config) {
   if (!config.skip_validation) {
-    if (absl::Status s = ValidateCudaKernelConfig(config); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(ValidateCudaKernelConfig(config));
   } else if (absl::StatusOr<int> arch = ParseCudaArch(config.arch); !arch.ok()) {
     return arch.status();
   }

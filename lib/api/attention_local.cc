@@ -19,6 +19,7 @@
 #include "attention/kernel.h"
 #include "attention/layout.h"
 #include "attention/worklist.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "jit/host_jit_kernels.h"
 #include "lib/api/checks.h"
@@ -46,12 +47,9 @@ absl::Status CheckAttentionConfig(const hsapAttentionConfig_t* config, int head_
   *scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   *num_threads = 0;
   if (config == nullptr) return absl::OkStatus();
-  if (absl::Status s =
-          CheckConfigHeader(config->size, config->magic, "config", sizeof(hsapAttentionConfig_t),
-                            "HSAP_ATTENTION_CONFIG_INITIALIZER");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config",
+                                         sizeof(hsapAttentionConfig_t),
+                                         "HSAP_ATTENTION_CONFIG_INITIALIZER"));
   if (!std::isfinite(config->softmaxScale) || config->softmaxScale < 0.0f) {
     return absl::InvalidArgumentError(
         absl::StrCat("config->softmaxScale is ", config->softmaxScale,
@@ -69,7 +67,7 @@ absl::Status CheckAttentionConfig(const hsapAttentionConfig_t* config, int head_
 // `t` is non-null and has the dtype of `ref` (named ref_name), which is known to be valid.
 absl::Status CheckSameDType(const hsapTensor_t* t, absl::string_view name, const hsapTensor_t* ref,
                             absl::string_view ref_name) {
-  if (absl::Status s = CheckNotNull(t, name); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckNotNull(t, name));
   absl::StatusOr<DType> dtype = DTypeFromC(t->dtype, absl::StrCat(name, "->dtype"));
   if (!dtype.ok()) return dtype.status();
   const DType ref_dtype = *DTypeFromC(ref->dtype, ref_name);
@@ -96,13 +94,13 @@ absl::StatusOr<LocalProblem> CheckProblem(
   }
   p.layout = &layout->layout;
   p.tokens = p.layout->num_tokens();
-  if (absl::Status s = CheckNotNull(q, "q"); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckNotNull(q, "q"));
   absl::StatusOr<DType> dtype = DTypeFromC(q->dtype, "q->dtype");
   if (!dtype.ok()) return dtype.status();
   p.dtype = *dtype;
-  if (absl::Status s = CheckSameDType(k, "k", q, "q"); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckSameDType(k, "k", q, "q"));
   for (const auto& [t, name] : others) {
-    if (absl::Status s = CheckSameDType(t, name, q, "q"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(CheckSameDType(t, name, q, "q"));
   }
 
   if (q->numTokens != p.tokens) {
@@ -145,19 +143,14 @@ absl::StatusOr<LocalProblem> CheckProblem(
     return absl::InvalidArgumentError(absl::StrCat("q has ", p.tokens, " x ", q->numHeads, " x ",
                                                    q->headDim, " elements, too many"));
   }
-  if (absl::Status s = CheckTensor(q, "q", p.dtype, p.tokens, q->numHeads, q->headDim); !s.ok())
-    return s;
-  if (absl::Status s = CheckTensor(k, "k", p.dtype, p.tokens, k->numHeads, k->headDim); !s.ok())
-    return s;
+  HSAP_RETURN_IF_ERROR(CheckTensor(q, "q", p.dtype, p.tokens, q->numHeads, q->headDim));
+  HSAP_RETURN_IF_ERROR(CheckTensor(k, "k", p.dtype, p.tokens, k->numHeads, k->headDim));
 
   p.dims.heads_q = q->numHeads;
   p.dims.heads_kv = k->numHeads;
   p.dims.head_dim = q->headDim;
-  if (absl::Status s = CheckAttentionConfig(config, q->headDim, &p.dims.scale, &p.num_threads);
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ValidateDims(p.dims); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckAttentionConfig(config, q->headDim, &p.dims.scale, &p.num_threads));
+  HSAP_RETURN_IF_ERROR(ValidateDims(p.dims));
   return p;
 }
 
@@ -208,9 +201,9 @@ absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layo
       CheckProblem(config, layout, q, k, {{v, "v"}, {out, "out"}});
   if (!problem.ok()) return problem.status();
   const LocalProblem& p = *problem;
-  if (absl::Status s = CheckLikeK(p, v, "v"); !s.ok()) return s;
-  if (absl::Status s = CheckLikeQ(p, out, "out"); !s.ok()) return s;
-  if (absl::Status s = CheckLse(p, lse); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckLikeK(p, v, "v"));
+  HSAP_RETURN_IF_ERROR(CheckLikeQ(p, out, "out"));
+  HSAP_RETURN_IF_ERROR(CheckLse(p, lse));
   if (p.tokens == 0) return absl::OkStatus();
 
   absl::StatusOr<WorkList> work = BuildWorkList(*p.layout, kKernelBlockQ);
@@ -231,7 +224,7 @@ absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layo
   args.lse = lse_f32.data();
   absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
   if (!kernels.ok()) return kernels.status();
-  if (absl::Status s = (*kernels)->Forward(args, *work, p.num_threads); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR((*kernels)->Forward(args, *work, p.num_threads));
 
   StoreConverted(p.dtype, out_f32, out->data);
   std::copy(lse_f32.begin(), lse_f32.end(), lse);
@@ -247,13 +240,13 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
                    {{dout, "dout"}, {v, "v"}, {out, "out"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
   if (!problem.ok()) return problem.status();
   const LocalProblem& p = *problem;
-  if (absl::Status s = CheckLikeK(p, v, "v"); !s.ok()) return s;
-  if (absl::Status s = CheckLikeQ(p, out, "out"); !s.ok()) return s;
-  if (absl::Status s = CheckLikeQ(p, dout, "dout"); !s.ok()) return s;
-  if (absl::Status s = CheckLse(p, lse); !s.ok()) return s;
-  if (absl::Status s = CheckLikeQ(p, dq, "dq"); !s.ok()) return s;
-  if (absl::Status s = CheckLikeK(p, dk, "dk"); !s.ok()) return s;
-  if (absl::Status s = CheckLikeK(p, dv, "dv"); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckLikeK(p, v, "v"));
+  HSAP_RETURN_IF_ERROR(CheckLikeQ(p, out, "out"));
+  HSAP_RETURN_IF_ERROR(CheckLikeQ(p, dout, "dout"));
+  HSAP_RETURN_IF_ERROR(CheckLse(p, lse));
+  HSAP_RETURN_IF_ERROR(CheckLikeQ(p, dq, "dq"));
+  HSAP_RETURN_IF_ERROR(CheckLikeK(p, dk, "dk"));
+  HSAP_RETURN_IF_ERROR(CheckLikeK(p, dv, "dv"));
   if (p.tokens == 0) return absl::OkStatus();
 
   absl::StatusOr<WorkList> work = BuildWorkList(*p.layout, kKernelBlockQ);
@@ -281,7 +274,7 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
   args.dv = dv_f32.data();
   absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
   if (!kernels.ok()) return kernels.status();
-  if (absl::Status s = (*kernels)->Backward(args, *work, p.num_threads); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR((*kernels)->Backward(args, *work, p.num_threads));
 
   StoreConverted(p.dtype, dq_f32, dq->data);
   StoreConverted(p.dtype, dk_f32, dk->data);

@@ -127,12 +127,9 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
                 "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and "
                 "set dtype, numHeadsQ, numHeadsKV and headDim");
           }
-          if (absl::Status s = hsap::CheckConfigHeader(config->size, config->magic, "config",
+          HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(config->size, config->magic, "config",
                                                        hsap::kBatchConfigV1Size,
-                                                       "HSAP_BATCH_CONFIG_INITIALIZER");
-              !s.ok()) {
-            return s;
-          }
+                                                       "HSAP_BATCH_CONFIG_INITIALIZER"));
           absl::StatusOr<hsap::DType> dtype = hsap::DTypeFromC(config->dtype, "config->dtype");
           if (!dtype.ok()) return dtype.status();
           options.dtype = *dtype;
@@ -166,7 +163,7 @@ hsapResult_t hsapBatchDestroy(hsapBatch_t batch) {
 hsapResult_t hsapBatchGetPartition(hsapBatch_t batch, hsapPartition_t* partition) {
   return hsap::RunApi("hsapBatchGetPartition", [&]() -> absl::Status {
     if (absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch); !b.ok()) return b.status();
-    if (absl::Status s = hsap::CheckNotNull(partition, "partition"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(partition, "partition"));
     *partition = &batch->partition;
     return absl::OkStatus();
   });
@@ -176,7 +173,7 @@ hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens) {
   return hsap::RunApi("hsapBatchGetLocalTokens", [&]() -> absl::Status {
     absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
     if (!b.ok()) return b.status();
-    if (absl::Status s = hsap::CheckNotNull(numTokens, "numTokens"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numTokens, "numTokens"));
     *numTokens = (*b)->local_tokens();
     return absl::OkStatus();
   });
@@ -243,7 +240,7 @@ hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
   return hsap::RunApi("hsapBatchGetTraffic", [&]() -> absl::Status {
     absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
     if (!b.ok()) return b.status();
-    if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(traffic, "traffic"));
     const hsap::BatchTraffic& t = (*b)->traffic();
     traffic->forwardBytesSent = t.forward.sent();
     traffic->forwardBytesReceived = t.forward.received();

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
@@ -29,7 +30,7 @@ extern "C" {
 
 hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config) {
   return hsap::RunApi("hsapCommInitAll", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(comms, "comms"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comms, "comms"));
     if (nranks < 1 || nranks > hsap::kMaxHostRanks) {
       return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " is outside [1, ",
                                                      hsap::kMaxHostRanks,
@@ -37,12 +38,9 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
     }
     hsap::CommOptions options;
     if (config != nullptr) {
-      if (absl::Status s =
-              hsap::CheckConfigHeader(config->size, config->magic, "config", kCommConfigV1Size,
-                                      "HSAP_COMM_CONFIG_INITIALIZER");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(config->size, config->magic, "config",
+                                                   kCommConfigV1Size,
+                                                   "HSAP_COMM_CONFIG_INITIALIZER"));
       if (config->timeoutMs < 0) {
         return absl::InvalidArgumentError(
             absl::StrCat("config->timeoutMs = ", config->timeoutMs,
@@ -102,7 +100,7 @@ hsapResult_t hsapCommCount(hsapComm_t comm, int* count) {
   return hsap::RunApi("hsapCommCount", [&]() -> absl::Status {
     absl::StatusOr<hsap::Communicator*> c = GetComm(comm);
     if (!c.ok()) return c.status();
-    if (absl::Status s = hsap::CheckNotNull(count, "count"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(count, "count"));
     *count = (*c)->size();
     return absl::OkStatus();
   });
@@ -112,7 +110,7 @@ hsapResult_t hsapCommUserRank(hsapComm_t comm, int* rank) {
   return hsap::RunApi("hsapCommUserRank", [&]() -> absl::Status {
     absl::StatusOr<hsap::Communicator*> c = GetComm(comm);
     if (!c.ok()) return c.status();
-    if (absl::Status s = hsap::CheckNotNull(rank, "rank"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(rank, "rank"));
     *rank = (*c)->rank();
     return absl::OkStatus();
   });

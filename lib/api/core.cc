@@ -1,4 +1,5 @@
 // Version and error entry points of the C ABI.
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
@@ -7,7 +8,7 @@ extern "C" {
 
 hsapResult_t hsapGetVersion(int* version) {
   return hsap::RunApi("hsapGetVersion", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(version, "version"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(version, "version"));
     *version = HSAP_VERSION_CODE;
     return absl::OkStatus();
   });

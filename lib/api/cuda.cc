@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
@@ -33,11 +34,8 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
   CudaCommSettings out;
   absl::Duration requested = absl::ZeroDuration();
   if (config != nullptr) {
-    if (absl::Status s = hsap::CheckConfigHeader(config->size, config->magic, "config",
-                                                 kCommConfigV1Size, "HSAP_COMM_CONFIG_INITIALIZER");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(
+        config->size, config->magic, "config", kCommConfigV1Size, "HSAP_COMM_CONFIG_INITIALIZER"));
     if (config->timeoutMs < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config->timeoutMs = ", config->timeoutMs,
@@ -85,13 +83,11 @@ extern "C" {
 
 hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId) {
   return hsap::RunApi("hsapGetUniqueId", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(uniqueId, "uniqueId"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(uniqueId, "uniqueId"));
     absl::StatusOr<const hsap::cuda::NcclApi*> nccl = hsap::cuda::LoadNccl();
     if (!nccl.ok()) return nccl.status();
     hsap::cuda::NcclUniqueId id;
-    if (absl::Status s = (*nccl)->Check((*nccl)->GetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR((*nccl)->Check((*nccl)->GetUniqueId(&id), "ncclGetUniqueId"));
     std::memcpy(uniqueId->internal, id.internal, sizeof(id.internal));
     return absl::OkStatus();
   });
@@ -100,7 +96,7 @@ hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId) {
 hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqueId, int rank,
                               const hsapCommConfig_t* config) {
   return hsap::RunApi("hsapCommInitRank", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(comm, "comm"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comm, "comm"));
     *comm = nullptr;
     if (nranks < 1) {
       return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
@@ -111,17 +107,14 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
     }
     absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
     if (!settings.ok()) return settings.status();
-    if (absl::Status s = hsap::cuda::CheckNcclDevice(); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     const hsap::cuda::NcclApi& nccl = **hsap::cuda::LoadNccl();
     hsap::cuda::NcclUniqueId id;
     std::memcpy(id.internal, uniqueId.internal, sizeof(id.internal));
     hsap::cuda::ncclComm nc = nullptr;
-    if (absl::Status s =
-            nccl.Check(nccl.CommInitRank(&nc, nranks, id, rank),
-                       absl::StrCat("ncclCommInitRank(rank ", rank, " of ", nranks, ")"));
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        nccl.Check(nccl.CommInitRank(&nc, nranks, id, rank),
+                   absl::StrCat("ncclCommInitRank(rank ", rank, " of ", nranks, ")")));
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(nc, /*owns_comm=*/true, /*stream=*/nullptr,
                                           settings->timeout);
@@ -136,12 +129,12 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
 hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
                                   const hsapCommConfig_t* config) {
   return hsap::RunApi("hsapCommInitFromNccl", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(comm, "comm"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comm, "comm"));
     *comm = nullptr;
-    if (absl::Status s = hsap::CheckNotNull(ncclComm, "ncclComm"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(ncclComm, "ncclComm"));
     absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
     if (!settings.ok()) return settings.status();
-    if (absl::Status s = hsap::cuda::CheckNcclDevice(); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(static_cast<hsap::cuda::ncclComm>(ncclComm),
                                           /*owns_comm=*/false, /*stream=*/nullptr,
@@ -154,7 +147,7 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
 hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newcomm,
                            const hsapCommConfig_t* config) {
   return hsap::RunApi("hsapCommSplit", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(newcomm, "newcomm"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(newcomm, "newcomm"));
     *newcomm = nullptr;
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null; pass a communicator from hsapCommInitRank");
@@ -172,13 +165,10 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
     }
     const hsap::cuda::NcclApi& nccl = parent->nccl();
     hsap::cuda::ncclComm child = nullptr;
-    if (absl::Status s = nccl.Check(
-            nccl.CommSplit(parent->comm(), color < 0 ? hsap::cuda::kNcclSplitNoColor : color, key,
-                           &child, nullptr),
-            absl::StrCat("ncclCommSplit(color ", color, ", key ", key, ")"));
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        nccl.Check(nccl.CommSplit(parent->comm(), color < 0 ? hsap::cuda::kNcclSplitNoColor : color,
+                                  key, &child, nullptr),
+                   absl::StrCat("ncclCommSplit(color ", color, ", key ", key, ")")));
     if (child == nullptr) return absl::OkStatus();  // this rank joined no group
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(child, /*owns_comm=*/true, /*stream=*/nullptr,
@@ -193,7 +183,7 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
 
 hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda) {
   return hsap::RunApi("hsapCommIsCuda", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(isCuda, "isCuda"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(isCuda, "isCuda"));
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null");
     }
@@ -204,14 +194,14 @@ hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda) {
 
 hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config) {
   return hsap::RunApi("hsapCommInitLoopback", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(comms, "comms"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comms, "comms"));
     if (nranks < 1) {
       return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
     }
     for (int r = 0; r < nranks; ++r) comms[r] = nullptr;
     absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
     if (!settings.ok()) return settings.status();
-    if (absl::Status s = hsap::cuda::CheckCudaDevice(); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::cuda::CheckCudaDevice());
     absl::StatusOr<std::vector<std::unique_ptr<hsap::Transport>>> transports =
         hsap::cuda::CreateLoopbackTransports(nranks, settings->timeout);
     if (!transports.ok()) return transports.status();
@@ -229,7 +219,7 @@ hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommC
 
 hsapResult_t hsapCommGetPoolBytes(hsapComm_t comm, size_t* bytes) {
   return hsap::RunApi("hsapCommGetPoolBytes", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(bytes, "bytes"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(bytes, "bytes"));
     if (comm == nullptr || comm->comm == nullptr) {
       return absl::InvalidArgumentError("comm is null");
     }

@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/batch.h"
 #include "lib/api/checks.h"
@@ -22,7 +23,7 @@ constexpr size_t kBatchConfigV1Size = sizeof(hsapBatchConfig_t);
 // this rank's part of the creation agreement so that its peers fail at once.
 absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t plan,
                              const hsapBatchConfig_t* config, BatchOptions& options) {
-  if (absl::Status s = CheckNotNull(batch, "batch"); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckNotNull(batch, "batch"));
   if (layout == nullptr) {
     return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
   }
@@ -35,11 +36,8 @@ absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t
         "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
         "dtype, numHeadsQ, numHeadsKV and headDim");
   }
-  if (absl::Status s = CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
-                                         "HSAP_BATCH_CONFIG_INITIALIZER");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
+                                         "HSAP_BATCH_CONFIG_INITIALIZER"));
   absl::StatusOr<DType> dtype = DTypeFromC(config->dtype, "config->dtype");
   if (!dtype.ok()) return dtype.status();
   options.dtype = *dtype;
@@ -81,7 +79,7 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
     if (batch == nullptr || batch->batch == nullptr) {
       return absl::InvalidArgumentError("batch is null; create one with hsapBatchCreateWithPlan");
     }
-    if (absl::Status s = hsap::CheckNotNull(traffic, "traffic"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(traffic, "traffic"));
     const hsap::BatchTraffic& t = batch->batch->traffic();
     traffic->forwardAllToAllBytesSent = t.forward.a2a_sent;
     traffic->forwardAllToAllBytesReceived = t.forward.a2a_received;

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
@@ -135,8 +136,8 @@ hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, in
                               const hsapMaskKind_t* kinds, const int64_t* params) {
   return hsap::RunApi("hsapLayoutCreate", [&]() -> absl::Status {
     using hsap::kMaxCount;
-    if (absl::Status s = hsap::CheckNotNull(layout, "layout"); !s.ok()) return s;
-    if (absl::Status s = hsap::CheckNotNull(cuSeqlens, "cuSeqlens"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(layout, "layout"));
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(cuSeqlens, "cuSeqlens"));
     if (numDocs < 0 || numDocs > kMaxCount) {
       return absl::InvalidArgumentError(absl::StrCat("numDocs is ", numDocs, "; it must be in [0, ",
                                                      kMaxCount,
@@ -165,7 +166,7 @@ hsapResult_t hsapLayoutCreateFromSlices(hsapLayout_t* layout, int64_t numTokens,
                                         const hsapMaskSlice_t* slices, int64_t numSlices) {
   return hsap::RunApi("hsapLayoutCreateFromSlices", [&]() -> absl::Status {
     using hsap::kMaxCount;
-    if (absl::Status s = hsap::CheckNotNull(layout, "layout"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(layout, "layout"));
     if (numTokens < 0 || numTokens > kMaxCount) {
       return absl::InvalidArgumentError(
           absl::StrCat("numTokens is ", numTokens, "; it must be in [0, ", kMaxCount, "]"));
@@ -204,7 +205,7 @@ hsapResult_t hsapLayoutGetNumTokens(hsapLayout_t layout, int64_t* numTokens) {
   return hsap::RunApi("hsapLayoutGetNumTokens", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
     if (!l.ok()) return l.status();
-    if (absl::Status s = hsap::CheckNotNull(numTokens, "numTokens"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numTokens, "numTokens"));
     *numTokens = (*l)->num_tokens();
     return absl::OkStatus();
   });
@@ -214,7 +215,7 @@ hsapResult_t hsapLayoutGetVisiblePairs(hsapLayout_t layout, int64_t* pairs) {
   return hsap::RunApi("hsapLayoutGetVisiblePairs", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
     if (!l.ok()) return l.status();
-    if (absl::Status s = hsap::CheckNotNull(pairs, "pairs"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(pairs, "pairs"));
     *pairs = (*l)->VisiblePairs();
     return absl::OkStatus();
   });
@@ -224,7 +225,7 @@ hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices, i
   return hsap::RunApi("hsapLayoutGetSlices", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
     if (!l.ok()) return l.status();
-    if (absl::Status s = hsap::CheckNotNull(numSlices, "numSlices"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numSlices, "numSlices"));
     if (slices != nullptr && *numSlices < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("*numSlices is ", *numSlices,

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/batch.h"
 #include "lib/api/checks.h"
@@ -26,7 +27,7 @@ absl::StatusOr<const Partition*> PartitionFromHandle(hsapPartition_t partition) 
 namespace {
 
 absl::Status CheckShards(const Partition& p, const void* const* shards, const char* name) {
-  if (absl::Status s = CheckNotNull(shards, name); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckNotNull(shards, name));
   for (int r = 0; r < p.num_ranks(); ++r) {
     if (shards[r] == nullptr && p.local_tokens(r) > 0) {
       return absl::InvalidArgumentError(absl::StrCat(name, "[", r, "] is null but rank ", r,
@@ -53,7 +54,7 @@ extern "C" {
 hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout, int nranks,
                                  const double* weights) {
   return hsap::RunApi("hsapPartitionCreate", [&]() -> absl::Status {
-    if (absl::Status s = hsap::CheckNotNull(partition, "partition"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(partition, "partition"));
     if (layout == nullptr) {
       return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
     }
@@ -90,7 +91,7 @@ hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t
   return hsap::RunApi("hsapPartitionGetRanges", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
     if (!p.ok()) return p.status();
-    if (absl::Status s = hsap::CheckNotNull(numRanges, "numRanges"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numRanges, "numRanges"));
     if (rank < 0 || rank >= (*p)->num_ranks()) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank = ", rank, " is outside [0, ", (*p)->num_ranks(), ")"));
@@ -119,11 +120,11 @@ hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, si
   return hsap::RunApi("hsapPartitionScatter", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
     if (!p.ok()) return p.status();
-    if (absl::Status s = hsap::CheckBytesPerToken(bytesPerToken); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
     if (row == nullptr && (*p)->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }
-    if (absl::Status s = hsap::CheckShards(**p, shards, "shards"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckShards(**p, shards, "shards"));
     (*p)->Scatter(row, bytesPerToken, shards);
     return absl::OkStatus();
   });
@@ -134,11 +135,11 @@ hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* s
   return hsap::RunApi("hsapPartitionGather", [&]() -> absl::Status {
     absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
     if (!p.ok()) return p.status();
-    if (absl::Status s = hsap::CheckBytesPerToken(bytesPerToken); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
     if (row == nullptr && (*p)->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }
-    if (absl::Status s = hsap::CheckShards(**p, shards, "shards"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(hsap::CheckShards(**p, shards, "shards"));
     (*p)->Gather(shards, bytesPerToken, row);
     return absl::OkStatus();
   });

@@ -9,6 +9,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -172,18 +173,12 @@ absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send,
   }
   const size_t n = plan.group.size();
   for (size_t j = 0; j < n; ++j) {
-    if (absl::Status s = CheckChunksInside("send_chunks", j, plan.group[j], plan.send_chunks[j],
-                                           send, send_bytes);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = CheckChunksInside("recv_chunks", j, plan.group[j], plan.recv_chunks[j],
-                                           recv, recv_bytes);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        CheckChunksInside("send_chunks", j, plan.group[j], plan.send_chunks[j], send, send_bytes));
+    HSAP_RETURN_IF_ERROR(
+        CheckChunksInside("recv_chunks", j, plan.group[j], plan.recv_chunks[j], recv, recv_bytes));
   }
-  if (absl::Status s = CheckReceiveRegionsDisjoint(send, recv, plan); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckReceiveRegionsDisjoint(send, recv, plan));
   const size_t own_send = Total(plan.send_chunks[me]);
   const size_t own_recv = Total(plan.recv_chunks[me]);
   if (own_send != own_recv) {
@@ -232,9 +227,7 @@ absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send,
     } else {
       unsigned char* dst = send_staging.get() + send_cursor;
       const ByteChunk whole{0, s_total};
-      if (absl::Status s = CopyChunks(send, sc, dst, absl::MakeConstSpan(&whole, 1)); !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(CopyChunks(send, sc, dst, absl::MakeConstSpan(&whole, 1)));
       s_ptr = dst;
       send_cursor += s_total;
       stats.bytes_staged += s_total;
@@ -269,14 +262,11 @@ absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send,
     return s;
   }
   stats.bytes_local = own_send;
-  if (absl::Status s = (*pending)->Wait(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR((*pending)->Wait());
   for (const Unpack& u : unpacks) {
     const ByteChunk whole{u.staging_offset, u.bytes};
-    if (absl::Status s = CopyChunks(recv_staging.get(), absl::MakeConstSpan(&whole, 1), recv,
-                                    plan.recv_chunks[u.member]);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(CopyChunks(recv_staging.get(), absl::MakeConstSpan(&whole, 1), recv,
+                                    plan.recv_chunks[u.member]));
     stats.bytes_staged += u.bytes;
   }
   return stats;

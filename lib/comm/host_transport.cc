@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -474,9 +475,7 @@ class HostTransport final : public Transport {
       absl::Status status = check("recvs", i, recvs[i].peer, recvs[i].data, recvs[i].bytes);
       if (!status.ok()) return status;
     }
-    if (absl::Status status = CheckBuffersDisjoint(rank_, stage, sends, recvs); !status.ok()) {
-      return status;
-    }
+    HSAP_RETURN_IF_ERROR(CheckBuffersDisjoint(rank_, stage, sends, recvs));
 
     auto pending = std::make_unique<HostPending>(world_, rank_, stage);
     std::lock_guard<std::mutex> lock(world_->mu);

@@ -62,7 +62,7 @@ absl::StatusOr<AttentionDims> DimsFromOptions(const BatchOptions& o) {
   dims.heads_kv = o.heads_kv;
   dims.head_dim = o.head_dim;
   dims.scale = o.scale != 0.0f ? o.scale : 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-  if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(ValidateDims(dims));
   return dims;
 }
 
@@ -155,11 +155,8 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
   mine.head_dim = static_cast<uint64_t>(options.head_dim);
   mine.scale = std::bit_cast<uint32_t>(dims_.scale);
   std::vector<CreateRecord> all(comm.size());
-  if (absl::Status s = comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
-                                                  "batch creation (agreement on the inputs)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
+                                                  "batch creation (agreement on the inputs)"));
   if (!local.ok()) return local;
   for (int r = 0; r < comm.size(); ++r) {
     if (!all[r].ok) {
@@ -257,12 +254,9 @@ absl::Status Batch::AgreeOnCall(uint64_t kind, const absl::Status& local_check) 
   const uint64_t call = calls_++;
   CallRecord mine{local_check.ok() ? 1u : 0u, call, kind, fingerprint_};
   std::vector<CallRecord> all(comm_->size());
-  if (absl::Status s = comm_->transport().AllGather(
-          &mine, all.data(), sizeof(CallRecord),
-          absl::StrCat(KindName(kind), " (call ", call, " of the batch: agreement)"));
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(comm_->transport().AllGather(
+      &mine, all.data(), sizeof(CallRecord),
+      absl::StrCat(KindName(kind), " (call ", call, " of the batch: agreement)")));
   if (!local_check.ok()) return local_check;
   for (int r = 0; r < comm_->size(); ++r) {
     const CallRecord& o = all[r];

@@ -89,9 +89,7 @@ class GroupExchange {
                  what);
     }
     std::vector<char> staging(staged);
-    if (absl::Status s = Run(src, src_bytes, staging.data(), staged, plan, kind, what); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(Run(src, src_bytes, staging.data(), staged, plan, kind, what));
     // Fixed order (member, token, head): bitwise reproducible.
     for (size_t j = 0; j < r.members.size(); ++j) {
       const std::vector<int>& heads = HeadsOf(r.members[j], q_like);
@@ -176,15 +174,9 @@ class SubRingKv {
       const KvTransfer& t = s.send[x];
       const size_t half = Bytes(s.send_rows, t.heads.size(), D, es);
       slot.send[x].resize(2 * half);
-      if (absl::Status st = PackThd(k_, shape, rows, t.local_heads, slot.send[x].data(), half);
-          !st.ok()) {
-        return st;
-      }
-      if (absl::Status st =
-              PackThd(v_, shape, rows, t.local_heads, slot.send[x].data() + half, half);
-          !st.ok()) {
-        return st;
-      }
+      HSAP_RETURN_IF_ERROR(PackThd(k_, shape, rows, t.local_heads, slot.send[x].data(), half));
+      HSAP_RETURN_IF_ERROR(
+          PackThd(v_, shape, rows, t.local_heads, slot.send[x].data() + half, half));
       sends.push_back({t.peer, slot.send[x].data(), 2 * half,
                        protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(tag_, s.step))});
       sent_ += 2 * half;
@@ -224,18 +216,12 @@ class SubRingKv {
       for (size_t x = 0; x < s.recv.size(); ++x) {
         const KvTransfer& t = s.recv[x];
         const size_t half = Bytes(s.recv_rows, t.heads.size(), D, es);
-        if (absl::Status st =
-                UnpackThd(slot.recv[x].data(), half, shape, absl::MakeConstSpan(&all, 1),
-                          t.local_heads, slot.kv.data());
-            !st.ok()) {
-          return st;
-        }
-        if (absl::Status st =
-                UnpackThd(slot.recv[x].data() + half, half, shape, absl::MakeConstSpan(&all, 1),
-                          t.local_heads, slot.kv.data() + half_all);
-            !st.ok()) {
-          return st;
-        }
+        HSAP_RETURN_IF_ERROR(UnpackThd(slot.recv[x].data(), half, shape,
+                                       absl::MakeConstSpan(&all, 1), t.local_heads,
+                                       slot.kv.data()));
+        HSAP_RETURN_IF_ERROR(UnpackThd(slot.recv[x].data() + half, half, shape,
+                                       absl::MakeConstSpan(&all, 1), t.local_heads,
+                                       slot.kv.data() + half_all));
       }
     }
     *k = slot.kv.data();
@@ -301,7 +287,7 @@ absl::Status CheckContext(const HierExecContext& ctx) {
 
 absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, const void* k,
                                  const void* v, void* out, float* lse, HierTraffic* traffic) {
-  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const RankHierarchy& r = *ctx.rank;
   const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
   const size_t es = DTypeSize(ctx.dtype);
@@ -311,18 +297,9 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
 
   GroupExchange a2a(ctx, "hier forward");
   std::vector<char> gq(Bytes(N, hq, D, es)), gk(Bytes(N, hkv, D, es)), gv(Bytes(N, hkv, D, es));
-  if (absl::Status s = a2a.Scatter(q, HQ, D, es, true, gq.data(), PlanPayload::kInQ, "q");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = a2a.Scatter(k, HKV, D, es, false, gk.data(), PlanPayload::kInK, "k");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = a2a.Scatter(v, HKV, D, es, false, gv.data(), PlanPayload::kInV, "v");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(a2a.Scatter(q, HQ, D, es, true, gq.data(), PlanPayload::kInQ, "q"));
+  HSAP_RETURN_IF_ERROR(a2a.Scatter(k, HKV, D, es, false, gk.data(), PlanPayload::kInK, "k"));
+  HSAP_RETURN_IF_ERROR(a2a.Scatter(v, HKV, D, es, false, gv.data(), PlanPayload::kInV, "v"));
 
   std::vector<float> out32(static_cast<size_t>(N) * hq * D), lse32(static_cast<size_t>(N) * hq);
   InitPartial(out32.data(), lse32.data(), N, static_cast<int>(hq), D);
@@ -347,7 +324,7 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
         [&](size_t i) -> absl::Status {
           const SubRingStep& st = r.steps[i];
           if (st.recv_group < 0 || st.recv_work.empty()) return absl::OkStatus();
-          if (absl::Status s = ring.Assemble(i, &args.k, &args.v); !s.ok()) return s;
+          HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
           args.k_rows = st.recv_rows;
           return ctx.kernels->Forward(args, st.recv_work, threads);
         });
@@ -357,18 +334,12 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
   // Back to the shards' owners: out in the storage dtype, lse as [rows, heads, 1] fp32.
   std::vector<char> gout(gq.size());
   StoreRows(ctx.dtype, out32, gout.data());
-  if (absl::Status s = a2a.Gather(gout.data(), HQ, D, es, true, out, PlanPayload::kOutO, "out");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(a2a.Gather(gout.data(), HQ, D, es, true, out, PlanPayload::kOutO, "out"));
   std::vector<float> lse_rows(static_cast<size_t>(N) * hq);
   HeadMajorToRows(lse32.data(), static_cast<int>(hq), N, 1, 0, lse_rows.data());
   std::vector<float> my_lse(static_cast<size_t>(r.shard_tokens) * HQ);
-  if (absl::Status s = a2a.Gather(lse_rows.data(), HQ, 1, sizeof(float), true, my_lse.data(),
-                                  PlanPayload::kOutLse, "lse");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(a2a.Gather(lse_rows.data(), HQ, 1, sizeof(float), true, my_lse.data(),
+                                  PlanPayload::kOutLse, "lse"));
   RowsToHeadMajor(my_lse.data(), HQ, r.shard_tokens, 1, 0, lse);
   if (traffic != nullptr) {
     *traffic = HierTraffic{a2a.bytes_sent(), a2a.bytes_received(), ring.sent(), ring.received()};
@@ -379,7 +350,7 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
 absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, const void* q,
                                   const void* k, const void* v, const void* out, const float* lse,
                                   void* dq, void* dk, void* dv, HierTraffic* traffic) {
-  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const RankHierarchy& r = *ctx.rank;
   const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
   const size_t es = DTypeSize(ctx.dtype);
@@ -403,15 +374,10 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
         std::tuple{dout, HQ, true, gdout.data(), PlanPayload::kInDout, "dout"},
         std::tuple{k, HKV, false, gk.data(), PlanPayload::kInK, "k"},
         std::tuple{v, HKV, false, gv.data(), PlanPayload::kInV, "v"}}) {
-    if (absl::Status s = a2a.Scatter(src, heads, D, es, q_like, dst, kind, what); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(a2a.Scatter(src, heads, D, es, q_like, dst, kind, what));
   }
-  if (absl::Status s = a2a.Scatter(stats.data(), HQ, 2, sizeof(float), true, gstats.data(),
-                                   PlanPayload::kInStats, "lse and delta");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(a2a.Scatter(stats.data(), HQ, 2, sizeof(float), true, gstats.data(),
+                                   PlanPayload::kInStats, "lse and delta"));
   std::vector<float> glse(static_cast<size_t>(N) * hq), gdelta(glse.size());
   RowsToHeadMajor(gstats.data(), static_cast<int>(hq), N, 2, 0, glse.data());
   RowsToHeadMajor(gstats.data(), static_cast<int>(hq), N, 2, 1, gdelta.data());
@@ -523,19 +489,13 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
   // copy of its KV heads in the group, else summed over the holders in fp32 by the owner.
   std::vector<char> gdq(gq.size());
   StoreRows(ctx.dtype, dq32, gdq.data());
-  if (absl::Status s = a2a.Gather(gdq.data(), HQ, D, es, true, dq, PlanPayload::kOutDq, "dq");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(a2a.Gather(gdq.data(), HQ, D, es, true, dq, PlanPayload::kOutDq, "dq"));
   if (r.kv_grad_partial) {
     for (auto [part, into, kind, what] : {std::tuple{&dk32, dk, PlanPayload::kOutDk, "dk"},
                                           std::tuple{&dv32, dv, PlanPayload::kOutDv, "dv"}}) {
       std::vector<float> sum(static_cast<size_t>(n_me) * HKV * D, 0.0f);
-      if (absl::Status s = a2a.Gather(part->data(), HKV, D, sizeof(float), false, nullptr, kind,
-                                      what, sum.data());
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(
+          a2a.Gather(part->data(), HKV, D, sizeof(float), false, nullptr, kind, what, sum.data()));
       StoreRows(ctx.dtype, sum, into);
     }
   } else {
@@ -543,10 +503,7 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
                                           std::tuple{&dv32, dv, PlanPayload::kOutDv, "dv"}}) {
       std::vector<char> rounded(Bytes(N, hkv, D, es));
       StoreRows(ctx.dtype, *part, rounded.data());
-      if (absl::Status s = a2a.Gather(rounded.data(), HKV, D, es, false, into, kind, what);
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(a2a.Gather(rounded.data(), HKV, D, es, false, into, kind, what));
     }
   }
   if (traffic != nullptr) {

@@ -17,15 +17,15 @@ absl::Status RunStaged(size_t num_stages, const PostStage& post,
     if (!p.ok()) return p.status();
     current = *std::move(p);
   }
-  if (absl::Status s = local(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(local());
   for (size_t i = 0; i < num_stages; ++i) {
     if (i + 1 < num_stages) {
       absl::StatusOr<std::unique_ptr<Transport::Pending>> p = post(i + 1);
       if (!p.ok()) return p.status();
       next = *std::move(p);
     }
-    if (absl::Status s = current->Wait(); !s.ok()) return s;
-    if (absl::Status s = on_stage(i); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(current->Wait());
+    HSAP_RETURN_IF_ERROR(on_stage(i));
     current = std::move(next);
   }
   return absl::OkStatus();

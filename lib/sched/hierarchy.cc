@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -59,7 +60,7 @@ std::vector<int64_t> SplitByWeights(int64_t total, const std::vector<double>& we
 }
 
 absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& plan) {
-  if (absl::Status s = plan.Validate(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(plan.Validate());
   Hierarchy h;
   h.plan_ = plan;
   const int G = static_cast<int>(plan.groups.size());

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace hsap {
@@ -209,7 +210,7 @@ absl::StatusOr<Plan> PlanFromJson(const json& j) {
       }
     }
   }
-  if (absl::Status s = plan.Validate(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(plan.Validate());
   return plan;
 }
 

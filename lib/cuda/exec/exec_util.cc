@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "base/status_macros.h"
+
 namespace hsap::cuda {
 
 DeviceWorkLists::List HostImage::At(const char* base, const WorkListAt& at) {
@@ -17,13 +19,40 @@ absl::StatusOr<DeviceBuffer> HostImage::Upload(Device& device, cudaStream stream
   absl::StatusOr<void*> memory = device.Allocate(std::max<size_t>(bytes_.size(), 1));
   if (!memory.ok()) return memory.status();
   DeviceBuffer buffer(&device, *memory);
-  if (absl::Status s = device.CopyAsync(*memory, bytes_.data(), bytes_.size(), stream); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = device.Synchronize(stream, absl::InfiniteFuture(), what); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(device.CopyAsync(*memory, bytes_.data(), bytes_.size(), stream));
+  HSAP_RETURN_IF_ERROR(device.Synchronize(stream, absl::InfiniteFuture(), what));
   return buffer;
+}
+
+hsap_dev::FwdParams ForwardParams(const QuerySide& side, const void* q, float* out, float* lse) {
+  hsap_dev::FwdParams p{};
+  p.q = q;
+  p.out = out;
+  p.lse = lse;
+  p.kv_head_of_q = side.kv_head_of_q;
+  p.error_flag = nullptr;
+  p.q_rows = side.q_rows;
+  p.heads_q = side.heads_q;
+  p.heads_kv = side.heads_kv;
+  p.scale = side.scale;
+  return p;
+}
+
+hsap_dev::BwdParams BackwardParams(const QuerySide& side, const void* q, const void* dout,
+                                   const float* lse, const float* delta, float* dq) {
+  hsap_dev::BwdParams p{};
+  p.q = q;
+  p.dout = dout;
+  p.lse = lse;
+  p.delta = delta;
+  p.dq = dq;
+  p.kv_head_of_q = side.kv_head_of_q;
+  p.error_flag = nullptr;
+  p.q_rows = side.q_rows;
+  p.heads_q = side.heads_q;
+  p.heads_kv = side.heads_kv;
+  p.scale = side.scale;
+  return p;
 }
 
 absl::Status LaunchForward(const DeviceKernels& kernels, hsap_dev::FwdParams p,

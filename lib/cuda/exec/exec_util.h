@@ -159,6 +159,19 @@ class HostImage {
 // The attention kernels over one work list against k/v of k_rows rows; `p` carries the rest
 // (queries, accumulators, heads, scale, kv-head map). Nothing to do for an empty list or a
 // rank without query heads.
+// The query side of an attention launch over `q_rows` query rows with `heads_q` query and
+// `heads_kv` K/V heads (kv_head_of_q: null for the GQA ratio, else the rank's map); the key
+// side is set per launch by LaunchForward / LaunchBackward.
+struct QuerySide {
+  int64_t q_rows = 0;
+  int heads_q = 0, heads_kv = 0;
+  float scale = 0.0f;
+  const int* kv_head_of_q = nullptr;
+};
+hsap_dev::FwdParams ForwardParams(const QuerySide& side, const void* q, float* out, float* lse);
+hsap_dev::BwdParams BackwardParams(const QuerySide& side, const void* q, const void* dout,
+                                   const float* lse, const float* delta, float* dq);
+
 absl::Status LaunchForward(const DeviceKernels& kernels, hsap_dev::FwdParams p,
                            const DeviceWorkLists::List& list, const void* k, const void* v,
                            int64_t k_rows, cudaStream stream);

@@ -67,7 +67,7 @@ class GpuCall {
   // (no-op for a host transport, or when both are one stream).
   absl::Status FenceTransfers(cudaEvent e) {
     if (transfer_ == nullptr || transfer_ == ctx_.stream) return absl::OkStatus();
-    if (absl::Status s = ctx_.device->RecordEvent(e, ctx_.stream); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(ctx_.device->RecordEvent(e, ctx_.stream));
     return ctx_.device->StreamWaitEvent(transfer_, e);
   }
 
@@ -96,7 +96,7 @@ class GpuCall {
       recvs.push_back(
           {st.recv_from, recv_v_[slot], bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
-    if (absl::Status s = FenceTransfers(posted_[slot]); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(FenceTransfers(posted_[slot]));
     return ctx_.transport->Start(sends, recvs, StageName(pass_, st, "kv"));
   }
 
@@ -118,11 +118,8 @@ class GpuCall {
     char* dst = scratch;
     for (const TokenRun& r : runs) {
       const size_t bytes = static_cast<size_t>(r.length) * kv_row_bytes_;
-      if (absl::Status s =
-              ctx_.device->CopyAsync(dst, b + r.local_begin * kv_row_bytes_, bytes, ctx_.stream);
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(
+          ctx_.device->CopyAsync(dst, b + r.local_begin * kv_row_bytes_, bytes, ctx_.stream));
       dst += bytes;
     }
     return static_cast<const void*>(scratch);
@@ -182,11 +179,8 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   // Owner: the export is free once every reader copied the previous call's rows.
   for (const Stage& st : sched.stages) {
     if (st.send_to < 0) continue;
-    if (absl::Status s =
-            device.WaitValueAsync(w.consumed(me, st.send_to), w.copies_by(st.send_to), ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        device.WaitValueAsync(w.consumed(me, st.send_to), w.copies_by(st.send_to), ctx.stream));
   }
   for (size_t i = 0; i < sched.stages.size(); ++i) {
     const Stage& st = sched.stages[i];
@@ -198,7 +192,7 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
       const size_t bytes = static_cast<size_t>(r.length) * row_bytes;
       for (auto [dst, src] : {std::pair{dst_k, static_cast<const char*>(k)},
                               std::pair{dst_v, static_cast<const char*>(v)}}) {
-        if (absl::Status s = device.CopyAsync(dst, src + at, bytes, ctx.stream); !s.ok()) return s;
+        HSAP_RETURN_IF_ERROR(device.CopyAsync(dst, src + at, bytes, ctx.stream));
       }
       dst_k += bytes;
       dst_v += bytes;
@@ -206,15 +200,10 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
     call.moved().bytes_sent += 2 * static_cast<uint64_t>(st.send_rows) * row_bytes;
     w.copies_by(st.send_to) += static_cast<uint32_t>(routes.copy_ctas);
   }
-  if (absl::Status s = device.WriteValueAsync(w.ready(me), call_number, ctx.stream); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(device.WriteValueAsync(w.ready(me), call_number, ctx.stream));
   // Local keys, then the peers' in fused launches.
-  if (absl::Status s = LaunchForward(*ctx.kernels, fwd, ctx.program->lists().local(), k, v,
-                                     sched.local_rows, ctx.stream);
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(LaunchForward(*ctx.kernels, fwd, ctx.program->lists().local(), k, v,
+                                     sched.local_rows, ctx.stream));
   FusedForwardLaunch launch;
   hsap_dev::FusedFwdHead& h = launch.head;
   h.q = fwd.q;
@@ -235,10 +224,7 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   launch.share = routes.share;
   auto flush = [&]() -> absl::Status {
     if (launch.steps.empty()) return absl::OkStatus();
-    if (absl::Status s = device.ZeroAsync(w.counters(), 4 * sizeof(uint32_t), ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(device.ZeroAsync(w.counters(), 4 * sizeof(uint32_t), ctx.stream));
     absl::Status s = ctx.kernels->FusedForward(launch, ctx.stream);
     launch.steps.clear();
     return s;
@@ -261,7 +247,7 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
     launch.steps.push_back(step);
     call.moved().bytes_received += 2 * static_cast<uint64_t>(st.recv_rows) * row_bytes;
     if (static_cast<int>(launch.steps.size()) == ctx.kernels->max_fused_steps()) {
-      if (absl::Status s = flush(); !s.ok()) return s;
+      HSAP_RETURN_IF_ERROR(flush());
     }
   }
   return flush();
@@ -286,22 +272,11 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   float* out32 = reinterpret_cast<float*>(cursor.Take(out_elems * sizeof(float)));
   float* lse32 = reinterpret_cast<float*>(cursor.Take(lse_elems * sizeof(float)));
   if (rows > 0) {
-    if (absl::Status s = ctx.kernels->Init({out32, lse32, rows, dims.heads_q}, ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.kernels->Init({out32, lse32, rows, dims.heads_q}, ctx.stream));
   }
 
-  hsap_dev::FwdParams p{};
-  p.q = q;
-  p.out = out32;
-  p.lse = lse32;
-  p.kv_head_of_q = nullptr;
-  p.error_flag = nullptr;
-  p.q_rows = rows;
-  p.heads_q = dims.heads_q;
-  p.heads_kv = dims.heads_kv;
-  p.scale = dims.scale;
+  const QuerySide side{rows, dims.heads_q, dims.heads_kv, dims.scale};
+  const hsap_dev::FwdParams p = ForwardParams(side, q, out32, lse32);
   auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
                     int64_t k_rows) {
     return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
@@ -320,11 +295,8 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
                                 st.recv_rows);
                 });
   if (!staged.ok()) return staged;
-  if (absl::Status s = Store(ctx, out32, out, out_elems); !s.ok()) return s;
-  if (absl::Status s = ctx.device->CopyAsync(lse, lse32, lse_elems * sizeof(float), ctx.stream);
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(Store(ctx, out32, out, out_elems));
+  HSAP_RETURN_IF_ERROR(ctx.device->CopyAsync(lse, lse32, lse_elems * sizeof(float), ctx.stream));
   if (traffic != nullptr) *traffic = call.moved();
   return absl::OkStatus();
 }
@@ -369,29 +341,14 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   }
 
   for (auto [ptr, count] : {std::pair{dq32, q_elems}, {dk32, kv_elems}, {dv32, kv_elems}}) {
-    if (absl::Status s = ctx.device->ZeroAsync(ptr, count * sizeof(float), ctx.stream); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(ptr, count * sizeof(float), ctx.stream));
   }
   if (rows > 0) {
-    if (absl::Status s = ctx.kernels->Delta({dout, out, delta, rows, dims.heads_q}, ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.kernels->Delta({dout, out, delta, rows, dims.heads_q}, ctx.stream));
   }
 
-  hsap_dev::BwdParams p{};
-  p.q = q;
-  p.dout = dout;
-  p.lse = lse;
-  p.delta = delta;
-  p.dq = dq32;
-  p.kv_head_of_q = nullptr;
-  p.error_flag = nullptr;
-  p.q_rows = rows;
-  p.heads_q = dims.heads_q;
-  p.heads_kv = dims.heads_kv;
-  p.scale = dims.scale;
+  const QuerySide side{rows, dims.heads_q, dims.heads_kv, dims.scale};
+  const hsap_dev::BwdParams p = BackwardParams(side, q, dout, lse, delta, dq32);
   auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
                       int64_t k_rows, float* gk, float* gv) {
     return LaunchBackward(*ctx.kernels, p, list, kk, vv, k_rows, gk, gv, ctx.stream);
@@ -454,9 +411,9 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     return absl::OkStatus();
   };
   HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
-  if (absl::Status s = Store(ctx, dq32, dq, q_elems); !s.ok()) return s;
-  if (absl::Status s = Store(ctx, dk32, dk, kv_elems); !s.ok()) return s;
-  if (absl::Status s = Store(ctx, dv32, dv, kv_elems); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(Store(ctx, dq32, dq, q_elems));
+  HSAP_RETURN_IF_ERROR(Store(ctx, dk32, dk, kv_elems));
+  HSAP_RETURN_IF_ERROR(Store(ctx, dv32, dv, kv_elems));
   if (traffic != nullptr) {
     traffic->bytes_sent = call.moved().bytes_sent + grad_moved.bytes_sent;
     traffic->bytes_received = call.moved().bytes_received + grad_moved.bytes_received;

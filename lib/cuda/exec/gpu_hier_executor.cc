@@ -46,7 +46,7 @@ absl::StatusOr<ExchangeProgram> GroupProgram(
     absl::StatusOr<SrcDst> c = chunks(m);
     if (!c.ok()) return c.status();
     if (m.rank == r.rank) {
-      if (absl::Status s = b.Self(c->first, c->second); !s.ok()) return s;
+      HSAP_RETURN_IF_ERROR(b.Self(c->first, c->second));
     } else {
       b.Send(m.rank, Payload(kind), c->first);
       b.Receive(m.rank, Payload(kind), c->second);
@@ -366,8 +366,8 @@ class HierCall {
     size_t send_at = 0, recv_at = 0;
     for (const Leg& leg : legs) {
       const ExchangeProgram& e = leg.ex->program;
-      if (absl::Status s = Launch(leg.ex->pack, leg.src, send + send_at, false); !s.ok()) return s;
-      if (absl::Status s = Launch(leg.ex->self, leg.src, leg.dst, e.add); !s.ok()) return s;
+      HSAP_RETURN_IF_ERROR(Launch(leg.ex->pack, leg.src, send + send_at, false));
+      HSAP_RETURN_IF_ERROR(Launch(leg.ex->self, leg.src, leg.dst, e.add));
       for (const ExchangeMessage& m : e.sends) {
         sends.push_back(
             {m.peer, send + send_at + m.offset, m.bytes, protocol::PlanTag(ctx_.call_id, m.tag)});
@@ -384,8 +384,8 @@ class HierCall {
     if (transfer_ != nullptr && transfer_ != ctx_.stream) {
       absl::StatusOr<cudaEvent> ev = events_.New();
       if (!ev.ok()) return ev.status();
-      if (absl::Status s = ctx_.device->RecordEvent(*ev, ctx_.stream); !s.ok()) return s;
-      if (absl::Status s = ctx_.device->StreamWaitEvent(transfer_, *ev); !s.ok()) return s;
+      HSAP_RETURN_IF_ERROR(ctx_.device->RecordEvent(*ev, ctx_.stream));
+      HSAP_RETURN_IF_ERROR(ctx_.device->StreamWaitEvent(transfer_, *ev));
     }
     return ctx_.transport->Start(sends, recvs, absl::StrCat(pass_, " ", name));
   }
@@ -394,10 +394,7 @@ class HierCall {
   absl::Status Unpack(const std::vector<Leg>& legs, const char* recv) {
     size_t recv_at = 0;
     for (const Leg& leg : legs) {
-      if (absl::Status s = Launch(leg.ex->unpack, recv + recv_at, leg.dst, leg.ex->program.add);
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(Launch(leg.ex->unpack, recv + recv_at, leg.dst, leg.ex->program.add));
       recv_at += leg.ex->program.recv_staging;
     }
     return absl::OkStatus();
@@ -407,7 +404,7 @@ class HierCall {
   absl::Status Run(const std::vector<Leg>& legs, char* send, char* recv, const std::string& name) {
     absl::StatusOr<std::unique_ptr<Transport::Pending>> p = Post(legs, send, recv, name, false);
     if (!p.ok()) return p.status();
-    if (absl::Status s = (*p)->Wait(); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR((*p)->Wait());
     return Unpack(legs, recv);
   }
 
@@ -466,7 +463,7 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
   SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
-  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const DeviceHierProgram& p = *ctx.program;
   const RankHierarchy& r = p.rank();
   const int D = p.dims().head_dim;
@@ -486,20 +483,11 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
   float* out32 = reinterpret_cast<float*>(g.out32);
   float* lse32 = reinterpret_cast<float*>(g.lse32);
   if (hq > 0 && N > 0) {
-    if (absl::Status s = ctx.kernels->Init({out32, lse32, N, static_cast<int>(hq)}, ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.kernels->Init({out32, lse32, N, static_cast<int>(hq)}, ctx.stream));
   }
-  hsap_dev::FwdParams fp{};
-  fp.q = g.gq;
-  fp.out = out32;
-  fp.lse = lse32;
-  fp.kv_head_of_q = p.kv_head_of_q();
-  fp.q_rows = N;
-  fp.heads_q = static_cast<int>(hq);
-  fp.heads_kv = static_cast<int>(hkv);
-  fp.scale = p.dims().scale;
+  const QuerySide side{N, static_cast<int>(hq), static_cast<int>(hkv), p.dims().scale,
+                       p.kv_head_of_q()};
+  const hsap_dev::FwdParams fp = ForwardParams(side, g.gq, out32, lse32);
   auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
                     int64_t k_rows) {
     return LaunchForward(*ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
@@ -513,7 +501,7 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
           },
           [&] { return attend(p.local_work(), gk, gv, N); },
           [&](size_t i) -> absl::Status {
-            if (absl::Status s = call.Unpack(kv_leg(i), g.ring_recv[i % 2]); !s.ok()) return s;
+            HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[i % 2]));
             const SubRingStep& st = r.steps[i];
             if (st.recv_group < 0) return absl::OkStatus();
             return attend(p.steps()[i].work, g.kv[i % 2],
@@ -523,12 +511,8 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
     return s;
   }
   if (hq > 0 && N > 0) {
-    if (absl::Status s = ctx.kernels->Convert(
-            {out32, g.gout, static_cast<long long>(N) * static_cast<long long>(hq) * D},
-            ctx.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.kernels->Convert(
+        {out32, g.gout, static_cast<long long>(N) * static_cast<long long>(hq) * D}, ctx.stream));
   }
   if (absl::Status s = call.Run({{&p.out_o(), g.gout, out}, {&p.out_lse(), g.lse32, lse}},
                                 g.a2a_send, g.a2a_recv, "all-to-all out, lse");
@@ -546,7 +530,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
-  if (absl::Status s = CheckContext(ctx); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const DeviceHierProgram& p = *ctx.program;
   const RankHierarchy& r = p.rank();
   const int D = p.dims().head_dim, HQ = p.dims().heads_q, HKV = p.dims().heads_kv;
@@ -559,15 +543,10 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   HierCall call(ctx, "hier backward");
 
   // lse and delta of the shard, head-major, side by side.
-  if (absl::Status s = ctx.device->CopyAsync(g.stats, lse, Bytes(n_me, HQ, 1, f), ctx.stream);
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(ctx.device->CopyAsync(g.stats, lse, Bytes(n_me, HQ, 1, f), ctx.stream));
   if (n_me > 0) {
     float* delta = reinterpret_cast<float*>(g.stats + Bytes(n_me, HQ, 1, f));
-    if (absl::Status s = ctx.kernels->Delta({dout, out, delta, n_me, HQ}, ctx.stream); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.kernels->Delta({dout, out, delta, n_me, HQ}, ctx.stream));
   }
   if (absl::Status s = call.Run({{&p.in_stats(), g.stats, g.gstats},
                                  {&p.in_q(), q, g.gq},
@@ -583,19 +562,13 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   float* dv32 = dk32 + static_cast<size_t>(N) * hkv * D;
   for (auto [ptr, bytes] :
        {std::pair{g.dq32, Bytes(N, hq, D, f)}, {g.dkv32, 2 * Bytes(N, hkv, D, f)}}) {
-    if (absl::Status s = ctx.device->ZeroAsync(ptr, bytes, ctx.stream); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(ptr, bytes, ctx.stream));
   }
-  hsap_dev::BwdParams bp{};
-  bp.q = g.gq;
-  bp.dout = g.gdout;
-  bp.lse = reinterpret_cast<const float*>(g.gstats);
-  bp.delta = reinterpret_cast<const float*>(g.gstats) + static_cast<size_t>(N) * hq;
-  bp.dq = dq32;
-  bp.kv_head_of_q = p.kv_head_of_q();
-  bp.q_rows = N;
-  bp.heads_q = static_cast<int>(hq);
-  bp.heads_kv = static_cast<int>(hkv);
-  bp.scale = p.dims().scale;
+  const QuerySide side{N, static_cast<int>(hq), static_cast<int>(hkv), p.dims().scale,
+                       p.kv_head_of_q()};
+  const float* gstats = reinterpret_cast<const float*>(g.gstats);
+  const hsap_dev::BwdParams bp =
+      BackwardParams(side, g.gq, g.gdout, gstats, gstats + static_cast<size_t>(N) * hq, dq32);
   auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
                       int64_t k_rows, float* gk32, float* gv32) {
     return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
@@ -639,7 +612,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     if (count == 0) return absl::OkStatus();
     return ctx.kernels->Convert({from, to, static_cast<long long>(count)}, ctx.stream);
   };
-  if (absl::Status s = convert(dq32, g.gdq, static_cast<size_t>(N) * hq * D); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(convert(dq32, g.gdq, static_cast<size_t>(N) * hq * D));
   std::vector<Leg> legs = {{&p.out_dq(), g.gdq, dq}};
   const size_t shard_kv = static_cast<size_t>(n_me) * HKV * D;
   float* sum_k = reinterpret_cast<float*>(g.sum32);
@@ -647,24 +620,20 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   char* gdk = g.gdkv;
   char* gdv = g.gdkv + Bytes(N, hkv, D, es);
   if (r.kv_grad_partial) {
-    if (absl::Status s = ctx.device->ZeroAsync(g.sum32, 2 * shard_kv * f, ctx.stream); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(g.sum32, 2 * shard_kv * f, ctx.stream));
     legs.push_back({&p.out_dk(), dk32, sum_k});
     legs.push_back({&p.out_dv(), dv32, sum_v});
   } else {
     const size_t count = static_cast<size_t>(N) * hkv * D;
-    if (absl::Status s = convert(dk32, gdk, count); !s.ok()) return s;
-    if (absl::Status s = convert(dv32, gdv, count); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(convert(dk32, gdk, count));
+    HSAP_RETURN_IF_ERROR(convert(dv32, gdv, count));
     legs.push_back({&p.out_dk(), gdk, dk});
     legs.push_back({&p.out_dv(), gdv, dv});
   }
-  if (absl::Status s = call.Run(legs, g.a2a_send, g.a2a_recv, "all-to-all dq, dk, dv"); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(call.Run(legs, g.a2a_send, g.a2a_recv, "all-to-all dq, dk, dv"));
   if (r.kv_grad_partial) {
-    if (absl::Status s = convert(sum_k, dk, shard_kv); !s.ok()) return s;
-    if (absl::Status s = convert(sum_v, dv, shard_kv); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(convert(sum_k, dk, shard_kv));
+    HSAP_RETURN_IF_ERROR(convert(sum_v, dv, shard_kv));
   }
   if (traffic != nullptr) *traffic = call.traffic();
   return absl::OkStatus();

@@ -39,18 +39,13 @@ class JitDeviceKernels : public DeviceKernels {
     // The module belongs to the context current now (the primary context of the current
     // device, made current by LoadJitDeviceKernels); launches bind it again, since a caller
     // may launch from a thread that never made a CUDA runtime call.
-    if (absl::Status s = d.Check(d.CtxGetCurrent(&k->context_), "cuCtxGetCurrent"); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(d.Check(d.CtxGetCurrent(&k->context_), "cuCtxGetCurrent"));
     if (k->context_ == nullptr) {
       return absl::InternalError("no current CUDA context to load the kernels into");
     }
-    if (absl::Status s = d.Check(
-            d.ModuleLoadData(&k->module_, c.binary.image.c_str()),
-            absl::StrCat("cuModuleLoadData(", c.source.program_name, ", ", c.binary.target, ")"));
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(d.Check(
+        d.ModuleLoadData(&k->module_, c.binary.image.c_str()),
+        absl::StrCat("cuModuleLoadData(", c.source.program_name, ", ", c.binary.target, ")")));
     struct Slot {
       const char* role;
       Kernel* kernel;
@@ -75,31 +70,21 @@ class JitDeviceKernels : public DeviceKernels {
       Kernel& kernel = *slot.kernel;
       kernel.threads = entry->threads;
       kernel.smem = entry->dynamic_smem_bytes;
-      if (absl::Status s = d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name->c_str()),
-                                   absl::StrCat("cuModuleGetFunction(", *name, ")"));
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name->c_str()),
+                                   absl::StrCat("cuModuleGetFunction(", *name, ")")));
       if (kernel.smem > 48 * 1024) {
-        if (absl::Status s =
-                d.Check(d.FuncSetAttribute(kernel.function, kCuFuncAttributeMaxDynamicSharedSize,
-                                           kernel.smem),
-                        absl::StrCat("cuFuncSetAttribute(", entry->role, " kernel, ", kernel.smem,
-                                     " B shared memory)"));
-            !s.ok()) {
-          return s;
-        }
+        HSAP_RETURN_IF_ERROR(d.Check(
+            d.FuncSetAttribute(kernel.function, kCuFuncAttributeMaxDynamicSharedSize, kernel.smem),
+            absl::StrCat("cuFuncSetAttribute(", entry->role, " kernel, ", kernel.smem,
+                         " B shared memory)")));
       }
     }
     if (max_steps > 0) {
       int per_sm = 0;
-      if (absl::Status s = d.Check(d.OccupancyMaxActiveBlocksPerMultiprocessor(
-                                       &per_sm, k->fused_.function, k->fused_.threads,
-                                       static_cast<size_t>(k->fused_.smem)),
-                                   "cuOccupancyMaxActiveBlocksPerMultiprocessor(fused forward)");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(d.Check(
+          d.OccupancyMaxActiveBlocksPerMultiprocessor(
+              &per_sm, k->fused_.function, k->fused_.threads, static_cast<size_t>(k->fused_.smem)),
+          "cuOccupancyMaxActiveBlocksPerMultiprocessor(fused forward)"));
       k->fused_resident_ = per_sm * sm_count;
       k->max_fused_steps_ = max_steps;
       k->fused_copy_ctas_ = std::clamp(sm_count / 16, 1, 8);
@@ -174,10 +159,7 @@ class JitDeviceKernels : public DeviceKernels {
                       cudaStream s) const {
     if (grid.empty()) return absl::OkStatus();
     void* args[] = {const_cast<void*>(static_cast<const void*>(params))};
-    if (absl::Status st = driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent");
-        !st.ok()) {
-      return st;
-    }
+    HSAP_RETURN_IF_ERROR(driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent"));
     return driver_->Check(
         driver_->LaunchKernel(k.function, grid.x, grid.y, 1, static_cast<unsigned>(k.threads), 1, 1,
                               static_cast<unsigned>(k.smem), s, args, nullptr),
@@ -196,7 +178,7 @@ class JitDeviceKernels : public DeviceKernels {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config) {
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   if (config.arch.empty()) {
     absl::StatusOr<std::string> arch = CurrentCudaArch();
     if (!arch.ok()) return arch.status();
@@ -205,18 +187,12 @@ absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKer
   absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
   if (!rt.ok()) return rt.status();
   int device = 0, sms = 1;
-  if (absl::Status s = (*rt)->Check((*rt)->GetDevice(&device), "cudaGetDevice"); !s.ok()) return s;
-  if (absl::Status s =
-          (*rt)->Check((*rt)->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
-                       "cudaDeviceGetAttribute(multiprocessor count)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->GetDevice(&device), "cudaGetDevice"));
+  HSAP_RETURN_IF_ERROR(
+      (*rt)->Check((*rt)->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
+                   "cudaDeviceGetAttribute(multiprocessor count)"));
   // cudaFree(nullptr) initialises the device's primary context and makes it current.
-  if (absl::Status s = (*rt)->Check((*rt)->Free(nullptr), "cudaFree(nullptr) (context set-up)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->Free(nullptr), "cudaFree(nullptr) (context set-up)"));
   absl::StatusOr<jit::CompiledCudaKernels> compiled =
       jit::CompileCudaKernels(config, &jit::CompileCache::Global());
   if (!compiled.ok()) return compiled.status();

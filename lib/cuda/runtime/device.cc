@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 namespace {
@@ -18,13 +19,10 @@ class CudaDevice : public Device {
 
   absl::StatusOr<int> MakeCurrent() override {
     int previous = 0;
-    if (absl::Status s = rt_->Check(rt_->GetDevice(&previous), "cudaGetDevice"); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(rt_->Check(rt_->GetDevice(&previous), "cudaGetDevice"));
     if (previous == ordinal_) return previous;
-    if (absl::Status s =
-            rt_->Check(rt_->SetDevice(ordinal_), absl::StrCat("cudaSetDevice(", ordinal_, ")"));
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        rt_->Check(rt_->SetDevice(ordinal_), absl::StrCat("cudaSetDevice(", ordinal_, ")")));
     return previous;
   }
   void Restore(int previous) override {
@@ -34,11 +32,8 @@ class CudaDevice : public Device {
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
     void* p = nullptr;
-    if (absl::Status s =
-            rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)"));
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)")));
     return p;
   }
   void Free(void* p) override {
@@ -72,20 +67,14 @@ class CudaDevice : public Device {
     DeviceLocation at;
     gethostname(at.host.data(), at.host.size() - 1);
     at.process = static_cast<uint64_t>(getpid());
-    if (absl::Status s =
-            rt_->Check(rt_->DeviceGetPCIBusId(at.device.data(),
-                                              static_cast<int>(at.device.size()) - 1, ordinal_),
-                       "cudaDeviceGetPCIBusId");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(rt_->Check(
+        rt_->DeviceGetPCIBusId(at.device.data(), static_cast<int>(at.device.size()) - 1, ordinal_),
+        "cudaDeviceGetPCIBusId"));
     return at;
   }
   absl::StatusOr<IpcHandle> ExportMemory(void* p) override {
     CudaIpcMemHandle h;
-    if (absl::Status s = rt_->Check(rt_->IpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(rt_->Check(rt_->IpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"));
     IpcHandle out;
     std::memcpy(out.data(), h.reserved, out.size());
     return out;
@@ -101,24 +90,18 @@ class CudaDevice : public Device {
           absl::StrCat("GPU ", owner.device.data(), " is not visible here: ", s.message()));
     }
     if (peer != ordinal_) {
-      if (absl::Status s =
-              rt_->Check(rt_->DeviceCanAccessPeer(&can, ordinal_, peer), "cudaDeviceCanAccessPeer");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(
+          rt_->Check(rt_->DeviceCanAccessPeer(&can, ordinal_, peer), "cudaDeviceCanAccessPeer"));
       if (can == 0) {
         return absl::FailedPreconditionError(absl::StrCat(
             "GPU ", ordinal_, " has no peer access to GPU ", peer, " (", owner.device.data(), ")"));
       }
       // The fused kernel's copy CTAs count their copies with atomics in the owner's window.
       int atomics = 0;
-      if (absl::Status s =
-              rt_->Check(rt_->DeviceGetP2PAttribute(&atomics, kCudaDevP2PAttrNativeAtomicSupported,
-                                                    ordinal_, peer),
-                         "cudaDeviceGetP2PAttribute(native atomics)");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(
+          rt_->Check(rt_->DeviceGetP2PAttribute(&atomics, kCudaDevP2PAttrNativeAtomicSupported,
+                                                ordinal_, peer),
+                     "cudaDeviceGetP2PAttribute(native atomics)"));
       if (atomics == 0) {
         return absl::FailedPreconditionError(absl::StrCat(
             "the link from GPU ", ordinal_, " to GPU ", peer, " has no native atomics"));
@@ -139,11 +122,8 @@ class CudaDevice : public Device {
   }
   absl::StatusOr<cudaStream> CreateStream() override {
     cudaStream s = nullptr;
-    if (absl::Status st = rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
-                                     "cudaStreamCreateWithFlags");
-        !st.ok()) {
-      return st;
-    }
+    HSAP_RETURN_IF_ERROR(rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
+                                    "cudaStreamCreateWithFlags"));
     return s;
   }
   void DestroyStream(cudaStream s) override {
@@ -151,11 +131,8 @@ class CudaDevice : public Device {
   }
   absl::StatusOr<cudaEvent> CreateEvent() override {
     cudaEvent e = nullptr;
-    if (absl::Status st = rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
-                                     "cudaEventCreateWithFlags");
-        !st.ok()) {
-      return st;
-    }
+    HSAP_RETURN_IF_ERROR(rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
+                                    "cudaEventCreateWithFlags"));
     return e;
   }
   void DestroyEvent(cudaEvent e) override {
@@ -198,35 +175,27 @@ class CudaDevice : public Device {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
   if (!rt.ok()) return rt.status();
   int ordinal = 0;
-  if (absl::Status s = (*rt)->Check((*rt)->GetDevice(&ordinal), "cudaGetDevice"); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->GetDevice(&ordinal), "cudaGetDevice"));
   return std::unique_ptr<Device>(new CudaDevice(*rt, ordinal));
 }
 
 absl::StatusOr<std::string> CurrentCudaArch() {
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
   if (!rt.ok()) return rt.status();
   const CudaRuntimeApi& api = **rt;
   int device = 0, major = 0, minor = 0;
-  if (absl::Status s = api.Check(api.GetDevice(&device), "cudaGetDevice"); !s.ok()) return s;
-  if (absl::Status s =
-          api.Check(api.DeviceGetAttribute(&major, kCudaDevAttrComputeCapabilityMajor, device),
-                    "cudaDeviceGetAttribute(compute capability major)");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          api.Check(api.DeviceGetAttribute(&minor, kCudaDevAttrComputeCapabilityMinor, device),
-                    "cudaDeviceGetAttribute(compute capability minor)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(api.Check(api.GetDevice(&device), "cudaGetDevice"));
+  HSAP_RETURN_IF_ERROR(
+      api.Check(api.DeviceGetAttribute(&major, kCudaDevAttrComputeCapabilityMajor, device),
+                "cudaDeviceGetAttribute(compute capability major)"));
+  HSAP_RETURN_IF_ERROR(
+      api.Check(api.DeviceGetAttribute(&minor, kCudaDevAttrComputeCapabilityMinor, device),
+                "cudaDeviceGetAttribute(compute capability minor)"));
   return absl::StrCat("sm_", major, minor);
 }
 

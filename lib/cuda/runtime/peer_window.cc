@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 namespace {
@@ -89,14 +90,9 @@ absl::Status PeerWindow::Drain(cudaStream stream, absl::Time deadline) {
   if (memory_ == nullptr) return absl::OkStatus();
   std::vector<uint32_t> seen(size_);
   for (;;) {
-    if (absl::Status s = device_.CopyAsync(seen.data(), consumed(rank_, 0),
-                                           seen.size() * sizeof(uint32_t), stream);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = device_.Synchronize(stream, deadline, "peer window drain"); !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        device_.CopyAsync(seen.data(), consumed(rank_, 0), seen.size() * sizeof(uint32_t), stream));
+    HSAP_RETURN_IF_ERROR(device_.Synchronize(stream, deadline, "peer window drain"));
     int behind = -1;
     for (int q = 0; q < size_ && behind < 0; ++q) {
       if (static_cast<int32_t>(seen[q] - copies_[q]) < 0) behind = q;
@@ -113,7 +109,7 @@ absl::Status PeerWindow::Drain(cudaStream stream, absl::Time deadline) {
 
 absl::Status PeerWindow::Grow(size_t export_bytes, cudaStream stream, absl::Duration timeout) {
   if (memory_ != nullptr && export_bytes <= export_capacity_) return absl::OkStatus();
-  if (absl::Status s = Drain(stream, absl::Now() + timeout); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(Drain(stream, absl::Now() + timeout));
   device_.Free(memory_);
   memory_ = nullptr;
   bases_[rank_] = nullptr;
@@ -132,7 +128,7 @@ absl::Status PeerWindow::Grow(size_t export_bytes, cudaStream stream, absl::Dura
   if (exported_) handle_ = *handle;
   // A fresh window: nothing ready, nothing consumed.
   std::fill(copies_.begin(), copies_.end(), 0u);
-  if (absl::Status s = device_.ZeroAsync(memory_, header_bytes_, stream); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(device_.ZeroAsync(memory_, header_bytes_, stream));
   return device_.Synchronize(stream, absl::Now() + timeout, "peer window set-up");
 }
 
@@ -172,11 +168,8 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
   r.handle = handle_;
   std::memcpy(mine.data(), &r, sizeof(r));
   std::memcpy(mine.data() + sizeof(r), layout.offset_of_step.data(), size_ * sizeof(uint64_t));
-  if (absl::Status s = transport.AllGather(mine.data(), all.data(), record_bytes,
-                                           "batch creation (peer windows)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(
+      transport.AllGather(mine.data(), all.data(), record_bytes, "batch creation (peer windows)"));
   if (!mine_ok.ok()) return mine_ok;
   std::vector<Record> records(size_);
   std::vector<std::vector<uint64_t>> offsets(size_, std::vector<uint64_t>(size_));
@@ -229,11 +222,8 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
   // All or none: the ranks agree whether this batch uses the windows.
   const uint64_t verdict = reach_all ? 1 : 0;
   std::vector<uint64_t> verdicts(size_);
-  if (absl::Status s = transport.AllGather(&verdict, verdicts.data(), sizeof(uint64_t),
-                                           "batch creation (peer window reach)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(transport.AllGather(&verdict, verdicts.data(), sizeof(uint64_t),
+                                           "batch creation (peer window reach)"));
   for (uint64_t v : verdicts) {
     if (v == 0) return std::optional<FusedRoutes>();
   }

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 namespace {
@@ -44,11 +45,8 @@ struct World {
   // An event destroyed when its last user lets go (both sides of a copy may poll it).
   absl::StatusOr<std::shared_ptr<CUevent_st>> NewEvent() {
     cudaEvent e = nullptr;
-    if (absl::Status s =
-            rt->Check(rt->EventCreateWithFlags(&e, kCudaEventDisableTiming), "cudaEventCreate");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        rt->Check(rt->EventCreateWithFlags(&e, kCudaEventDisableTiming), "cudaEventCreate"));
     const CudaRuntimeApi* api = rt;
     return std::shared_ptr<CUevent_st>(e, [api](cudaEvent ev) { api->EventDestroy(ev); });
   }
@@ -130,10 +128,8 @@ class LoopbackTransport : public DeviceTransport {
       absl::StatusOr<std::shared_ptr<CUevent_st>> e = w.NewEvent();
       if (!e.ok()) return e.status();
       ready = *std::move(e);
-      if (absl::Status s = w.rt->Check(w.rt->EventRecord(ready.get(), stream()), "cudaEventRecord");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(
+          w.rt->Check(w.rt->EventRecord(ready.get(), stream()), "cudaEventRecord"));
     }
     std::vector<std::shared_ptr<Op>> ops;
     std::lock_guard<std::mutex> lock(w.mu);
@@ -272,7 +268,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   if (timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the loopback timeout must be positive");
   }
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   auto w = std::make_shared<World>();
   w->rt = *LoadCudaRuntime();
   w->timeout = timeout;

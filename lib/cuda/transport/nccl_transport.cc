@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "lib/comm/p2p_group.h"
 
 namespace hsap::cuda {
@@ -65,31 +66,23 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(ncclComm co
   if (timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the NCCL transport's timeout must be positive");
   }
-  if (absl::Status s = CheckNcclDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckNcclDevice());
   auto t = std::unique_ptr<NcclTransport>(new NcclTransport());
   t->nccl_ = *LoadNccl();
   t->rt_ = *LoadCudaRuntime();
   t->timeout_ = timeout;
-  if (absl::Status s = t->nccl_->Check(t->nccl_->CommUserRank(comm, &t->rank_), "ncclCommUserRank");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = t->nccl_->Check(t->nccl_->CommCount(comm, &t->size_), "ncclCommCount");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(
+      t->nccl_->Check(t->nccl_->CommUserRank(comm, &t->rank_), "ncclCommUserRank"));
+  HSAP_RETURN_IF_ERROR(t->nccl_->Check(t->nccl_->CommCount(comm, &t->size_), "ncclCommCount"));
   // Own the communicator only once nothing else can fail before the object exists.
   t->comm_ = comm;
   t->owns_comm_ = owns_comm;
   if (stream != nullptr) {
     t->stream_ = stream;
   } else {
-    if (absl::Status s =
-            t->rt_->Check(t->rt_->StreamCreateWithFlags(&t->stream_, kCudaStreamNonBlocking),
-                          "cudaStreamCreateWithFlags(communication stream)");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        t->rt_->Check(t->rt_->StreamCreateWithFlags(&t->stream_, kCudaStreamNonBlocking),
+                      "cudaStreamCreateWithFlags(communication stream)"));
     t->owns_stream_ = true;
   }
   return t;
@@ -139,10 +132,7 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
       if (staging_ != nullptr) rt_->Free(staging_);
       staging_ = nullptr;
       staging_bytes_ = 0;
-      if (absl::Status s = rt_->Check(rt_->Malloc(&staging_, staged), "cudaMalloc(staging)");
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(rt_->Check(rt_->Malloc(&staging_, staged), "cudaMalloc(staging)"));
       staging_bytes_ = staged;
     }
   }
@@ -154,12 +144,9 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
     if (!IsHostCollective(s.tag)) continue;
     void* d = static_cast<char*>(staging_) + offset;
     offset += AlignUp(s.bytes);
-    if (absl::Status st =
-            rt_->Check(rt_->MemcpyAsync(d, s.data, s.bytes, kCudaMemcpyDefault, stream_),
-                       "staging an AllGather send");
-        !st.ok()) {
-      return st;
-    }
+    HSAP_RETURN_IF_ERROR(
+        rt_->Check(rt_->MemcpyAsync(d, s.data, s.bytes, kCudaMemcpyDefault, stream_),
+                   "staging an AllGather send"));
     s.data = d;
   }
   for (RecvOp& r : dev_recvs) {
@@ -202,7 +189,7 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
     }
   }
   TrafficCounters delta;
-  if (absl::Status s = nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
   absl::Status issue;
   for (size_t i = 0; i < group.ops.size() && issue.ok(); ++i) {
     const P2pOp& op = group.ops[i];
@@ -227,11 +214,8 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
   if (!issue.ok()) return issue;
   if (!end.ok()) return end;
   cudaEvent event = nullptr;
-  if (absl::Status s = rt_->Check(rt_->EventCreateWithFlags(&event, kCudaEventDisableTiming),
-                                  "cudaEventCreateWithFlags");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(rt_->Check(rt_->EventCreateWithFlags(&event, kCudaEventDisableTiming),
+                                  "cudaEventCreateWithFlags"));
   if (absl::Status s = rt_->Check(rt_->EventRecord(event, stream_), "cudaEventRecord"); !s.ok()) {
     rt_->EventDestroy(event);
     return s;
