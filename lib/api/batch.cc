@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/params.h"
 #include "hsap/hsap.h"
 #include "jit/host_jit_kernels.h"
 #include "lib/api/checks.h"
@@ -77,9 +78,12 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
   }
   // Transports that offer peer windows (loopback, NCCL) run forward through them unless
   // $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every rank fall back to stages).
-  const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
-  const bool fused = comm.comm->transport().offers_peer_windows() &&
-                     !(fused_env != nullptr && std::string_view(fused_env) == "0");
+  const absl::StatusOr<bool> fused_env = GetBoolParam(Param::kFusedForward);
+  if (!fused_env.ok()) {
+    local = fused_env.status();
+    return backend;
+  }
+  const bool fused = comm.comm->transport().offers_peer_windows() && *fused_env;
   absl::StatusOr<std::shared_ptr<const cuda::DeviceKernels>> kernels =
       cuda::JitKernelsForBatch(options, layout, fused);
   if (!kernels.ok()) {
