@@ -107,6 +107,20 @@ class KernelSet {
 // KernelForward/KernelBackward as a KernelSet.
 const KernelSet& HandWrittenKernels();
 
+// Instruction sets the hand-written kernels are compiled for. The library itself is built
+// for the baseline x86-64 ISA (it runs on any x86-64 CPU); KernelForward, KernelBackward and
+// HandWrittenKernels() run the best copy this CPU supports, chosen once per process. Each
+// copy is deterministic as above; copies differ from each other by fp32 rounding (FMA
+// contraction), each within the accuracy rule. Off x86 only kBaseline exists.
+enum class KernelIsa { kBaseline, kAvx2, kAvx512 };  // AVX2 means AVX2 + FMA
+std::string_view KernelIsaName(KernelIsa isa);       // "baseline", "avx2", "avx512"
+bool CpuSupportsKernelIsa(KernelIsa isa);
+KernelIsa BestKernelIsa();  // the copy KernelForward/KernelBackward run
+
+// The kernels of one copy, named "host-handwritten/<isa>"; where the CPU lacks the ISA their
+// calls return FailedPrecondition.
+const KernelSet& HandWrittenKernels(KernelIsa isa);
+
 // delta[h, r] = sum_d dout[r, h, d] * out[r, h, d] (fp32), out and dout in `dtype`.
 void ComputeDelta(DType dtype, const void* dout, const void* out, int64_t rows, int heads,
                   int head_dim, float* delta);

@@ -17,6 +17,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "base/params.h"
 
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 #include <cudnn_graph.h>
@@ -92,7 +93,7 @@ double ForwardFlops(absl::Span<const int64_t> doc_lengths, int heads_q, int head
 }
 
 std::vector<std::string> CudnnLibrarySearchPath() {
-  if (std::getenv("HSAP_CUDA_LIB_PATH") != nullptr) return cuda::CudaLibrarySearchPath();
+  if (GetParam(Param::kCudaLibPath).has_value()) return cuda::CudaLibrarySearchPath();
   std::vector<std::string> dirs = cuda::CudaLibrarySearchPath();  // ends with "" (default)
   dirs.insert(dirs.end() - 1, "/usr/local/cuda-13.0/lib");
   return dirs;

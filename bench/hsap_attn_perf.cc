@@ -479,6 +479,10 @@ TeBytes TransformerEngineBytes(const std::vector<int64_t>& lengths, int R, int G
 
 int main(int argc, char** argv) {
   Options o = ParseOptions(argc, argv);
+  // Before any hsap call: hsap reads its environment once per process (base/params.h).
+  if (o.backend == "cuda-loopback") {
+    setenv("HSAP_FUSED_FORWARD", o.fused != 0 ? "1" : "0", /*overwrite=*/1);
+  }
   hsapPlan_t plan = o.plan_mode() ? MakePlan(o) : nullptr;
   int plan_groups = 0;
   if (plan != nullptr)
@@ -495,7 +499,6 @@ int main(int argc, char** argv) {
   cc.numThreads = o.threads;
   const bool on_gpu = o.backend == "cuda-loopback";
   if (on_gpu) {
-    setenv("HSAP_FUSED_FORWARD", o.fused != 0 ? "1" : "0", /*overwrite=*/1);
     Must(hsapCommInitLoopback(comms.data(), R, &cc), "hsapCommInitLoopback");
   } else {
     Must(hsapCommInitAll(comms.data(), R, &cc), "hsapCommInitAll");

@@ -6,11 +6,12 @@
 
 #include <cerrno>
 #include <chrono>
-#include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "base/params.h"
 #include "hsap/hsap.h"
 
 namespace hsap::jit {
@@ -49,11 +50,6 @@ void AppendField(Sha256& h, absl::string_view field) {
   const uint64_t n = field.size();
   h.Update(&n, sizeof(n));
   h.Update(field);
-}
-
-std::string EnvOrEmpty(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? std::string() : std::string(v);
 }
 
 // mkdir -p with mode 0700 for the directories it creates.
@@ -271,14 +267,19 @@ double CacheStats::hit_rate() const {
 // ------------------------------------------------------------------------------------------
 CompileCache::Options CompileCache::OptionsFromEnvironment() {
   Options o;
-  const std::string disable = EnvOrEmpty("HSAP_JIT_DISABLE_CACHE");
-  o.enabled = disable.empty() || disable == "0";
-  o.dump_dir = EnvOrEmpty("HSAP_JIT_DUMP");
+  const absl::StatusOr<bool> disable = GetBoolParam(Param::kJitDisableCache);
+  if (!disable.ok()) {
+    // No caller to return it to: say so, and compile every time as the variable asks.
+    std::fprintf(stderr, "hsap: %s; the JIT cache is disabled\n",
+                 std::string(disable.status().message()).c_str());
+  }
+  o.enabled = disable.ok() && !*disable;
+  o.dump_dir = GetStringParam(Param::kJitDump);
   // Only absolute paths: a relative one would put the cache in the working directory.
   auto absolute = [](const std::string& p) { return !p.empty() && p[0] == '/'; };
-  const std::string explicit_dir = EnvOrEmpty("HSAP_CACHE_DIR");
-  const std::string xdg = EnvOrEmpty("XDG_CACHE_HOME");
-  const std::string home = EnvOrEmpty("HOME");
+  const std::string explicit_dir = GetStringParam(Param::kCacheDir);
+  const std::string xdg = GetStringParam(Param::kXdgCacheHome);
+  const std::string home = GetStringParam(Param::kHome);
   if (absolute(explicit_dir)) {
     o.dir = explicit_dir;
   } else if (absolute(xdg)) {
@@ -360,7 +361,7 @@ absl::StatusOr<std::string> CompileCache::KeepSource(const CacheKey& key) const 
   std::string dir = options_.dump_dir;
   if (dir.empty() && !options_.dir.empty()) dir = options_.dir + "/failed";
   if (dir.empty() || !MakeDirs(dir).ok()) {
-    const std::string tmp = EnvOrEmpty("TMPDIR");
+    const std::string tmp = GetStringParam(Param::kTmpDir);
     dir = (!tmp.empty() && tmp[0] == '/') ? tmp : "/tmp";
   }
   const std::string suffix = key.source_suffix.empty() ? "txt" : key.source_suffix;

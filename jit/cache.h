@@ -19,8 +19,9 @@
 // Artifacts are returned as bytes. The host JIT stores shared objects this way and loads
 // them from an anonymous in-memory file (see jit/host_compiler.h), so no .so is left behind.
 //
-// Environment. HSAP_JIT_DISABLE_CACHE (set, not "0") bypasses memory and disk: every call
-// compiles. HSAP_JIT_DUMP=dir writes each generated source to dir/<kind>-<digest>.<suffix>.
+// Environment (base/params.h). HSAP_JIT_DISABLE_CACHE=1 bypasses memory and disk: every call
+// compiles (so does a value that is not a boolean, reported on stderr). HSAP_JIT_DUMP=dir writes
+// each generated source to dir/<kind>-<digest>.<suffix>.
 //
 // Thread safety: all methods may be called concurrently. Concurrent calls with the same key
 // compile once; the others wait and then count a memory hit.

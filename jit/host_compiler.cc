@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/params.h"
 #include "jit/compile_error.h"
 #include "jit/subprocess.h"
 
@@ -36,8 +37,7 @@ bool IsExecutable(const std::string& path) {
 // Candidate clang++ executables on $PATH: clang++ first, then clang++-NN newest first.
 std::vector<std::string> ClangCandidates() {
   std::vector<std::string> found;
-  const char* path_env = std::getenv("PATH");
-  if (path_env == nullptr) return found;
+  const std::string path_env = GetStringParam(Param::kPath);
   std::vector<std::pair<int, std::string>> versioned;
   for (absl::string_view dir : absl::StrSplit(path_env, ':', absl::SkipEmpty())) {
     const std::string plain = absl::StrCat(dir, "/clang++");
@@ -72,8 +72,8 @@ absl::StatusOr<HostCompilerInfo> Probe(const std::string& path) {
 
 absl::StatusOr<HostCompilerInfo> FindHostCompilerUncached() {
   std::vector<std::string> candidates;
-  if (const char* env = std::getenv("HSAP_HOST_CXX"); env != nullptr && env[0] != '\0') {
-    candidates.push_back(env);  // an explicit choice is the only candidate
+  if (std::string chosen = GetStringParam(Param::kHostCxx); !chosen.empty()) {
+    candidates.push_back(std::move(chosen));  // an explicit choice is the only candidate
   } else {
     candidates = ClangCandidates();
     candidates.push_back(HSAP_CXX_COMPILER);
@@ -141,8 +141,8 @@ absl::StatusOr<std::string> ReadFileBytes(const std::string& path) {
 }
 
 std::string TempRoot() {
-  const char* tmp = std::getenv("TMPDIR");
-  return (tmp != nullptr && tmp[0] == '/') ? tmp : "/tmp";
+  const std::string tmp = GetStringParam(Param::kTmpDir);
+  return (!tmp.empty() && tmp[0] == '/') ? tmp : "/tmp";
 }
 
 // Compiles in a private temporary directory, returns the .so bytes.

@@ -1,7 +1,6 @@
 #include "jit/host_jit_kernels.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -9,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "attention/parallel.h"
+#include "base/params.h"
 #include "jit/host_abi.h"
 #include "jit/host_compiler.h"
 
@@ -469,13 +469,11 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const Atten
   if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
   const std::shared_ptr<const KernelSet> hand_written(&HandWrittenKernels(),
                                                       [](const KernelSet*) {});
-  if (const char* choice = std::getenv("HSAP_HOST_KERNELS"); choice != nullptr && *choice) {
-    const std::string_view c(choice);
-    if (c == "handwritten") return hand_written;
-    if (c != "jit") {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "HSAP_HOST_KERNELS is '", choice, "'; set it to 'jit' (default) or 'handwritten'"));
-    }
+  const std::string choice = GetStringParam(Param::kHostKernels);
+  if (choice == "handwritten") return hand_written;
+  if (choice != "jit") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HSAP_HOST_KERNELS is '", choice, "'; set it to 'jit' (default) or 'handwritten'"));
   }
   const bool band = std::any_of(layout.slices().begin(), layout.slices().end(),
                                 [](const MaskSlice& s) { return !s.IsFull(); });

@@ -5,16 +5,17 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/params.h"
 #include "jit/cache.h"
 #include "jit/compile_error.h"
 
@@ -23,22 +24,19 @@ namespace {
 
 constexpr const char* kLibraryNames[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
 
-std::string Env(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? std::string() : std::string(v);
-}
-
 // The places to try, in order; an empty directory stands for the default loader path.
 std::vector<std::string> SearchDirectories() {
-  const char* override_path = std::getenv("HSAP_NVRTC_PATH");
+  const std::optional<std::string> override_path = GetParam(Param::kNvrtcPath);
   std::vector<std::string> dirs;
-  if (override_path != nullptr) {
-    for (absl::string_view d : absl::StrSplit(override_path, ':', absl::SkipEmpty())) {
+  if (override_path.has_value()) {
+    for (absl::string_view d : absl::StrSplit(*override_path, ':', absl::SkipEmpty())) {
       dirs.emplace_back(d);
     }
     return dirs;  // possibly empty: "no NVRTC anywhere"
   }
-  if (const std::string home = Env("CUDA_HOME"); !home.empty()) dirs.push_back(home + "/lib64");
+  if (const std::string home = GetStringParam(Param::kCudaHome); !home.empty()) {
+    dirs.push_back(home + "/lib64");
+  }
   dirs.push_back("/usr/local/cuda/lib64");
   dirs.push_back("");
   return dirs;

@@ -12,3 +12,9 @@ set_tests_properties(packaging_install PROPERTIES TIMEOUT 300)
 add_test(NAME packaging_exports
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/packaging/exports_test.sh $<TARGET_FILE:hsap>
                  libhsap.so.${PROJECT_VERSION_MAJOR})
+# libhsap.so is portable: built for the baseline ISA, beyond it only in the run-time
+# dispatched kernel copies.
+add_test(NAME packaging_portable
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/packaging/portable_test.sh
+                 ${PROJECT_BINARY_DIR}/compile_commands.json $<TARGET_FILE:hsap> ${CMAKE_OBJDUMP})
+set_tests_properties(packaging_portable PROPERTIES SKIP_RETURN_CODE 77)

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/params.h"
 #include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "jit/host_jit_kernels.h"
@@ -68,9 +69,8 @@ absl::StatusOr<BatchBackend> PrepareBackend(const hsapComm_st& comm, const Batch
   // Batches without a plan on transports that offer peer windows (loopback, NCCL) run
   // forward through them unless $HSAP_FUSED_FORWARD is 0 (a rank that says 0 makes every
   // rank fall back to stages).
-  const char* fused_env = std::getenv("HSAP_FUSED_FORWARD");
-  const bool fused = !planned && cuda::OffersPeerWindows(comm.comm->transport()) &&
-                     !(fused_env != nullptr && std::string_view(fused_env) == "0");
+  HSAP_ASSIGN_OR_RETURN(const bool fused_env, GetBoolParam(Param::kFusedForward));
+  const bool fused = !planned && cuda::OffersPeerWindows(comm.comm->transport()) && fused_env;
   HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const cuda::DeviceKernels> kernels,
                         cuda::JitKernelsForBatch(options, layout, fused));
   backend.runners = cuda::NewGpuRunners(comm.gpu, std::move(kernels));

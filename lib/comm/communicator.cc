@@ -1,21 +1,16 @@
 #include "lib/comm/communicator.h"
 
 #include <algorithm>
-#include <cstdlib>
+#include <cstdint>
 #include <thread>
 #include <utility>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "base/params.h"
+#include "base/status_macros.h"
 #include "lib/comm/host_transport.h"
 
 namespace hsap {
-namespace {
-
-constexpr char kTimeoutVariable[] = "HSAP_TIMEOUT_MS";
-constexpr absl::Duration kDefaultTimeout = absl::Minutes(5);
-
-}  // namespace
 
 absl::StatusOr<absl::Duration> ResolveTimeout(absl::Duration requested) {
   if (requested < absl::ZeroDuration()) {
@@ -24,18 +19,10 @@ absl::StatusOr<absl::Duration> ResolveTimeout(absl::Duration requested) {
                      " is negative; pass a positive timeout, or 0 for the default"));
   }
   if (requested > absl::ZeroDuration()) return requested;
-  const char* value = std::getenv(kTimeoutVariable);
-  if (value == nullptr) return kDefaultTimeout;
-  int64_t ms = 0;
-  if (!absl::SimpleAtoi(value, &ms)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("$", kTimeoutVariable, " = '", value,
-                     "' is not an integer number of milliseconds; set it to a positive "
-                     "integer such as 60000, or unset it for the default of 5 minutes"));
-  }
+  HSAP_ASSIGN_OR_RETURN(const int64_t ms, GetInt64Param(Param::kTimeoutMs));
   if (ms <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("$", kTimeoutVariable, " = ", ms,
+        absl::StrCat("$HSAP_TIMEOUT_MS = ", ms,
                      " must be positive (milliseconds); unset it for the default of 5 minutes"));
   }
   return absl::Milliseconds(ms);

@@ -14,6 +14,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/params.h"
+#include "base/status_macros.h"
 #include "lib/sched/plan_json.h"
 
 namespace hsap {
@@ -519,10 +521,10 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     result.family = family;
     builder.FillReasons(&result.plan, cost, capped, family);
   };
+  HSAP_ASSIGN_OR_RETURN(const bool debug, GetBoolParam(Param::kPlanDebug));
   for (const Candidate& c : candidates) {
     auto sim = Simulate(cluster, workload, c.plan);
     if (!sim.ok()) return sim.status();
-    static const bool debug = std::getenv("HSAP_PLAN_DEBUG") != nullptr;
     if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
                    c.label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,

@@ -18,7 +18,8 @@
 // every symmetric baseline (Ring, Ulysses, USP, TE a2a+p2p), are run in the simulator and
 // the fastest is returned — so the plan is never predicted slower than a baseline.
 // Deterministic: no randomness, ties broken by enumeration order.
-// Setting HSAP_PLAN_DEBUG in the environment prints the simulated candidates to stderr.
+// HSAP_PLAN_DEBUG=1 in the environment prints the simulated candidates to stderr (a value
+// that is not a boolean is an InvalidArgument error).
 #ifndef HSAP_LIB_PLANNER_PLANNER_H_
 #define HSAP_LIB_PLANNER_PLANNER_H_
 

@@ -76,7 +76,8 @@ struct KernelResult {
 
 // Forward, then backward from the kernel's own (out, lse) with out stored in the storage
 // type (as a trainer receives it), single device, whole-row work list.
-KernelResult RunKernels(const Problem& p, int threads) {
+KernelResult RunKernels(const Problem& p, int threads,
+                        const KernelSet& kernels = HandWrittenKernels()) {
   const int64_t T = p.T();
   const AttentionDims& d = p.dims;
   absl::StatusOr<WorkList> work = BuildWorkList(p.layout, kKernelBlockQ);
@@ -94,7 +95,7 @@ KernelResult RunKernels(const Problem& p, int threads) {
   fa.q_rows = fa.k_rows = T;
   fa.out = r.out.data();
   fa.lse = r.lse.data();
-  absl::Status st = KernelForward(fa, *work, threads);
+  absl::Status st = kernels.Forward(fa, *work, threads);
   EXPECT_TRUE(st.ok()) << st;
   Tensor out_stored(p.dtype, r.out.size());
   for (size_t i = 0; i < r.out.size(); ++i) out_stored.Set(i, r.out[i]);
@@ -116,7 +117,7 @@ KernelResult RunKernels(const Problem& p, int threads) {
   ba.dq = r.dq.data();
   ba.dk = r.dk.data();
   ba.dv = r.dv.data();
-  st = KernelBackward(ba, *work, threads);
+  st = kernels.Backward(ba, *work, threads);
   EXPECT_TRUE(st.ok()) << st;
   return r;
 }
@@ -152,13 +153,14 @@ void ExpectWithinRule(const char* name, double kernel_err, double naive_err,
                                << naive_err;
 }
 
-void CheckAgainstReference(const Problem& p, int threads) {
+void CheckAgainstReference(const Problem& p, int threads,
+                           const KernelSet& kernels = HandWrittenKernels()) {
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
   const ReferenceForwardResult naive = NaiveForward(p.layout, in);
   const ReferenceGradients gref = ReferenceBackward(p.layout, in, p.dout.data());
   const ReferenceGradients gnaive = NaiveBackward(p.layout, in, p.dout.data());
-  const KernelResult r = RunKernels(p, threads);
+  const KernelResult r = RunKernels(p, threads, kernels);
   // Rows without keys: out exactly 0 (the reference has 0 there too, checked as finite).
   ExpectWithinRule("out", MaxError(r.out, ref.out, "out"), MaxError(naive.out, ref.out, "n"),
                    ref.out);
@@ -283,6 +285,97 @@ TEST(KernelTest, IndependentOfThreadCount) {
                                (one.*member).size() * sizeof(float)));
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// The copies for each instruction set (the library is built for the baseline ISA and picks
+// the best copy the CPU supports at run time).
+
+constexpr KernelIsa kAllIsas[] = {KernelIsa::kBaseline, KernelIsa::kAvx2, KernelIsa::kAvx512};
+
+bool BitwiseEqual(const KernelResult& a, const KernelResult& b) {
+  for (auto member : {&KernelResult::out, &KernelResult::lse, &KernelResult::dq, &KernelResult::dk,
+                      &KernelResult::dv}) {
+    if ((a.*member).size() != (b.*member).size() ||
+        std::memcmp((a.*member).data(), (b.*member).data(), (a.*member).size() * sizeof(float)) !=
+            0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(KernelIsaTest, EveryCopyWithinTolerance) {
+  for (KernelIsa isa : kAllIsas) {
+    if (!CpuSupportsKernelIsa(isa)) continue;  // KernelIsaTest.UnsupportedCopyRefuses
+    SCOPED_TRACE(std::string(KernelIsaName(isa)));
+    const KernelSet& kernels = HandWrittenKernels(isa);
+    CheckAgainstReference(
+        MakeProblem(MakeLayout(Family::kTileEdges, 1), Dims(2, 2, 128), DType::kF32, 31), 2,
+        kernels);
+    CheckAgainstReference(
+        MakeProblem(MakeLayout(Family::kRandomMix, 2), Dims(4, 1, 64), DType::kBF16, 62), 2,
+        kernels);
+    CheckAgainstReference(
+        MakeProblem(MakeLayout(Family::kSharedPrompt, 1), Dims(1, 1, 256), DType::kF16, 31), 2,
+        kernels);
+  }
+}
+
+TEST(KernelIsaTest, EveryCopyIsDeterministic) {
+  const Problem p = MakeProblem(MakeLayout(Family::kRandomMix, 5), Dims(4, 2, 64), DType::kBF16, 9);
+  for (KernelIsa isa : kAllIsas) {
+    if (!CpuSupportsKernelIsa(isa)) continue;
+    SCOPED_TRACE(std::string(KernelIsaName(isa)));
+    const KernelResult one = RunKernels(p, 1, HandWrittenKernels(isa));
+    EXPECT_TRUE(BitwiseEqual(one, RunKernels(p, 3, HandWrittenKernels(isa))));
+    EXPECT_TRUE(BitwiseEqual(one, RunKernels(p, 1, HandWrittenKernels(isa))));
+  }
+}
+
+TEST(KernelIsaTest, DefaultRunsTheBestCopy) {
+  const KernelIsa best = BestKernelIsa();
+  EXPECT_TRUE(CpuSupportsKernelIsa(best));
+  for (KernelIsa isa : kAllIsas) {
+    if (static_cast<int>(isa) > static_cast<int>(best)) {
+      EXPECT_FALSE(CpuSupportsKernelIsa(isa));
+    }
+  }
+  EXPECT_TRUE(CpuSupportsKernelIsa(KernelIsa::kBaseline));
+  EXPECT_EQ(HandWrittenKernels().name(), "host-handwritten");
+  EXPECT_EQ(HandWrittenKernels(KernelIsa::kAvx2).name(), "host-handwritten/avx2");
+  const Problem p = MakeProblem(MakeLayout(Family::kRandomMix, 3), Dims(2, 2, 64), DType::kF32, 5);
+  const KernelResult by_default = RunKernels(p, 2);
+  EXPECT_TRUE(BitwiseEqual(by_default, RunKernels(p, 2, HandWrittenKernels(best))));
+  if (best != KernelIsa::kBaseline) {
+    // FMA contraction rounds differently: proof that the default is not the baseline copy.
+    EXPECT_FALSE(
+        BitwiseEqual(by_default, RunKernels(p, 2, HandWrittenKernels(KernelIsa::kBaseline))));
+  }
+}
+
+TEST(KernelIsaTest, UnsupportedCopyRefuses) {
+  int unsupported = 0;
+  for (KernelIsa isa : kAllIsas) {
+    if (CpuSupportsKernelIsa(isa)) continue;
+    ++unsupported;
+    const Problem p =
+        MakeProblem(MakeLayout(Family::kOneDocument, 1), Dims(1, 1, 64), DType::kF32, 1);
+    const WorkList work = *BuildWorkList(p.layout, kKernelBlockQ);
+    std::vector<float> out(p.T() * 64), lse(p.T());
+    ForwardArgs fa;
+    fa.dims = p.dims;
+    fa.q = p.q.data();
+    fa.k = p.k.data();
+    fa.v = p.v.data();
+    fa.q_rows = fa.k_rows = p.T();
+    fa.out = out.data();
+    fa.lse = lse.data();
+    const absl::Status st = HandWrittenKernels(isa).Forward(fa, work, 1);
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(st.message(), HasSubstr(std::string(KernelIsaName(isa))));
+  }
+  if (unsupported == 0) GTEST_SKIP() << "this CPU runs every copy";
 }
 
 // Keys split over two buffers (like two ranks' shards, in shuffled local order): forward

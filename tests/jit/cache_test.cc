@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/scoped_env.h"
 #include "tests/support/test_files.h"
 
 namespace hsap::jit {
@@ -341,36 +342,34 @@ TEST(CompileCacheTest, DumpAndKeepSource) {
 }
 
 TEST(CompileCacheTest, OptionsFromEnvironment) {
-  const char* names[] = {"HSAP_CACHE_DIR", "XDG_CACHE_HOME", "HOME", "HSAP_JIT_DISABLE_CACHE",
-                         "HSAP_JIT_DUMP"};
-  std::vector<std::pair<std::string, std::string>> saved;
-  for (const char* n : names) {
-    const char* v = std::getenv(n);
-    if (v != nullptr) saved.emplace_back(n, v);
-    unsetenv(n);
-  }
-  setenv("HOME", "/home/u", 1);
+  testing::ScopedEnv cache_dir("HSAP_CACHE_DIR", nullptr);
+  testing::ScopedEnv xdg("XDG_CACHE_HOME", nullptr);
+  testing::ScopedEnv home("HOME", "/home/u");
+  testing::ScopedEnv disable("HSAP_JIT_DISABLE_CACHE", nullptr);
+  testing::ScopedEnv dump("HSAP_JIT_DUMP", nullptr);
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "/home/u/.cache/hsap");
-  setenv("XDG_CACHE_HOME", "relative/xdg", 1);  // relative: ignored
+  xdg.Set("relative/xdg");  // relative: ignored
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "/home/u/.cache/hsap");
-  setenv("XDG_CACHE_HOME", "/xdg", 1);
+  xdg.Set("/xdg");
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "/xdg/hsap");
-  setenv("HSAP_CACHE_DIR", "/explicit", 1);
+  cache_dir.Set("/explicit");
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "/explicit");
-  setenv("HSAP_CACHE_DIR", "cache", 1);  // never the working directory
+  cache_dir.Set("cache");  // never the working directory
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "/xdg/hsap");
-  unsetenv("HOME");
-  unsetenv("XDG_CACHE_HOME");
+  home.Set(nullptr);
+  xdg.Set(nullptr);
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dir, "");
   EXPECT_TRUE(CompileCache::OptionsFromEnvironment().enabled);
-  setenv("HSAP_JIT_DISABLE_CACHE", "0", 1);
+  disable.Set("0");
   EXPECT_TRUE(CompileCache::OptionsFromEnvironment().enabled);
-  setenv("HSAP_JIT_DISABLE_CACHE", "1", 1);
+  disable.Set("1");
   EXPECT_FALSE(CompileCache::OptionsFromEnvironment().enabled);
-  setenv("HSAP_JIT_DUMP", "/dumps", 1);
+  disable.Set("false");
+  EXPECT_TRUE(CompileCache::OptionsFromEnvironment().enabled);
+  disable.Set("sometimes");  // not a boolean: reported on stderr, and the cache stays off
+  EXPECT_FALSE(CompileCache::OptionsFromEnvironment().enabled);
+  dump.Set("/dumps");
   EXPECT_EQ(CompileCache::OptionsFromEnvironment().dump_dir, "/dumps");
-  for (const char* n : names) unsetenv(n);
-  for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
 }
 
 }  // namespace

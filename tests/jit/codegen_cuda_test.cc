@@ -22,6 +22,7 @@
 #include "jit/device/hsap_params.cuh"
 #include "jit/nvrtc.h"
 #include "lib/api/result.h"
+#include "tests/support/scoped_env.h"
 #include "tests/support/test_files.h"
 
 namespace hsap::jit {
@@ -312,17 +313,13 @@ TEST(ShippedCudaKernels, ForcedUnsupportedHeadDimIsACompileErrorWithLogAndSource
 
 TEST(ShippedCudaKernels, MissingNvrtcIsUnsupported) {
   const std::string empty_dir = TempDir();
-  const char* old = std::getenv("HSAP_NVRTC_PATH");
-  const std::string saved = old != nullptr ? old : "";
-  setenv("HSAP_NVRTC_PATH", empty_dir.c_str(), 1);
-  CudaKernelConfig c;
-  c.dtype = DType::kF32;
-  c.head_dim = 40;  // a configuration no other test compiles, so the cache cannot serve it
-  absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, nullptr);
-  if (old != nullptr) {
-    setenv("HSAP_NVRTC_PATH", saved.c_str(), 1);
-  } else {
-    unsetenv("HSAP_NVRTC_PATH");
+  absl::StatusOr<CompiledCudaKernels> k = absl::UnknownError("not compiled");
+  {
+    testing::ScopedEnv nvrtc_path("HSAP_NVRTC_PATH", empty_dir.c_str());
+    CudaKernelConfig c;
+    c.dtype = DType::kF32;
+    c.head_dim = 40;  // a configuration no other test compiles, so the cache cannot serve it
+    k = CompileCudaKernels(c, nullptr);
   }
   std::filesystem::remove_all(empty_dir);
   ASSERT_FALSE(k.ok());

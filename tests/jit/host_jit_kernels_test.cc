@@ -27,6 +27,7 @@
 #include "jit/host_compiler.h"
 #include "lib/api/result.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/scoped_env.h"
 #include "tests/support/test_files.h"
 
 namespace hsap::jit {
@@ -487,7 +488,7 @@ TEST(HostJitKernelsTest, ConcurrentRequestsShareOneCompile) {
 TEST(HostJitKernelsTest, HostKernelsForBatchPicksTheJitSet) {
   // The process-wide cache is built from the environment on first use: keep it in a
   // private directory (no other test of this binary uses it).
-  setenv("HSAP_CACHE_DIR", (MakeTempDir() + "/global-cache").c_str(), 1);
+  testing::ScopedEnv cache_dir("HSAP_CACHE_DIR", (MakeTempDir() + "/global-cache").c_str());
   const Layout causal = *Layout::FromDocuments(std::vector<int64_t>{0, 10, 30});
   auto k = HostKernelsForBatch(Dims(4, 1, 64), DType::kBF16, causal);
   ASSERT_TRUE(k.ok()) << k.status();

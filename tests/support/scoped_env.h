@@ -1,12 +1,15 @@
 // Sets (or, with a null value, unsets) an environment variable for the lifetime of the
-// object and restores what it was afterwards. Tests only: setenv is not thread-safe, so
-// use it where no other thread reads the environment.
+// object and restores what it was afterwards; hsap's parameters (base/params.h) are read
+// again on every change. Tests only: setenv is not thread-safe, so use it where no other
+// thread reads the environment.
 #ifndef HSAP_TESTS_SUPPORT_SCOPED_ENV_H_
 #define HSAP_TESTS_SUPPORT_SCOPED_ENV_H_
 
 #include <cstdlib>
 #include <optional>
 #include <string>
+
+#include "base/params.h"
 
 namespace hsap::testing {
 
@@ -27,6 +30,7 @@ class ScopedEnv {
     } else {
       setenv(name_.c_str(), value, 1);
     }
+    ReloadParamsForTesting();
   }
 
  private:

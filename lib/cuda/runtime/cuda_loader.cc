@@ -3,15 +3,17 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/params.h"
 
 namespace hsap::cuda {
 namespace {
@@ -193,9 +195,9 @@ absl::Status NcclApi::Check(ncclResult r, absl::string_view what) const {
 }
 
 std::vector<std::string> CudaLibrarySearchPath() {
-  if (const char* env = std::getenv("HSAP_CUDA_LIB_PATH"); env != nullptr) {
+  if (const std::optional<std::string> only = GetParam(Param::kCudaLibPath); only.has_value()) {
     std::vector<std::string> dirs;
-    for (absl::string_view d : absl::StrSplit(env, ':', absl::SkipEmpty())) {
+    for (absl::string_view d : absl::StrSplit(*only, ':', absl::SkipEmpty())) {
       dirs.emplace_back(d.data(), d.size());
     }
     // An empty or blank variable still means "only these": none.
@@ -203,7 +205,7 @@ std::vector<std::string> CudaLibrarySearchPath() {
     return dirs;
   }
   std::vector<std::string> dirs;
-  if (const char* home = std::getenv("CUDA_HOME"); home != nullptr && home[0] != '\0') {
+  if (const std::string home = GetStringParam(Param::kCudaHome); !home.empty()) {
     dirs.push_back(absl::StrCat(home, "/lib64"));
     dirs.push_back(absl::StrCat(home, "/lib"));
   }

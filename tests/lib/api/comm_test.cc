@@ -11,6 +11,7 @@
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
 #include "lib/comm/communicator.h"
+#include "tests/support/scoped_env.h"
 
 namespace {
 
@@ -78,15 +79,10 @@ TEST(ApiCommTest, BadInitArgumentsLeaveNothingBehind) {
   EXPECT_THAT(LastError(), HasSubstr("numThreads"));
 
   // A malformed environment is reported when the config asks for it.
-  const char* old = std::getenv("HSAP_TIMEOUT_MS");
-  std::string saved = old ? old : "";
-  setenv("HSAP_TIMEOUT_MS", "later", 1);
-  EXPECT_EQ(hsapCommInitAll(comms.data(), 3, nullptr), hsapInvalidArgument);
-  EXPECT_THAT(LastError(), HasSubstr("HSAP_TIMEOUT_MS"));
-  if (old) {
-    setenv("HSAP_TIMEOUT_MS", saved.c_str(), 1);
-  } else {
-    unsetenv("HSAP_TIMEOUT_MS");
+  {
+    hsap::testing::ScopedEnv timeout("HSAP_TIMEOUT_MS", "later");
+    EXPECT_EQ(hsapCommInitAll(comms.data(), 3, nullptr), hsapInvalidArgument);
+    EXPECT_THAT(LastError(), HasSubstr("HSAP_TIMEOUT_MS"));
   }
 
   for (hsapComm_t c : comms) EXPECT_EQ(c, sentinel) << "a failed init wrote a handle";
