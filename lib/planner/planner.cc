@@ -197,6 +197,107 @@ bool NormalizeWithCaps(std::vector<double>* share, const std::vector<double>& ca
   return true;
 }
 
+// Stage II's model of each group's time, linearised at the current shares:
+//   f_g(t) = max((A_g + C_g) t, X_g + (A_g - X_g) t)
+// (all-to-all A and compute C grow with the share t; the K/V it must receive, X, shrinks
+// with it).
+struct LinearGroupTimes {
+  std::vector<double> a, c, x;
+};
+
+LinearGroupTimes LineariseGroupTimes(const Grouping& grouping, const PlanCost& cost,
+                                     const std::vector<double>& share) {
+  const int num_groups = static_cast<int>(grouping.groups.size());
+  LinearGroupTimes f{std::vector<double>(num_groups, 0.0), std::vector<double>(num_groups, 0.0),
+                     std::vector<double>(num_groups, 0.0)};
+  for (int g = 0; g < num_groups; ++g) {
+    for (int r : grouping.groups[g]) {
+      const RankCost& rc = cost.ranks[r];
+      f.a[g] = std::max(f.a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
+      f.c[g] = std::max(f.c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
+      f.x[g] = std::max(f.x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
+    }
+  }
+  return f;
+}
+
+// For a common time T, each f_g(t) <= T is an interval [lo_g, hi_g] of shares, further
+// bounded by the group's memory cap and a floor that keeps every group in the ring.
+class ShareIntervals {
+ public:
+  ShareIntervals(const LinearGroupTimes& f, const std::vector<double>& cap)
+      : f_(f), cap_(cap), lo_(cap.size()), hi_(cap.size()) {}
+
+  // Computes the intervals for time t; whether shares inside them can sum to 1. Stops at
+  // the first empty interval.
+  bool Feasible(double t) {
+    const int num_groups = static_cast<int>(cap_.size());
+    const double floor_share = 1e-3 / num_groups;
+    double sum_lo = 0, sum_hi = 0;
+    for (int g = 0; g < num_groups; ++g) {
+      double l = floor_share, h = std::min(cap_[g], t / (f_.a[g] + f_.c[g]));
+      const double slope = f_.a[g] - f_.x[g];
+      if (slope > 0) {
+        h = std::min(h, (t - f_.x[g]) / slope);
+      } else if (slope < 0) {
+        l = std::max(l, (f_.x[g] - t) / -slope);
+      } else if (f_.x[g] > t) {
+        h = -1;
+      }
+      lo_[g] = l;
+      hi_[g] = h;
+      sum_lo += l;
+      sum_hi += std::max(h, l);
+      if (h < l) return false;
+    }
+    return sum_lo <= 1.0 && sum_hi >= 1.0;
+  }
+  const std::vector<double>& lo() const { return lo_; }
+  const std::vector<double>& hi() const { return hi_; }
+
+ private:
+  const LinearGroupTimes& f_;
+  const std::vector<double>& cap_;
+  std::vector<double> lo_, hi_;
+};
+
+// Stage II rebalance: minimises max_g f_g subject to sum t = 1, t <= cap by bisection on
+// the common time T, then spreads the slack over the groups in proportion to their
+// intervals. Returns the largest relative change of a share, or nullopt (shares untouched)
+// when even a generous T admits no split.
+std::optional<double> Rebalance(const Grouping& grouping, const PlanCost& cost,
+                                const std::vector<double>& cap, std::vector<double>* share) {
+  const int num_groups = static_cast<int>(grouping.groups.size());
+  const LinearGroupTimes f = LineariseGroupTimes(grouping, cost, *share);
+  ShareIntervals interval(f, cap);
+  double t_lo = 0, t_hi = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const double s = (*share)[g];
+    t_hi = std::max(t_hi, std::max((f.a[g] + f.c[g]) * s, f.x[g] + (f.a[g] - f.x[g]) * s));
+  }
+  t_hi *= 4;
+  if (!interval.Feasible(t_hi)) return std::nullopt;
+  for (int step = 0; step < 60; ++step) {
+    const double mid = 0.5 * (t_lo + t_hi);
+    (interval.Feasible(mid) ? t_hi : t_lo) = mid;
+  }
+  interval.Feasible(t_hi);
+  const std::vector<double>& lo = interval.lo();
+  const std::vector<double>& hi = interval.hi();
+  double sum_lo = 0, room = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    sum_lo += lo[g];
+    room += hi[g] - lo[g];
+  }
+  double change = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const double next = lo[g] + (room > 0 ? (1.0 - sum_lo) * (hi[g] - lo[g]) / room : 0.0);
+    change = std::max(change, std::abs(next - (*share)[g]) / (*share)[g]);
+    (*share)[g] = next;
+  }
+  return change;
+}
+
 class Builder {
  public:
   Builder(const Cluster& cluster, const Workload& workload)
@@ -236,142 +337,28 @@ class Builder {
   std::optional<Candidate> Balance(const Grouping& grouping, int iterations, RingPricing pricing,
                                    int* evaluations) const {
     const int num_groups = static_cast<int>(grouping.groups.size());
-    std::vector<double> share(num_groups);
-    for (int g = 0; g < num_groups; ++g) {
-      for (int r : grouping.groups[g]) share[g] += cluster_.kind_of(r).AttentionFlops();
-    }
-    const double total = std::accumulate(share.begin(), share.end(), 0.0);
-    for (double& s : share) s /= total;
+    std::vector<double> share = FlopShares(grouping);
     std::vector<double> cap(num_groups, 1.0);
     std::vector<bool> capped(num_groups, false);
     std::optional<Candidate> best;
-    const double state = ModelStateBytesPerDevice(cluster_, workload_);
     for (int it = 0; it < iterations; ++it) {
       Plan plan = Build(grouping, share);
       auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
       ++*evaluations;
       if (!cost.ok()) return best;
-      // Memory caps, recomputed from every evaluation: beyond the model state, a rank's
-      // memory has a part proportional to its group's share (activations, attention
-      // tensors, staging) and the ring buffers, sized by the largest share of any group.
-      bool caps_changed = false;
-      const double seq = static_cast<double>(workload_.seq_len);
-      for (int g = 0; g < num_groups; ++g) {
-        double limit = 1.0;
-        const PlanGroup& group = plan.groups[g];
-        for (size_t i = 0; i < group.ranks.size(); ++i) {
-          const RankCost& rc = cost->ranks[group.ranks[i]];
-          const double room = rc.memory_capacity - state;
-          if (room <= 0) return best;  // the model state alone does not fit
-          const double own =
-              RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
-                              static_cast<int>(group.heads[i].size()),
-                              static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
-                              false) -
-              state;
-          const double ring = rc.memory_bytes - state - own;
-          limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
-        }
-        limit = std::max(limit, 1e-3 / num_groups);
-        if (std::abs(limit - cap[g]) > 1e-9 * cap[g]) caps_changed = true;
-        cap[g] = limit;
-      }
+      const std::optional<bool> caps_changed = UpdateMemoryCaps(plan, *cost, share, &cap);
+      if (!caps_changed) return best;  // the model state alone does not fit
       if (cost->fits_memory && (!best || cost->Seconds() < best->cost.Seconds())) {
         best = Candidate{std::move(plan), *cost, grouping.label, capped};
       }
       if (num_groups == 1) break;
-      // Rebalance: each group's time, linearised at the current shares, is
-      //   f_g(t) = max((A_g + C_g) t, X_g + (A_g - X_g) t)
-      // (all-to-all A and compute C grow with the share t; the K/V it must receive, X,
-      // shrinks with it). Minimise max_g f_g subject to sum t = 1, t <= cap by bisection on
-      // the common time T: each f_g <= T is an interval of t.
-      std::vector<double> a(num_groups, 0.0), c(num_groups, 0.0), x(num_groups, 0.0);
-      for (int g = 0; g < num_groups; ++g) {
-        for (int r : grouping.groups[g]) {
-          const RankCost& rc = cost->ranks[r];
-          a[g] = std::max(a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
-          c[g] = std::max(c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
-          x[g] = std::max(x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
-        }
-      }
-      const double floor_share = 1e-3 / num_groups;
-      std::vector<double> lo(num_groups), hi(num_groups);
-      auto interval = [&](double t) {
-        double sum_lo = 0, sum_hi = 0;
-        for (int g = 0; g < num_groups; ++g) {
-          double l = floor_share, h = std::min(cap[g], t / (a[g] + c[g]));
-          const double slope = a[g] - x[g];
-          if (slope > 0) {
-            h = std::min(h, (t - x[g]) / slope);
-          } else if (slope < 0) {
-            l = std::max(l, (x[g] - t) / -slope);
-          } else if (x[g] > t) {
-            h = -1;
-          }
-          lo[g] = l;
-          hi[g] = h;
-          sum_lo += l;
-          sum_hi += std::max(h, l);
-          if (h < l) return false;
-        }
-        return sum_lo <= 1.0 && sum_hi >= 1.0;
-      };
-      double t_lo = 0, t_hi = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        t_hi = std::max(t_hi, std::max((a[g] + c[g]) * share[g], x[g] + (a[g] - x[g]) * share[g]));
-      }
-      t_hi *= 4;
-      if (!interval(t_hi)) break;
-      for (int step = 0; step < 60; ++step) {
-        const double mid = 0.5 * (t_lo + t_hi);
-        (interval(mid) ? t_hi : t_lo) = mid;
-      }
-      interval(t_hi);
-      double sum_lo = 0, room = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        sum_lo += lo[g];
-        room += hi[g] - lo[g];
-      }
-      double change = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        const double next = lo[g] + (room > 0 ? (1.0 - sum_lo) * (hi[g] - lo[g]) / room : 0.0);
-        change = std::max(change, std::abs(next - share[g]) / share[g]);
-        share[g] = next;
-      }
+      const std::optional<double> change = Rebalance(grouping, *cost, cap, &share);
+      if (!change) break;
       if (!NormalizeWithCaps(&share, cap, &capped)) break;
-      if (change < 1e-4 && !caps_changed) break;
+      if (*change < 1e-4 && !*caps_changed) break;
     }
-    // Stage II also tries blends of the balanced shares with the per-device-equal shares
-    // (the symmetric split) and the FLOP-proportional shares: where transfers do not
-    // overlap well, a less uneven split can win.
     if (best && num_groups > 1 && pricing == RingPricing::kPipelined) {
-      std::vector<double> balanced(num_groups), equal(num_groups), flops(num_groups);
-      double total_flops = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        balanced[g] = best->plan.groups[g].sequence_weight;
-        equal[g] = static_cast<double>(grouping.groups[g].size()) / cluster_.size();
-        for (int r : grouping.groups[g]) flops[g] += cluster_.kind_of(r).AttentionFlops();
-        total_flops += flops[g];
-      }
-      double balanced_sum = std::accumulate(balanced.begin(), balanced.end(), 0.0);
-      for (int g = 0; g < num_groups; ++g) {
-        balanced[g] /= balanced_sum;
-        flops[g] /= total_flops;
-      }
-      for (const auto* other : {&equal, &flops}) {
-        for (double alpha : {0.125, 0.25, 0.5, 0.75, 1.0}) {
-          std::vector<double> trial(num_groups);
-          for (int g = 0; g < num_groups; ++g) {
-            trial[g] = (1 - alpha) * balanced[g] + alpha * (*other)[g];
-          }
-          Plan plan = Build(grouping, trial);
-          auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
-          ++*evaluations;
-          if (cost.ok() && cost->fits_memory && cost->Seconds() < best->cost.Seconds()) {
-            best = Candidate{std::move(plan), *cost, grouping.label, capped};
-          }
-        }
-      }
+      TryBlends(grouping, pricing, capped, &*best, evaluations);
     }
     return best;
   }
@@ -404,6 +391,81 @@ class Builder {
   }
 
  private:
+  // Each group's share of the cluster's sustained FLOP/s: where stage II starts.
+  std::vector<double> FlopShares(const Grouping& grouping) const {
+    std::vector<double> share(grouping.groups.size());
+    for (size_t g = 0; g < grouping.groups.size(); ++g) {
+      for (int r : grouping.groups[g]) share[g] += cluster_.kind_of(r).AttentionFlops();
+    }
+    const double total = std::accumulate(share.begin(), share.end(), 0.0);
+    for (double& s : share) s /= total;
+    return share;
+  }
+
+  // Memory caps on the shares, recomputed from every evaluation: beyond the model state, a
+  // rank's memory has a part proportional to its group's share (activations, attention
+  // tensors, staging) and the ring buffers, sized by the largest share of any group.
+  // Returns whether a cap moved, or nullopt when the model state alone does not fit a rank.
+  std::optional<bool> UpdateMemoryCaps(const Plan& plan, const PlanCost& cost,
+                                       const std::vector<double>& share,
+                                       std::vector<double>* cap) const {
+    const int num_groups = static_cast<int>(plan.groups.size());
+    const double state = ModelStateBytesPerDevice(cluster_, workload_);
+    const double seq = static_cast<double>(workload_.seq_len);
+    bool caps_changed = false;
+    for (int g = 0; g < num_groups; ++g) {
+      double limit = 1.0;
+      const PlanGroup& group = plan.groups[g];
+      for (size_t i = 0; i < group.ranks.size(); ++i) {
+        const RankCost& rc = cost.ranks[group.ranks[i]];
+        const double room = rc.memory_capacity - state;
+        if (room <= 0) return std::nullopt;
+        const double own =
+            RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
+                            static_cast<int>(group.heads[i].size()),
+                            static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
+                            false) -
+            state;
+        const double ring = rc.memory_bytes - state - own;
+        limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
+      }
+      limit = std::max(limit, 1e-3 / num_groups);
+      if (std::abs(limit - (*cap)[g]) > 1e-9 * (*cap)[g]) caps_changed = true;
+      (*cap)[g] = limit;
+    }
+    return caps_changed;
+  }
+
+  // Stage II also tries blends of the balanced shares with the per-device-equal shares
+  // (the symmetric split) and the FLOP-proportional shares: where transfers do not
+  // overlap well, a less uneven split can win. Replaces `best` with a faster blend.
+  void TryBlends(const Grouping& grouping, RingPricing pricing, const std::vector<bool>& capped,
+                 Candidate* best, int* evaluations) const {
+    const int num_groups = static_cast<int>(grouping.groups.size());
+    std::vector<double> balanced(num_groups), equal(num_groups);
+    for (int g = 0; g < num_groups; ++g) {
+      balanced[g] = best->plan.groups[g].sequence_weight;
+      equal[g] = static_cast<double>(grouping.groups[g].size()) / cluster_.size();
+    }
+    std::vector<double> flops = FlopShares(grouping);
+    const double balanced_sum = std::accumulate(balanced.begin(), balanced.end(), 0.0);
+    for (double& b : balanced) b /= balanced_sum;
+    for (const auto* other : {&equal, &flops}) {
+      for (double alpha : {0.125, 0.25, 0.5, 0.75, 1.0}) {
+        std::vector<double> trial(num_groups);
+        for (int g = 0; g < num_groups; ++g) {
+          trial[g] = (1 - alpha) * balanced[g] + alpha * (*other)[g];
+        }
+        Plan plan = Build(grouping, trial);
+        auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
+        ++*evaluations;
+        if (cost.ok() && cost->fits_memory && cost->Seconds() < best->cost.Seconds()) {
+          *best = Candidate{std::move(plan), *cost, grouping.label, capped};
+        }
+      }
+    }
+  }
+
   const Cluster& cluster_;
   const Workload& workload_;
 };
