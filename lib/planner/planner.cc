@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "lib/sched/plan_json.h"
 
 namespace hsap {
@@ -470,95 +471,118 @@ class Builder {
   const Workload& workload_;
 };
 
-}  // namespace
+// Stage I search state: each grouping (a choice of option per kind) is screened once, by
+// stage II with the overlap-bound ring (O(groups) per price); the groupings that yield a
+// plan are kept with their time.
+class GroupingScreen {
+ public:
+  GroupingScreen(const GroupingSpace& space, const Builder& builder, int iterations,
+                 int* evaluations)
+      : space_(space), builder_(builder), iterations_(iterations), evaluations_(evaluations) {}
 
-absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
-                                            const PlannerOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  const std::clock_t cpu_start = std::clock();
-  if (absl::Status s = CheckWorkload(cluster, workload); !s.ok()) return s;
-  PlannerResult result;
-  Builder builder(cluster, workload);
+  const GroupingSpace& space() const { return space_; }
 
-  // Stages I-III over every grouping, screened by the cost model.
-  // Screening with the overlap bound (O(groups) per price), then the most promising
-  // groupings again with the pipelined ring (O(groups^2)).
-  // Stage I search: every combination of per-kind sizes when there are few, else
-  // coordinate descent (one kind at a time, two sweeps) from node-sized groups.
-  const GroupingSpace space(cluster, workload.model.heads_q);
-  std::vector<Grouping> groupings;
-  std::vector<std::pair<double, int>> screened;
-  std::map<std::vector<int>, double> seen;
-  auto screen = [&](const std::vector<int>& choice) {
-    if (auto it = seen.find(choice); it != seen.end()) return it->second;
-    Grouping grouping = space.Build(choice);
-    auto best = builder.Balance(grouping, options.screen_iterations, RingPricing::kOverlapBound,
-                                &result.candidates);
+  // The screened time of the grouping `choice`; infinity when no plan of it fits.
+  double Screen(const std::vector<int>& choice) {
+    if (auto it = seen_.find(choice); it != seen_.end()) return it->second;
+    Grouping grouping = space_.Build(choice);
+    auto best = builder_.Balance(grouping, iterations_, RingPricing::kOverlapBound, evaluations_);
     const double t = best ? best->cost.Seconds() : std::numeric_limits<double>::infinity();
-    seen[choice] = t;
+    seen_[choice] = t;
     if (best) {
-      screened.push_back({t, static_cast<int>(groupings.size())});
-      groupings.push_back(std::move(grouping));
+      screened_.push_back({t, static_cast<int>(groupings_.size())});
+      groupings_.push_back(std::move(grouping));
     }
     return t;
-  };
+  }
+
+  // The `count` fastest groupings screened, fastest first (ties: screening order).
+  std::vector<Grouping> TakeBest(int count) {
+    std::stable_sort(screened_.begin(), screened_.end());
+    if (static_cast<int>(screened_.size()) > count) screened_.resize(count);
+    std::vector<Grouping> best;
+    for (auto [unused, i] : screened_) best.push_back(std::move(groupings_[i]));
+    return best;
+  }
+
+ private:
+  const GroupingSpace& space_;
+  const Builder& builder_;
+  const int iterations_;
+  int* const evaluations_;
+  std::vector<Grouping> groupings_;
+  std::vector<std::pair<double, int>> screened_;  // (time, index into groupings_)
+  std::map<std::vector<int>, double> seen_;
+};
+
+// Stage I when the combinations are few: every one, the first kind's option varying fastest.
+void ScreenEveryCombination(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
   const int num_kinds = space.num_kinds();
-  if (space.Combinations() <= options.exhaustive_limit) {
-    std::vector<int> choice(num_kinds, 0);
-    while (true) {
-      screen(choice);
-      int k = 0;
-      while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
-        choice[k++] = 0;
-      }
-      if (k == num_kinds) break;
+  std::vector<int> choice(num_kinds, 0);
+  while (true) {
+    screen->Screen(choice);
+    int k = 0;
+    while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
+      choice[k++] = 0;
     }
-  } else {
-    // Starting points: node-sized groups, and every kind at the same size v (the largest
-    // option <= v) for every size v on offer.
-    std::vector<int> choice = space.NodeSizedChoice();
-    double current = screen(choice);
-    std::vector<int> sizes;
+    if (k == num_kinds) break;
+  }
+}
+
+// Stage I when the combinations are many: coordinate descent (one kind at a time, two
+// sweeps) from the best starting point: node-sized groups, or every kind at the same size
+// v (the largest option <= v) for every size v on offer.
+void ScreenByCoordinateDescent(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
+  const int num_kinds = space.num_kinds();
+  std::vector<int> choice = space.NodeSizedChoice();
+  double current = screen->Screen(choice);
+  std::vector<int> sizes;
+  for (int k = 0; k < num_kinds; ++k) {
+    sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
+  }
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (int v : sizes) {
+    std::vector<int> start(num_kinds, 0);
     for (int k = 0; k < num_kinds; ++k) {
-      sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
-    }
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    for (int v : sizes) {
-      std::vector<int> start(num_kinds, 0);
-      for (int k = 0; k < num_kinds; ++k) {
-        for (size_t i = 0; i < space.options(k).size(); ++i) {
-          if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
-        }
-      }
-      const double t = screen(start);
-      if (t < current) {
-        current = t;
-        choice = start;
+      for (size_t i = 0; i < space.options(k).size(); ++i) {
+        if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
       }
     }
-    for (int sweep = 0; sweep < 2; ++sweep) {
-      for (int k = 0; k < num_kinds; ++k) {
-        int best_option = choice[k];
-        for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
-          std::vector<int> trial = choice;
-          trial[k] = o;
-          const double t = screen(trial);
-          if (t < current) {
-            current = t;
-            best_option = o;
-          }
-        }
-        choice[k] = best_option;
-      }
+    const double t = screen->Screen(start);
+    if (t < current) {
+      current = t;
+      choice = start;
     }
   }
-  std::stable_sort(screened.begin(), screened.end());
-  if (static_cast<int>(screened.size()) > options.refine_top) screened.resize(options.refine_top);
+  for (int sweep = 0; sweep < 2; ++sweep) {
+    for (int k = 0; k < num_kinds; ++k) {
+      int best_option = choice[k];
+      for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
+        std::vector<int> trial = choice;
+        trial[k] = o;
+        const double t = screen->Screen(trial);
+        if (t < current) {
+          current = t;
+          best_option = o;
+        }
+      }
+      choice[k] = best_option;
+    }
+  }
+}
+
+// Stage II again for the screened groupings, with the pipelined ring (O(groups^2) per
+// price): the options.simulate_top fastest candidates, fastest first.
+std::vector<Candidate> RefineCandidates(const Builder& builder,
+                                        const std::vector<Grouping>& groupings,
+                                        const PlannerOptions& options, int* evaluations) {
   std::vector<Candidate> candidates;
-  for (auto [unused, i] : screened) {
-    auto best = builder.Balance(groupings[i], options.balance_iterations, RingPricing::kPipelined,
-                                &result.candidates);
+  for (const Grouping& grouping : groupings) {
+    auto best =
+        builder.Balance(grouping, options.balance_iterations, RingPricing::kPipelined, evaluations);
     if (best) candidates.push_back(*std::move(best));
   }
   std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
@@ -567,6 +591,47 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   if (static_cast<int>(candidates.size()) > options.simulate_top) {
     candidates.resize(options.simulate_top);
   }
+  return candidates;
+}
+
+// The error when no plan, hsap or baseline, fits in memory: the figures that explain why.
+absl::Status DoesNotFitError(const Cluster& cluster, const Workload& workload) {
+  const double state = ModelStateBytesPerDevice(cluster, workload);
+  double most = 0;
+  for (int d = 0; d < cluster.size(); ++d) {
+    most = std::max(most, UsableMemoryBytes(cluster, workload, d));
+  }
+  const double per_token = RankMemoryBytes(cluster, workload, 1.0, 0, 0, 0, 0, false) - state;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s with %d tokens does not fit on %s: every plan needs more memory than a device "
+      "has (model state %.1f GiB per device, about %.2f MiB per token held, at most %.1f "
+      "GiB usable per device); use more devices, a shorter sequence, or a smaller model",
+      workload.model.name, workload.seq_len, cluster.Summary(), state / kGiB, per_token / (1 << 20),
+      most / kGiB));
+}
+
+}  // namespace
+
+absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
+                                            const PlannerOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
+  HSAP_RETURN_IF_ERROR(CheckWorkload(cluster, workload));
+  PlannerResult result;
+  Builder builder(cluster, workload);
+
+  // Stages I-III over every grouping, screened by the cost model.
+  // Screening with the overlap bound (O(groups) per price), then the most promising
+  // groupings again with the pipelined ring (O(groups^2)).
+  const GroupingSpace space(cluster, workload.model.heads_q);
+  GroupingScreen screen(space, builder, options.screen_iterations, &result.candidates);
+  if (space.Combinations() <= options.exhaustive_limit) {
+    ScreenEveryCombination(&screen);
+  } else {
+    ScreenByCoordinateDescent(&screen);
+  }
+  const std::vector<Candidate> candidates =
+      RefineCandidates(builder, screen.TakeBest(options.refine_top), options, &result.candidates);
 
   // The symmetric baselines are part of the search space.
   result.baselines = EvaluateBaselines(cluster, workload);
@@ -598,20 +663,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     if (!b.available || b.workload.seq_len != workload.seq_len) continue;
     consider(b.plan, b.cost, b.sim, absl::StrCat("symmetric ", b.name, " ", b.config), {});
   }
-  if (!found) {
-    const double state = ModelStateBytesPerDevice(cluster, workload);
-    double most = 0;
-    for (int d = 0; d < cluster.size(); ++d) {
-      most = std::max(most, UsableMemoryBytes(cluster, workload, d));
-    }
-    const double per_token = RankMemoryBytes(cluster, workload, 1.0, 0, 0, 0, 0, false) - state;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s with %d tokens does not fit on %s: every plan needs more memory than a device "
-        "has (model state %.1f GiB per device, about %.2f MiB per token held, at most %.1f "
-        "GiB usable per device); use more devices, a shorter sequence, or a smaller model",
-        workload.model.name, workload.seq_len, cluster.Summary(), state / kGiB,
-        per_token / (1 << 20), most / kGiB));
-  }
+  if (!found) return DoesNotFitError(cluster, workload);
   result.plan.predicted_forward_seconds = result.sim.forward_seconds;
   result.plan.predicted_backward_seconds = result.sim.backward_seconds;
   result.plan.description = result.family;
