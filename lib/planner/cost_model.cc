@@ -53,6 +53,13 @@ class PortLoads {
   std::vector<double> load_;
 };
 
+// Position of every group in the ring order.
+std::vector<int> RingPositions(const std::vector<int>& order) {
+  std::vector<int> position(order.size());
+  for (size_t p = 0; p < order.size(); ++p) position[order[p]] = static_cast<int>(p);
+  return position;
+}
+
 }  // namespace
 
 double ModelSpec::Parameters() const {
@@ -164,8 +171,7 @@ std::vector<RingFlow> RingFlows(const Plan& plan) {
   const int num_groups = static_cast<int>(plan.groups.size());
   if (num_groups < 2) return flows;
   const std::vector<int> order = plan.RingOrder();
-  std::vector<int> position(num_groups);
-  for (int p = 0; p < num_groups; ++p) position[order[p]] = p;
+  const std::vector<int> position = RingPositions(order);
   std::vector<int> holder(plan.heads_kv);
   for (int g = 0; g < num_groups; ++g) {
     const int pred = order[(position[g] + num_groups - 1) % num_groups];
@@ -375,13 +381,6 @@ RingTransfers PriceRingTransfers(const Cluster& cluster, const Workload& workloa
     rt.latency[g] = std::max(rt.latency[g], cluster.Latency(f.src, f.dst));
   }
   return rt;
-}
-
-// Position of every group in the ring order.
-std::vector<int> RingPositions(const std::vector<int>& order) {
-  std::vector<int> position(order.size());
-  for (size_t p = 0; p < order.size(); ++p) position[order[p]] = static_cast<int>(p);
-  return position;
 }
 
 // One pass of the ring (forward or backward) under RingPricing::kPipelined. Compute and
