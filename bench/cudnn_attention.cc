@@ -18,6 +18,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 #include <cudnn_graph.h>
@@ -903,11 +904,8 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
     }
     absl::StatusOr<void*> Alloc(size_t bytes, absl::string_view what) {
       void* p = nullptr;
-      if (absl::Status s = rt->Check(rt->Malloc(&p, std::max<size_t>(bytes, 16)),
-                                     absl::StrCat("cudaMalloc(", bytes, " bytes) for ", what));
-          !s.ok()) {
-        return s;
-      }
+      HSAP_RETURN_IF_ERROR(rt->Check(rt->Malloc(&p, std::max<size_t>(bytes, 16)),
+                                     absl::StrCat("cudaMalloc(", bytes, " bytes) for ", what)));
       buffers.push_back(p);
       return p;
     }
@@ -931,58 +929,29 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
   for (auto [dst, src, bytes] : {std::tuple<void*, const void*, size_t>{q, q_host, q_bytes},
                                  {k, k_host, kv_bytes},
                                  {v, v_host, kv_bytes}}) {
-    if (absl::Status s = check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault),
-                               "cudaMemcpy (cuDNN inputs)");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault), "cudaMemcpy (cuDNN inputs)"));
   }
-  if (absl::Status s = check(rt->StreamCreateWithFlags(&res.stream, cuda::kCudaStreamNonBlocking),
-                             "cudaStreamCreateWithFlags");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = check(rt->EventCreateWithFlags(&res.start, 0), "cudaEventCreate"); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = check(rt->EventCreateWithFlags(&res.stop, 0), "cudaEventCreate"); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(check(rt->StreamCreateWithFlags(&res.stream, cuda::kCudaStreamNonBlocking),
+                             "cudaStreamCreateWithFlags"));
+  HSAP_RETURN_IF_ERROR(check(rt->EventCreateWithFlags(&res.start, 0), "cudaEventCreate"));
+  HSAP_RETURN_IF_ERROR(check(rt->EventCreateWithFlags(&res.stop, 0), "cudaEventCreate"));
   for (int i = 0; i < warmup; ++i) {
-    if (absl::Status s = attn.Forward(q, k, v, o, static_cast<float*>(stats), res.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(attn.Forward(q, k, v, o, static_cast<float*>(stats), res.stream));
   }
-  if (absl::Status s = check(rt->EventRecord(res.start, res.stream), "cudaEventRecord"); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(check(rt->EventRecord(res.start, res.stream), "cudaEventRecord"));
   for (int i = 0; i < iters; ++i) {
-    if (absl::Status s = attn.Forward(q, k, v, o, static_cast<float*>(stats), res.stream);
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(attn.Forward(q, k, v, o, static_cast<float*>(stats), res.stream));
   }
-  if (absl::Status s = check(rt->EventRecord(res.stop, res.stream), "cudaEventRecord"); !s.ok()) {
-    return s;
-  }
-  if (absl::Status s =
-          check(rt->EventSynchronize(res.stop), "cudaEventSynchronize (cuDNN attention forward)");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(check(rt->EventRecord(res.stop, res.stream), "cudaEventRecord"));
+  HSAP_RETURN_IF_ERROR(
+      check(rt->EventSynchronize(res.stop), "cudaEventSynchronize (cuDNN attention forward)"));
   float ms = 0;
-  if (absl::Status s =
-          check(rt->EventElapsedTime(&ms, res.start, res.stop), "cudaEventElapsedTime");
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(
+      check(rt->EventElapsedTime(&ms, res.start, res.stop), "cudaEventElapsedTime"));
   if (out_host != nullptr) {
-    if (absl::Status s = check(rt->Memcpy(out_host, o, q_bytes, cuda::kCudaMemcpyDefault),
-                               "cudaMemcpy (cuDNN output)");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(check(rt->Memcpy(out_host, o, q_bytes, cuda::kCudaMemcpyDefault),
+                               "cudaMemcpy (cuDNN output)"));
   }
   CudnnForwardRun run;
   run.forward_ms = static_cast<double>(ms) / iters;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 #include "hsap/hsap.h"
 
 namespace hsap::jit {
@@ -334,7 +335,7 @@ absl::StatusOr<std::string> CompileCache::ReadEntry(const std::string& path,
 
 absl::Status CompileCache::WriteEntry(const std::string& path, const Sha256::Digest& digest,
                                       absl::string_view payload) const {
-  if (absl::Status s = MakeDirs(options_.dir); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(MakeDirs(options_.dir));
   EntryHeader header;
   std::memset(&header, 0, sizeof(header));
   std::memcpy(header.magic, kMagic, sizeof(kMagic));
@@ -366,7 +367,7 @@ absl::StatusOr<std::string> CompileCache::KeepSource(const CacheKey& key) const 
   }
   const std::string suffix = key.source_suffix.empty() ? "txt" : key.source_suffix;
   const std::string path = absl::StrCat(dir, "/", key.EntryName(), ".", suffix);
-  if (absl::Status s = WriteFileAtomically(path, "", key.source); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(WriteFileAtomically(path, "", key.source));
   return path;
 }
 

@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 #include "jit/compile_error.h"
 #include "jit/subprocess.h"
 
@@ -165,12 +166,12 @@ absl::StatusOr<std::string> RunCompile(const HostCompilerInfo& compiler, const H
 
   const std::string source_path = dir + "/kernel.cc";
   const std::string so_path = dir + "/kernel.so";
-  if (absl::Status s = WriteNewFile(source_path, src.code); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(WriteNewFile(source_path, src.code));
   for (const auto& [name, content] : src.headers) {
     if (name.find('/') != std::string::npos || name.find("..") != std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat("header name must be plain: ", name));
     }
-    if (absl::Status s = WriteNewFile(dir + "/" + name, content); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(WriteNewFile(dir + "/" + name, content));
   }
   std::vector<std::string> argv = {compiler.path};
   argv.insert(argv.end(), options.begin(), options.end());

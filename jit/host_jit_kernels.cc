@@ -9,6 +9,7 @@
 #include "absl/synchronization/mutex.h"
 #include "attention/parallel.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 #include "jit/host_abi.h"
 #include "jit/host_compiler.h"
 
@@ -99,11 +100,8 @@ class LoadedKernels final : public HostJitKernelSet {
 
   absl::Status Forward(const ForwardArgs& args, const WorkList& work,
                        int num_threads) const override {
-    if (absl::Status s =
-            CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "ForwardArgs");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "ForwardArgs"));
     if (args.q == nullptr || args.k == nullptr || args.v == nullptr || args.out == nullptr ||
         args.lse == nullptr) {
       return absl::InvalidArgumentError("ForwardArgs: q, k, v, out and lse must be non-null");
@@ -148,11 +146,8 @@ class LoadedKernels final : public HostJitKernelSet {
 
   absl::Status Backward(const BackwardArgs& args, const WorkList& work,
                         int num_threads) const override {
-    if (absl::Status s =
-            CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "BackwardArgs");
-        !s.ok()) {
-      return s;
-    }
+    HSAP_RETURN_IF_ERROR(
+        CheckCommon(args.dims, args.dtype, args.q_rows, args.k_rows, work, "BackwardArgs"));
     if (args.q == nullptr || args.dout == nullptr || args.lse == nullptr || args.delta == nullptr ||
         args.k == nullptr || args.v == nullptr || args.dq == nullptr || args.dk == nullptr ||
         args.dv == nullptr) {
@@ -300,7 +295,7 @@ class LoadedKernels final : public HostJitKernelSet {
 
   absl::Status CheckCommon(const AttentionDims& dims, DType dtype, int64_t q_rows, int64_t k_rows,
                            const WorkList& work, const char* what) const {
-    if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+    HSAP_RETURN_IF_ERROR(ValidateDims(dims));
     if (dtype != spec_.dtype) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, ": dtype ", DTypeNameAbsl(dtype), " but the kernels ", name_,
@@ -433,7 +428,7 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> CompileHostJitKernelsUnc
 
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
     const HostKernelSpec& spec_in, CompileCache* cache) {
-  if (absl::Status s = ValidateHostKernelSpec(spec_in); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(ValidateHostKernelSpec(spec_in));
   const HostKernelSpec spec = ResolveHostKernelSpec(spec_in);
   CompileCache& c = cache != nullptr ? *cache : CompileCache::Global();
   using Key = std::tuple<const CompileCache*, int, int, int, bool, int, int, int>;
@@ -466,7 +461,7 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const AttentionDims& dims,
                                                                      DType dtype,
                                                                      const Layout& layout) {
-  if (absl::Status s = ValidateDims(dims); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(ValidateDims(dims));
   const std::shared_ptr<const KernelSet> hand_written(&HandWrittenKernels(),
                                                       [](const KernelSet*) {});
   const std::string choice = GetStringParam(Param::kHostKernels);

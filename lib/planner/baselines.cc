@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -95,7 +96,7 @@ absl::StatusOr<Plan> SymmetricPlan(int num_ranks, int heads_q, int heads_kv, int
   }
   plan.ring_order.resize(plan.groups.size());
   std::iota(plan.ring_order.begin(), plan.ring_order.end(), 0);
-  if (absl::Status s = plan.Validate(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(plan.Validate());
   return plan;
 }
 

@@ -7,6 +7,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace hsap {
@@ -51,6 +52,13 @@ class PortLoads {
   PortMap map_;
   std::vector<double> load_;
 };
+
+// Position of every group in the ring order.
+std::vector<int> RingPositions(const std::vector<int>& order) {
+  std::vector<int> position(order.size());
+  for (size_t p = 0; p < order.size(); ++p) position[order[p]] = static_cast<int>(p);
+  return position;
+}
 
 }  // namespace
 
@@ -163,8 +171,7 @@ std::vector<RingFlow> RingFlows(const Plan& plan) {
   const int num_groups = static_cast<int>(plan.groups.size());
   if (num_groups < 2) return flows;
   const std::vector<int> order = plan.RingOrder();
-  std::vector<int> position(num_groups);
-  for (int p = 0; p < num_groups; ++p) position[order[p]] = p;
+  const std::vector<int> position = RingPositions(order);
   std::vector<int> holder(plan.heads_kv);
   for (int g = 0; g < num_groups; ++g) {
     const int pred = order[(position[g] + num_groups - 1) % num_groups];
@@ -192,9 +199,11 @@ std::vector<RingFlow> RingFlows(const Plan& plan) {
   return flows;
 }
 
-absl::StatusOr<PlanCost> EvaluatePlan(const Cluster& cluster, const Workload& workload,
-                                      const Plan& plan, RingPricing pricing) {
-  if (absl::Status s = plan.Validate(); !s.ok()) return s;
+namespace {
+
+// The plan must be valid and fit the cluster and the model it is priced for.
+absl::Status CheckPlanFits(const Cluster& cluster, const Workload& workload, const Plan& plan) {
+  HSAP_RETURN_IF_ERROR(plan.Validate());
   const ModelSpec& m = workload.model;
   if (plan.num_ranks != cluster.size()) {
     return absl::InvalidArgumentError(absl::StrCat("the plan has ", plan.num_ranks,
@@ -209,168 +218,262 @@ absl::StatusOr<PlanCost> EvaluatePlan(const Cluster& cluster, const Workload& wo
   if (workload.seq_len < 1) {
     return absl::InvalidArgumentError("the sequence length must be >= 1");
   }
+  return absl::OkStatus();
+}
+
+// tau_g of every group: its work share, which is its token share (zigzag).
+std::vector<double> GroupShares(const Plan& plan) {
+  const int num_groups = static_cast<int>(plan.groups.size());
+  double weight_sum = 0;
+  for (const PlanGroup& g : plan.groups) weight_sum += g.sequence_weight;
+  std::vector<double> share(num_groups);
+  for (int g = 0; g < num_groups; ++g) share[g] = plan.groups[g].sequence_weight / weight_sum;
+  return share;
+}
+
+// Per rank: the query heads it computes after the all-to-all and the KV heads they use.
+struct RankHeads {
+  std::vector<int> heads, kv_heads;
+};
+
+// Fills every rank's tokens, compute and memory into `cost`.
+RankHeads PriceRanks(const Cluster& cluster, const Workload& workload, const Plan& plan,
+                     const std::vector<double>& share, PlanCost* cost) {
   const int n = cluster.size();
   const int num_groups = static_cast<int>(plan.groups.size());
   const double seq = static_cast<double>(workload.seq_len);
-  const double d = m.head_dim, b = m.dtype_bytes;
+  const double d = workload.model.head_dim;
   const double pairs = workload.VisiblePairs();
-
-  double weight_sum = 0;
-  for (const PlanGroup& g : plan.groups) weight_sum += g.sequence_weight;
-  std::vector<double> share(num_groups);  // tau_g: work share = token share (zigzag)
-  for (int g = 0; g < num_groups; ++g) share[g] = plan.groups[g].sequence_weight / weight_sum;
   const double max_share = *std::max_element(share.begin(), share.end());
-
-  PlanCost cost;
-  cost.ranks.resize(n);
-  std::vector<int> heads(n), kv_heads(n);
-  std::vector<std::vector<int>> kv_sets(n);
+  RankHeads rh{std::vector<int>(n), std::vector<int>(n)};
   for (int g = 0; g < num_groups; ++g) {
     const PlanGroup& group = plan.groups[g];
     const double token_sum =
         std::accumulate(group.token_weights.begin(), group.token_weights.end(), 0.0);
     for (size_t i = 0; i < group.ranks.size(); ++i) {
       const int r = group.ranks[i];
-      RankCost& rc = cost.ranks[r];
+      RankCost& rc = cost->ranks[r];
       rc.tokens = seq * share[g] * group.token_weights[i] / token_sum;
-      heads[r] = static_cast<int>(group.heads[i].size());
-      kv_sets[r] = plan.KvHeadsOf(g, static_cast<int>(i));
-      kv_heads[r] = static_cast<int>(kv_sets[r].size());
+      rh.heads[r] = static_cast<int>(group.heads[i].size());
+      rh.kv_heads[r] = static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size());
       rc.compute_forward =
-          4.0 * d * pairs * share[g] * heads[r] / cluster.kind_of(r).AttentionFlops();
+          4.0 * d * pairs * share[g] * rh.heads[r] / cluster.kind_of(r).AttentionFlops();
       rc.compute_backward = kBackwardFactor * rc.compute_forward;
-      rc.memory_bytes = RankMemoryBytes(cluster, workload, rc.tokens, seq * share[g], heads[r],
-                                        kv_heads[r], seq * max_share, num_groups > 1);
+      rc.memory_bytes = RankMemoryBytes(cluster, workload, rc.tokens, seq * share[g], rh.heads[r],
+                                        rh.kv_heads[r], seq * max_share, num_groups > 1);
       rc.memory_capacity = UsableMemoryBytes(cluster, workload, r);
     }
   }
+  return rh;
+}
+
+// Sets the rank with the least memory headroom (the first of equals) and whether it fits.
+void FindWorstMemoryRank(PlanCost* cost) {
   double least_headroom = 0;
-  for (int r = 0; r < n; ++r) {
-    const double headroom = cost.ranks[r].memory_capacity - cost.ranks[r].memory_bytes;
-    if (cost.worst_memory_rank < 0 || headroom < least_headroom) {
+  for (int r = 0; r < static_cast<int>(cost->ranks.size()); ++r) {
+    const double headroom = cost->ranks[r].memory_capacity - cost->ranks[r].memory_bytes;
+    if (cost->worst_memory_rank < 0 || headroom < least_headroom) {
       least_headroom = headroom;
-      cost.worst_memory_rank = r;
+      cost->worst_memory_rank = r;
     }
   }
-  cost.fits_memory = least_headroom >= 0;
+  cost->fits_memory = least_headroom >= 0;
+}
 
-  // All-to-all phases. bytes(src, dst) for a pair of ranks of one group; every group runs
-  // its all-to-all at the same time, so groups sharing a NIC slow each other down.
-  PortLoads ports(cluster);
-  auto a2a_phase = [&](auto bytes_of, std::vector<double>* per_rank) {
-    ports.Clear();
-    for (const PlanGroup& group : plan.groups) {
-      for (int src : group.ranks) {
-        for (int dst : group.ranks) {
-          if (src != dst) ports.Add(src, dst, bytes_of(src, dst));
-        }
+// One all-to-all phase: bytes_of(src, dst) for a pair of ranks of one group. Every group
+// runs its all-to-all at the same time, so groups sharing a NIC slow each other down.
+// Adds each group's time to its ranks in `per_rank`; returns the slowest group's time.
+template <typename BytesOf>
+double AllToAllPhase(const Cluster& cluster, const Plan& plan, BytesOf bytes_of, PortLoads* ports,
+                     std::vector<double>* per_rank) {
+  ports->Clear();
+  for (const PlanGroup& group : plan.groups) {
+    for (int src : group.ranks) {
+      for (int dst : group.ranks) {
+        if (src != dst) ports->Add(src, dst, bytes_of(src, dst));
       }
     }
-    double phase = 0;
-    for (const PlanGroup& group : plan.groups) {
-      if (group.ranks.size() < 2) continue;
-      double t = 0, latency = 0;
-      for (int src : group.ranks) {
-        for (int dst : group.ranks) {
-          if (src == dst) continue;
-          t = std::max(t, ports.Time(src, dst));
-          latency = std::max(latency, cluster.Latency(src, dst));
-        }
+  }
+  double phase = 0;
+  for (const PlanGroup& group : plan.groups) {
+    if (group.ranks.size() < 2) continue;
+    double t = 0, latency = 0;
+    for (int src : group.ranks) {
+      for (int dst : group.ranks) {
+        if (src == dst) continue;
+        t = std::max(t, ports->Time(src, dst));
+        latency = std::max(latency, cluster.Latency(src, dst));
       }
-      for (int r : group.ranks) (*per_rank)[r] += t + latency;
-      phase = std::max(phase, t + latency);
     }
-    return phase;
-  };
+    for (int r : group.ranks) (*per_rank)[r] += t + latency;
+    phase = std::max(phase, t + latency);
+  }
+  return phase;
+}
+
+// Seconds of the phases around the ring: forward in and out, backward in and out.
+struct AllToAllSeconds {
+  double forward_in, forward_out, backward_in, backward_out;
+};
+
+// Prices the four all-to-all phases and fills every rank's a2a_forward and a2a_backward.
+AllToAllSeconds PriceAllToAll(const Cluster& cluster, const Workload& workload, const Plan& plan,
+                              const RankHeads& rh, PortLoads* ports, PlanCost* cost) {
+  const int n = cluster.size();
+  const double d = workload.model.head_dim, b = workload.model.dtype_bytes;
   // src holds tokens[src]; dst owns heads[dst] query and kv_heads[dst] KV heads.
   auto qkv = [&](int src, int dst) {
-    return cost.ranks[src].tokens * (heads[dst] + 2.0 * kv_heads[dst]) * d * b;
+    return cost->ranks[src].tokens * (rh.heads[dst] + 2.0 * rh.kv_heads[dst]) * d * b;
   };
-  auto q_only = [&](int src, int dst) { return cost.ranks[src].tokens * heads[dst] * d * b; };
+  auto q_only = [&](int src, int dst) { return cost->ranks[src].tokens * rh.heads[dst] * d * b; };
+  auto out = [&](int s, int t) { return q_only(t, s); };
+  auto grads = [&](int s, int t) { return qkv(t, s); };  // dq, dk, dv
   std::vector<double> a2a_fwd(n, 0.0), a2a_bwd(n, 0.0);
-  const double fwd_in = a2a_phase(qkv, &a2a_fwd);  // q, k, v
-  const double fwd_out = a2a_phase([&](int s, int t) { return q_only(t, s); }, &a2a_fwd);  // out
-  const double bwd_in = a2a_phase(q_only, &a2a_bwd);                                       // dout
-  const double bwd_out = a2a_phase([&](int s, int t) { return qkv(t, s); }, &a2a_bwd);  // dq dk dv
+  AllToAllSeconds seconds;
+  seconds.forward_in = AllToAllPhase(cluster, plan, qkv, ports, &a2a_fwd);
+  seconds.forward_out = AllToAllPhase(cluster, plan, out, ports, &a2a_fwd);
+  seconds.backward_in = AllToAllPhase(cluster, plan, q_only, ports, &a2a_bwd);  // dout
+  seconds.backward_out = AllToAllPhase(cluster, plan, grads, ports, &a2a_bwd);
   for (int r = 0; r < n; ++r) {
-    cost.ranks[r].a2a_forward = a2a_fwd[r];
-    cost.ranks[r].a2a_backward = a2a_bwd[r];
+    cost->ranks[r].a2a_forward = a2a_fwd[r];
+    cost->ranks[r].a2a_backward = a2a_bwd[r];
   }
+  return seconds;
+}
 
-  // Ring phase. compute: slowest rank of each group; transfer: per full-sequence unit of K/V
-  // for the rank's KV heads, received from the holders of those heads in the ring
-  // predecessor group, priced with every group's ring flow in flight (contention).
-  std::vector<double> group_compute(num_groups, 0.0), group_transfer(num_groups, 0.0);
-  for (int g = 0; g < num_groups; ++g) {
+// The slowest forward compute among each group's ranks.
+std::vector<double> GroupCompute(const Plan& plan, const PlanCost& cost) {
+  std::vector<double> group_compute(plan.groups.size(), 0.0);
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
     for (int r : plan.groups[g].ranks) {
       group_compute[g] = std::max(group_compute[g], cost.ranks[r].compute_forward);
     }
   }
-  double ring_fwd = 0, ring_bwd = 0;
-  if (num_groups == 1) {
-    ring_fwd = group_compute[0];
-    ring_bwd = kBackwardFactor * group_compute[0];
-  } else {
-    const std::vector<int> order = plan.RingOrder();
-    std::vector<int> position(num_groups);
-    for (int p = 0; p < num_groups; ++p) position[order[p]] = p;
-    const std::vector<RingFlow> flows = RingFlows(plan);
-    ports.Clear();
-    auto unit_bytes = [&](const RingFlow& f) { return seq * 2.0 * f.kv_heads * d * b; };
-    for (const RingFlow& f : flows) ports.Add(f.src, f.dst, unit_bytes(f));
-    std::vector<double> latency(num_groups, 0.0);
-    const std::vector<int> group_of = plan.GroupOfRank();
-    for (const RingFlow& f : flows) {
-      const int g = group_of[f.dst];
-      const double t = ports.Time(f.src, f.dst);
-      group_transfer[g] = std::max(group_transfer[g], t);
-      cost.ranks[f.dst].ring_transfer_forward =
-          std::max(cost.ranks[f.dst].ring_transfer_forward, t * (1.0 - share[g]));
-      latency[g] = std::max(latency[g], cluster.Latency(f.src, f.dst));
-    }
-    // Backward: compute x2.5; K/V forward and dK/dV partial sums along the ring: bytes x2.
-    for (int pass = 0; pass < 2; ++pass) {
-      const double cf = pass == 0 ? 1.0 : kBackwardFactor;
-      const double xf = pass == 0 ? 1.0 : 2.0;
-      double total = 0;
-      if (pricing == RingPricing::kPipelined) {
-        // arrive[g]: when group g had the block of the current step; done[g]: end of its
-        // compute so far.
-        // two_back[g]: end of g's compute two steps back; its buffer takes the next block.
-        std::vector<double> arrive(num_groups, 0.0), done(num_groups, 0.0), next(num_groups);
-        std::vector<double> two_back(num_groups, 0.0), last(num_groups, 0.0);
-        for (int g = 0; g < num_groups; ++g) done[g] = cf * group_compute[g] * share[g];
-        for (int s = 1; s < num_groups; ++s) {
-          for (int g = 0; g < num_groups; ++g) {
-            const int pred = order[(position[g] + num_groups - 1) % num_groups];
-            const int src = order[(position[g] + num_groups - s) % num_groups];
-            const double buffer_free = s >= 2 ? two_back[g] : 0.0;
-            next[g] = std::max({arrive[pred], arrive[g], buffer_free}) +
-                      xf * group_transfer[g] * share[src] + latency[g];
-          }
-          arrive.swap(next);
-          last = done;
-          for (int g = 0; g < num_groups; ++g) {
-            const int src = order[(position[g] + num_groups - s) % num_groups];
-            done[g] = std::max(done[g], arrive[g]) + cf * group_compute[g] * share[src];
-          }
-          two_back.swap(last);
-        }
-        total = *std::max_element(done.begin(), done.end());
-      } else {
-        for (int g = 0; g < num_groups; ++g) {
-          const double rest = 1.0 - share[g];
-          const double t = cf * group_compute[g] * share[g] +
-                           std::max(cf * group_compute[g] * rest,
-                                    xf * group_transfer[g] * rest + (num_groups - 1) * latency[g]);
-          total = std::max(total, t);
-        }
-      }
-      (pass == 0 ? ring_fwd : ring_bwd) = total;
-    }
+  return group_compute;
+}
+
+// Per group: the transfer time of a full-sequence unit of K/V for its ranks' KV heads,
+// received from the holders of those heads in the ring predecessor group and priced with
+// every group's ring flow in flight (contention); and the largest latency of those flows.
+struct RingTransfers {
+  std::vector<double> transfer, latency;
+};
+
+// Also fills every rank's ring_transfer_forward. Two groups at least.
+RingTransfers PriceRingTransfers(const Cluster& cluster, const Workload& workload, const Plan& plan,
+                                 const std::vector<double>& share, PortLoads* ports,
+                                 PlanCost* cost) {
+  const int num_groups = static_cast<int>(plan.groups.size());
+  const double seq = static_cast<double>(workload.seq_len);
+  const double d = workload.model.head_dim, b = workload.model.dtype_bytes;
+  const std::vector<RingFlow> flows = RingFlows(plan);
+  ports->Clear();
+  auto unit_bytes = [&](const RingFlow& f) { return seq * 2.0 * f.kv_heads * d * b; };
+  for (const RingFlow& f : flows) ports->Add(f.src, f.dst, unit_bytes(f));
+  RingTransfers rt{std::vector<double>(num_groups, 0.0), std::vector<double>(num_groups, 0.0)};
+  const std::vector<int> group_of = plan.GroupOfRank();
+  for (const RingFlow& f : flows) {
+    const int g = group_of[f.dst];
+    const double t = ports->Time(f.src, f.dst);
+    rt.transfer[g] = std::max(rt.transfer[g], t);
+    cost->ranks[f.dst].ring_transfer_forward =
+        std::max(cost->ranks[f.dst].ring_transfer_forward, t * (1.0 - share[g]));
+    rt.latency[g] = std::max(rt.latency[g], cluster.Latency(f.src, f.dst));
   }
-  cost.forward_seconds = fwd_in + ring_fwd + fwd_out;
-  cost.backward_seconds = bwd_in + ring_bwd + bwd_out;
+  return rt;
+}
+
+// One pass of the ring (forward or backward) under RingPricing::kPipelined. Compute and
+// transfer times are the forward ones scaled by compute_factor and transfer_factor.
+double PipelinedRingSeconds(const Plan& plan, const std::vector<double>& group_compute,
+                            const RingTransfers& rt, const std::vector<double>& share,
+                            double compute_factor, double transfer_factor) {
+  const double cf = compute_factor, xf = transfer_factor;
+  const int num_groups = static_cast<int>(plan.groups.size());
+  const std::vector<int> order = plan.RingOrder();
+  const std::vector<int> position = RingPositions(order);
+  // arrive[g]: when group g had the block of the current step; done[g]: end of its
+  // compute so far.
+  // two_back[g]: end of g's compute two steps back; its buffer takes the next block.
+  std::vector<double> arrive(num_groups, 0.0), done(num_groups, 0.0), next(num_groups);
+  std::vector<double> two_back(num_groups, 0.0), last(num_groups, 0.0);
+  for (int g = 0; g < num_groups; ++g) done[g] = cf * group_compute[g] * share[g];
+  for (int s = 1; s < num_groups; ++s) {
+    for (int g = 0; g < num_groups; ++g) {
+      const int pred = order[(position[g] + num_groups - 1) % num_groups];
+      const int src = order[(position[g] + num_groups - s) % num_groups];
+      const double buffer_free = s >= 2 ? two_back[g] : 0.0;
+      next[g] = std::max({arrive[pred], arrive[g], buffer_free}) +
+                xf * rt.transfer[g] * share[src] + rt.latency[g];
+    }
+    arrive.swap(next);
+    last = done;
+    for (int g = 0; g < num_groups; ++g) {
+      const int src = order[(position[g] + num_groups - s) % num_groups];
+      done[g] = std::max(done[g], arrive[g]) + cf * group_compute[g] * share[src];
+    }
+    two_back.swap(last);
+  }
+  return *std::max_element(done.begin(), done.end());
+}
+
+// One pass of the ring under RingPricing::kOverlapBound, scaled as above.
+double OverlapBoundRingSeconds(const std::vector<double>& group_compute, const RingTransfers& rt,
+                               const std::vector<double>& share, double compute_factor,
+                               double transfer_factor) {
+  const double cf = compute_factor, xf = transfer_factor;
+  const int num_groups = static_cast<int>(group_compute.size());
+  double total = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const double rest = 1.0 - share[g];
+    const double t = cf * group_compute[g] * share[g] +
+                     std::max(cf * group_compute[g] * rest,
+                              xf * rt.transfer[g] * rest + (num_groups - 1) * rt.latency[g]);
+    total = std::max(total, t);
+  }
+  return total;
+}
+
+struct RingSeconds {
+  double forward = 0, backward = 0;
+};
+
+// The ring phase. compute: slowest rank of each group; transfer: per full-sequence unit of
+// K/V (PriceRingTransfers). Fills every rank's ring_transfer_forward.
+RingSeconds PriceRing(const Cluster& cluster, const Workload& workload, const Plan& plan,
+                      const std::vector<double>& share, RingPricing pricing, PortLoads* ports,
+                      PlanCost* cost) {
+  const std::vector<double> group_compute = GroupCompute(plan, *cost);
+  if (plan.groups.size() == 1) return {group_compute[0], kBackwardFactor * group_compute[0]};
+  const RingTransfers rt = PriceRingTransfers(cluster, workload, plan, share, ports, cost);
+  // Backward: compute x2.5; K/V forward and dK/dV partial sums along the ring: bytes x2.
+  RingSeconds seconds;
+  for (int pass = 0; pass < 2; ++pass) {
+    const double cf = pass == 0 ? 1.0 : kBackwardFactor;
+    const double xf = pass == 0 ? 1.0 : 2.0;
+    const double total = pricing == RingPricing::kPipelined
+                             ? PipelinedRingSeconds(plan, group_compute, rt, share, cf, xf)
+                             : OverlapBoundRingSeconds(group_compute, rt, share, cf, xf);
+    (pass == 0 ? seconds.forward : seconds.backward) = total;
+  }
+  return seconds;
+}
+
+}  // namespace
+
+absl::StatusOr<PlanCost> EvaluatePlan(const Cluster& cluster, const Workload& workload,
+                                      const Plan& plan, RingPricing pricing) {
+  HSAP_RETURN_IF_ERROR(CheckPlanFits(cluster, workload, plan));
+  const std::vector<double> share = GroupShares(plan);
+  PlanCost cost;
+  cost.ranks.resize(cluster.size());
+  const RankHeads rank_heads = PriceRanks(cluster, workload, plan, share, &cost);
+  FindWorstMemoryRank(&cost);
+  PortLoads ports(cluster);
+  const AllToAllSeconds a2a = PriceAllToAll(cluster, workload, plan, rank_heads, &ports, &cost);
+  const RingSeconds ring = PriceRing(cluster, workload, plan, share, pricing, &ports, &cost);
+  cost.forward_seconds = a2a.forward_in + ring.forward + a2a.forward_out;
+  cost.backward_seconds = a2a.backward_in + ring.backward + a2a.backward_out;
   return cost;
 }
 

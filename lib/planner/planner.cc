@@ -199,6 +199,107 @@ bool NormalizeWithCaps(std::vector<double>* share, const std::vector<double>& ca
   return true;
 }
 
+// Stage II's model of each group's time, linearised at the current shares:
+//   f_g(t) = max((A_g + C_g) t, X_g + (A_g - X_g) t)
+// (all-to-all A and compute C grow with the share t; the K/V it must receive, X, shrinks
+// with it).
+struct LinearGroupTimes {
+  std::vector<double> a, c, x;
+};
+
+LinearGroupTimes LineariseGroupTimes(const Grouping& grouping, const PlanCost& cost,
+                                     const std::vector<double>& share) {
+  const int num_groups = static_cast<int>(grouping.groups.size());
+  LinearGroupTimes f{std::vector<double>(num_groups, 0.0), std::vector<double>(num_groups, 0.0),
+                     std::vector<double>(num_groups, 0.0)};
+  for (int g = 0; g < num_groups; ++g) {
+    for (int r : grouping.groups[g]) {
+      const RankCost& rc = cost.ranks[r];
+      f.a[g] = std::max(f.a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
+      f.c[g] = std::max(f.c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
+      f.x[g] = std::max(f.x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
+    }
+  }
+  return f;
+}
+
+// For a common time T, each f_g(t) <= T is an interval [lo_g, hi_g] of shares, further
+// bounded by the group's memory cap and a floor that keeps every group in the ring.
+class ShareIntervals {
+ public:
+  ShareIntervals(const LinearGroupTimes& f, const std::vector<double>& cap)
+      : f_(f), cap_(cap), lo_(cap.size()), hi_(cap.size()) {}
+
+  // Computes the intervals for time t; whether shares inside them can sum to 1. Stops at
+  // the first empty interval.
+  bool Feasible(double t) {
+    const int num_groups = static_cast<int>(cap_.size());
+    const double floor_share = 1e-3 / num_groups;
+    double sum_lo = 0, sum_hi = 0;
+    for (int g = 0; g < num_groups; ++g) {
+      double l = floor_share, h = std::min(cap_[g], t / (f_.a[g] + f_.c[g]));
+      const double slope = f_.a[g] - f_.x[g];
+      if (slope > 0) {
+        h = std::min(h, (t - f_.x[g]) / slope);
+      } else if (slope < 0) {
+        l = std::max(l, (f_.x[g] - t) / -slope);
+      } else if (f_.x[g] > t) {
+        h = -1;
+      }
+      lo_[g] = l;
+      hi_[g] = h;
+      sum_lo += l;
+      sum_hi += std::max(h, l);
+      if (h < l) return false;
+    }
+    return sum_lo <= 1.0 && sum_hi >= 1.0;
+  }
+  const std::vector<double>& lo() const { return lo_; }
+  const std::vector<double>& hi() const { return hi_; }
+
+ private:
+  const LinearGroupTimes& f_;
+  const std::vector<double>& cap_;
+  std::vector<double> lo_, hi_;
+};
+
+// Stage II rebalance: minimises max_g f_g subject to sum t = 1, t <= cap by bisection on
+// the common time T, then spreads the slack over the groups in proportion to their
+// intervals. Returns the largest relative change of a share, or nullopt (shares untouched)
+// when even a generous T admits no split.
+std::optional<double> Rebalance(const Grouping& grouping, const PlanCost& cost,
+                                const std::vector<double>& cap, std::vector<double>* share) {
+  const int num_groups = static_cast<int>(grouping.groups.size());
+  const LinearGroupTimes f = LineariseGroupTimes(grouping, cost, *share);
+  ShareIntervals interval(f, cap);
+  double t_lo = 0, t_hi = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const double s = (*share)[g];
+    t_hi = std::max(t_hi, std::max((f.a[g] + f.c[g]) * s, f.x[g] + (f.a[g] - f.x[g]) * s));
+  }
+  t_hi *= 4;
+  if (!interval.Feasible(t_hi)) return std::nullopt;
+  for (int step = 0; step < 60; ++step) {
+    const double mid = 0.5 * (t_lo + t_hi);
+    (interval.Feasible(mid) ? t_hi : t_lo) = mid;
+  }
+  interval.Feasible(t_hi);
+  const std::vector<double>& lo = interval.lo();
+  const std::vector<double>& hi = interval.hi();
+  double sum_lo = 0, room = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    sum_lo += lo[g];
+    room += hi[g] - lo[g];
+  }
+  double change = 0;
+  for (int g = 0; g < num_groups; ++g) {
+    const double next = lo[g] + (room > 0 ? (1.0 - sum_lo) * (hi[g] - lo[g]) / room : 0.0);
+    change = std::max(change, std::abs(next - (*share)[g]) / (*share)[g]);
+    (*share)[g] = next;
+  }
+  return change;
+}
+
 class Builder {
  public:
   Builder(const Cluster& cluster, const Workload& workload)
@@ -238,142 +339,28 @@ class Builder {
   std::optional<Candidate> Balance(const Grouping& grouping, int iterations, RingPricing pricing,
                                    int* evaluations) const {
     const int num_groups = static_cast<int>(grouping.groups.size());
-    std::vector<double> share(num_groups);
-    for (int g = 0; g < num_groups; ++g) {
-      for (int r : grouping.groups[g]) share[g] += cluster_.kind_of(r).AttentionFlops();
-    }
-    const double total = std::accumulate(share.begin(), share.end(), 0.0);
-    for (double& s : share) s /= total;
+    std::vector<double> share = FlopShares(grouping);
     std::vector<double> cap(num_groups, 1.0);
     std::vector<bool> capped(num_groups, false);
     std::optional<Candidate> best;
-    const double state = ModelStateBytesPerDevice(cluster_, workload_);
     for (int it = 0; it < iterations; ++it) {
       Plan plan = Build(grouping, share);
       auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
       ++*evaluations;
       if (!cost.ok()) return best;
-      // Memory caps, recomputed from every evaluation: beyond the model state, a rank's
-      // memory has a part proportional to its group's share (activations, attention
-      // tensors, staging) and the ring buffers, sized by the largest share of any group.
-      bool caps_changed = false;
-      const double seq = static_cast<double>(workload_.seq_len);
-      for (int g = 0; g < num_groups; ++g) {
-        double limit = 1.0;
-        const PlanGroup& group = plan.groups[g];
-        for (size_t i = 0; i < group.ranks.size(); ++i) {
-          const RankCost& rc = cost->ranks[group.ranks[i]];
-          const double room = rc.memory_capacity - state;
-          if (room <= 0) return best;  // the model state alone does not fit
-          const double own =
-              RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
-                              static_cast<int>(group.heads[i].size()),
-                              static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
-                              false) -
-              state;
-          const double ring = rc.memory_bytes - state - own;
-          limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
-        }
-        limit = std::max(limit, 1e-3 / num_groups);
-        if (std::abs(limit - cap[g]) > 1e-9 * cap[g]) caps_changed = true;
-        cap[g] = limit;
-      }
+      const std::optional<bool> caps_changed = UpdateMemoryCaps(plan, *cost, share, &cap);
+      if (!caps_changed) return best;  // the model state alone does not fit
       if (cost->fits_memory && (!best || cost->Seconds() < best->cost.Seconds())) {
         best = Candidate{std::move(plan), *cost, grouping.label, capped};
       }
       if (num_groups == 1) break;
-      // Rebalance: each group's time, linearised at the current shares, is
-      //   f_g(t) = max((A_g + C_g) t, X_g + (A_g - X_g) t)
-      // (all-to-all A and compute C grow with the share t; the K/V it must receive, X,
-      // shrinks with it). Minimise max_g f_g subject to sum t = 1, t <= cap by bisection on
-      // the common time T: each f_g <= T is an interval of t.
-      std::vector<double> a(num_groups, 0.0), c(num_groups, 0.0), x(num_groups, 0.0);
-      for (int g = 0; g < num_groups; ++g) {
-        for (int r : grouping.groups[g]) {
-          const RankCost& rc = cost->ranks[r];
-          a[g] = std::max(a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
-          c[g] = std::max(c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
-          x[g] = std::max(x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
-        }
-      }
-      const double floor_share = 1e-3 / num_groups;
-      std::vector<double> lo(num_groups), hi(num_groups);
-      auto interval = [&](double t) {
-        double sum_lo = 0, sum_hi = 0;
-        for (int g = 0; g < num_groups; ++g) {
-          double l = floor_share, h = std::min(cap[g], t / (a[g] + c[g]));
-          const double slope = a[g] - x[g];
-          if (slope > 0) {
-            h = std::min(h, (t - x[g]) / slope);
-          } else if (slope < 0) {
-            l = std::max(l, (x[g] - t) / -slope);
-          } else if (x[g] > t) {
-            h = -1;
-          }
-          lo[g] = l;
-          hi[g] = h;
-          sum_lo += l;
-          sum_hi += std::max(h, l);
-          if (h < l) return false;
-        }
-        return sum_lo <= 1.0 && sum_hi >= 1.0;
-      };
-      double t_lo = 0, t_hi = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        t_hi = std::max(t_hi, std::max((a[g] + c[g]) * share[g], x[g] + (a[g] - x[g]) * share[g]));
-      }
-      t_hi *= 4;
-      if (!interval(t_hi)) break;
-      for (int step = 0; step < 60; ++step) {
-        const double mid = 0.5 * (t_lo + t_hi);
-        (interval(mid) ? t_hi : t_lo) = mid;
-      }
-      interval(t_hi);
-      double sum_lo = 0, room = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        sum_lo += lo[g];
-        room += hi[g] - lo[g];
-      }
-      double change = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        const double next = lo[g] + (room > 0 ? (1.0 - sum_lo) * (hi[g] - lo[g]) / room : 0.0);
-        change = std::max(change, std::abs(next - share[g]) / share[g]);
-        share[g] = next;
-      }
+      const std::optional<double> change = Rebalance(grouping, *cost, cap, &share);
+      if (!change) break;
       if (!NormalizeWithCaps(&share, cap, &capped)) break;
-      if (change < 1e-4 && !caps_changed) break;
+      if (*change < 1e-4 && !*caps_changed) break;
     }
-    // Stage II also tries blends of the balanced shares with the per-device-equal shares
-    // (the symmetric split) and the FLOP-proportional shares: where transfers do not
-    // overlap well, a less uneven split can win.
     if (best && num_groups > 1 && pricing == RingPricing::kPipelined) {
-      std::vector<double> balanced(num_groups), equal(num_groups), flops(num_groups);
-      double total_flops = 0;
-      for (int g = 0; g < num_groups; ++g) {
-        balanced[g] = best->plan.groups[g].sequence_weight;
-        equal[g] = static_cast<double>(grouping.groups[g].size()) / cluster_.size();
-        for (int r : grouping.groups[g]) flops[g] += cluster_.kind_of(r).AttentionFlops();
-        total_flops += flops[g];
-      }
-      double balanced_sum = std::accumulate(balanced.begin(), balanced.end(), 0.0);
-      for (int g = 0; g < num_groups; ++g) {
-        balanced[g] /= balanced_sum;
-        flops[g] /= total_flops;
-      }
-      for (const auto* other : {&equal, &flops}) {
-        for (double alpha : {0.125, 0.25, 0.5, 0.75, 1.0}) {
-          std::vector<double> trial(num_groups);
-          for (int g = 0; g < num_groups; ++g) {
-            trial[g] = (1 - alpha) * balanced[g] + alpha * (*other)[g];
-          }
-          Plan plan = Build(grouping, trial);
-          auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
-          ++*evaluations;
-          if (cost.ok() && cost->fits_memory && cost->Seconds() < best->cost.Seconds()) {
-            best = Candidate{std::move(plan), *cost, grouping.label, capped};
-          }
-        }
-      }
+      TryBlends(grouping, pricing, capped, &*best, evaluations);
     }
     return best;
   }
@@ -406,99 +393,197 @@ class Builder {
   }
 
  private:
+  // Each group's share of the cluster's sustained FLOP/s: where stage II starts.
+  std::vector<double> FlopShares(const Grouping& grouping) const {
+    std::vector<double> share(grouping.groups.size());
+    for (size_t g = 0; g < grouping.groups.size(); ++g) {
+      for (int r : grouping.groups[g]) share[g] += cluster_.kind_of(r).AttentionFlops();
+    }
+    const double total = std::accumulate(share.begin(), share.end(), 0.0);
+    for (double& s : share) s /= total;
+    return share;
+  }
+
+  // Memory caps on the shares, recomputed from every evaluation: beyond the model state, a
+  // rank's memory has a part proportional to its group's share (activations, attention
+  // tensors, staging) and the ring buffers, sized by the largest share of any group.
+  // Returns whether a cap moved, or nullopt when the model state alone does not fit a rank.
+  std::optional<bool> UpdateMemoryCaps(const Plan& plan, const PlanCost& cost,
+                                       const std::vector<double>& share,
+                                       std::vector<double>* cap) const {
+    const int num_groups = static_cast<int>(plan.groups.size());
+    const double state = ModelStateBytesPerDevice(cluster_, workload_);
+    const double seq = static_cast<double>(workload_.seq_len);
+    bool caps_changed = false;
+    for (int g = 0; g < num_groups; ++g) {
+      double limit = 1.0;
+      const PlanGroup& group = plan.groups[g];
+      for (size_t i = 0; i < group.ranks.size(); ++i) {
+        const RankCost& rc = cost.ranks[group.ranks[i]];
+        const double room = rc.memory_capacity - state;
+        if (room <= 0) return std::nullopt;
+        const double own =
+            RankMemoryBytes(cluster_, workload_, rc.tokens, seq * share[g],
+                            static_cast<int>(group.heads[i].size()),
+                            static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size()), 0,
+                            false) -
+            state;
+        const double ring = rc.memory_bytes - state - own;
+        limit = std::min(limit, own > 0 ? share[g] * std::max(0.0, room - ring) / own : 1.0);
+      }
+      limit = std::max(limit, 1e-3 / num_groups);
+      if (std::abs(limit - (*cap)[g]) > 1e-9 * (*cap)[g]) caps_changed = true;
+      (*cap)[g] = limit;
+    }
+    return caps_changed;
+  }
+
+  // Stage II also tries blends of the balanced shares with the per-device-equal shares
+  // (the symmetric split) and the FLOP-proportional shares: where transfers do not
+  // overlap well, a less uneven split can win. Replaces `best` with a faster blend.
+  void TryBlends(const Grouping& grouping, RingPricing pricing, const std::vector<bool>& capped,
+                 Candidate* best, int* evaluations) const {
+    const int num_groups = static_cast<int>(grouping.groups.size());
+    std::vector<double> balanced(num_groups), equal(num_groups);
+    for (int g = 0; g < num_groups; ++g) {
+      balanced[g] = best->plan.groups[g].sequence_weight;
+      equal[g] = static_cast<double>(grouping.groups[g].size()) / cluster_.size();
+    }
+    std::vector<double> flops = FlopShares(grouping);
+    const double balanced_sum = std::accumulate(balanced.begin(), balanced.end(), 0.0);
+    for (double& b : balanced) b /= balanced_sum;
+    for (const auto* other : {&equal, &flops}) {
+      for (double alpha : {0.125, 0.25, 0.5, 0.75, 1.0}) {
+        std::vector<double> trial(num_groups);
+        for (int g = 0; g < num_groups; ++g) {
+          trial[g] = (1 - alpha) * balanced[g] + alpha * (*other)[g];
+        }
+        Plan plan = Build(grouping, trial);
+        auto cost = EvaluatePlan(cluster_, workload_, plan, pricing);
+        ++*evaluations;
+        if (cost.ok() && cost->fits_memory && cost->Seconds() < best->cost.Seconds()) {
+          *best = Candidate{std::move(plan), *cost, grouping.label, capped};
+        }
+      }
+    }
+  }
+
   const Cluster& cluster_;
   const Workload& workload_;
 };
 
-}  // namespace
+// Stage I search state: each grouping (a choice of option per kind) is screened once, by
+// stage II with the overlap-bound ring (O(groups) per price); the groupings that yield a
+// plan are kept with their time.
+class GroupingScreen {
+ public:
+  GroupingScreen(const GroupingSpace& space, const Builder& builder, int iterations,
+                 int* evaluations)
+      : space_(space), builder_(builder), iterations_(iterations), evaluations_(evaluations) {}
 
-absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
-                                            const PlannerOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
-  const std::clock_t cpu_start = std::clock();
-  if (absl::Status s = CheckWorkload(cluster, workload); !s.ok()) return s;
-  PlannerResult result;
-  Builder builder(cluster, workload);
+  const GroupingSpace& space() const { return space_; }
 
-  // Stages I-III over every grouping, screened by the cost model.
-  // Screening with the overlap bound (O(groups) per price), then the most promising
-  // groupings again with the pipelined ring (O(groups^2)).
-  // Stage I search: every combination of per-kind sizes when there are few, else
-  // coordinate descent (one kind at a time, two sweeps) from node-sized groups.
-  const GroupingSpace space(cluster, workload.model.heads_q);
-  std::vector<Grouping> groupings;
-  std::vector<std::pair<double, int>> screened;
-  std::map<std::vector<int>, double> seen;
-  auto screen = [&](const std::vector<int>& choice) {
-    if (auto it = seen.find(choice); it != seen.end()) return it->second;
-    Grouping grouping = space.Build(choice);
-    auto best = builder.Balance(grouping, options.screen_iterations, RingPricing::kOverlapBound,
-                                &result.candidates);
+  // The screened time of the grouping `choice`; infinity when no plan of it fits.
+  double Screen(const std::vector<int>& choice) {
+    if (auto it = seen_.find(choice); it != seen_.end()) return it->second;
+    Grouping grouping = space_.Build(choice);
+    auto best = builder_.Balance(grouping, iterations_, RingPricing::kOverlapBound, evaluations_);
     const double t = best ? best->cost.Seconds() : std::numeric_limits<double>::infinity();
-    seen[choice] = t;
+    seen_[choice] = t;
     if (best) {
-      screened.push_back({t, static_cast<int>(groupings.size())});
-      groupings.push_back(std::move(grouping));
+      screened_.push_back({t, static_cast<int>(groupings_.size())});
+      groupings_.push_back(std::move(grouping));
     }
     return t;
-  };
+  }
+
+  // The `count` fastest groupings screened, fastest first (ties: screening order).
+  std::vector<Grouping> TakeBest(int count) {
+    std::stable_sort(screened_.begin(), screened_.end());
+    if (static_cast<int>(screened_.size()) > count) screened_.resize(count);
+    std::vector<Grouping> best;
+    for (auto [unused, i] : screened_) best.push_back(std::move(groupings_[i]));
+    return best;
+  }
+
+ private:
+  const GroupingSpace& space_;
+  const Builder& builder_;
+  const int iterations_;
+  int* const evaluations_;
+  std::vector<Grouping> groupings_;
+  std::vector<std::pair<double, int>> screened_;  // (time, index into groupings_)
+  std::map<std::vector<int>, double> seen_;
+};
+
+// Stage I when the combinations are few: every one, the first kind's option varying fastest.
+void ScreenEveryCombination(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
   const int num_kinds = space.num_kinds();
-  if (space.Combinations() <= options.exhaustive_limit) {
-    std::vector<int> choice(num_kinds, 0);
-    while (true) {
-      screen(choice);
-      int k = 0;
-      while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
-        choice[k++] = 0;
-      }
-      if (k == num_kinds) break;
+  std::vector<int> choice(num_kinds, 0);
+  while (true) {
+    screen->Screen(choice);
+    int k = 0;
+    while (k < num_kinds && ++choice[k] == static_cast<int>(space.options(k).size())) {
+      choice[k++] = 0;
     }
-  } else {
-    // Starting points: node-sized groups, and every kind at the same size v (the largest
-    // option <= v) for every size v on offer.
-    std::vector<int> choice = space.NodeSizedChoice();
-    double current = screen(choice);
-    std::vector<int> sizes;
+    if (k == num_kinds) break;
+  }
+}
+
+// Stage I when the combinations are many: coordinate descent (one kind at a time, two
+// sweeps) from the best starting point: node-sized groups, or every kind at the same size
+// v (the largest option <= v) for every size v on offer.
+void ScreenByCoordinateDescent(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
+  const int num_kinds = space.num_kinds();
+  std::vector<int> choice = space.NodeSizedChoice();
+  double current = screen->Screen(choice);
+  std::vector<int> sizes;
+  for (int k = 0; k < num_kinds; ++k) {
+    sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
+  }
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (int v : sizes) {
+    std::vector<int> start(num_kinds, 0);
     for (int k = 0; k < num_kinds; ++k) {
-      sizes.insert(sizes.end(), space.options(k).begin(), space.options(k).end());
-    }
-    std::sort(sizes.begin(), sizes.end());
-    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
-    for (int v : sizes) {
-      std::vector<int> start(num_kinds, 0);
-      for (int k = 0; k < num_kinds; ++k) {
-        for (size_t i = 0; i < space.options(k).size(); ++i) {
-          if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
-        }
-      }
-      const double t = screen(start);
-      if (t < current) {
-        current = t;
-        choice = start;
+      for (size_t i = 0; i < space.options(k).size(); ++i) {
+        if (space.options(k)[i] <= v) start[k] = static_cast<int>(i);
       }
     }
-    for (int sweep = 0; sweep < 2; ++sweep) {
-      for (int k = 0; k < num_kinds; ++k) {
-        int best_option = choice[k];
-        for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
-          std::vector<int> trial = choice;
-          trial[k] = o;
-          const double t = screen(trial);
-          if (t < current) {
-            current = t;
-            best_option = o;
-          }
-        }
-        choice[k] = best_option;
-      }
+    const double t = screen->Screen(start);
+    if (t < current) {
+      current = t;
+      choice = start;
     }
   }
-  std::stable_sort(screened.begin(), screened.end());
-  if (static_cast<int>(screened.size()) > options.refine_top) screened.resize(options.refine_top);
+  for (int sweep = 0; sweep < 2; ++sweep) {
+    for (int k = 0; k < num_kinds; ++k) {
+      int best_option = choice[k];
+      for (int o = 0; o < static_cast<int>(space.options(k).size()); ++o) {
+        std::vector<int> trial = choice;
+        trial[k] = o;
+        const double t = screen->Screen(trial);
+        if (t < current) {
+          current = t;
+          best_option = o;
+        }
+      }
+      choice[k] = best_option;
+    }
+  }
+}
+
+// Stage II again for the screened groupings, with the pipelined ring (O(groups^2) per
+// price): the options.simulate_top fastest candidates, fastest first.
+std::vector<Candidate> RefineCandidates(const Builder& builder,
+                                        const std::vector<Grouping>& groupings,
+                                        const PlannerOptions& options, int* evaluations) {
   std::vector<Candidate> candidates;
-  for (auto [unused, i] : screened) {
-    auto best = builder.Balance(groupings[i], options.balance_iterations, RingPricing::kPipelined,
-                                &result.candidates);
+  for (const Grouping& grouping : groupings) {
+    auto best =
+        builder.Balance(grouping, options.balance_iterations, RingPricing::kPipelined, evaluations);
     if (best) candidates.push_back(*std::move(best));
   }
   std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
@@ -507,6 +592,47 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   if (static_cast<int>(candidates.size()) > options.simulate_top) {
     candidates.resize(options.simulate_top);
   }
+  return candidates;
+}
+
+// The error when no plan, hsap or baseline, fits in memory: the figures that explain why.
+absl::Status DoesNotFitError(const Cluster& cluster, const Workload& workload) {
+  const double state = ModelStateBytesPerDevice(cluster, workload);
+  double most = 0;
+  for (int d = 0; d < cluster.size(); ++d) {
+    most = std::max(most, UsableMemoryBytes(cluster, workload, d));
+  }
+  const double per_token = RankMemoryBytes(cluster, workload, 1.0, 0, 0, 0, 0, false) - state;
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "%s with %d tokens does not fit on %s: every plan needs more memory than a device "
+      "has (model state %.1f GiB per device, about %.2f MiB per token held, at most %.1f "
+      "GiB usable per device); use more devices, a shorter sequence, or a smaller model",
+      workload.model.name, workload.seq_len, cluster.Summary(), state / kGiB, per_token / (1 << 20),
+      most / kGiB));
+}
+
+}  // namespace
+
+absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Workload& workload,
+                                            const PlannerOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
+  HSAP_RETURN_IF_ERROR(CheckWorkload(cluster, workload));
+  PlannerResult result;
+  Builder builder(cluster, workload);
+
+  // Stages I-III over every grouping, screened by the cost model.
+  // Screening with the overlap bound (O(groups) per price), then the most promising
+  // groupings again with the pipelined ring (O(groups^2)).
+  const GroupingSpace space(cluster, workload.model.heads_q);
+  GroupingScreen screen(space, builder, options.screen_iterations, &result.candidates);
+  if (space.Combinations() <= options.exhaustive_limit) {
+    ScreenEveryCombination(&screen);
+  } else {
+    ScreenByCoordinateDescent(&screen);
+  }
+  const std::vector<Candidate> candidates =
+      RefineCandidates(builder, screen.TakeBest(options.refine_top), options, &result.candidates);
 
   // The symmetric baselines are part of the search space.
   result.baselines = EvaluateBaselines(cluster, workload);
@@ -538,20 +664,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     if (!b.available || b.workload.seq_len != workload.seq_len) continue;
     consider(b.plan, b.cost, b.sim, absl::StrCat("symmetric ", b.name, " ", b.config), {});
   }
-  if (!found) {
-    const double state = ModelStateBytesPerDevice(cluster, workload);
-    double most = 0;
-    for (int d = 0; d < cluster.size(); ++d) {
-      most = std::max(most, UsableMemoryBytes(cluster, workload, d));
-    }
-    const double per_token = RankMemoryBytes(cluster, workload, 1.0, 0, 0, 0, 0, false) - state;
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%s with %d tokens does not fit on %s: every plan needs more memory than a device "
-        "has (model state %.1f GiB per device, about %.2f MiB per token held, at most %.1f "
-        "GiB usable per device); use more devices, a shorter sequence, or a smaller model",
-        workload.model.name, workload.seq_len, cluster.Summary(), state / kGiB,
-        per_token / (1 << 20), most / kGiB));
-  }
+  if (!found) return DoesNotFitError(cluster, workload);
   result.plan.predicted_forward_seconds = result.sim.forward_seconds;
   result.plan.predicted_backward_seconds = result.sim.backward_seconds;
   result.plan.description = result.family;

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -118,25 +119,29 @@ absl::Status ValidateWeights(int num_ranks, absl::Span<const double> weights) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
-                                            absl::Span<const double> weights) {
-  if (absl::Status s = ValidateWeights(num_ranks, weights); !s.ok()) return s;
-  const int64_t num_tokens = layout.num_tokens();
-
-  Partition p;
-  p.num_tokens_ = num_tokens;
-  p.weights_.assign(num_ranks, 1.0 / num_ranks);
+// Weights normalised to sum 1; equal when none are given.
+std::vector<double> NormalizedWeights(int num_ranks, absl::Span<const double> weights) {
+  std::vector<double> normalized(num_ranks, 1.0 / num_ranks);
   if (!weights.empty()) {
     const double sum = std::accumulate(weights.begin(), weights.end(), 0.0);
-    for (int r = 0; r < num_ranks; ++r) p.weights_[r] = weights[r] / sum;
+    for (int r = 0; r < num_ranks; ++r) normalized[r] = weights[r] / sum;
   }
+  return normalized;
+}
 
-  // Units and their slices (slices are sorted by q_begin; a document's slices lie inside
-  // it). Work comes from the slices' closed forms, so no per-token pass over the row.
-  const std::vector<MaskSlice>& slices = layout.slices();
+// The units of a row, each with its work, and the row's total work.
+struct RowUnits {
   std::vector<Unit> units;
+  int64_t total_work = 0;
+  bool memory_only = false;  // nothing to compute: work counts tokens, to balance memory
+};
+
+// Units and their slices (slices are sorted by q_begin; a document's slices lie inside
+// it). Work comes from the slices' closed forms, so no per-token pass over the row.
+RowUnits CollectUnits(const Layout& layout) {
+  const std::vector<MaskSlice>& slices = layout.slices();
+  RowUnits row;
+  std::vector<Unit>& units = row.units;
   if (!layout.documents().empty()) {
     size_t next_slice = 0;
     for (const Document& d : layout.documents()) {
@@ -147,67 +152,92 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
       next_slice = u.slice_end;
       units.push_back(u);
     }
-  } else if (num_tokens > 0) {
-    units.push_back({0, num_tokens, false, 0, 0, slices.size()});
+  } else if (layout.num_tokens() > 0) {
+    units.push_back({0, layout.num_tokens(), false, 0, 0, slices.size()});
   }
-  int64_t total = 0;
   for (Unit& u : units) {
     for (size_t i = u.slice_begin; i < u.slice_end; ++i) u.work += slices[i].VisiblePairs();
-    total += u.work;
+    row.total_work += u.work;
   }
-  const bool memory_only = total == 0;  // nothing to compute: balance memory instead
-  if (memory_only) {
-    total = 0;
-    for (Unit& u : units) total += (u.work = u.end - u.begin);
+  row.memory_only = row.total_work == 0;
+  if (row.memory_only) {
+    row.total_work = 0;
+    for (Unit& u : units) row.total_work += (u.work = u.end - u.begin);
   }
+  return row;
+}
+
+// Indices of the units by decreasing work (ties: position in the row).
+std::vector<size_t> ByDecreasingWork(const std::vector<Unit>& units) {
   std::vector<size_t> order(units.size());
   std::iota(order.begin(), order.end(), size_t{0});
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return units[a].work > units[b].work; });
+  return order;
+}
 
-  p.target_.resize(num_ranks);
-  for (int r = 0; r < num_ranks; ++r) p.target_[r] = static_cast<double>(total) * p.weights_[r];
-  // Ranks of weight 0 take no part: they receive nothing.
-  std::vector<int> holders;
-  for (int r = 0; r < num_ranks; ++r) {
-    if (p.weights_[r] > 0.0) holders.push_back(r);
-  }
-  double min_target = 0.0;  // the smallest target of a holder
-  for (int r : holders) {
-    if (min_target == 0.0 || p.target_[r] < min_target) min_target = p.target_[r];
-  }
-  std::vector<double> remaining = p.target_;
-  p.work_.assign(num_ranks, 0);
-  std::vector<std::vector<TokenRange>> pieces(num_ranks);
-
-  std::vector<int> by_remaining;
-  for (size_t ui : order) {
-    const Unit& u = units[ui];
-    const double w = static_cast<double>(u.work);
-    // Best fit: the smallest remaining capacity that holds the unit whole.
-    int best = -1, largest = holders.front();
-    for (int r : holders) {
-      if (remaining[r] >= w && (best < 0 || remaining[r] < remaining[best])) best = r;
-      if (remaining[r] > remaining[largest]) largest = r;
+// Steps 2 and 3 of the algorithm (partition.h): gives units, in the order placed, to the
+// ranks of positive weight, whole where one fits, else cut across the roomiest ranks.
+class UnitPlacer {
+ public:
+  UnitPlacer(const std::vector<double>& weights, const std::vector<double>& target,
+             const std::vector<MaskSlice>& slices, bool memory_only)
+      : slices_(slices),
+        memory_only_(memory_only),
+        remaining_(target),
+        work_(weights.size(), 0),
+        pieces_(weights.size()) {
+    // Ranks of weight 0 take no part: they receive nothing.
+    for (int r = 0; r < static_cast<int>(weights.size()); ++r) {
+      if (weights[r] > 0.0) holders_.push_back(r);
     }
-    if (best < 0 && w - remaining[largest] <= kWholeOvershoot * min_target) {
+    for (int r : holders_) {
+      if (min_target_ == 0.0 || target[r] < min_target_) min_target_ = target[r];
+    }
+  }
+
+  void Place(const Unit& u) {
+    if (!PlaceWhole(u)) Split(u);
+  }
+
+  const std::vector<int64_t>& work() const { return work_; }
+  // The token ranges each rank received, in the order given; the placer is spent after.
+  std::vector<std::vector<TokenRange>> TakePieces() { return std::move(pieces_); }
+  int64_t max_position_work() const { return max_position_work_; }
+  int64_t split_units() const { return split_units_; }
+
+ private:
+  // Best fit: the smallest remaining capacity that holds the unit whole, or the roomiest
+  // rank when the unit overshoots it only a little. False: the unit must be split.
+  bool PlaceWhole(const Unit& u) {
+    const double w = static_cast<double>(u.work);
+    int best = -1, largest = holders_.front();
+    for (int r : holders_) {
+      if (remaining_[r] >= w && (best < 0 || remaining_[r] < remaining_[best])) best = r;
+      if (remaining_[r] > remaining_[largest]) largest = r;
+    }
+    if (best < 0 && w - remaining_[largest] <= kWholeOvershoot * min_target_) {
       best = largest;
     }
-    if (best >= 0) {
-      remaining[best] -= w;
-      p.work_[best] += u.work;
-      pieces[best].push_back({u.begin, u.end});
-      continue;
-    }
-    // Split: fill the ranks with the most room first.
-    UnitPositions pos(u, UnitTokenWork(u, slices, memory_only));
-    p.max_position_work_ = std::max(p.max_position_work_, pos.max_work());
-    by_remaining = holders;
-    std::stable_sort(by_remaining.begin(), by_remaining.end(),
-                     [&](int a, int b) { return remaining[a] > remaining[b]; });
-    const int num_holders = static_cast<int>(by_remaining.size());
+    if (best < 0) return false;
+    remaining_[best] -= w;
+    work_[best] += u.work;
+    pieces_[best].push_back({u.begin, u.end});
+    return true;
+  }
+
+  // Fills the ranks with the most room first.
+  void Split(const Unit& u) {
+    UnitPositions pos(u, UnitTokenWork(u, slices_, memory_only_));
+    max_position_work_ = std::max(max_position_work_, pos.max_work());
+    by_remaining_ = holders_;
+    std::stable_sort(by_remaining_.begin(), by_remaining_.end(),
+                     [&](int a, int b) { return remaining_[a] > remaining_[b]; });
+    const int num_holders = static_cast<int>(by_remaining_.size());
     int num_positive = 0;
-    while (num_positive < num_holders && remaining[by_remaining[num_positive]] > 0) ++num_positive;
+    while (num_positive < num_holders && remaining_[by_remaining_[num_positive]] > 0) {
+      ++num_positive;
+    }
     num_positive = std::max(num_positive, 1);
     // Cuts at the cumulative capacities, so that rounding to whole positions does not
     // accumulate along the unit (a rank whose capacity is under half a position may get
@@ -216,27 +246,44 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     int pieces_made = 0;
     double cumulative = 0;
     for (int i = 0; i < num_positive && f < pos.size(); ++i) {
-      const int r = by_remaining[i];
-      cumulative += remaining[r];
+      const int r = by_remaining_[i];
+      cumulative += remaining_[r];
       const int64_t cut = i + 1 < num_positive ? pos.NearestCut(f, cumulative) : pos.size();
       if (cut == f) continue;
-      pos.AppendTokens(f, cut, pieces[r]);
-      remaining[r] -= static_cast<double>(pos.prefix(cut) - pos.prefix(f));
-      p.work_[r] += pos.prefix(cut) - pos.prefix(f);
+      pos.AppendTokens(f, cut, pieces_[r]);
+      remaining_[r] -= static_cast<double>(pos.prefix(cut) - pos.prefix(f));
+      work_[r] += pos.prefix(cut) - pos.prefix(f);
       f = cut;
       ++pieces_made;
     }
-    if (pieces_made > 1) ++p.split_units_;
+    if (pieces_made > 1) ++split_units_;
   }
 
-  // Shards: sorted, merged ranges; placements tile the row.
-  p.ranges_.resize(num_ranks);
-  p.local_tokens_.assign(num_ranks, 0);
+  const std::vector<MaskSlice>& slices_;
+  const bool memory_only_;
+  std::vector<int> holders_;  // ranks of positive weight
+  double min_target_ = 0.0;   // the smallest target of a holder
+  std::vector<double> remaining_;
+  std::vector<int64_t> work_;
+  std::vector<std::vector<TokenRange>> pieces_;
+  std::vector<int> by_remaining_;  // scratch of Split
+  int64_t max_position_work_ = 0;
+  int64_t split_units_ = 0;
+};
+
+// Shards from the pieces each rank received: sorted, merged ranges, and the placements of
+// all of them sorted by position.
+void AssembleShards(std::vector<std::vector<TokenRange>> pieces,
+                    std::vector<std::vector<TokenRange>>* ranges,
+                    std::vector<int64_t>* local_tokens, std::vector<Placement>* placements) {
+  const int num_ranks = static_cast<int>(pieces.size());
+  ranges->resize(num_ranks);
+  local_tokens->assign(num_ranks, 0);
   for (int r = 0; r < num_ranks; ++r) {
     std::vector<TokenRange>& in = pieces[r];
     std::sort(in.begin(), in.end(),
               [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
-    std::vector<TokenRange>& out = p.ranges_[r];
+    std::vector<TokenRange>& out = (*ranges)[r];
     for (const TokenRange& t : in) {
       if (!out.empty() && out.back().end == t.begin) {
         out.back().end = t.end;
@@ -246,16 +293,19 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     }
     int64_t local = 0;
     for (const TokenRange& t : out) {
-      p.placements_.push_back({t.begin, t.end, r, local});
+      placements->push_back({t.begin, t.end, r, local});
       local += t.size();
     }
-    p.local_tokens_[r] = local;
+    (*local_tokens)[r] = local;
   }
-  std::sort(p.placements_.begin(), p.placements_.end(),
+  std::sort(placements->begin(), placements->end(),
             [](const Placement& a, const Placement& b) { return a.begin < b.begin; });
-  // Internal invariant: the placements tile [0, num_tokens).
+}
+
+// Internal invariant of Create: the placements tile [0, num_tokens).
+absl::Status CheckTiling(const std::vector<Placement>& placements, int64_t num_tokens) {
   int64_t expect = 0;
-  for (const Placement& pl : p.placements_) {
+  for (const Placement& pl : placements) {
     if (pl.begin != expect) {
       return absl::InternalError(absl::StrCat("partition does not tile the row at token ", expect,
                                               " (next range starts at ", pl.begin, ")"));
@@ -266,6 +316,29 @@ absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
     return absl::InternalError(
         absl::StrCat("partition covers ", expect, " of ", num_tokens, " tokens"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
+                                            absl::Span<const double> weights) {
+  HSAP_RETURN_IF_ERROR(ValidateWeights(num_ranks, weights));
+  Partition p;
+  p.num_tokens_ = layout.num_tokens();
+  p.weights_ = NormalizedWeights(num_ranks, weights);
+  const RowUnits row = CollectUnits(layout);
+  p.target_.resize(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) {
+    p.target_[r] = static_cast<double>(row.total_work) * p.weights_[r];
+  }
+  UnitPlacer placer(p.weights_, p.target_, layout.slices(), row.memory_only);
+  for (size_t ui : ByDecreasingWork(row.units)) placer.Place(row.units[ui]);
+  p.work_ = placer.work();
+  p.max_position_work_ = placer.max_position_work();
+  p.split_units_ = placer.split_units();
+  AssembleShards(placer.TakePieces(), &p.ranges_, &p.local_tokens_, &p.placements_);
+  HSAP_RETURN_IF_ERROR(CheckTiling(p.placements_, p.num_tokens_));
   return p;
 }
 

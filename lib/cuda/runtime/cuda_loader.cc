@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 namespace {
@@ -139,10 +140,7 @@ absl::StatusOr<std::unique_ptr<NcclApi>> LoadNcclImpl() {
   void* handle = *h;
   HSAP_BIND(handle, api, GetVersion, "ncclGetVersion");
   HSAP_BIND(handle, api, GetErrorString, "ncclGetErrorString");
-  if (absl::Status s = Bind(handle, "ncclGetLastError", api->path, &api->GetLastError, true);
-      !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(Bind(handle, "ncclGetLastError", api->path, &api->GetLastError, true));
   HSAP_BIND(handle, api, GetUniqueId, "ncclGetUniqueId");
   HSAP_BIND(handle, api, CommInitRank, "ncclCommInitRank");
   HSAP_BIND(handle, api, CommDestroy, "ncclCommDestroy");
@@ -155,9 +153,7 @@ absl::StatusOr<std::unique_ptr<NcclApi>> LoadNcclImpl() {
   HSAP_BIND(handle, api, Recv, "ncclRecv");
   HSAP_BIND(handle, api, GroupStart, "ncclGroupStart");
   HSAP_BIND(handle, api, GroupEnd, "ncclGroupEnd");
-  if (absl::Status s = api->Check(api->GetVersion(&api->version), "ncclGetVersion"); !s.ok()) {
-    return s;
-  }
+  HSAP_RETURN_IF_ERROR(api->Check(api->GetVersion(&api->version), "ncclGetVersion"));
   return api;
 }
 
@@ -246,7 +242,7 @@ absl::Status CheckCudaDevice() {
 }
 
 absl::Status CheckNcclDevice() {
-  if (absl::Status s = CheckCudaDevice(); !s.ok()) return s;
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   return LoadNccl().status();
 }
 
