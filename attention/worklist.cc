@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -233,20 +234,18 @@ absl::StatusOr<WorkList> BuildWorkList(absl::Span<const MaskSlice> slices,
                        "diag_lo <= diag_hi (build slices with Layout::FromSlices to check them)"));
     }
   }
-  absl::StatusOr<std::vector<TokenRun>> q_sorted = SortedRuns(q_runs, "q_runs");
-  if (!q_sorted.ok()) return q_sorted.status();
-  absl::StatusOr<std::vector<TokenRun>> k_sorted = SortedRuns(k_runs, "k_runs");
-  if (!k_sorted.ok()) return k_sorted.status();
+  HSAP_ASSIGN_OR_RETURN(std::vector<TokenRun> q_sorted, SortedRuns(q_runs, "q_runs"));
+  HSAP_ASSIGN_OR_RETURN(std::vector<TokenRun> k_sorted, SortedRuns(k_runs, "k_runs"));
 
-  Builder builder(slices, *std::move(k_sorted), block_q);
-  std::vector<RunOutput> outputs(q_sorted->size());
-  for (size_t i = 0; i < q_sorted->size(); ++i) builder.AddQueryRun((*q_sorted)[i], outputs[i]);
+  Builder builder(slices, std::move(k_sorted), block_q);
+  std::vector<RunOutput> outputs(q_sorted.size());
+  for (size_t i = 0; i < q_sorted.size(); ++i) builder.AddQueryRun((q_sorted)[i], outputs[i]);
 
   // Blocks of one run are in buffer order; concatenating the runs in buffer order sorts all.
-  std::vector<size_t> by_local(q_sorted->size());
+  std::vector<size_t> by_local(q_sorted.size());
   for (size_t i = 0; i < by_local.size(); ++i) by_local[i] = i;
   std::sort(by_local.begin(), by_local.end(), [&](size_t a, size_t b) {
-    return (*q_sorted)[a].local_begin < (*q_sorted)[b].local_begin;
+    return (q_sorted)[a].local_begin < (q_sorted)[b].local_begin;
   });
   WorkList work;
   size_t num_blocks = 0, num_segments = 0;

@@ -93,9 +93,8 @@ int CudaMaxSharedMemory(int arch) {
 }
 
 absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& c) {
-  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
-  if (!arch.ok()) return arch.status();
-  if (c.arch.rfind("sm_", 0) != 0 || *arch < 70) {
+  HSAP_ASSIGN_OR_RETURN(int arch, ParseCudaArch(c.arch));
+  if (c.arch.rfind("sm_", 0) != 0 || arch < 70) {
     return absl::InvalidArgumentError(absl::StrCat("CudaKernelConfig.arch = ", c.arch,
                                                    ": the kernels need sm_70 or newer, as sm_XX"));
   }
@@ -116,9 +115,8 @@ absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& c) {
 }
 
 absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
-  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
-  if (!arch.ok()) return arch.status();
-  const int limit = CudaMaxSharedMemory(*arch);
+  HSAP_ASSIGN_OR_RETURN(int arch, ParseCudaArch(c.arch));
+  const int limit = CudaMaxSharedMemory(arch);
   const int tpr = ThreadsPerRow(c.head_dim);
   CudaTiles t;
 
@@ -207,9 +205,8 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   } else if (absl::StatusOr<int> arch = ParseCudaArch(config.arch); !arch.ok()) {
     return arch.status();
   }
-  absl::StatusOr<CudaTiles> tiles = ChooseCudaTiles(config);
-  if (!tiles.ok()) return tiles.status();
-  const CudaTiles& t = *tiles;
+  HSAP_ASSIGN_OR_RETURN(CudaTiles tiles, ChooseCudaTiles(config));
+  const CudaTiles& t = tiles;
   const int max_steps = MaxFusedSteps(config);
 
   CudaKernelSource out;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
 #include "jit/cache.h"
 
 namespace hsap::jit {
@@ -54,9 +55,8 @@ absl::StatusOr<CudaKernelEntry> CompiledCudaKernels::Entry(absl::string_view rol
 }
 
 absl::StatusOr<std::string> CompiledCudaKernels::LoweredName(absl::string_view role) const {
-  absl::StatusOr<CudaKernelEntry> e = Entry(role);
-  if (!e.ok()) return e.status();
-  return binary.LoweredName(e->name_expression);
+  HSAP_ASSIGN_OR_RETURN(CudaKernelEntry e, Entry(role));
+  return binary.LoweredName(e.name_expression);
 }
 
 absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& config,
@@ -70,9 +70,8 @@ absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& c
   request.arch = config.arch;
   request.force_ptx = force_ptx;
   request.name_expressions = source->NameExpressions();
-  absl::StatusOr<CudaBinary> binary = CompileCuda(request, cache);
-  if (!binary.ok()) return binary.status();
-  return CompiledCudaKernels{*std::move(source), *std::move(binary)};
+  HSAP_ASSIGN_OR_RETURN(CudaBinary binary, CompileCuda(request, cache));
+  return CompiledCudaKernels{*std::move(source), std::move(binary)};
 }
 
 absl::Status VerifyCubinSymbols(const CompiledCudaKernels& compiled) {
@@ -80,21 +79,19 @@ absl::Status VerifyCubinSymbols(const CompiledCudaKernels& compiled) {
     return absl::FailedPreconditionError(
         absl::StrCat(compiled.source.program_name, " was compiled to PTX, not a cubin"));
   }
-  absl::StatusOr<std::vector<ElfSymbol>> symbols = ReadElfSymbols(compiled.binary.image);
-  if (!symbols.ok()) return symbols.status();
+  HSAP_ASSIGN_OR_RETURN(std::vector<ElfSymbol> symbols, ReadElfSymbols(compiled.binary.image));
   for (const CudaKernelEntry& e : compiled.source.kernels) {
-    absl::StatusOr<std::string> lowered = compiled.binary.LoweredName(e.name_expression);
-    if (!lowered.ok()) return lowered.status();
+    HSAP_ASSIGN_OR_RETURN(std::string lowered, compiled.binary.LoweredName(e.name_expression));
     bool found = false;
-    for (const ElfSymbol& s : *symbols) {
+    for (const ElfSymbol& s : symbols) {
       // STT_FUNC, STB_GLOBAL or STB_WEAK (template instantiations), defined in a section.
-      found = found || (s.name == *lowered && s.type == 2 && (s.binding == 1 || s.binding == 2) &&
+      found = found || (s.name == lowered && s.type == 2 && (s.binding == 1 || s.binding == 2) &&
                         s.section != 0);
     }
     if (!found) {
       return absl::NotFoundError(absl::StrCat("cubin of ", compiled.source.program_name,
-                                              " defines no global or weak function ", *lowered,
-                                              " (", e.name_expression, ")"));
+                                              " defines no global or weak function ", lowered, " (",
+                                              e.name_expression, ")"));
     }
   }
   return absl::OkStatus();

@@ -319,9 +319,8 @@ absl::StatusOr<std::shared_ptr<HostModule>> LoadHostModule(absl::string_view so_
 
 absl::StatusOr<std::shared_ptr<HostModule>> CompileHostModule(const HostSource& source,
                                                               CompileCache& cache) {
-  absl::StatusOr<HostCompilerInfo> compiler = FindHostCompiler();
-  if (!compiler.ok()) return compiler.status();
-  std::vector<std::string> options = StandardHostOptions(*compiler);
+  HSAP_ASSIGN_OR_RETURN(HostCompilerInfo compiler, FindHostCompiler());
+  std::vector<std::string> options = StandardHostOptions(compiler);
   options.insert(options.end(), source.extra_options.begin(), source.extra_options.end());
 
   CacheKey key;
@@ -331,10 +330,10 @@ absl::StatusOr<std::shared_ptr<HostModule>> CompileHostModule(const HostSource& 
   key.headers = source.headers;
   key.options = options;
   key.arch = HostArchString();
-  key.compiler = absl::StrCat(compiler->path, " | ", compiler->version);
+  key.compiler = absl::StrCat(compiler.path, " | ", compiler.version);
 
   absl::StatusOr<std::string> so =
-      cache.GetOrCompile(key, [&] { return RunCompile(*compiler, source, options, key, cache); });
+      cache.GetOrCompile(key, [&] { return RunCompile(compiler, source, options, key, cache); });
   if (!so.ok()) return so.status();
   return LoadHostModule(*so, key.EntryName());
 }

@@ -421,9 +421,9 @@ bool HasBandMasks(const WorkList& work) {
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> CompileHostJitKernelsUnchecked(
     const HostKernelSpec& spec_in, CompileCache& cache) {
   const HostKernelSpec spec = ResolveHostKernelSpec(spec_in);
-  absl::StatusOr<std::shared_ptr<HostModule>> module = CompileHostModule(SourceFor(spec), cache);
-  if (!module.ok()) return module.status();
-  return LoadedKernels::Create(spec, *std::move(module));
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<HostModule> module,
+                        CompileHostModule(SourceFor(spec), cache));
+  return LoadedKernels::Create(spec, std::move(module));
 }
 
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
@@ -450,11 +450,10 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
     if (it != loaded->end()) return it->second;
   }
   // Compiled outside the lock (the cache serialises compiles of one key).
-  absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> kernels =
-      CompileHostJitKernelsUnchecked(spec, c);
-  if (!kernels.ok()) return kernels.status();
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const HostJitKernelSet> kernels,
+                        CompileHostJitKernelsUnchecked(spec, c));
   absl::MutexLock lock(&mu);
-  auto [it, inserted] = loaded->emplace(key, *kernels);
+  auto [it, inserted] = loaded->emplace(key, kernels);
   return it->second;
 }
 

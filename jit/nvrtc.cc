@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "base/params.h"
+#include "base/status_macros.h"
 #include "jit/cache.h"
 #include "jit/compile_error.h"
 
@@ -300,15 +301,13 @@ std::vector<std::string> DefaultNvrtcOptions(absl::string_view target) {
 }
 
 absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, CompileCache* cache) {
-  absl::StatusOr<int> arch = ParseCudaArch(request.arch);
-  if (!arch.ok()) return arch.status();
-  absl::StatusOr<const NvrtcApi*> loaded = LoadNvrtc();
-  if (!loaded.ok()) return loaded.status();
-  const NvrtcApi& api = **loaded;
+  HSAP_ASSIGN_OR_RETURN(int arch, ParseCudaArch(request.arch));
+  HSAP_ASSIGN_OR_RETURN(const NvrtcApi* loaded, LoadNvrtc());
+  const NvrtcApi& api = *loaded;
 
   const bool want_ptx =
-      request.force_ptx || request.arch.rfind("compute_", 0) == 0 || !api.SupportsCubin(*arch);
-  int target_arch = *arch;
+      request.force_ptx || request.arch.rfind("compute_", 0) == 0 || !api.SupportsCubin(arch);
+  int target_arch = arch;
   if (want_ptx && !api.SupportsCubin(target_arch)) {
     // The closest lower virtual architecture this NVRTC knows; the driver JITs upward.
     int best = 0;

@@ -95,9 +95,8 @@ absl::StatusOr<LocalProblem> CheckProblem(
   p.layout = &layout->layout;
   p.tokens = p.layout->num_tokens();
   HSAP_RETURN_IF_ERROR(CheckNotNull(q, "q"));
-  absl::StatusOr<DType> dtype = DTypeFromC(q->dtype, "q->dtype");
-  if (!dtype.ok()) return dtype.status();
-  p.dtype = *dtype;
+  HSAP_ASSIGN_OR_RETURN(DType dtype, DTypeFromC(q->dtype, "q->dtype"));
+  p.dtype = dtype;
   HSAP_RETURN_IF_ERROR(CheckSameDType(k, "k", q, "q"));
   for (const auto& [t, name] : others) {
     HSAP_RETURN_IF_ERROR(CheckSameDType(t, name, q, "q"));
@@ -197,17 +196,15 @@ absl::StatusOr<std::shared_ptr<const KernelSet>> LocalKernels(const LocalProblem
 absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,
                           const hsapTensor_t* q, const hsapTensor_t* k, const hsapTensor_t* v,
                           hsapTensor_t* out, float* lse) {
-  absl::StatusOr<LocalProblem> problem =
-      CheckProblem(config, layout, q, k, {{v, "v"}, {out, "out"}});
-  if (!problem.ok()) return problem.status();
-  const LocalProblem& p = *problem;
+  HSAP_ASSIGN_OR_RETURN(LocalProblem problem,
+                        CheckProblem(config, layout, q, k, {{v, "v"}, {out, "out"}}));
+  const LocalProblem& p = problem;
   HSAP_RETURN_IF_ERROR(CheckLikeK(p, v, "v"));
   HSAP_RETURN_IF_ERROR(CheckLikeQ(p, out, "out"));
   HSAP_RETURN_IF_ERROR(CheckLse(p, lse));
   if (p.tokens == 0) return absl::OkStatus();
 
-  absl::StatusOr<WorkList> work = BuildWorkList(*p.layout, kKernelBlockQ);
-  if (!work.ok()) return work.status();
+  HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(*p.layout, kKernelBlockQ));
   std::vector<float> out_f32(Elements(p.tokens, p.dims.heads_q, p.dims.head_dim));
   std::vector<float> lse_f32(static_cast<size_t>(p.tokens) * p.dims.heads_q);
   InitPartial(out_f32.data(), lse_f32.data(), p.tokens, p.dims.heads_q, p.dims.head_dim);
@@ -222,9 +219,8 @@ absl::Status ForwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layo
   args.k_rows = p.tokens;
   args.out = out_f32.data();
   args.lse = lse_f32.data();
-  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
-  if (!kernels.ok()) return kernels.status();
-  HSAP_RETURN_IF_ERROR((*kernels)->Forward(args, *work, p.num_threads));
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const KernelSet> kernels, LocalKernels(p));
+  HSAP_RETURN_IF_ERROR(kernels->Forward(args, work, p.num_threads));
 
   StoreConverted(p.dtype, out_f32, out->data);
   std::copy(lse_f32.begin(), lse_f32.end(), lse);
@@ -235,11 +231,11 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
                            const hsapTensor_t* dout, const hsapTensor_t* q, const hsapTensor_t* k,
                            const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
                            hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv) {
-  absl::StatusOr<LocalProblem> problem =
+  HSAP_ASSIGN_OR_RETURN(
+      LocalProblem problem,
       CheckProblem(config, layout, q, k,
-                   {{dout, "dout"}, {v, "v"}, {out, "out"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}});
-  if (!problem.ok()) return problem.status();
-  const LocalProblem& p = *problem;
+                   {{dout, "dout"}, {v, "v"}, {out, "out"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}}));
+  const LocalProblem& p = problem;
   HSAP_RETURN_IF_ERROR(CheckLikeK(p, v, "v"));
   HSAP_RETURN_IF_ERROR(CheckLikeQ(p, out, "out"));
   HSAP_RETURN_IF_ERROR(CheckLikeQ(p, dout, "dout"));
@@ -249,8 +245,7 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
   HSAP_RETURN_IF_ERROR(CheckLikeK(p, dv, "dv"));
   if (p.tokens == 0) return absl::OkStatus();
 
-  absl::StatusOr<WorkList> work = BuildWorkList(*p.layout, kKernelBlockQ);
-  if (!work.ok()) return work.status();
+  HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(*p.layout, kKernelBlockQ));
   std::vector<float> delta(static_cast<size_t>(p.tokens) * p.dims.heads_q);
   ComputeDelta(p.dtype, dout->data, out->data, p.tokens, p.dims.heads_q, p.dims.head_dim,
                delta.data());
@@ -272,9 +267,8 @@ absl::Status BackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t lay
   args.dq = dq_f32.data();
   args.dk = dk_f32.data();
   args.dv = dv_f32.data();
-  absl::StatusOr<std::shared_ptr<const KernelSet>> kernels = LocalKernels(p);
-  if (!kernels.ok()) return kernels.status();
-  HSAP_RETURN_IF_ERROR((*kernels)->Backward(args, *work, p.num_threads));
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const KernelSet> kernels, LocalKernels(p));
+  HSAP_RETURN_IF_ERROR(kernels->Backward(args, work, p.num_threads));
 
   StoreConverted(p.dtype, dq_f32, dq->data);
   StoreConverted(p.dtype, dk_f32, dk->data);

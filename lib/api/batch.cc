@@ -49,9 +49,8 @@ absl::Status FirstError(Checks&&... checks) {
 
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
                                                                        const Layout& layout) {
-  absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
-  if (!dims.ok()) return dims.status();
-  return jit::HostKernelsForBatch(*dims, options.dtype, layout);
+  HSAP_ASSIGN_OR_RETURN(AttentionDims dims, DimsFromOptions(options));
+  return jit::HostKernelsForBatch(dims, options.dtype, layout);
 }
 
 namespace {
@@ -130,9 +129,9 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
           HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(config->size, config->magic, "config",
                                                        hsap::kBatchConfigV1Size,
                                                        "HSAP_BATCH_CONFIG_INITIALIZER"));
-          absl::StatusOr<hsap::DType> dtype = hsap::DTypeFromC(config->dtype, "config->dtype");
-          if (!dtype.ok()) return dtype.status();
-          options.dtype = *dtype;
+          HSAP_ASSIGN_OR_RETURN(hsap::DType dtype,
+                                hsap::DTypeFromC(config->dtype, "config->dtype"));
+          options.dtype = dtype;
           options.heads_q = config->numHeadsQ;
           options.heads_kv = config->numHeadsKV;
           options.head_dim = config->headDim;
@@ -145,10 +144,9 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(c.size()));
     hsap::BatchBackend backend =
         hsap::BackendForCreate(*comm, options, l, /*planned=*/false, local);
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
-        hsap::Batch::Create(c, l, w, options, *backend.runners, local);
-    if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels), *comm);
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::Batch> b,
+                          hsap::Batch::Create(c, l, w, options, *backend.runners, local));
+    *batch = hsap::NewBatchHandle(std::move(b), std::move(backend.kernels), *comm);
     return absl::OkStatus();
   });
 }
@@ -171,10 +169,9 @@ hsapResult_t hsapBatchGetPartition(hsapBatch_t batch, hsapPartition_t* partition
 
 hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens) {
   return hsap::RunApi("hsapBatchGetLocalTokens", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
-    if (!b.ok()) return b.status();
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numTokens, "numTokens"));
-    *numTokens = (*b)->local_tokens();
+    *numTokens = b->local_tokens();
     return absl::OkStatus();
   });
 }
@@ -182,9 +179,8 @@ hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens) {
 hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
                                   const hsapTensor_t* v, hsapTensor_t* out, float* lse) {
   return hsap::RunApi("hsapAttentionForward", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Batch*> bs = hsap::BatchFromHandle(batch);
-    if (!bs.ok()) return bs.status();
-    hsap::Batch& b = **bs;
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * bs, hsap::BatchFromHandle(batch));
+    hsap::Batch& b = *bs;
     const int64_t n = b.local_tokens();
     const hsap::AttentionDims& d = b.dims();
     const hsap::DType t = b.dtype();
@@ -208,9 +204,8 @@ hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
                                    const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
                                    hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv) {
   return hsap::RunApi("hsapAttentionBackward", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Batch*> bs = hsap::BatchFromHandle(batch);
-    if (!bs.ok()) return bs.status();
-    hsap::Batch& b = **bs;
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * bs, hsap::BatchFromHandle(batch));
+    hsap::Batch& b = *bs;
     const int64_t n = b.local_tokens();
     const hsap::AttentionDims& d = b.dims();
     const hsap::DType t = b.dtype();
@@ -238,10 +233,9 @@ hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
 
 hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
   return hsap::RunApi("hsapBatchGetTraffic", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Batch*> b = hsap::BatchFromHandle(batch);
-    if (!b.ok()) return b.status();
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(traffic, "traffic"));
-    const hsap::BatchTraffic& t = (*b)->traffic();
+    const hsap::BatchTraffic& t = b->traffic();
     traffic->forwardBytesSent = t.forward.sent();
     traffic->forwardBytesReceived = t.forward.received();
     traffic->backwardBytesSent = t.backward.sent();

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 
@@ -40,10 +41,9 @@ absl::StatusOr<DType> DTypeFromC(const hsapDataType_t& t, absl::string_view name
 absl::Status CheckTensor(const hsapTensor_t* t, absl::string_view name, DType dtype,
                          int64_t num_tokens, int num_heads, int head_dim) {
   if (t == nullptr) return absl::InvalidArgumentError(absl::StrCat(name, " is null"));
-  absl::StatusOr<DType> got = DTypeFromC(t->dtype, absl::StrCat(name, ".dtype"));
-  if (!got.ok()) return got.status();
-  if (*got != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat(name, " is ", std::string(DTypeName(*got)),
+  HSAP_ASSIGN_OR_RETURN(DType got, DTypeFromC(t->dtype, absl::StrCat(name, ".dtype")));
+  if (got != dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is ", std::string(DTypeName(got)),
                                                    ", expected ", std::string(DTypeName(dtype)),
                                                    " (one dtype for every tensor)"));
   }

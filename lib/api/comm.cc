@@ -55,13 +55,12 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
       options.timeout = absl::Milliseconds(config->timeoutMs);
       options.num_threads = config->numThreads;
     }
-    absl::StatusOr<std::vector<std::unique_ptr<hsap::Communicator>>> world =
-        hsap::Communicator::CreateHostWorld(nranks, options);
-    if (!world.ok()) return world.status();
+    HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Communicator>> world,
+                          hsap::Communicator::CreateHostWorld(nranks, options));
     // Allocate every handle before publishing any, so a failure leaves nothing behind.
     std::vector<std::unique_ptr<hsapComm_st>> handles;
     handles.reserve(nranks);
-    for (auto& comm : *world) {
+    for (auto& comm : world) {
       auto handle = std::make_unique<hsapComm_st>();
       handle->comm = std::move(comm);
       handles.push_back(std::move(handle));
@@ -89,29 +88,26 @@ hsapResult_t hsapCommDestroy(hsapComm_t comm) {
 
 hsapResult_t hsapCommAbort(hsapComm_t comm) {
   return hsap::RunApi("hsapCommAbort", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Communicator*> c = GetComm(comm);
-    if (!c.ok()) return c.status();
-    (*c)->Abort(absl::StrCat("hsapCommAbort called on rank ", (*c)->rank()));
+    HSAP_ASSIGN_OR_RETURN(hsap::Communicator * c, GetComm(comm));
+    c->Abort(absl::StrCat("hsapCommAbort called on rank ", c->rank()));
     return absl::OkStatus();
   });
 }
 
 hsapResult_t hsapCommCount(hsapComm_t comm, int* count) {
   return hsap::RunApi("hsapCommCount", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Communicator*> c = GetComm(comm);
-    if (!c.ok()) return c.status();
+    HSAP_ASSIGN_OR_RETURN(hsap::Communicator * c, GetComm(comm));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(count, "count"));
-    *count = (*c)->size();
+    *count = c->size();
     return absl::OkStatus();
   });
 }
 
 hsapResult_t hsapCommUserRank(hsapComm_t comm, int* rank) {
   return hsap::RunApi("hsapCommUserRank", [&]() -> absl::Status {
-    absl::StatusOr<hsap::Communicator*> c = GetComm(comm);
-    if (!c.ok()) return c.status();
+    HSAP_ASSIGN_OR_RETURN(hsap::Communicator * c, GetComm(comm));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(rank, "rank"));
-    *rank = (*c)->rank();
+    *rank = c->rank();
     return absl::OkStatus();
   });
 }

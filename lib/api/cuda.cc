@@ -46,9 +46,8 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
       out.stream = static_cast<hsap::cuda::cudaStream>(config->cudaStream);
     }
   }
-  absl::StatusOr<absl::Duration> timeout = hsap::ResolveTimeout(requested);
-  if (!timeout.ok()) return timeout.status();
-  out.timeout = *timeout;
+  HSAP_ASSIGN_OR_RETURN(absl::Duration timeout, hsap::ResolveTimeout(requested));
+  out.timeout = timeout;
   return out;
 }
 
@@ -57,23 +56,20 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
 absl::StatusOr<std::unique_ptr<hsapComm_st>> NewCudaComm(std::unique_ptr<hsap::Transport> transport,
                                                          hsap::cuda::cudaStream stream,
                                                          absl::Duration timeout) {
-  absl::StatusOr<std::unique_ptr<hsap::cuda::Device>> device = hsap::cuda::CreateCudaDevice();
-  if (!device.ok()) return device.status();
-  absl::StatusOr<std::shared_ptr<hsap::cuda::GpuComm>> gpu =
-      hsap::cuda::GpuComm::Create(*std::move(device), stream, timeout);
-  if (!gpu.ok()) return gpu.status();
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::cuda::Device> device, hsap::cuda::CreateCudaDevice());
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<hsap::cuda::GpuComm> gpu,
+                        hsap::cuda::GpuComm::Create(std::move(device), stream, timeout));
   auto handle = std::make_unique<hsapComm_st>();
   handle->comm = std::make_unique<hsap::Communicator>(std::move(transport), timeout, 1);
-  handle->gpu = *std::move(gpu);
+  handle->gpu = std::move(gpu);
   return handle;
 }
 
 absl::Status Publish(std::unique_ptr<hsap::cuda::NcclTransport> transport,
                      hsap::cuda::cudaStream stream, absl::Duration timeout, hsapComm_t* comm) {
-  absl::StatusOr<std::unique_ptr<hsapComm_st>> handle =
-      NewCudaComm(std::move(transport), stream, timeout);
-  if (!handle.ok()) return handle.status();
-  *comm = handle->release();
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsapComm_st> handle,
+                        NewCudaComm(std::move(transport), stream, timeout));
+  *comm = handle.release();
   return absl::OkStatus();
 }
 
@@ -84,10 +80,9 @@ extern "C" {
 hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId) {
   return hsap::RunApi("hsapGetUniqueId", [&]() -> absl::Status {
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(uniqueId, "uniqueId"));
-    absl::StatusOr<const hsap::cuda::NcclApi*> nccl = hsap::cuda::LoadNccl();
-    if (!nccl.ok()) return nccl.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::cuda::NcclApi* nccl, hsap::cuda::LoadNccl());
     hsap::cuda::NcclUniqueId id;
-    HSAP_RETURN_IF_ERROR((*nccl)->Check((*nccl)->GetUniqueId(&id), "ncclGetUniqueId"));
+    HSAP_RETURN_IF_ERROR(nccl->Check(nccl->GetUniqueId(&id), "ncclGetUniqueId"));
     std::memcpy(uniqueId->internal, id.internal, sizeof(id.internal));
     return absl::OkStatus();
   });
@@ -105,8 +100,7 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
       return absl::InvalidArgumentError(
           absl::StrCat("rank = ", rank, " is outside [0, nranks = ", nranks, ")"));
     }
-    absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
-    if (!settings.ok()) return settings.status();
+    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     const hsap::cuda::NcclApi& nccl = **hsap::cuda::LoadNccl();
     hsap::cuda::NcclUniqueId id;
@@ -117,12 +111,12 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
                    absl::StrCat("ncclCommInitRank(rank ", rank, " of ", nranks, ")")));
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(nc, /*owns_comm=*/true, /*stream=*/nullptr,
-                                          settings->timeout);
+                                          settings.timeout);
     if (!t.ok()) {
       nccl.CommDestroy(nc);
       return t.status();
     }
-    return Publish(*std::move(t), settings->stream, settings->timeout, comm);
+    return Publish(*std::move(t), settings.stream, settings.timeout, comm);
   });
 }
 
@@ -132,15 +126,13 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comm, "comm"));
     *comm = nullptr;
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(ncclComm, "ncclComm"));
-    absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
-    if (!settings.ok()) return settings.status();
+    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
-    absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
-        hsap::cuda::NcclTransport::Create(static_cast<hsap::cuda::ncclComm>(ncclComm),
-                                          /*owns_comm=*/false, /*stream=*/nullptr,
-                                          settings->timeout);
-    if (!t.ok()) return t.status();
-    return Publish(*std::move(t), settings->stream, settings->timeout, comm);
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::cuda::NcclTransport> t,
+                          hsap::cuda::NcclTransport::Create(
+                              static_cast<hsap::cuda::ncclComm>(ncclComm), /*owns_comm=*/false,
+                              /*stream=*/nullptr, settings.timeout));
+    return Publish(std::move(t), settings.stream, settings.timeout, comm);
   });
 }
 
@@ -158,10 +150,9 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
           "hsapCommSplit needs a CUDA communicator (hsapCommInitRank / hsapCommInitFromNccl); "
           "host communicators cannot be split");
     }
-    absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
-    if (!settings.ok()) return settings.status();
+    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
     if (config == nullptr || config->size < kCommConfigStreamSize) {
-      settings->stream = nullptr;  // a stream of its own, not the parent's
+      settings.stream = nullptr;  // a stream of its own, not the parent's
     }
     const hsap::cuda::NcclApi& nccl = parent->nccl();
     hsap::cuda::ncclComm child = nullptr;
@@ -172,12 +163,12 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
     if (child == nullptr) return absl::OkStatus();  // this rank joined no group
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(child, /*owns_comm=*/true, /*stream=*/nullptr,
-                                          settings->timeout);
+                                          settings.timeout);
     if (!t.ok()) {
       nccl.CommDestroy(child);
       return t.status();
     }
-    return Publish(*std::move(t), settings->stream, settings->timeout, newcomm);
+    return Publish(*std::move(t), settings.stream, settings.timeout, newcomm);
   });
 }
 
@@ -199,16 +190,14 @@ hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommC
       return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
     }
     for (int r = 0; r < nranks; ++r) comms[r] = nullptr;
-    absl::StatusOr<CudaCommSettings> settings = ReadConfig(config);
-    if (!settings.ok()) return settings.status();
+    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckCudaDevice());
-    absl::StatusOr<std::vector<std::unique_ptr<hsap::Transport>>> transports =
-        hsap::cuda::CreateLoopbackTransports(nranks, settings->timeout);
-    if (!transports.ok()) return transports.status();
+    HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Transport>> transports,
+                          hsap::cuda::CreateLoopbackTransports(nranks, settings.timeout));
     std::vector<std::unique_ptr<hsapComm_st>> handles;
-    for (std::unique_ptr<hsap::Transport>& t : *transports) {
+    for (std::unique_ptr<hsap::Transport>& t : transports) {
       absl::StatusOr<std::unique_ptr<hsapComm_st>> h =
-          NewCudaComm(std::move(t), /*stream=*/nullptr, settings->timeout);
+          NewCudaComm(std::move(t), /*stream=*/nullptr, settings.timeout);
       if (!h.ok()) return h.status();  // nothing published yet
       handles.push_back(*std::move(h));
     }

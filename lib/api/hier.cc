@@ -38,9 +38,8 @@ absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t
   }
   HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
                                          "HSAP_BATCH_CONFIG_INITIALIZER"));
-  absl::StatusOr<DType> dtype = DTypeFromC(config->dtype, "config->dtype");
-  if (!dtype.ok()) return dtype.status();
-  options.dtype = *dtype;
+  HSAP_ASSIGN_OR_RETURN(DType dtype, DTypeFromC(config->dtype, "config->dtype"));
+  options.dtype = dtype;
   options.heads_q = config->numHeadsQ;
   options.heads_kv = config->numHeadsKV;
   options.head_dim = config->headDim;
@@ -66,10 +65,10 @@ hsapResult_t hsapBatchCreateWithPlan(hsapBatch_t* batch, hsapComm_t comm, hsapLa
     const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
     const hsap::Plan& p = plan != nullptr ? plan->plan : *kNoPlan;
     hsap::BatchBackend backend = hsap::BackendForCreate(*comm, options, l, /*planned=*/true, local);
-    absl::StatusOr<std::unique_ptr<hsap::Batch>> b =
-        hsap::Batch::CreateWithPlan(*comm->comm, l, p, options, *backend.runners, local);
-    if (!b.ok()) return b.status();
-    *batch = hsap::NewBatchHandle(*std::move(b), std::move(backend.kernels), *comm);
+    HSAP_ASSIGN_OR_RETURN(
+        std::unique_ptr<hsap::Batch> b,
+        hsap::Batch::CreateWithPlan(*comm->comm, l, p, options, *backend.runners, local));
+    *batch = hsap::NewBatchHandle(std::move(b), std::move(backend.kernels), *comm);
     return absl::OkStatus();
   });
 }

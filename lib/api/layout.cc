@@ -147,17 +147,17 @@ hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, in
     if (kinds != nullptr) {
       doc_kinds.reserve(static_cast<size_t>(numDocs));
       for (int64_t d = 0; d < numDocs; ++d) {
-        absl::StatusOr<hsap::MaskKind> kind = hsap::MaskKindFromC(kinds[d], d);
-        if (!kind.ok()) return kind.status();
-        doc_kinds.push_back(*kind);
+        HSAP_ASSIGN_OR_RETURN(hsap::MaskKind kind, hsap::MaskKindFromC(kinds[d], d));
+        doc_kinds.push_back(kind);
       }
     }
     absl::Span<const int64_t> param_span;
     if (params != nullptr) param_span = absl::MakeConstSpan(params, static_cast<size_t>(numDocs));
-    absl::StatusOr<hsap::Layout> built = hsap::Layout::FromDocuments(
-        absl::MakeConstSpan(cuSeqlens, static_cast<size_t>(numDocs) + 1), doc_kinds, param_span);
-    if (!built.ok()) return built.status();
-    *layout = new hsapLayout_st{*std::move(built)};
+    HSAP_ASSIGN_OR_RETURN(hsap::Layout built,
+                          hsap::Layout::FromDocuments(
+                              absl::MakeConstSpan(cuSeqlens, static_cast<size_t>(numDocs) + 1),
+                              doc_kinds, param_span));
+    *layout = new hsapLayout_st{std::move(built)};
     return absl::OkStatus();
   });
 }
@@ -182,13 +182,12 @@ hsapResult_t hsapLayoutCreateFromSlices(hsapLayout_t* layout, int64_t numTokens,
     std::vector<hsap::MaskSlice> converted;
     converted.reserve(static_cast<size_t>(numSlices));
     for (int64_t i = 0; i < numSlices; ++i) {
-      absl::StatusOr<hsap::MaskSlice> s = hsap::SliceFromC(slices[i], i);
-      if (!s.ok()) return s.status();
-      converted.push_back(*s);
+      HSAP_ASSIGN_OR_RETURN(hsap::MaskSlice s, hsap::SliceFromC(slices[i], i));
+      converted.push_back(s);
     }
-    absl::StatusOr<hsap::Layout> built = hsap::Layout::FromSlices(numTokens, std::move(converted));
-    if (!built.ok()) return built.status();
-    *layout = new hsapLayout_st{*std::move(built)};
+    HSAP_ASSIGN_OR_RETURN(hsap::Layout built,
+                          hsap::Layout::FromSlices(numTokens, std::move(converted)));
+    *layout = new hsapLayout_st{std::move(built)};
     return absl::OkStatus();
   });
 }
@@ -203,28 +202,25 @@ hsapResult_t hsapLayoutDestroy(hsapLayout_t layout) {
 
 hsapResult_t hsapLayoutGetNumTokens(hsapLayout_t layout, int64_t* numTokens) {
   return hsap::RunApi("hsapLayoutGetNumTokens", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
-    if (!l.ok()) return l.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Layout* l, hsap::GetLayout(layout));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numTokens, "numTokens"));
-    *numTokens = (*l)->num_tokens();
+    *numTokens = l->num_tokens();
     return absl::OkStatus();
   });
 }
 
 hsapResult_t hsapLayoutGetVisiblePairs(hsapLayout_t layout, int64_t* pairs) {
   return hsap::RunApi("hsapLayoutGetVisiblePairs", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
-    if (!l.ok()) return l.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Layout* l, hsap::GetLayout(layout));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(pairs, "pairs"));
-    *pairs = (*l)->VisiblePairs();
+    *pairs = l->VisiblePairs();
     return absl::OkStatus();
   });
 }
 
 hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices, int64_t* numSlices) {
   return hsap::RunApi("hsapLayoutGetSlices", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Layout*> l = hsap::GetLayout(layout);
-    if (!l.ok()) return l.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Layout* l, hsap::GetLayout(layout));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numSlices, "numSlices"));
     if (slices != nullptr && *numSlices < 0) {
       return absl::InvalidArgumentError(
@@ -233,7 +229,7 @@ hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices, i
                        "NULL to query the count)"));
     }
     std::vector<hsapMaskSlice_t> converted;
-    for (const hsap::MaskSlice& s : (*l)->slices()) hsap::AppendCSlices(s, converted);
+    for (const hsap::MaskSlice& s : l->slices()) hsap::AppendCSlices(s, converted);
     const int64_t count = static_cast<int64_t>(converted.size());
     if (slices != nullptr) {
       std::copy_n(converted.begin(), std::min(count, *numSlices), slices);

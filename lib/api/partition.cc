@@ -64,10 +64,9 @@ hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout
     }
     absl::Span<const double> w;
     if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(nranks));
-    absl::StatusOr<hsap::Partition> p = hsap::Partition::Create(layout->layout, nranks, w);
-    if (!p.ok()) return p.status();
+    HSAP_ASSIGN_OR_RETURN(hsap::Partition p, hsap::Partition::Create(layout->layout, nranks, w));
     auto handle = std::make_unique<hsapPartition_st>();
-    handle->partition = std::make_shared<const hsap::Partition>(*std::move(p));
+    handle->partition = std::make_shared<const hsap::Partition>(std::move(p));
     *partition = handle.release();
     return absl::OkStatus();
   });
@@ -89,14 +88,13 @@ hsapResult_t hsapPartitionDestroy(hsapPartition_t partition) {
 hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t* ranges,
                                     int64_t* numRanges, int64_t* numTokens) {
   return hsap::RunApi("hsapPartitionGetRanges", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
-    if (!p.ok()) return p.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Partition* p, hsap::PartitionFromHandle(partition));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(numRanges, "numRanges"));
-    if (rank < 0 || rank >= (*p)->num_ranks()) {
+    if (rank < 0 || rank >= p->num_ranks()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("rank = ", rank, " is outside [0, ", (*p)->num_ranks(), ")"));
+          absl::StrCat("rank = ", rank, " is outside [0, ", p->num_ranks(), ")"));
     }
-    const std::vector<hsap::TokenRange>& mine = (*p)->ranges(rank);
+    const std::vector<hsap::TokenRange>& mine = p->ranges(rank);
     const int64_t count = static_cast<int64_t>(mine.size());
     if (ranges != nullptr) {
       if (*numRanges < count) {
@@ -110,7 +108,7 @@ hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t
       }
     }
     *numRanges = count;
-    if (numTokens != nullptr) *numTokens = (*p)->local_tokens(rank);
+    if (numTokens != nullptr) *numTokens = p->local_tokens(rank);
     return absl::OkStatus();
   });
 }
@@ -118,14 +116,13 @@ hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t
 hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, size_t bytesPerToken,
                                   void* const* shards) {
   return hsap::RunApi("hsapPartitionScatter", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
-    if (!p.ok()) return p.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Partition* p, hsap::PartitionFromHandle(partition));
     HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
-    if (row == nullptr && (*p)->num_tokens() > 0) {
+    if (row == nullptr && p->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }
-    HSAP_RETURN_IF_ERROR(hsap::CheckShards(**p, shards, "shards"));
-    (*p)->Scatter(row, bytesPerToken, shards);
+    HSAP_RETURN_IF_ERROR(hsap::CheckShards(*p, shards, "shards"));
+    p->Scatter(row, bytesPerToken, shards);
     return absl::OkStatus();
   });
 }
@@ -133,14 +130,13 @@ hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, si
 hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* shards,
                                  size_t bytesPerToken, void* row) {
   return hsap::RunApi("hsapPartitionGather", [&]() -> absl::Status {
-    absl::StatusOr<const hsap::Partition*> p = hsap::PartitionFromHandle(partition);
-    if (!p.ok()) return p.status();
+    HSAP_ASSIGN_OR_RETURN(const hsap::Partition* p, hsap::PartitionFromHandle(partition));
     HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
-    if (row == nullptr && (*p)->num_tokens() > 0) {
+    if (row == nullptr && p->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }
-    HSAP_RETURN_IF_ERROR(hsap::CheckShards(**p, shards, "shards"));
-    (*p)->Gather(shards, bytesPerToken, row);
+    HSAP_RETURN_IF_ERROR(hsap::CheckShards(*p, shards, "shards"));
+    p->Gather(shards, bytesPerToken, row);
     return absl::OkStatus();
   });
 }

@@ -164,9 +164,8 @@ absl::Status CopyChunks(const void* src, absl::Span<const ByteChunk> src_chunks,
 absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send, size_t send_bytes,
                                          void* recv, size_t recv_bytes, const AllToAllVPlan& plan,
                                          uint64_t tag, std::string stage) {
-  absl::StatusOr<size_t> me_or = CheckGroup(transport, plan);
-  if (!me_or.ok()) return me_or.status();
-  const size_t me = *me_or;
+  HSAP_ASSIGN_OR_RETURN(size_t me_or, CheckGroup(transport, plan));
+  const size_t me = me_or;
   if (tag > kMaxAllToAllVTag) {
     return absl::InvalidArgumentError(
         absl::StrCat("tag = ", tag, " exceeds the largest AllToAllV tag ", kMaxAllToAllVTag));
@@ -252,17 +251,16 @@ absl::StatusOr<AllToAllVStats> AllToAllV(Transport& transport, const void* send,
   stats.messages_sent = sends.size();
   stats.messages_received = recvs.size();
 
-  absl::StatusOr<std::unique_ptr<Transport::Pending>> pending =
-      transport.Start(sends, recvs, std::move(stage));
-  if (!pending.ok()) return pending.status();
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> pending,
+                        transport.Start(sends, recvs, std::move(stage)));
   // The own share moves while the messages are in flight.
   if (absl::Status s = CopyChunks(send, plan.send_chunks[me], recv, plan.recv_chunks[me]);
       !s.ok()) {
-    (*pending)->Wait().IgnoreError();
+    pending->Wait().IgnoreError();
     return s;
   }
   stats.bytes_local = own_send;
-  HSAP_RETURN_IF_ERROR((*pending)->Wait());
+  HSAP_RETURN_IF_ERROR(pending->Wait());
   for (const Unpack& u : unpacks) {
     const ByteChunk whole{u.staging_offset, u.bytes};
     HSAP_RETURN_IF_ERROR(CopyChunks(recv_staging.get(), absl::MakeConstSpan(&whole, 1), recv,
@@ -363,10 +361,9 @@ absl::StatusOr<size_t> ThdSelectionBytes(const ThdShape& shape, absl::Span<const
 absl::StatusOr<std::vector<ByteChunk>> ThdChunks(const ThdShape& shape,
                                                  absl::Span<const TokenRange> ranges,
                                                  absl::Span<const int> heads) {
-  absl::StatusOr<size_t> total = ThdSelectionBytes(shape, ranges, heads);
-  if (!total.ok()) return total.status();
+  HSAP_ASSIGN_OR_RETURN(size_t total, ThdSelectionBytes(shape, ranges, heads));
   std::vector<ByteChunk> chunks;
-  if (*total == 0) return chunks;
+  if (total == 0) return chunks;
   const size_t head_bytes = static_cast<size_t>(shape.head_dim) * shape.element_bytes;
   const size_t token_bytes = head_bytes * static_cast<size_t>(shape.heads);
   // Runs of consecutive heads within a token (same for every token).
@@ -397,9 +394,8 @@ absl::StatusOr<std::vector<ByteChunk>> ThdChunks(const ThdShape& shape,
 
 absl::Status PackThd(const void* tensor, const ThdShape& shape, absl::Span<const TokenRange> ranges,
                      absl::Span<const int> heads, void* staging, size_t staging_bytes) {
-  absl::StatusOr<std::vector<ByteChunk>> chunks = ThdChunks(shape, ranges, heads);
-  if (!chunks.ok()) return chunks.status();
-  const size_t total = Total(*chunks);
+  HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> chunks, ThdChunks(shape, ranges, heads));
+  const size_t total = Total(chunks);
   if (staging_bytes != total) {
     return absl::InvalidArgumentError(
         absl::StrCat("staging has ", staging_bytes, " bytes but the selection holds ", total));
@@ -409,15 +405,14 @@ absl::Status PackThd(const void* tensor, const ThdShape& shape, absl::Span<const
         absl::StrCat(tensor == nullptr ? "tensor" : "staging", " is null"));
   }
   const ByteChunk whole{0, total};
-  return CopyChunks(tensor, *chunks, staging, absl::MakeConstSpan(&whole, 1));
+  return CopyChunks(tensor, chunks, staging, absl::MakeConstSpan(&whole, 1));
 }
 
 absl::Status UnpackThd(const void* staging, size_t staging_bytes, const ThdShape& shape,
                        absl::Span<const TokenRange> ranges, absl::Span<const int> heads,
                        void* tensor) {
-  absl::StatusOr<std::vector<ByteChunk>> chunks = ThdChunks(shape, ranges, heads);
-  if (!chunks.ok()) return chunks.status();
-  const size_t total = Total(*chunks);
+  HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> chunks, ThdChunks(shape, ranges, heads));
+  const size_t total = Total(chunks);
   if (staging_bytes != total) {
     return absl::InvalidArgumentError(
         absl::StrCat("staging has ", staging_bytes, " bytes but the selection holds ", total));
@@ -427,7 +422,7 @@ absl::Status UnpackThd(const void* staging, size_t staging_bytes, const ThdShape
         absl::StrCat(tensor == nullptr ? "tensor" : "staging", " is null"));
   }
   const ByteChunk whole{0, total};
-  return CopyChunks(staging, absl::MakeConstSpan(&whole, 1), tensor, *chunks);
+  return CopyChunks(staging, absl::MakeConstSpan(&whole, 1), tensor, chunks);
 }
 
 }  // namespace hsap

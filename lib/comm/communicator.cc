@@ -38,20 +38,18 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> Communicator::CreateH
     return absl::InvalidArgumentError(absl::StrCat("num_threads = ", options.num_threads,
                                                    " is negative; pass 0 for the default"));
   }
-  absl::StatusOr<absl::Duration> timeout = ResolveTimeout(options.timeout);
-  if (!timeout.ok()) return timeout.status();
+  HSAP_ASSIGN_OR_RETURN(absl::Duration timeout, ResolveTimeout(options.timeout));
   int num_threads = options.num_threads;
   if (num_threads == 0) {
     const int hardware = static_cast<int>(std::thread::hardware_concurrency());
     num_threads = std::max(1, hardware / nranks);
   }
-  absl::StatusOr<std::vector<std::unique_ptr<Transport>>> transports =
-      CreateHostTransports(nranks, *timeout);
-  if (!transports.ok()) return transports.status();
+  HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<Transport>> transports,
+                        CreateHostTransports(nranks, timeout));
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(nranks);
-  for (auto& transport : *transports) {
-    comms.push_back(std::make_unique<Communicator>(std::move(transport), *timeout, num_threads));
+  for (auto& transport : transports) {
+    comms.push_back(std::make_unique<Communicator>(std::move(transport), timeout, num_threads));
   }
   return comms;
 }

@@ -6,14 +6,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 
 absl::Status Transport::Exchange(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs,
                                  std::string stage) {
-  absl::StatusOr<std::unique_ptr<Pending>> pending = Start(sends, recvs, std::move(stage));
-  if (!pending.ok()) return pending.status();
-  return (*pending)->Wait();
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Pending> pending, Start(sends, recvs, std::move(stage)));
+  return pending->Wait();
 }
 
 absl::Status Transport::AllGather(const void* in, void* out, size_t bytes, std::string stage) {
@@ -53,12 +53,11 @@ absl::Status Transport::AllGather(const void* in, void* out, size_t bytes, std::
     recvs.push_back(
         RecvOp{peer, bytes > 0 ? out_bytes + static_cast<size_t>(peer) * bytes : out, bytes, tag});
   }
-  absl::StatusOr<std::unique_ptr<Pending>> pending = Start(sends, recvs, std::move(stage));
-  if (!pending.ok()) return pending.status();
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Pending> pending, Start(sends, recvs, std::move(stage)));
   // The own slot is copied while the peers' messages are in flight; the send reads `in`,
   // which the local copy only reads too.
   if (bytes > 0 && in_bytes != own_slot) std::memcpy(own_slot, in_bytes, bytes);
-  return (*pending)->Wait();
+  return pending->Wait();
 }
 
 }  // namespace hsap

@@ -43,10 +43,9 @@ class GroupExchange {
     AllToAllVPlan plan;
     for (const GroupMember& m : r.members) {
       plan.group.push_back(m.rank);
-      absl::StatusOr<std::vector<ByteChunk>> send =
-          ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
-      if (!send.ok()) return send.status();
-      plan.send_chunks.push_back(*std::move(send));
+      HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> send,
+                            ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like)));
+      plan.send_chunks.push_back(std::move(send));
       plan.recv_chunks.push_back(
           {ByteChunk{Bytes(m.row_begin, mine, width, es), Bytes(m.tokens, mine, width, es)}});
     }
@@ -77,10 +76,9 @@ class GroupExchange {
         staged_at.push_back(staged);
         staged += bytes;
       } else {
-        absl::StatusOr<std::vector<ByteChunk>> recv =
-            ThdChunks(shape, absl::MakeConstSpan(&all, 1), heads);
-        if (!recv.ok()) return recv.status();
-        plan.recv_chunks.push_back(*std::move(recv));
+        HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> recv,
+                              ThdChunks(shape, absl::MakeConstSpan(&all, 1), heads));
+        plan.recv_chunks.push_back(std::move(recv));
       }
     }
     const size_t src_bytes = Bytes(r.group_tokens, mine, width, es);
@@ -111,12 +109,12 @@ class GroupExchange {
  private:
   absl::Status Run(const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
                    const AllToAllVPlan& plan, PlanPayload kind, const char* what) {
-    absl::StatusOr<AllToAllVStats> stats = AllToAllV(
-        ctx_.comm->transport(), send, send_bytes, recv, recv_bytes, plan,
-        protocol::GroupExchangeTag(ctx_.call_id, kind), absl::StrCat(pass_, " all-to-all ", what));
-    if (!stats.ok()) return stats.status();
-    sent_ += stats->bytes_sent;
-    received_ += stats->bytes_received;
+    HSAP_ASSIGN_OR_RETURN(AllToAllVStats stats,
+                          AllToAllV(ctx_.comm->transport(), send, send_bytes, recv, recv_bytes,
+                                    plan, protocol::GroupExchangeTag(ctx_.call_id, kind),
+                                    absl::StrCat(pass_, " all-to-all ", what)));
+    sent_ += stats.bytes_sent;
+    received_ += stats.bytes_received;
     return absl::OkStatus();
   }
 

@@ -13,16 +13,14 @@ absl::Status RunStaged(size_t num_stages, const PostStage& post,
                        const std::function<absl::Status(size_t)>& on_stage) {
   std::unique_ptr<Transport::Pending> current, next;
   if (num_stages > 0) {
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> p = post(0);
-    if (!p.ok()) return p.status();
-    current = *std::move(p);
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> p, post(0));
+    current = std::move(p);
   }
   HSAP_RETURN_IF_ERROR(local());
   for (size_t i = 0; i < num_stages; ++i) {
     if (i + 1 < num_stages) {
-      absl::StatusOr<std::unique_ptr<Transport::Pending>> p = post(i + 1);
-      if (!p.ok()) return p.status();
-      next = *std::move(p);
+      HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> p, post(i + 1));
+      next = std::move(p);
     }
     HSAP_RETURN_IF_ERROR(current->Wait());
     HSAP_RETURN_IF_ERROR(on_stage(i));

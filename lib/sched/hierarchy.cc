@@ -72,9 +72,8 @@ absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& pl
 
   std::vector<double> weights(G);
   for (int p = 0; p < G; ++p) weights[p] = plan.groups[h.ring_[p]].sequence_weight;
-  absl::StatusOr<Partition> positions = Partition::Create(layout, G, weights);
-  if (!positions.ok()) return positions.status();
-  h.positions_ = *std::move(positions);
+  HSAP_ASSIGN_OR_RETURN(Partition positions, Partition::Create(layout, G, weights));
+  h.positions_ = std::move(positions);
 
   h.shards_.assign(plan.num_ranks, {});
   h.member_rows_.assign(G, {});
@@ -149,14 +148,14 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
   r.kv_heads = r.members[r.index].kv_heads;
   for (int qh : r.q_heads) r.kv_head_of_q.push_back(IndexOf(r.kv_heads, qh / ratio));
 
-  absl::StatusOr<Schedule> sched = BuildSchedule(layout, positions_, r.ring_position, block_q);
-  if (!sched.ok()) return sched.status();
-  r.group_runs = sched->local_runs;
-  r.group_tokens = sched->local_rows;
+  HSAP_ASSIGN_OR_RETURN(Schedule sched,
+                        BuildSchedule(layout, positions_, r.ring_position, block_q));
+  r.group_runs = sched.local_runs;
+  r.group_tokens = sched.local_rows;
   if (r.q_heads.empty()) return r;  // no heads: only the all-to-all moves this rank's shard
-  r.local_work = std::move(sched->local_work);
+  r.local_work = std::move(sched.local_work);
 
-  for (Stage& st : sched->stages) {
+  for (Stage& st : sched.stages) {
     SubRingStep step;
     step.step = st.step;
     if (st.recv_from >= 0) {

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap {
 namespace {
@@ -114,10 +115,10 @@ absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& pa
   const std::vector<MaskSlice>& slices = layout.slices();
   {
     SortUnique(recv_slices[rank]);
-    absl::StatusOr<WorkList> local =
-        BuildWorkList(Pick(slices, recv_slices[rank]), sched.local_runs, sched.local_runs, block_q);
-    if (!local.ok()) return local.status();
-    sched.local_work = *std::move(local);
+    HSAP_ASSIGN_OR_RETURN(WorkList local,
+                          BuildWorkList(Pick(slices, recv_slices[rank]), sched.local_runs,
+                                        sched.local_runs, block_q));
+    sched.local_work = std::move(local);
   }
   const std::vector<Placement>& pls = partition.placements();
   for (int t = 1; t < R; ++t) {
@@ -132,10 +133,10 @@ absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& pa
         stage.recv_rows += r.size();
       }
       SortUnique(recv_slices[src]);
-      absl::StatusOr<WorkList> work =
-          BuildWorkList(Pick(slices, recv_slices[src]), sched.local_runs, stage.recv_runs, block_q);
-      if (!work.ok()) return work.status();
-      stage.recv_work = *std::move(work);
+      HSAP_ASSIGN_OR_RETURN(WorkList work,
+                            BuildWorkList(Pick(slices, recv_slices[src]), sched.local_runs,
+                                          stage.recv_runs, block_q));
+      stage.recv_work = std::move(work);
     }
     SortAndMerge(send[dst]);
     if (!send[dst].empty()) {

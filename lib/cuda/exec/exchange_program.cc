@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "base/status_macros.h"
 #include "lib/cuda/runtime/buffer_pool.h"
 
 namespace hsap::cuda {
@@ -49,9 +50,8 @@ size_t Total(const std::vector<ByteChunk>& chunks) {
 // Appends the pieces of from -> to, shifting the staging side by `offset`.
 absl::Status Append(std::vector<hsap_dev::CopyChunk>& into, const std::vector<ByteChunk>& from,
                     const std::vector<ByteChunk>& to) {
-  absl::StatusOr<std::vector<hsap_dev::CopyChunk>> pieces = CopyPieces(from, to);
-  if (!pieces.ok()) return pieces.status();
-  into.insert(into.end(), pieces->begin(), pieces->end());
+  HSAP_ASSIGN_OR_RETURN(std::vector<hsap_dev::CopyChunk> pieces, CopyPieces(from, to));
+  into.insert(into.end(), pieces.begin(), pieces.end());
   return absl::OkStatus();
 }
 

@@ -16,10 +16,9 @@ DeviceWorkLists::List HostImage::At(const char* base, const WorkListAt& at) {
 
 absl::StatusOr<DeviceBuffer> HostImage::Upload(Device& device, cudaStream stream,
                                                absl::string_view what) const {
-  absl::StatusOr<void*> memory = device.Allocate(std::max<size_t>(bytes_.size(), 1));
-  if (!memory.ok()) return memory.status();
-  DeviceBuffer buffer(&device, *memory);
-  HSAP_RETURN_IF_ERROR(device.CopyAsync(*memory, bytes_.data(), bytes_.size(), stream));
+  HSAP_ASSIGN_OR_RETURN(void* memory, device.Allocate(std::max<size_t>(bytes_.size(), 1)));
+  DeviceBuffer buffer(&device, memory);
+  HSAP_RETURN_IF_ERROR(device.CopyAsync(memory, bytes_.data(), bytes_.size(), stream));
   HSAP_RETURN_IF_ERROR(device.Synchronize(stream, absl::InfiniteFuture(), what));
   return buffer;
 }
@@ -89,10 +88,9 @@ absl::StatusOr<std::unique_ptr<DeviceWorkLists>> DeviceWorkLists::Upload(Device&
   HostImage image;
   std::vector<HostImage::WorkListAt> at = {image.Add(schedule.local_work)};
   for (const Stage& st : schedule.stages) at.push_back(image.Add(st.recv_work));
-  absl::StatusOr<DeviceBuffer> memory = image.Upload(device, stream, "work-list upload");
-  if (!memory.ok()) return memory.status();
+  HSAP_ASSIGN_OR_RETURN(DeviceBuffer memory, image.Upload(device, stream, "work-list upload"));
   auto out = std::unique_ptr<DeviceWorkLists>(new DeviceWorkLists());
-  out->memory_ = *std::move(memory);
+  out->memory_ = std::move(memory);
   for (const HostImage::WorkListAt& w : at) {
     out->lists_.push_back(HostImage::At(static_cast<const char*>(out->memory_.get()), w));
   }

@@ -240,9 +240,8 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
   if (stream != nullptr) {
     comm->stream_ = stream;
   } else {
-    absl::StatusOr<cudaStream> s = comm->device_->CreateStream();
-    if (!s.ok()) return s.status();
-    comm->stream_ = *s;
+    HSAP_ASSIGN_OR_RETURN(cudaStream s, comm->device_->CreateStream());
+    comm->stream_ = s;
     comm->owns_stream_ = true;
   }
   return comm;
@@ -280,15 +279,13 @@ std::unique_ptr<RunnerFactory> NewGpuRunners(std::shared_ptr<GpuComm> comm,
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,
                                                                         const Layout& layout,
                                                                         bool fused) {
-  absl::StatusOr<AttentionDims> dims = DimsFromOptions(options);
-  if (!dims.ok()) return dims.status();
-  absl::StatusOr<std::string> arch = CurrentCudaArch();
-  if (!arch.ok()) return arch.status();
+  HSAP_ASSIGN_OR_RETURN(AttentionDims dims, DimsFromOptions(options));
+  HSAP_ASSIGN_OR_RETURN(std::string arch, CurrentCudaArch());
   jit::CudaKernelConfig config;
-  config.arch = *arch;
+  config.arch = arch;
   config.dtype = options.dtype;
-  config.head_dim = dims->head_dim;
-  config.gqa = dims->heads_q / dims->heads_kv;
+  config.head_dim = dims.head_dim;
+  config.gqa = dims.heads_q / dims.heads_kv;
   config.has_band = false;
   for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
   // The fused kernel takes up to 8 stages per launch (more run as further launches).
@@ -308,9 +305,8 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   const std::string key = absl::StrCat(device, "/", config.Name());
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = loaded->find(key); it != loaded->end()) return it->second;
-  absl::StatusOr<std::unique_ptr<DeviceKernels>> kernels = LoadJitDeviceKernels(config);
-  if (!kernels.ok()) return kernels.status();
-  std::shared_ptr<const DeviceKernels> shared = *std::move(kernels);
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<DeviceKernels> kernels, LoadJitDeviceKernels(config));
+  std::shared_ptr<const DeviceKernels> shared = std::move(kernels);
   loaded->emplace(key, shared);
   return shared;
 }

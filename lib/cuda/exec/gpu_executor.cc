@@ -45,9 +45,8 @@ class GpuCall {
                                               layout.DebugString(), ")"));
     }
     for (cudaEvent* e : {&posted_[0], &posted_[1]}) {
-      absl::StatusOr<cudaEvent> ev = events_.New();
-      if (!ev.ok()) return ev.status();
-      *e = *ev;
+      HSAP_ASSIGN_OR_RETURN(cudaEvent ev, events_.New());
+      *e = ev;
     }
     PoolCursor cursor(ctx_.pool);
     const size_t recv = layout.kv_recv / 4, send = layout.kv_send / 4;
@@ -80,13 +79,11 @@ class GpuCall {
     std::vector<RecvOp> recvs;
     if (st.send_to >= 0) {
       const size_t bytes = static_cast<size_t>(st.send_rows) * kv_row_bytes_;
-      absl::StatusOr<const void*> kp = Rows(k, st.send_runs, send_k_[slot]);
-      if (!kp.ok()) return kp.status();
-      absl::StatusOr<const void*> vp = Rows(v, st.send_runs, send_v_[slot]);
-      if (!vp.ok()) return vp.status();
+      HSAP_ASSIGN_OR_RETURN(const void* kp, Rows(k, st.send_runs, send_k_[slot]));
+      HSAP_ASSIGN_OR_RETURN(const void* vp, Rows(v, st.send_runs, send_v_[slot]));
       moved_.bytes_sent += 2 * bytes;
-      sends.push_back({st.send_to, *kp, bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
-      sends.push_back({st.send_to, *vp, bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
+      sends.push_back({st.send_to, kp, bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
+      sends.push_back({st.send_to, vp, bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
     if (st.recv_from >= 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * kv_row_bytes_;
@@ -335,9 +332,8 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   }
   cudaEvent grads_ready[2];
   for (cudaEvent& e : grads_ready) {
-    absl::StatusOr<cudaEvent> ev = call.events().New();
-    if (!ev.ok()) return ev.status();
-    e = *ev;
+    HSAP_ASSIGN_OR_RETURN(cudaEvent ev, call.events().New());
+    e = ev;
   }
 
   for (auto [ptr, count] : {std::pair{dq32, q_elems}, {dk32, kv_elems}, {dv32, kv_elems}}) {

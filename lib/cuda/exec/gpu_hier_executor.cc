@@ -43,13 +43,12 @@ absl::StatusOr<ExchangeProgram> GroupProgram(
     const std::function<absl::StatusOr<SrcDst>(const GroupMember&)>& chunks) {
   ExchangeBuilder b(add);
   for (const GroupMember& m : r.members) {
-    absl::StatusOr<SrcDst> c = chunks(m);
-    if (!c.ok()) return c.status();
+    HSAP_ASSIGN_OR_RETURN(SrcDst c, chunks(m));
     if (m.rank == r.rank) {
-      HSAP_RETURN_IF_ERROR(b.Self(c->first, c->second));
+      HSAP_RETURN_IF_ERROR(b.Self(c.first, c.second));
     } else {
-      b.Send(m.rank, Payload(kind), c->first);
-      b.Receive(m.rank, Payload(kind), c->second);
+      b.Send(m.rank, Payload(kind), c.first);
+      b.Receive(m.rank, Payload(kind), c.second);
     }
   }
   return std::move(b).Build();
@@ -64,12 +63,11 @@ absl::StatusOr<ExchangeProgram> AllToAllProgram(const RankHierarchy& r, int full
   const ThdShape shape{r.shard_tokens, full, width, es};
   const TokenRange all{0, r.shard_tokens};
   return GroupProgram(r, kind, add, [&](const GroupMember& m) -> absl::StatusOr<SrcDst> {
-    absl::StatusOr<std::vector<ByteChunk>> shard =
-        ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like));
-    if (!shard.ok()) return shard.status();
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> shard,
+                          ThdChunks(shape, absl::MakeConstSpan(&all, 1), HeadsOf(m, q_like)));
     std::vector<ByteChunk> rows = {RowsChunk(m, mine, width, es)};
-    return back ? SrcDst{std::move(rows), *std::move(shard)}
-                : SrcDst{*std::move(shard), std::move(rows)};
+    return back ? SrcDst{std::move(rows), std::move(shard)}
+                : SrcDst{std::move(shard), std::move(rows)};
   });
 }
 
@@ -128,17 +126,13 @@ absl::StatusOr<ExchangeProgram> RingKvProgram(const RankHierarchy& r, const SubR
   const TokenRange all{0, s.recv_rows};
   ExchangeBuilder b;
   for (const KvTransfer& t : s.send) {
-    absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
-    if (!k.ok()) return k.status();
-    b.Send(t.peer, Payload(PlanPayload::kKv, s.step),
-           KThenV(*k, Bytes(r.group_tokens, hkv, D, es)));
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, ThdChunks(group, rows, t.local_heads));
+    b.Send(t.peer, Payload(PlanPayload::kKv, s.step), KThenV(k, Bytes(r.group_tokens, hkv, D, es)));
   }
   for (const KvTransfer& t : s.recv) {
-    absl::StatusOr<std::vector<ByteChunk>> k =
-        ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
-    if (!k.ok()) return k.status();
-    b.Receive(t.peer, Payload(PlanPayload::kKv, s.step),
-              KThenV(*k, Bytes(s.recv_rows, hkv, D, es)));
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    b.Receive(t.peer, Payload(PlanPayload::kKv, s.step), KThenV(k, Bytes(s.recv_rows, hkv, D, es)));
   }
   return std::move(b).Build();
 }
@@ -154,17 +148,14 @@ absl::StatusOr<ExchangeProgram> RingGradProgram(const RankHierarchy& r, const Su
   const TokenRange all{0, s.recv_rows};
   ExchangeBuilder b(/*add=*/true);
   for (const KvTransfer& t : s.recv) {
-    absl::StatusOr<std::vector<ByteChunk>> k =
-        ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads);
-    if (!k.ok()) return k.status();
-    b.Send(t.peer, Payload(PlanPayload::kKvGrad, s.step),
-           KThenV(*k, Bytes(s.recv_rows, hkv, D, f)));
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    b.Send(t.peer, Payload(PlanPayload::kKvGrad, s.step), KThenV(k, Bytes(s.recv_rows, hkv, D, f)));
   }
   for (const KvTransfer& t : s.send) {
-    absl::StatusOr<std::vector<ByteChunk>> k = ThdChunks(group, rows, t.local_heads);
-    if (!k.ok()) return k.status();
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, ThdChunks(group, rows, t.local_heads));
     b.Receive(t.peer, Payload(PlanPayload::kKvGrad, s.step),
-              KThenV(*k, Bytes(r.group_tokens, hkv, D, f)));
+              KThenV(k, Bytes(r.group_tokens, hkv, D, f)));
   }
   return std::move(b).Build();
 }
@@ -277,9 +268,8 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
   const size_t kv_map_at = image.Add(r.kv_head_of_q);
   std::vector<HostImage::WorkListAt> work_at = {image.Add(r.local_work)};
   for (const SubRingStep& s : r.steps) work_at.push_back(image.Add(s.recv_work));
-  absl::StatusOr<DeviceBuffer> memory = image.Upload(device, stream, "hierarchy upload");
-  if (!memory.ok()) return memory.status();
-  p->memory_ = *std::move(memory);
+  HSAP_ASSIGN_OR_RETURN(DeviceBuffer memory, image.Upload(device, stream, "hierarchy upload"));
+  p->memory_ = std::move(memory);
   const char* base = static_cast<const char*>(p->memory_.get());
   for (size_t i = 0; i < programs.size(); ++i) {
     Exchange& e = *programs[i].ex;
@@ -382,10 +372,9 @@ class HierCall {
       recv_at += e.recv_staging;
     }
     if (transfer_ != nullptr && transfer_ != ctx_.stream) {
-      absl::StatusOr<cudaEvent> ev = events_.New();
-      if (!ev.ok()) return ev.status();
-      HSAP_RETURN_IF_ERROR(ctx_.device->RecordEvent(*ev, ctx_.stream));
-      HSAP_RETURN_IF_ERROR(ctx_.device->StreamWaitEvent(transfer_, *ev));
+      HSAP_ASSIGN_OR_RETURN(cudaEvent ev, events_.New());
+      HSAP_RETURN_IF_ERROR(ctx_.device->RecordEvent(ev, ctx_.stream));
+      HSAP_RETURN_IF_ERROR(ctx_.device->StreamWaitEvent(transfer_, ev));
     }
     return ctx_.transport->Start(sends, recvs, absl::StrCat(pass_, " ", name));
   }
@@ -402,9 +391,9 @@ class HierCall {
 
   // Post + Wait + Unpack.
   absl::Status Run(const std::vector<Leg>& legs, char* send, char* recv, const std::string& name) {
-    absl::StatusOr<std::unique_ptr<Transport::Pending>> p = Post(legs, send, recv, name, false);
-    if (!p.ok()) return p.status();
-    HSAP_RETURN_IF_ERROR((*p)->Wait());
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> p,
+                          Post(legs, send, recv, name, false));
+    HSAP_RETURN_IF_ERROR(p->Wait());
     return Unpack(legs, recv);
   }
 

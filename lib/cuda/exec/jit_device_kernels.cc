@@ -30,12 +30,11 @@ class JitDeviceKernels : public DeviceKernels {
 
   static absl::StatusOr<std::unique_ptr<DeviceKernels>> Load(const jit::CompiledCudaKernels& c,
                                                              int sm_count) {
-    absl::StatusOr<const CudaDriverApi*> driver = LoadCudaDriver();
-    if (!driver.ok()) return driver.status();
+    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* driver, LoadCudaDriver());
     auto k = std::unique_ptr<JitDeviceKernels>(new JitDeviceKernels());
-    k->driver_ = *driver;
+    k->driver_ = driver;
     k->helper_ctas_ = std::max(1, 8 * sm_count);
-    const CudaDriverApi& d = **driver;
+    const CudaDriverApi& d = *driver;
     // The module belongs to the context current now (the primary context of the current
     // device, made current by LoadJitDeviceKernels); launches bind it again, since a caller
     // may launch from a thread that never made a CUDA runtime call.
@@ -63,19 +62,17 @@ class JitDeviceKernels : public DeviceKernels {
         c.source.config.role.num_peers > 0 ? c.source.config.role.num_peers + 1 : 0;
     if (max_steps > 0) slots.push_back(Slot{"fused_fwd", &k->fused_});
     for (Slot slot : slots) {
-      absl::StatusOr<jit::CudaKernelEntry> entry = c.Entry(slot.role);
-      if (!entry.ok()) return entry.status();
-      absl::StatusOr<std::string> name = c.LoweredName(slot.role);
-      if (!name.ok()) return name.status();
+      HSAP_ASSIGN_OR_RETURN(jit::CudaKernelEntry entry, c.Entry(slot.role));
+      HSAP_ASSIGN_OR_RETURN(std::string name, c.LoweredName(slot.role));
       Kernel& kernel = *slot.kernel;
-      kernel.threads = entry->threads;
-      kernel.smem = entry->dynamic_smem_bytes;
-      HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name->c_str()),
-                                   absl::StrCat("cuModuleGetFunction(", *name, ")")));
+      kernel.threads = entry.threads;
+      kernel.smem = entry.dynamic_smem_bytes;
+      HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name.c_str()),
+                                   absl::StrCat("cuModuleGetFunction(", name, ")")));
       if (kernel.smem > 48 * 1024) {
         HSAP_RETURN_IF_ERROR(d.Check(
             d.FuncSetAttribute(kernel.function, kCuFuncAttributeMaxDynamicSharedSize, kernel.smem),
-            absl::StrCat("cuFuncSetAttribute(", entry->role, " kernel, ", kernel.smem,
+            absl::StrCat("cuFuncSetAttribute(", entry.role, " kernel, ", kernel.smem,
                          " B shared memory)")));
       }
     }
@@ -180,23 +177,20 @@ class JitDeviceKernels : public DeviceKernels {
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config) {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   if (config.arch.empty()) {
-    absl::StatusOr<std::string> arch = CurrentCudaArch();
-    if (!arch.ok()) return arch.status();
-    config.arch = *arch;
+    HSAP_ASSIGN_OR_RETURN(std::string arch, CurrentCudaArch());
+    config.arch = arch;
   }
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (!rt.ok()) return rt.status();
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
   int device = 0, sms = 1;
-  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->GetDevice(&device), "cudaGetDevice"));
+  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&device), "cudaGetDevice"));
   HSAP_RETURN_IF_ERROR(
-      (*rt)->Check((*rt)->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
-                   "cudaDeviceGetAttribute(multiprocessor count)"));
+      rt->Check(rt->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
+                  "cudaDeviceGetAttribute(multiprocessor count)"));
   // cudaFree(nullptr) initialises the device's primary context and makes it current.
-  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->Free(nullptr), "cudaFree(nullptr) (context set-up)"));
-  absl::StatusOr<jit::CompiledCudaKernels> compiled =
-      jit::CompileCudaKernels(config, &jit::CompileCache::Global());
-  if (!compiled.ok()) return compiled.status();
-  return JitDeviceKernels::Load(*compiled, sms);
+  HSAP_RETURN_IF_ERROR(rt->Check(rt->Free(nullptr), "cudaFree(nullptr) (context set-up)"));
+  HSAP_ASSIGN_OR_RETURN(jit::CompiledCudaKernels compiled,
+                        jit::CompileCudaKernels(config, &jit::CompileCache::Global()));
+  return JitDeviceKernels::Load(compiled, sms);
 }
 
 }  // namespace hsap::cuda

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 
@@ -49,9 +50,8 @@ absl::Status DeviceBufferPool::Reserve(size_t bytes) {
   device_.Free(base_);
   base_ = nullptr;
   size_ = 0;
-  absl::StatusOr<void*> p = device_.Allocate(bytes);
-  if (!p.ok()) return p.status();
-  base_ = *p;
+  HSAP_ASSIGN_OR_RETURN(void* p, device_.Allocate(bytes));
+  base_ = p;
   size_ = bytes;
   return absl::OkStatus();
 }

@@ -73,10 +73,9 @@ absl::StatusOr<const Api*> LoadOnce(absl::StatusOr<std::unique_ptr<Api>> (*load)
 
 absl::StatusOr<std::unique_ptr<CudaRuntimeApi>> LoadRuntimeImpl() {
   auto api = std::make_unique<CudaRuntimeApi>();
-  absl::StatusOr<void*> h = OpenFirst({"libcudart.so.13", "libcudart.so.12", "libcudart.so"},
-                                      "libcudart not found: no CUDA runtime", &api->path);
-  if (!h.ok()) return h.status();
-  void* handle = *h;
+  HSAP_ASSIGN_OR_RETURN(void* h, OpenFirst({"libcudart.so.13", "libcudart.so.12", "libcudart.so"},
+                                           "libcudart not found: no CUDA runtime", &api->path));
+  void* handle = h;
   HSAP_BIND(handle, api, GetDeviceCount, "cudaGetDeviceCount");
   HSAP_BIND(handle, api, SetDevice, "cudaSetDevice");
   HSAP_BIND(handle, api, GetDevice, "cudaGetDevice");
@@ -110,9 +109,8 @@ absl::StatusOr<std::unique_ptr<CudaRuntimeApi>> LoadRuntimeImpl() {
 
 absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
   auto api = std::make_unique<CudaDriverApi>();
-  absl::StatusOr<void*> h = OpenFirst({"libcuda.so.1"}, "no NVIDIA driver", &api->path);
-  if (!h.ok()) return h.status();
-  void* handle = *h;
+  HSAP_ASSIGN_OR_RETURN(void* h, OpenFirst({"libcuda.so.1"}, "no NVIDIA driver", &api->path));
+  void* handle = h;
   HSAP_BIND(handle, api, Init, "cuInit");
   HSAP_BIND(handle, api, GetErrorString, "cuGetErrorString");
   HSAP_BIND(handle, api, CtxGetCurrent, "cuCtxGetCurrent");
@@ -135,9 +133,8 @@ absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
 
 absl::StatusOr<std::unique_ptr<NcclApi>> LoadNcclImpl() {
   auto api = std::make_unique<NcclApi>();
-  absl::StatusOr<void*> h = OpenFirst({"libnccl.so.2"}, "no NCCL", &api->path);
-  if (!h.ok()) return h.status();
-  void* handle = *h;
+  HSAP_ASSIGN_OR_RETURN(void* h, OpenFirst({"libnccl.so.2"}, "no NCCL", &api->path));
+  void* handle = h;
   HSAP_BIND(handle, api, GetVersion, "ncclGetVersion");
   HSAP_BIND(handle, api, GetErrorString, "ncclGetErrorString");
   HSAP_RETURN_IF_ERROR(Bind(handle, "ncclGetLastError", api->path, &api->GetLastError, true));
@@ -223,21 +220,19 @@ absl::StatusOr<const NcclApi*> LoadNccl() { return LoadOnce<NcclApi>(&LoadNcclIm
 absl::StatusOr<int> CudaDeviceCount() {
   // The driver first: without it cudart only says "insufficient driver".
   if (absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver(); !d.ok()) return d.status();
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (!rt.ok()) return rt.status();
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
   int count = 0;
-  const cudaError e = (*rt)->GetDeviceCount(&count);
+  const cudaError e = rt->GetDeviceCount(&count);
   if (e != kCudaSuccess) {
     return absl::UnimplementedError(absl::StrCat(
-        "no CUDA device: cudaGetDeviceCount failed: ", (*rt)->GetErrorString(e), " (", e, ")"));
+        "no CUDA device: cudaGetDeviceCount failed: ", rt->GetErrorString(e), " (", e, ")"));
   }
   return count;
 }
 
 absl::Status CheckCudaDevice() {
-  absl::StatusOr<int> count = CudaDeviceCount();
-  if (!count.ok()) return count.status();
-  if (*count < 1) return absl::UnimplementedError("no CUDA device: cudaGetDeviceCount is 0");
+  HSAP_ASSIGN_OR_RETURN(int count, CudaDeviceCount());
+  if (count < 1) return absl::UnimplementedError("no CUDA device: cudaGetDeviceCount is 0");
   return absl::OkStatus();
 }
 

@@ -50,17 +50,15 @@ class CudaDevice : public Device {
                       absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
   }
   absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
-    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
-    if (!d.ok()) return d.status();
-    return (*d)->Check((*d)->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
-                                                kCuStreamWriteValueDefault),
-                       "cuStreamWriteValue32");
+    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    return d->Check(d->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
+                                              kCuStreamWriteValueDefault),
+                      "cuStreamWriteValue32");
   }
   absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
-    absl::StatusOr<const CudaDriverApi*> d = LoadCudaDriver();
-    if (!d.ok()) return d.status();
-    return (*d)->Check(
-        (*d)->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
+    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    return d->Check(
+        d->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
         "cuStreamWaitValue32 (GEQ)");
   }
   absl::StatusOr<DeviceLocation> Location() override {
@@ -146,11 +144,10 @@ class CudaDevice : public Device {
   }
   absl::Status Synchronize(cudaStream s, absl::Time deadline, absl::string_view what) override {
     // Poll an event rather than cudaStreamSynchronize, which has no timeout.
-    absl::StatusOr<cudaEvent> e = CreateEvent();
-    if (!e.ok()) return e.status();
-    absl::Status result = RecordEvent(*e, s);
+    HSAP_ASSIGN_OR_RETURN(cudaEvent e, CreateEvent());
+    absl::Status result = RecordEvent(e, s);
     while (result.ok()) {
-      const cudaError q = rt_->EventQuery(*e);
+      const cudaError q = rt_->EventQuery(e);
       if (q == kCudaSuccess) break;
       if (q != kCudaErrorNotReady) {
         result = rt_->Check(q, absl::StrCat("cudaEventQuery (", what, ")"));
@@ -163,7 +160,7 @@ class CudaDevice : public Device {
       }
       std::this_thread::yield();
     }
-    DestroyEvent(*e);
+    DestroyEvent(e);
     return result;
   }
 
@@ -176,18 +173,16 @@ class CudaDevice : public Device {
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (!rt.ok()) return rt.status();
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
   int ordinal = 0;
-  HSAP_RETURN_IF_ERROR((*rt)->Check((*rt)->GetDevice(&ordinal), "cudaGetDevice"));
-  return std::unique_ptr<Device>(new CudaDevice(*rt, ordinal));
+  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&ordinal), "cudaGetDevice"));
+  return std::unique_ptr<Device>(new CudaDevice(rt, ordinal));
 }
 
 absl::StatusOr<std::string> CurrentCudaArch() {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
-  absl::StatusOr<const CudaRuntimeApi*> rt = LoadCudaRuntime();
-  if (!rt.ok()) return rt.status();
-  const CudaRuntimeApi& api = **rt;
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
+  const CudaRuntimeApi& api = *rt;
   int device = 0, major = 0, minor = 0;
   HSAP_RETURN_IF_ERROR(api.Check(api.GetDevice(&device), "cudaGetDevice"));
   HSAP_RETURN_IF_ERROR(

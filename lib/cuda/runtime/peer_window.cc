@@ -79,9 +79,8 @@ absl::StatusOr<char*> PeerWindow::Open(int q, const IpcHandle& handle,
     device_.ClosePeerMemory(m.base);
     m = Mapping{};
   }
-  absl::StatusOr<void*> p = device_.OpenPeerMemory(handle, owner);
-  if (!p.ok()) return p.status();
-  m.base = static_cast<char*>(*p);
+  HSAP_ASSIGN_OR_RETURN(void* p, device_.OpenPeerMemory(handle, owner));
+  m.base = static_cast<char*>(p);
   m.handle = handle;
   return m.base;
 }

@@ -125,9 +125,8 @@ class LoopbackTransport : public DeviceTransport {
     World& w = *w_;
     std::shared_ptr<CUevent_st> ready;
     if (!sends.empty()) {
-      absl::StatusOr<std::shared_ptr<CUevent_st>> e = w.NewEvent();
-      if (!e.ok()) return e.status();
-      ready = *std::move(e);
+      HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> e, w.NewEvent());
+      ready = std::move(e);
       HSAP_RETURN_IF_ERROR(
           w.rt->Check(w.rt->EventRecord(ready.get(), stream()), "cudaEventRecord"));
     }
