@@ -281,6 +281,131 @@ absl::Status CheckContext(const HierExecContext& ctx) {
   return absl::OkStatus();
 }
 
+// The group buffers of one backward on this rank: its query heads over the group's rows
+// (q, dout, head-major lse and delta) and its K/V heads; the fp32 gradients accumulate in
+// dq32, dk32 and dv32.
+struct GroupBackward {
+  const char* gq;
+  const char* gdout;
+  const float* glse;
+  const float* gdelta;
+  const char* gk;
+  const char* gv;
+  float* dq32;
+  float* dk32;
+  float* dv32;
+};
+
+// The sub-rings of a backward: this rank's query heads against the local keys and every
+// step's received rows; the fp32 dK/dV partials of received rows go back to their senders
+// one step later (RunBackwardStages), and those of this rank's rows are added into
+// dk32/dv32 in step order. Adds the gradient bytes to `grad_sent` / `grad_received`.
+absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g, SubRingKv& ring,
+                             uint64_t& grad_sent, uint64_t& grad_received) {
+  const RankHierarchy& r = *ctx.rank;
+  const int D = ctx.dims.head_dim;
+  const int64_t N = r.group_tokens;
+  const size_t hkv = r.kv_heads.size();
+  const size_t kv_row = hkv * D;
+  const int threads = ctx.comm->num_threads();
+  BackwardArgs args;
+  args.dims = LocalDims(ctx);
+  args.dtype = ctx.dtype;
+  args.q = g.gq;
+  args.dout = g.gdout;
+  args.lse = g.glse;
+  args.delta = g.gdelta;
+  args.q_rows = N;
+  args.dq = g.dq32;
+  auto local = [&]() -> absl::Status {
+    if (r.local_work.empty()) return absl::OkStatus();
+    args.k = g.gk;
+    args.v = g.gv;
+    args.k_rows = N;
+    args.dk = g.dk32;
+    args.dv = g.dv32;
+    return ctx.kernels->Backward(args, r.local_work, threads);
+  };
+  // Partials of the rows received at step i go back to their senders (dK then dV of the
+  // sender's heads, fp32); those of our rows come back from the receivers of step i.
+  std::vector<float> part_k[2], part_v[2];
+  std::vector<std::vector<char>> out_msg[2], in_msg[2];
+  auto add_returned = [&](size_t i) -> absl::Status {
+    const SubRingStep& st = r.steps[i];
+    const std::vector<TokenRange> rows = SendRows(st);
+    for (size_t x = 0; x < st.send.size(); ++x) {
+      const KvTransfer& t = st.send[x];
+      const float* part = reinterpret_cast<const float*>(in_msg[i % 2][x].data());
+      for (int which = 0; which < 2; ++which) {
+        float* acc = which == 0 ? g.dk32 : g.dv32;
+        for (const TokenRange& range : rows) {
+          for (int64_t row = range.begin; row < range.end; ++row) {
+            for (int l : t.local_heads) {
+              float* to = acc + (row * hkv + l) * D;
+              for (int d = 0; d < D; ++d) to[d] += part[d];
+              part += D;
+            }
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+  BackwardStages hooks;
+  hooks.post_kv = [&](size_t i) { return ring.Post(i); };
+  hooks.local = local;
+  hooks.compute = [&](size_t i) -> absl::Status {
+    const SubRingStep& st = r.steps[i];
+    const size_t slot = i % 2;
+    if (st.recv_group < 0) return absl::OkStatus();
+    part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
+    part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+    if (st.recv_work.empty()) return absl::OkStatus();
+    HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
+    args.k_rows = st.recv_rows;
+    args.dk = part_k[slot].data();
+    args.dv = part_v[slot].data();
+    return ctx.kernels->Backward(args, st.recv_work, threads);
+  };
+  hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
+    const SubRingStep& st = r.steps[i];
+    const size_t slot = i % 2;
+    const uint64_t tag =
+        protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvGrad, st.step));
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_group >= 0) {
+      const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
+      const TokenRange all{0, st.recv_rows};
+      out_msg[slot].assign(st.recv.size(), {});
+      for (size_t x = 0; x < st.recv.size(); ++x) {
+        const KvTransfer& t = st.recv[x];
+        const size_t half = Bytes(st.recv_rows, t.heads.size(), D, sizeof(float));
+        out_msg[slot][x].resize(2 * half);
+        HSAP_RETURN_IF_ERROR(PackThd(part_k[slot].data(), shape, absl::MakeConstSpan(&all, 1),
+                                     t.local_heads, out_msg[slot][x].data(), half));
+        HSAP_RETURN_IF_ERROR(PackThd(part_v[slot].data(), shape, absl::MakeConstSpan(&all, 1),
+                                     t.local_heads, out_msg[slot][x].data() + half, half));
+        sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half, tag});
+        grad_sent += 2 * half;
+      }
+    }
+    in_msg[slot].assign(st.send.size(), {});
+    for (size_t x = 0; x < st.send.size(); ++x) {
+      const size_t bytes = 2 * Bytes(st.send_rows, st.send[x].heads.size(), D, sizeof(float));
+      in_msg[slot][x].resize(bytes);
+      recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes, tag});
+      grad_received += bytes;
+    }
+    return ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
+  };
+  hooks.add_returned = add_returned;
+  std::vector<int> steps;
+  for (const SubRingStep& st : r.steps) steps.push_back(st.step);
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, const void* k,
@@ -354,7 +479,6 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
   const size_t es = DTypeSize(ctx.dtype);
   const int64_t N = r.group_tokens, n_me = r.shard_tokens;
   const size_t hq = r.q_heads.size(), hkv = r.kv_heads.size();
-  const int threads = ctx.comm->num_threads();
 
   // lse and delta of the shard, as [rows, heads, 2] fp32, travel to the heads' holders.
   std::vector<float> delta(static_cast<size_t>(n_me) * HQ);
@@ -386,101 +510,9 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
   SubRingKv ring(ctx, gk.data(), gv.data(), "hier backward", PlanPayload::kKv);
   uint64_t grad_sent = 0, grad_received = 0;
   if (hq > 0) {
-    BackwardArgs args;
-    args.dims = LocalDims(ctx);
-    args.dtype = ctx.dtype;
-    args.q = gq.data();
-    args.dout = gdout.data();
-    args.lse = glse.data();
-    args.delta = gdelta.data();
-    args.q_rows = N;
-    args.dq = dq32.data();
-    auto local = [&]() -> absl::Status {
-      if (r.local_work.empty()) return absl::OkStatus();
-      args.k = gk.data();
-      args.v = gv.data();
-      args.k_rows = N;
-      args.dk = dk32.data();
-      args.dv = dv32.data();
-      return ctx.kernels->Backward(args, r.local_work, threads);
-    };
-    // Partials of the rows received at step i go back to their senders (dK then dV of the
-    // sender's heads, fp32); those of our rows come back from the receivers of step i.
-    std::vector<float> part_k[2], part_v[2];
-    std::vector<std::vector<char>> out_msg[2], in_msg[2];
-    auto add_returned = [&](size_t i) -> absl::Status {
-      const SubRingStep& st = r.steps[i];
-      const std::vector<TokenRange> rows = SendRows(st);
-      for (size_t x = 0; x < st.send.size(); ++x) {
-        const KvTransfer& t = st.send[x];
-        const float* g = reinterpret_cast<const float*>(in_msg[i % 2][x].data());
-        for (int which = 0; which < 2; ++which) {
-          float* acc = which == 0 ? dk32.data() : dv32.data();
-          for (const TokenRange& range : rows) {
-            for (int64_t row = range.begin; row < range.end; ++row) {
-              for (int l : t.local_heads) {
-                float* to = acc + (row * hkv + l) * D;
-                for (int d = 0; d < D; ++d) to[d] += g[d];
-                g += D;
-              }
-            }
-          }
-        }
-      }
-      return absl::OkStatus();
-    };
-    BackwardStages hooks;
-    hooks.post_kv = [&](size_t i) { return ring.Post(i); };
-    hooks.local = local;
-    hooks.compute = [&](size_t i) -> absl::Status {
-      const SubRingStep& st = r.steps[i];
-      const size_t slot = i % 2;
-      if (st.recv_group < 0) return absl::OkStatus();
-      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
-      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
-      if (st.recv_work.empty()) return absl::OkStatus();
-      HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
-      args.k_rows = st.recv_rows;
-      args.dk = part_k[slot].data();
-      args.dv = part_v[slot].data();
-      return ctx.kernels->Backward(args, st.recv_work, threads);
-    };
-    hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
-      const SubRingStep& st = r.steps[i];
-      const size_t slot = i % 2;
-      const uint64_t tag =
-          protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvGrad, st.step));
-      std::vector<SendOp> sends;
-      std::vector<RecvOp> recvs;
-      if (st.recv_group >= 0) {
-        const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
-        const TokenRange all{0, st.recv_rows};
-        out_msg[slot].assign(st.recv.size(), {});
-        for (size_t x = 0; x < st.recv.size(); ++x) {
-          const KvTransfer& t = st.recv[x];
-          const size_t half = Bytes(st.recv_rows, t.heads.size(), D, sizeof(float));
-          out_msg[slot][x].resize(2 * half);
-          HSAP_RETURN_IF_ERROR(PackThd(part_k[slot].data(), shape, absl::MakeConstSpan(&all, 1),
-                                       t.local_heads, out_msg[slot][x].data(), half));
-          HSAP_RETURN_IF_ERROR(PackThd(part_v[slot].data(), shape, absl::MakeConstSpan(&all, 1),
-                                       t.local_heads, out_msg[slot][x].data() + half, half));
-          sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half, tag});
-          grad_sent += 2 * half;
-        }
-      }
-      in_msg[slot].assign(st.send.size(), {});
-      for (size_t x = 0; x < st.send.size(); ++x) {
-        const size_t bytes = 2 * Bytes(st.send_rows, st.send[x].heads.size(), D, sizeof(float));
-        in_msg[slot][x].resize(bytes);
-        recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes, tag});
-        grad_received += bytes;
-      }
-      return ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
-    };
-    hooks.add_returned = add_returned;
-    std::vector<int> steps;
-    for (const SubRingStep& st : r.steps) steps.push_back(st.step);
-    HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
+    const GroupBackward g{gq.data(), gdout.data(), glse.data(), gdelta.data(), gk.data(),
+                          gv.data(), dq32.data(),  dk32.data(), dv32.data()};
+    HSAP_RETURN_IF_ERROR(SubRingBackward(ctx, g, ring, grad_sent, grad_received));
   }
 
   // Back to the owners: dQ rounded here; dK/dV rounded here when this rank holds the only

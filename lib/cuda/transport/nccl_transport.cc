@@ -22,6 +22,55 @@ bool IsHostCollective(uint64_t tag) {
 // Staging offsets keep 256-byte alignment.
 size_t AlignUp(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// The buffer of each operation of `group` (GroupOfStage of sends and recvs): equal (peer,
+// tag, bytes) operations are interchangeable, so each takes the first unused match.
+std::vector<void*> BuffersInGroupOrder(const P2pGroup& group, absl::Span<const SendOp> sends,
+                                       absl::Span<const RecvOp> recvs) {
+  std::vector<void*> buffers;
+  std::vector<bool> send_used(sends.size()), recv_used(recvs.size());
+  auto matches = [](const auto& io, const P2pOp& op) {
+    return io.peer == op.peer && io.tag == op.tag && io.bytes == op.bytes;
+  };
+  for (const P2pOp& op : group.ops) {
+    void* buffer = nullptr;
+    if (op.send) {
+      for (size_t i = 0; i < sends.size() && buffer == nullptr; ++i) {
+        if (!send_used[i] && matches(sends[i], op)) {
+          send_used[i] = true;
+          buffer = const_cast<void*>(sends[i].data);  // NCCL's send takes a const buffer
+        }
+      }
+    } else {
+      for (size_t i = 0; i < recvs.size() && buffer == nullptr; ++i) {
+        if (!recv_used[i] && matches(recvs[i], op)) {
+          recv_used[i] = true;
+          buffer = recvs[i].data;
+        }
+      }
+    }
+    buffers.push_back(buffer);
+  }
+  return buffers;
+}
+
+// A peer outside [0, size) in a stage's operations.
+absl::Status CheckPeers(absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs, int size,
+                        const std::string& stage) {
+  for (const SendOp& s : sends) {
+    if (s.peer < 0 || s.peer >= size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stage '", stage, "': send to peer ", s.peer, " outside [0, ", size, ")"));
+    }
+  }
+  for (const RecvOp& r : recvs) {
+    if (r.peer < 0 || r.peer >= size) {
+      return absl::InvalidArgumentError(absl::StrCat("stage '", stage, "': receive from peer ",
+                                                     r.peer, " outside [0, ", size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 // One posted group: its completion event and, for staged host receives, where to copy.
@@ -107,18 +156,7 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
     std::lock_guard<std::mutex> lock(mu_);
     return absl::AbortedError(absl::StrCat("stage '", stage, "': ", abort_reason_));
   }
-  for (const SendOp& s : sends) {
-    if (s.peer < 0 || s.peer >= size_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("stage '", stage, "': send to peer ", s.peer, " outside [0, ", size_, ")"));
-    }
-  }
-  for (const RecvOp& r : recvs) {
-    if (r.peer < 0 || r.peer >= size_) {
-      return absl::InvalidArgumentError(absl::StrCat("stage '", stage, "': receive from peer ",
-                                                     r.peer, " outside [0, ", size_, ")"));
-    }
-  }
+  HSAP_RETURN_IF_ERROR(CheckPeers(sends, recvs, size_, stage));
   // Host buffers of the AllGather go through device staging: sends first, then receives.
   size_t staged = 0;
   for (const SendOp& s : sends) staged += IsHostCollective(s.tag) ? AlignUp(s.bytes) : 0;
@@ -159,35 +197,7 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
 
   // The NCCL order of the operations: the same permutation GroupOfStage documents.
   P2pGroup group = GroupOfStage(dev_sends, dev_recvs, stage);
-  std::vector<const SendOp*> send_of;
-  std::vector<const RecvOp*> recv_of;
-  {
-    // Re-find the pointer of each lowered op: equal (peer, tag, bytes) ops are interchangeable.
-    std::vector<bool> send_used(dev_sends.size()), recv_used(dev_recvs.size());
-    for (const P2pOp& op : group.ops) {
-      if (op.send) {
-        for (size_t i = 0; i < dev_sends.size(); ++i) {
-          if (!send_used[i] && dev_sends[i].peer == op.peer && dev_sends[i].tag == op.tag &&
-              dev_sends[i].bytes == op.bytes) {
-            send_used[i] = true;
-            send_of.push_back(&dev_sends[i]);
-            recv_of.push_back(nullptr);
-            break;
-          }
-        }
-      } else {
-        for (size_t i = 0; i < dev_recvs.size(); ++i) {
-          if (!recv_used[i] && dev_recvs[i].peer == op.peer && dev_recvs[i].tag == op.tag &&
-              dev_recvs[i].bytes == op.bytes) {
-            recv_used[i] = true;
-            recv_of.push_back(&dev_recvs[i]);
-            send_of.push_back(nullptr);
-            break;
-          }
-        }
-      }
-    }
-  }
+  const std::vector<void*> buffers = BuffersInGroupOrder(group, dev_sends, dev_recvs);
   TrafficCounters delta;
   HSAP_RETURN_IF_ERROR(nccl_->Check(nccl_->GroupStart(), "ncclGroupStart"));
   absl::Status issue;
@@ -196,15 +206,14 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
     if (op.bytes == 0) continue;
     if (op.send) {
       issue = nccl_->Check(
-          nccl_->Send(send_of[i]->data, op.bytes, kNcclUint8, op.peer, comm_, stream_),
+          nccl_->Send(buffers[i], op.bytes, kNcclUint8, op.peer, comm_, stream_),
           absl::StrCat("ncclSend(", op.bytes, " B to rank ", op.peer, ") in stage '", stage, "'"));
       delta.bytes_sent += op.bytes;
       ++delta.messages_sent;
     } else {
-      issue =
-          nccl_->Check(nccl_->Recv(recv_of[i]->data, op.bytes, kNcclUint8, op.peer, comm_, stream_),
-                       absl::StrCat("ncclRecv(", op.bytes, " B from rank ", op.peer, ") in stage '",
-                                    stage, "'"));
+      issue = nccl_->Check(nccl_->Recv(buffers[i], op.bytes, kNcclUint8, op.peer, comm_, stream_),
+                           absl::StrCat("ncclRecv(", op.bytes, " B from rank ", op.peer,
+                                        ") in stage '", stage, "'"));
       delta.bytes_received += op.bytes;
       ++delta.messages_received;
     }
