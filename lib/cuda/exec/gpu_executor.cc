@@ -258,7 +258,6 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "forward");
-  const PoolLayout& layout = ctx.program->pool_layout();
   HSAP_RETURN_IF_ERROR(call.Init());
   const Schedule& sched = ctx.program->schedule();
   const int64_t rows = sched.local_rows;
