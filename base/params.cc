@@ -21,6 +21,9 @@ constexpr ParamInfo kParams[] = {
     {Param::kJitDisableCache, "HSAP_JIT_DISABLE_CACHE", "0",
      "a boolean: 1 compiles every JIT kernel, bypassing the cache"},
     {Param::kJitDump, "HSAP_JIT_DUMP", "", "directory that keeps every generated kernel source"},
+    {Param::kJitCompileTimeoutMs, "HSAP_JIT_COMPILE_TIMEOUT_MS", "60000",
+     "time limit of one JIT host kernel compile, in milliseconds (a positive integer); past it "
+     "the hand-written kernels run"},
     {Param::kHostKernels, "HSAP_HOST_KERNELS", "jit",
      "host kernels of a batch: jit (default) or handwritten"},
     {Param::kHostCxx, "HSAP_HOST_CXX", "",

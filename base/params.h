@@ -23,16 +23,17 @@ namespace hsap {
 
 enum class Param {
   // hsap's own variables.
-  kTimeoutMs,        // HSAP_TIMEOUT_MS
-  kCacheDir,         // HSAP_CACHE_DIR
-  kJitDisableCache,  // HSAP_JIT_DISABLE_CACHE
-  kJitDump,          // HSAP_JIT_DUMP
-  kHostKernels,      // HSAP_HOST_KERNELS
-  kHostCxx,          // HSAP_HOST_CXX
-  kNvrtcPath,        // HSAP_NVRTC_PATH
-  kCudaLibPath,      // HSAP_CUDA_LIB_PATH
-  kFusedForward,     // HSAP_FUSED_FORWARD
-  kPlanDebug,        // HSAP_PLAN_DEBUG
+  kTimeoutMs,            // HSAP_TIMEOUT_MS
+  kCacheDir,             // HSAP_CACHE_DIR
+  kJitDisableCache,      // HSAP_JIT_DISABLE_CACHE
+  kJitDump,              // HSAP_JIT_DUMP
+  kJitCompileTimeoutMs,  // HSAP_JIT_COMPILE_TIMEOUT_MS
+  kHostKernels,          // HSAP_HOST_KERNELS
+  kHostCxx,              // HSAP_HOST_CXX
+  kNvrtcPath,            // HSAP_NVRTC_PATH
+  kCudaLibPath,          // HSAP_CUDA_LIB_PATH
+  kFusedForward,         // HSAP_FUSED_FORWARD
+  kPlanDebug,            // HSAP_PLAN_DEBUG
   // Standard variables hsap consults.
   kCudaHome,      // CUDA_HOME
   kPath,          // PATH

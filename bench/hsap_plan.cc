@@ -5,17 +5,25 @@
 //             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
 //             [--json PLAN.json] [--svg PICTURE.svg] [--brief]
 //   hsap_plan --brief clusters/mix32_*.json ...    one table row per cluster + summary
+//   hsap_plan --help
+//
+// A --json or --svg file that cannot be written is an error (exit 1, the reason on stderr).
+// The SVG draws the first 128 devices and says so in the picture when there are more.
 //
 // tokens/s counts the row's tokens through the attention of every layer, forward and
 // backward: seq / (layers x (t_fwd + t_bwd)) with the simulator's per-layer times.
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lib/planner/baselines.h"
 #include "lib/planner/cluster.h"
@@ -40,12 +48,13 @@ struct Args {
   bool brief = false;
 };
 
+constexpr char kUsage[] =
+    "usage: hsap_plan --cluster FILE [--model NAME] [--seq N] [--full] [--margin F] "
+    "[--no-checkpointing] [--json FILE] [--svg FILE] [--brief] [FILE...]\n"
+    "       hsap_plan --help\n";
+
 [[noreturn]] void Usage(const char* msg) {
-  std::fprintf(stderr,
-               "hsap_plan: %s\nusage: hsap_plan --cluster FILE [--model NAME] [--seq N] "
-               "[--full] [--margin F] [--no-checkpointing] [--json FILE] [--svg FILE] "
-               "[--brief] [FILE...]\n",
-               msg);
+  std::fprintf(stderr, "hsap_plan: %s\n%s", msg, kUsage);
   std::exit(2);
 }
 
@@ -57,7 +66,10 @@ Args Parse(int argc, char** argv) {
       if (i + 1 >= argc) Usage(("missing value after " + arg).c_str());
       return argv[++i];
     };
-    if (arg == "--cluster") {
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (arg == "--cluster") {
       a.clusters.push_back(value());
     } else if (arg == "--model") {
       a.model = value();
@@ -97,11 +109,28 @@ const char* Color(SimEventKind kind, bool backward) {
   return "#999";
 }
 
-void WriteSvg(const std::string& path, const Cluster& cluster, const Workload& workload,
-              const Plan& plan, const SimResult& sim) {
-  std::ofstream out(path);
+// Writes `text` to `path`; the error names the path and the reason.
+absl::Status WriteTextFile(const std::string& path, const std::string& text) {
+  errno = 0;
+  std::ofstream out(path, std::ios::binary);
+  if (out) out << text;
+  if (out) out.close();
+  if (!out) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot write ", path, errno != 0 ? absl::StrCat(": ", std::strerror(errno)) : ""));
+  }
+  return absl::OkStatus();
+}
+
+// Devices drawn in the picture; a larger plan's picture says which ones are left out.
+constexpr int kMaxSvgLanes = 128;
+
+// The SVG picture of `plan`: a timeline of the simulated layer and the assignment per device.
+std::string PlanSvg(const Cluster& cluster, const Workload& workload, const Plan& plan,
+                    const SimResult& sim) {
+  std::ostringstream out;
   const int n = plan.num_ranks;
-  const int lanes = std::min(n, 128);
+  const int lanes = std::min(n, kMaxSvgLanes);
   const double width = 1000, left = 150, lane_h = 14, top = 40;
   const double timeline_h = top + lanes * lane_h + 30;
   const double height = timeline_h + 40 + lanes * lane_h + 40;
@@ -118,6 +147,12 @@ void WriteSvg(const std::string& path, const Cluster& cluster, const Workload& w
       sim.forward_seconds * 1e3, sim.backward_seconds * 1e3);
   out << "<text x='10' y='30'>timeline: compute (blue), all-to-all (orange), ring K/V "
          "(green); light = forward, dark = backward; transfers drawn on the receiver</text>\n";
+  if (lanes < n) {
+    out << absl::StrFormat(
+        "<text x='10' y='%.1f' font-size='12' fill='#b00'>only devices 0-%d of %d are drawn; "
+        "devices %d-%d are left out of this picture (hsap_plan --json has every device)</text>\n",
+        timeline_h - 8, lanes - 1, n, lanes, n - 1);
+  }
   for (int r = 0; r < lanes; ++r) {
     const double y = top + r * lane_h;
     out << absl::StrFormat("<text x='10' y='%.1f'>%4d %s</text>\n", y + 10, r,
@@ -155,6 +190,7 @@ void WriteSvg(const std::string& path, const Cluster& cluster, const Workload& w
                            FormatHeads(plan.groups[g].heads[index[r]]));
   }
   out << "</svg>\n";
+  return out.str();
 }
 
 struct Row {
@@ -255,13 +291,28 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
                 best_name.c_str(), speedup, 100 * of_ideal, result->planning_cpu_seconds * 1e3);
   }
   if (!args.json_path.empty()) {
-    std::ofstream(args.json_path) << PlanToJsonText(result->plan) << "\n";
+    if (absl::Status written = WriteTextFile(args.json_path, PlanToJsonText(result->plan) + "\n");
+        !written.ok()) {
+      std::fprintf(stderr, "hsap_plan: --json: %s\n", std::string(written.message()).c_str());
+      return 1;
+    }
   }
   if (!args.svg_path.empty()) {
     SimOptions options;
     options.record_events = true;
     auto sim = Simulate(*cluster, workload, result->plan, options);
-    if (sim.ok()) WriteSvg(args.svg_path, *cluster, workload, result->plan, *sim);
+    absl::Status written = sim.status();
+    if (sim.ok()) {
+      written = WriteTextFile(args.svg_path, PlanSvg(*cluster, workload, result->plan, *sim));
+    }
+    if (!written.ok()) {
+      std::fprintf(stderr, "hsap_plan: --svg: %s\n", std::string(written.message()).c_str());
+      return 1;
+    }
+    if (cluster->size() > kMaxSvgLanes) {
+      std::fprintf(stderr, "hsap_plan: the picture %s draws devices 0-%d of %d\n",
+                   args.svg_path.c_str(), kMaxSvgLanes - 1, cluster->size());
+    }
   }
   return 0;
 }

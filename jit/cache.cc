@@ -113,26 +113,46 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view head
   return status;
 }
 
-absl::StatusOr<std::string> ReadWholeFile(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+// The bytes of the regular file at `path`. Never blocks and never follows a symlink (O_NOFOLLOW,
+// O_NONBLOCK): a FIFO, device or link in place of an entry would otherwise hang the process or
+// feed it endless bytes (/dev/zero). Such a file, or one larger than `max_size`, is
+// FailedPrecondition; a missing one NotFound.
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path, uint64_t max_size) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) return absl::NotFoundError(path);
+    if (errno == ELOOP) return absl::FailedPreconditionError(absl::StrCat(path, " is a symlink"));
     return absl::UnavailableError(absl::StrCat("cannot open ", path, ": ", std::strerror(errno)));
   }
-  std::string data;
-  char buf[1 << 16];
-  while (true) {
-    const ssize_t n = read(fd, buf, sizeof(buf));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { close(fd); }
+  } closer{fd};
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot stat ", path, ": ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " is not a regular file"));
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_size) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " has ", size, " bytes, more than ", max_size));
+  }
+  // Exactly the size fstat saw (plus one byte to notice a file that grew): bounded memory.
+  std::string data(size + 1, '\0');
+  size_t got = 0;
+  while (got < data.size()) {
+    const ssize_t n = read(fd, data.data() + got, data.size() - got);
     if (n < 0) {
       if (errno == EINTR) continue;
-      close(fd);
       return absl::UnavailableError(absl::StrCat("read failed: ", std::strerror(errno)));
     }
     if (n == 0) break;
-    data.append(buf, static_cast<size_t>(n));
-    if (data.size() > kMaxPayload + sizeof(EntryHeader)) break;  // corrupt: too large
+    got += static_cast<size_t>(n);
   }
-  close(fd);
+  data.resize(got);
   return data;
 }
 
@@ -305,10 +325,11 @@ std::string CompileCache::EntryPath(const CacheKey& key) const {
 
 absl::StatusOr<std::string> CompileCache::ReadEntry(const std::string& path,
                                                     const Sha256::Digest& digest) {
-  absl::StatusOr<std::string> data = ReadWholeFile(path);
-  if (!data.ok()) return data.status();
+  absl::StatusOr<std::string> data = ReadRegularFile(path, kMaxPayload + sizeof(EntryHeader));
+  // Missing, or unreadable for a reason of the system's: compile, leave the file alone.
+  if (!data.ok() && !absl::IsFailedPrecondition(data.status())) return data.status();
   EntryHeader header;
-  bool valid = data->size() >= sizeof(header);
+  bool valid = data.ok() && data->size() >= sizeof(header);
   if (valid) {
     std::memcpy(&header, data->data(), sizeof(header));
     valid = std::memcmp(header.magic, kMagic, sizeof(kMagic)) == 0 &&

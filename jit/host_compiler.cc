@@ -176,19 +176,33 @@ absl::StatusOr<std::string> RunCompile(const HostCompilerInfo& compiler, const H
   std::vector<std::string> argv = {compiler.path};
   argv.insert(argv.end(), options.begin(), options.end());
   argv.insert(argv.end(), {"-I", dir, "-o", so_path, source_path});
-  auto run = RunProcess(argv, src.timeout);
-  if (!run.ok()) return run.status();
-  if (run->timed_out || run->exit_code != 0 || run->signal != 0) {
+  absl::Duration timeout;
+  if (src.timeout.has_value()) {
+    timeout = *src.timeout;
+  } else {
+    HSAP_ASSIGN_OR_RETURN(const int64_t ms, GetInt64Param(Param::kJitCompileTimeoutMs));
+    if (ms <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("HSAP_JIT_COMPILE_TIMEOUT_MS is ", ms, "; it must be a positive integer"));
+    }
+    timeout = absl::Milliseconds(ms);
+  }
+  HSAP_ASSIGN_OR_RETURN(const ProcessResult run, RunProcess(argv, timeout));
+  if (run.timed_out || run.exit_code != 0 || run.signal != 0) {
     absl::StatusOr<std::string> kept = cache.KeepSource(key);
     const std::string where =
         kept.ok() ? *kept : absl::StrCat("(source not kept: ", kept.status().message(), ")");
-    const std::string why =
-        run->timed_out     ? absl::StrCat("timed out after ", absl::FormatDuration(src.timeout))
-        : run->signal != 0 ? absl::StrCat("killed by signal ", run->signal)
-                           : absl::StrCat("exit code ", run->exit_code);
+    if (run.timed_out) {
+      return absl::UnavailableError(
+          absl::StrCat("host JIT compile timed out after ", absl::FormatDuration(timeout),
+                       " (HSAP_JIT_COMPILE_TIMEOUT_MS) and was killed; source kept at ", where,
+                       "\ncommand: ", absl::StrJoin(argv, " ")));
+    }
+    const std::string why = run.signal != 0 ? absl::StrCat("killed by signal ", run.signal)
+                                            : absl::StrCat("exit code ", run.exit_code);
     return CompileError(absl::StrCat("host JIT compile failed (", why, "); source kept at ", where,
                                      "\ncommand: ", absl::StrJoin(argv, " "),
-                                     "\ncompiler output:\n", run->output));
+                                     "\ncompiler output:\n", run.output));
   }
   return ReadFileBytes(so_path);
 }

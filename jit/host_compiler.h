@@ -14,11 +14,14 @@
 // dlopen. Nothing is left on disk except the cache entry.
 //
 // A failed compile returns CompileError (jit/compile_error.h -> hsapCompileError) whose message
-// holds the compiler's command, its full output and the path of the kept source.
+// holds the compiler's command, its full output and the path of the kept source. A compile
+// past its time limit is killed (with its children) and returns Unavailable, the code of a
+// missing compiler: the environment's fault, not the source's, so callers fall back.
 #ifndef HSAP_JIT_HOST_COMPILER_H_
 #define HSAP_JIT_HOST_COMPILER_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,7 +79,8 @@ struct HostSource {
   // Headers it includes by name (#include "name"); written next to it for the compile.
   std::vector<std::pair<std::string, std::string>> headers;
   std::vector<std::string> extra_options;  // appended to the standard options
-  absl::Duration timeout = absl::Seconds(120);
+  // Time limit of the compile; unset: HSAP_JIT_COMPILE_TIMEOUT_MS (base/params.h).
+  std::optional<absl::Duration> timeout;
 };
 
 // Compiles (or finds in `cache`) and loads `source`.

@@ -1,6 +1,7 @@
 #include "jit/host_jit_kernels.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -442,18 +443,45 @@ absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
                 spec.block_q,
                 spec.block_k,
                 static_cast<int>(spec.isa)};
+  // A set this process could not build for a reason of the environment (no compiler, a
+  // compile past its time limit) is not tried again: every batch would stall as long.
+  static auto* unavailable = new std::map<Key, absl::Status>();
+  {
+    absl::MutexLock lock(&mu);
+    auto it = unavailable->find(key);
+    if (it != unavailable->end()) return it->second;
+  }
+  auto remember_if_unavailable = [&](const absl::Status& status) {
+    if (status.code() != absl::StatusCode::kUnavailable) return;
+    absl::MutexLock lock(&mu);
+    if (unavailable->emplace(key, status).second) {
+      std::fprintf(stderr,
+                   "hsap: host JIT kernels unavailable, batches run the hand-written "
+                   "kernels: %s\n",
+                   std::string(status.message()).c_str());
+    }
+  };
   // With the cache disabled (HSAP_JIT_DISABLE_CACHE) every request compiles.
-  if (!c.options().enabled) return CompileHostJitKernelsUnchecked(spec, c);
+  if (!c.options().enabled) {
+    absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> kernels =
+        CompileHostJitKernelsUnchecked(spec, c);
+    if (!kernels.ok()) remember_if_unavailable(kernels.status());
+    return kernels;
+  }
   {
     absl::MutexLock lock(&mu);
     auto it = loaded->find(key);
     if (it != loaded->end()) return it->second;
   }
   // Compiled outside the lock (the cache serialises compiles of one key).
-  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const HostJitKernelSet> kernels,
-                        CompileHostJitKernelsUnchecked(spec, c));
+  absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> kernels =
+      CompileHostJitKernelsUnchecked(spec, c);
+  if (!kernels.ok()) {
+    remember_if_unavailable(kernels.status());
+    return kernels.status();
+  }
   absl::MutexLock lock(&mu);
-  auto [it, inserted] = loaded->emplace(key, kernels);
+  auto [it, inserted] = loaded->emplace(key, *std::move(kernels));
   return it->second;
 }
 

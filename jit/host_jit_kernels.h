@@ -58,17 +58,19 @@ bool HasBandMasks(const WorkList& work);
 // Compiles (or reuses) the kernels of `spec`. cache == nullptr: CompileCache::Global().
 // Loaded kernel sets are kept per (cache, spec) for the life of the process, so repeated
 // calls (one per plan or batch) are cheap; thread-safe. With a disabled cache every call
-// compiles and loads anew.
+// compiles and loads anew. An Unavailable failure (no compiler, a compile past
+// HSAP_JIT_COMPILE_TIMEOUT_MS) is said once on stderr and returned again without retrying, so
+// that HostKernelsForBatch falls back to the hand-written kernels at once.
 absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> GetHostJitKernels(
     const HostKernelSpec& spec, CompileCache* cache = nullptr);
 
 // The kernels a host batch should run, compiled at batch creation: the JIT set for
 // (dims, dtype, band masks iff some slice of `layout` is not full), or the hand-written
-// kernels when this machine cannot JIT (no working C++ compiler: Unavailable; a CPU without
-// AVX2/FMA/F16C: Unimplemented) or when $HSAP_HOST_KERNELS is "handwritten" (the
-// yardstick; unset or "jit" selects the JIT set, anything else is an error). Compile errors
-// and invalid dims are returned. The result must outlive the batch that uses it (hold the
-// shared_ptr in the handle).
+// kernels when this machine cannot JIT (no working C++ compiler, or a compile past its time
+// limit: Unavailable; a CPU without AVX2/FMA/F16C: Unimplemented) or when $HSAP_HOST_KERNELS is
+// "handwritten" (the yardstick; unset or "jit" selects the JIT set, anything else is an error).
+// Compile errors and invalid dims are returned. The result must outlive the batch that uses it
+// (hold the shared_ptr in the handle).
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForBatch(const AttentionDims& dims,
                                                                      DType dtype,
                                                                      const Layout& layout);

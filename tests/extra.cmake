@@ -18,3 +18,11 @@ add_test(NAME packaging_portable
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/packaging/portable_test.sh
                  ${PROJECT_BINARY_DIR}/compile_commands.json $<TARGET_FILE:hsap> ${CMAKE_OBJDUMP})
 set_tests_properties(packaging_portable PROPERTIES SKIP_RETURN_CODE 77)
+# hsap_plan's command line: --help, checked output writes, the SVG's note on devices it
+# leaves out.
+if(TARGET hsap_plan)
+  add_test(NAME bench_hsap_plan
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/bench/hsap_plan_test.sh
+                   $<TARGET_FILE:hsap_plan> ${PROJECT_SOURCE_DIR}/clusters)
+  set_tests_properties(bench_hsap_plan PROPERTIES TIMEOUT 300)
+endif()

@@ -305,7 +305,8 @@ hsapResult_t hsapPlanCreate(hsapPlan_t* plan, int numRanks, int numHeadsQ, int n
                             int numGroups, const int* groupSizes, const int* groupRanks,
                             const double* sequenceWeights, const double* tokenWeights,
                             const int* headCounts, const int* heads, const int* ringOrder);
-/* From the JSON text written by hsapPlanToJson or the planner (bench/hsap_plan --json). */
+/* From the JSON text written by hsapPlanToJson or the planner (bench/hsap_plan --json; it
+ * plans clusters of 1 to 4096 devices and refuses larger ones at once). */
 hsapResult_t hsapPlanCreateFromJson(hsapPlan_t* plan, const char* json);
 /* Writes the plan as NUL-terminated JSON. With buffer == NULL only *size is set (bytes
  * needed, NUL included); otherwise *size is the buffer's capacity and, if too small,

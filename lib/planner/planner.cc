@@ -53,6 +53,11 @@ absl::Status CheckWorkload(const Cluster& cluster, const Workload& w) {
     return absl::InvalidArgumentError("memory margin must be in [0, 1)");
   }
   if (cluster.size() < 1) return absl::InvalidArgumentError("the cluster has no devices");
+  if (cluster.size() > kMaxPlannerDevices) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the cluster has ", cluster.size(), " devices; the planner plans clusters of 1 to ",
+        kMaxPlannerDevices, " devices (its time grows about quadratically with them)"));
+  }
   return absl::OkStatus();
 }
 

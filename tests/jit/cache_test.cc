@@ -1,6 +1,7 @@
 #include "jit/cache.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -8,6 +9,8 @@
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -149,8 +152,9 @@ TEST(CompileCacheTest, ChangingAnOptionOrAHeaderRecompiles) {
   EXPECT_EQ(cache.stats().compiles, 3);
 }
 
-// Replaces the disk entry with `damage(entry)` and checks that a fresh cache rebuilds it.
-void ExpectRebuiltAfter(const std::function<std::string(const std::string&)>& damage) {
+// Lets `replace(path)` put something in place of the disk entry and checks that a fresh
+// cache rebuilds it.
+void ExpectRebuiltAfterReplacing(const std::function<void(const std::string&)>& replace) {
   const std::string dir = MakeTempDir();
   FakeCompiler compiler;
   const CacheKey key = SampleKey();
@@ -165,7 +169,7 @@ void ExpectRebuiltAfter(const std::function<std::string(const std::string&)>& da
   }
   const std::string entry = ReadFile(path);
   ASSERT_GT(entry.size(), good.size());
-  WriteFile(path, damage(entry));
+  replace(path);
 
   CompileCache cache(InDir(dir));
   auto b = cache.GetOrCompile(key, [&] { return compiler(key); });
@@ -179,6 +183,12 @@ void ExpectRebuiltAfter(const std::function<std::string(const std::string&)>& da
   CompileCache again(InDir(dir));
   ASSERT_TRUE(again.GetOrCompile(key, [&] { return compiler(key); }).ok());
   EXPECT_EQ(again.stats().disk_hits, 1);
+}
+
+// Replaces the disk entry with `damage(entry)` and checks that a fresh cache rebuilds it.
+void ExpectRebuiltAfter(const std::function<std::string(const std::string&)>& damage) {
+  ExpectRebuiltAfterReplacing(
+      [&](const std::string& path) { WriteFile(path, damage(ReadFile(path))); });
 }
 
 TEST(CompileCacheTest, TruncatedEntryIsRebuilt) {
@@ -214,6 +224,51 @@ TEST(CompileCacheTest, ForeignEntryIsRebuilt) {
         "\x7f"
         "ELF garbage");
   });
+}
+
+TEST(CompileCacheTest, FifoInPlaceOfAnEntryDoesNotBlock) {
+  std::string fifo;
+  std::future<void> rebuilt = std::async(std::launch::async, [&] {
+    ExpectRebuiltAfterReplacing([&](const std::string& path) {
+      ASSERT_EQ(unlink(path.c_str()), 0);
+      ASSERT_EQ(mkfifo(path.c_str(), 0600), 0);
+      fifo = path;
+    });
+  });
+  if (rebuilt.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    ADD_FAILURE() << "reading a FIFO cache entry blocks";
+    // Release the blocked reader (a writer that closes at once gives it EOF), so the test ends.
+    const int fd = open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) close(fd);
+  }
+  rebuilt.get();
+}
+
+TEST(CompileCacheTest, SymlinkToDevZeroIsRebuiltWithoutReadingIt) {
+  rusage before;
+  ASSERT_EQ(getrusage(RUSAGE_SELF, &before), 0);
+  ExpectRebuiltAfterReplacing([](const std::string& path) {
+    ASSERT_EQ(unlink(path.c_str()), 0);
+    ASSERT_EQ(symlink("/dev/zero", path.c_str()), 0);
+  });
+  rusage after;
+  ASSERT_EQ(getrusage(RUSAGE_SELF, &after), 0);
+  // ru_maxrss is the peak in KiB: reading /dev/zero up to the payload bound would add GiBs.
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 64 * 1024);
+}
+
+TEST(CompileCacheTest, DirectoryInPlaceOfAnEntryIsReportedNotRead) {
+  const std::string dir = MakeTempDir();
+  FakeCompiler compiler;
+  const CacheKey key = SampleKey();
+  CompileCache cache(InDir(dir));
+  ASSERT_EQ(mkdir(cache.EntryPath(key).c_str(), 0700), 0);
+  // A directory cannot be unlinked or renamed over; the artifact is still returned.
+  auto a = cache.GetOrCompile(key, [&] { return compiler(key); });
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(compiler.calls, 1);
+  EXPECT_EQ(cache.stats().corrupt_entries, 1);
+  EXPECT_EQ(cache.stats().disk_write_failures, 1);
 }
 
 TEST(CompileCacheTest, FailedCompileIsReturnedAndNotCached) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -503,6 +504,38 @@ TEST(HostJitKernelsTest, HostKernelsForBatchPicksTheJitSet) {
   bad.scale = 0.0f;
   EXPECT_EQ(HostKernelsForBatch(bad, DType::kBF16, full).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A compiler that hangs: the compile is killed at HSAP_JIT_COMPILE_TIMEOUT_MS and the batch
+// runs the hand-written kernels, saying why on stderr; a second batch does not wait again.
+// Runs in a fresh process (threadsafe death test) since the compiler is found once per process.
+TEST(HostJitKernelsTest, HangingCompilerTimesOutAndFallsBackToHandWritten) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const std::string dir = MakeTempDir();
+  const std::string fake = dir + "/hanging-cxx";
+  {
+    std::ofstream script(fake);
+    script << "#!/bin/sh\n"
+              "if [ \"$1\" = --version ]; then echo 'hanging-cxx 1.0'; exit 0; fi\n"
+              "exec sleep 600\n";
+  }
+  ASSERT_EQ(chmod(fake.c_str(), 0700), 0);
+  EXPECT_EXIT(
+      {
+        testing::ScopedEnv cxx("HSAP_HOST_CXX", fake.c_str());
+        testing::ScopedEnv timeout("HSAP_JIT_COMPILE_TIMEOUT_MS", "300");
+        testing::ScopedEnv cache_dir("HSAP_CACHE_DIR", (dir + "/cache").c_str());
+        const Layout causal = *Layout::FromDocuments(std::vector<int64_t>{0, 10, 30});
+        const auto start = std::chrono::steady_clock::now();
+        for (int batch = 0; batch < 2; ++batch) {
+          auto k = HostKernelsForBatch(Dims(4, 1, 64), DType::kBF16, causal);
+          if (!k.ok() || k->get() != &HandWrittenKernels()) std::_Exit(1);
+        }
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        std::_Exit(seconds < 5 ? 0 : 2);
+      },
+      ::testing::ExitedWithCode(0), "timed out after 300ms");
 }
 
 // A second process (a fresh cache object on the same directory) compiles nothing.

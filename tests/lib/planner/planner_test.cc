@@ -1,5 +1,6 @@
 #include "lib/planner/planner.h"
 
+#include <chrono>
 #include <random>
 #include <string>
 
@@ -180,6 +181,30 @@ TEST(PlannerTest, InfeasibleAndMalformedInputs) {
   EXPECT_THAT(PlanAttention(*tiny, bad).status().message(), HasSubstr("multiple of heads_kv"));
   Workload empty = MakeWorkload("llama-7b", 0);
   EXPECT_THAT(PlanAttention(*tiny, empty).status().message(), HasSubstr("sequence length"));
+}
+
+// A cluster beyond the supported range is refused at once, not planned for minutes or hours.
+TEST(PlannerTest, ClusterBeyondTheSupportedRangeIsRejectedQuickly) {
+  auto cluster_of = [](int devices_per_node, int nodes) {
+    return ClusterFromJsonText(absl::StrCat(R"({"nodes": [{"kind": "H100", "nic_gbps": 50, )",
+                                            R"("devices": )", devices_per_node, R"(, "count": )",
+                                            nodes, "}]}"));
+  };
+  auto huge = cluster_of(16, 1 << 16);  // 2^20 devices, the most a cluster file may hold
+  ASSERT_TRUE(huge.ok()) << huge.status();
+  const auto start = std::chrono::steady_clock::now();
+  auto r = PlanAttention(*huge, MakeWorkload("llama-7b", 131072));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("the cluster has 1048576 devices"));
+  EXPECT_THAT(r.status().message(),
+              HasSubstr(absl::StrCat("clusters of 1 to ", kMaxPlannerDevices, " devices")));
+  EXPECT_LT(seconds, 1.0);
+  auto just_over = cluster_of(8, kMaxPlannerDevices / 8 + 1);
+  ASSERT_TRUE(just_over.ok());
+  EXPECT_EQ(PlanAttention(*just_over, MakeWorkload("llama-7b", 131072)).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(PlannerTest, PlanTravelsThroughTheCApi) {
