@@ -23,6 +23,10 @@ constexpr int kTileQ = static_cast<int>(kKernelBlockQ);
 constexpr int kTileK = static_cast<int>(kKernelBlockK);
 static_assert(kTileK % 16 == 0 && kTileK <= 64, "column blocking assumes 16 | kTileK");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// What a forward row has met among its visible scores (kernel_isa.inc, ForwardTask).
+constexpr float kRowSawNoKey = 0.0f;
+constexpr float kRowSawKey = 1.0f;
+constexpr float kRowIsNaN = 2.0f;
 
 int RoundUp8(int x) { return (x + 7) & ~7; }
 

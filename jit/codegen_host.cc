@@ -109,7 +109,7 @@ HostKernelTiling TilingFor(const HostKernelSpec& spec) {
   const int64_t bqa = (spec.block_q + t.ra - 1) / t.ra * t.ra;
   const int64_t dp = t.padded_head_dim, bk = spec.block_k;
   t.scratch_floats = std::max(
-      {2 * bqa * dp + bqa * bk + 2 * bqa, 2 * bqa * bk + bqa * dp, 2 * bqa * bk + 2 * bk * dp});
+      {2 * bqa * dp + bqa * bk + 3 * bqa, 2 * bqa * bk + bqa * dp, 2 * bqa * bk + 2 * bk * dp});
   return t;
 }
 

@@ -149,6 +149,14 @@ hsapResult_t hsapAttentionForwardLocal(const hsapAttentionConfig_t* config, hsap
                                        const hsapTensor_t* q, const hsapTensor_t* k,
                                        const hsapTensor_t* v, hsapTensor_t* out, float* lse);
 
+/* NaN and infinity, in every kernel (host or CUDA, local or distributed), as in a naive
+ * softmax: a query row with a NaN or +inf among the scores of the keys it sees (from NaN
+ * or infinite q or k), or whose scores are all -inf, gets NaN in out and lse, and the call
+ * still succeeds; a row that sees no key stays out = 0, lse = -inf. A NaN in v, and in
+ * the backward a NaN lse, q or dout row, makes NaN what the naive computation does (out of
+ * the rows that see that key; dq of the row, dk/dv of the keys it sees) and may also reach
+ * rows or keys masked from it that share a kernel tile with it. */
+
 /* Gradients of the forward above. out and lse are the forward's outputs; dq/dk/dv are
  * overwritten. */
 hsapResult_t hsapAttentionBackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,

@@ -131,6 +131,9 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
 
     OnlineSoftmax sm;
     sm.init();
+    // A naive softmax gives NaN for a row with a NaN or +inf score (inf - inf) or whose
+    // visible scores are all -inf; m and l cannot show that, so each lane notes it.
+    bool saw_key = false, non_finite = false;
     float acc[S::kDT];
     HSAP_UNROLL
     for (int j = 0; j < S::kDT; ++j) acc[j] = 0.0f;
@@ -176,6 +179,8 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
             visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
           }
           x[j] = visible ? x[j] * scale_log2 : neg_inf();
+          saw_key = saw_key || visible;
+          non_finite = non_finite || !(x[j] < pos_inf());  // NaN or +inf
           tile_max = fmaxf(tile_max, x[j]);
         }
         tile_max = group_max<kTPR>(tile_max);
@@ -200,9 +205,12 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
       }
     }
 
-    // Merge the partial result of this chunk into out/lse.
-    const float lse2 = sm.lse();
-    const float inv_l = sm.inv_l();
+    // Merge the partial result of this chunk into out/lse; a NaN partial makes the row NaN.
+    const bool row_saw_key = group_max<kTPR>(saw_key ? 1.0f : 0.0f) > 0.0f;
+    const bool row_is_nan =
+        group_max<kTPR>(non_finite ? 1.0f : 0.0f) > 0.0f || (row_saw_key && sm.lse() == neg_inf());
+    const float lse2 = row_is_nan ? quiet_nan() : sm.lse();
+    const float inv_l = row_is_nan ? lse2 : sm.inv_l();
     float* lse_ptr = lse + static_cast<long long>(h) * q_rows + (q0 + r);
     LseMerge merged{0.0f, 1.0f, 0.0f};
     if (r < rows) {
@@ -537,8 +545,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         __syncthreads();  // everyone read the verdict before thread 0 writes the next one
       }
       if (copy) {
-        const long long bytes =
-            step.k_rows * h.heads_kv * Cfg::kHeadDim * static_cast<long long>(sizeof(typename Cfg::T));
+        const long long bytes = step.k_rows * h.heads_kv * Cfg::kHeadDim *
+                                static_cast<long long>(sizeof(typename Cfg::T));
         copy_slice<Cfg::kThreads>(h.stage_k[b], step.k_src, bytes, blockIdx.x, num_copy);
         copy_slice<Cfg::kThreads>(h.stage_v[b], step.v_src, bytes, blockIdx.x, num_copy);
       }

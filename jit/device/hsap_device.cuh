@@ -36,6 +36,8 @@ struct f16 {
 };
 
 HSAP_DEV float neg_inf() { return __int_as_float(0xff800000); }
+HSAP_DEV float pos_inf() { return __int_as_float(0x7f800000); }
+HSAP_DEV float quiet_nan() { return __int_as_float(0x7fc00000); }
 
 HSAP_DEV float to_float(float x) { return x; }
 HSAP_DEV float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned int>(x.bits) << 16); }

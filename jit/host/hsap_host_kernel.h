@@ -50,6 +50,10 @@ HSAP_INLINE vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 HSAP_INLINE vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 HSAP_INLINE float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 HSAP_INLINE float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
+// Whether some lane is NaN or +inf.
+HSAP_INLINE bool vany_nan_or_inf(vf x) {
+  return _mm512_cmp_ps_mask(x, vset1(__builtin_inff()), _CMP_NLT_UQ) != 0;
+}
 // Lanes whose index j0 + lane lies outside [a, b) become `fill`.
 HSAP_INLINE vf vkeep(vf x, int j0, int a, int b, float fill) {
   const __m512i idx =
@@ -59,9 +63,9 @@ HSAP_INLINE vf vkeep(vf x, int j0, int a, int b, float fill) {
                       _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32(b));
   return _mm512_mask_blend_ps(m, _mm512_set1_ps(fill), x);
 }
-// 2^x for x <= 0 (scores minus their maximum); 0 for x < -126 and for -inf.
+// 2^x for x <= 0 (scores minus their maximum); 0 for x < -126 and for -inf; NaN for NaN.
 HSAP_INLINE vf vexp2(vf x) {
-  const vf xc = _mm512_max_ps(x, vset1(-127.0f));
+  const vf xc = _mm512_max_ps(vset1(-127.0f), x);  // NaN stays NaN (max returns operand 2)
   const vf n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = vmul(vsub(xc, n), vset1(kLn2));  // |f| <= ln2 / 2
   // e^f by Taylor to degree 7: relative error below 6e-9 on the interval.
@@ -74,7 +78,7 @@ HSAP_INLINE vf vexp2(vf x) {
   p = vfma(p, f, vset1(1.0f));
   p = vfma(p, f, vset1(1.0f));
   const vf r = _mm512_scalef_ps(p, n);
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-126.0f), _CMP_GE_OQ), r);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset1(-126.0f), _CMP_NLT_UQ), r);
 }
 #else  // AVX2 + FMA + F16C
 static_assert(kVL == 8, "");
@@ -101,6 +105,9 @@ HSAP_INLINE float vhmax(vf x) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+HSAP_INLINE bool vany_nan_or_inf(vf x) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(x, vset1(__builtin_inff()), _CMP_NLT_UQ)) != 0;
+}
 HSAP_INLINE vf vkeep(vf x, int j0, int a, int b, float fill) {
   const __m256i idx =
       _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(j0));
@@ -109,7 +116,7 @@ HSAP_INLINE vf vkeep(vf x, int j0, int a, int b, float fill) {
   return _mm256_blendv_ps(_mm256_set1_ps(fill), x, _mm256_castsi256_ps(in));
 }
 HSAP_INLINE vf vexp2(vf x) {
-  const vf xc = _mm256_max_ps(x, vset1(-126.0f));
+  const vf xc = _mm256_max_ps(vset1(-126.0f), x);  // NaN stays NaN
   const vf n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vf f = vmul(vsub(xc, n), vset1(kLn2));
   vf p = vset1(1.0f / 5040.0f);
@@ -123,7 +130,7 @@ HSAP_INLINE vf vexp2(vf x) {
   const __m256i bits =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const vf r = vmul(p, _mm256_castsi256_ps(bits));
-  return _mm256_and_ps(r, _mm256_cmp_ps(x, vset1(-126.0f), _CMP_GE_OQ));
+  return _mm256_and_ps(r, _mm256_cmp_ps(x, vset1(-126.0f), _CMP_NLT_UQ));
 }
 #endif
 
@@ -252,19 +259,31 @@ HSAP_INLINE void block_key_range(int64_t k_begin, int64_t k_end, int64_t diag_lo
 #endif
 }
 
+// What a query row has met among its visible scores so far. A naive softmax gives NaN
+// (out and lse) for a row with a NaN or +inf score (inf - inf) or whose scores are all -inf;
+// the online softmax cannot see that in m and l, so the row keeps this state.
+constexpr float kRowSawNoKey = 0.0f;
+constexpr float kRowSawKey = 1.0f;
+constexpr float kRowIsNaN = 2.0f;
+
 // One row of the online softmax over a tile: s holds scores in log2 units, becomes
-// probabilities relative to the running max m; l and the output row o are rescaled.
-HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m, float* l,
-                                    float* o) {
+// probabilities relative to the running max m; l and the output row o are rescaled; `state`
+// is updated as above (a NaN row keeps m, l, o and gets zero probabilities).
+HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m, float* l, float* o,
+                                    float* state) {
   vf x[kKV];
   vf mx = vset1(kNegInf);
+  bool non_finite = false;
   HSAP_UNROLL for (int c = 0; c < kKV; ++c) {
     x[c] = vload(s + c * kVL);
     if (!full) x[c] = vkeep(x[c], c * kVL, a, b, kNegInf);
+    non_finite = non_finite || vany_nan_or_inf(x[c]);
     mx = vmax(mx, x[c]);
   }
+  if (full || a < b)
+    *state = non_finite ? kRowIsNaN : (*state == kRowIsNaN ? kRowIsNaN : kRowSawKey);
   const float tile_max = vhmax(mx);
-  if (tile_max == kNegInf) {  // no visible key in this row of the tile
+  if (*state == kRowIsNaN || tile_max == kNegInf) {  // nothing more to add to this row
     HSAP_UNROLL for (int c = 0; c < kKV; ++c) vstore(s + c * kVL, vzero());
     return;
   }
@@ -286,7 +305,8 @@ HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m,
   *m = m_new;
 }
 
-// Backward row: p = 2^(s * c2 - lse2) on the visible keys (0 elsewhere), ds = p * (dp - delta).
+// Backward row: p = 2^(s * c2 - lse2) on the visible keys (0 elsewhere), ds = p * (dp - delta);
+// a NaN lse, score or dp makes the row's p or ds NaN on its visible keys, as a naive backward.
 // Leaves p in s and ds in dp.
 HSAP_INLINE void probs_and_dscores_row(float* s, float* dp, int a, int b, bool full, float lse,
                                        float delta, float c2) {
@@ -330,7 +350,7 @@ HSAP_INLINE void merge_row(float* o1, float* lse1, const float* o2, float o2_mul
   *lse1 = lse;
 }
 
-constexpr int64_t kScratchForward = 2 * kBQA * kDP + kBQA * kBK + 2 * kBQA;
+constexpr int64_t kScratchForward = 2 * kBQA * kDP + kBQA * kBK + 3 * kBQA;
 constexpr int64_t kScratchBackwardQ = 2 * kBQA * kBK + kBQA * kDP;
 constexpr int64_t kScratchBackwardKv = 2 * kBQA * kBK + 2 * kBK * kDP;
 constexpr int64_t kMax2(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -387,6 +407,7 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
   float* const s = o + kBQA * kDP;   // [kBQA][kBK] scores, then probabilities
   float* const m = s + kBQA * kBK;   // running max (log2 units)
   float* const l = m + kBQA;         // running sum
+  float* const state = l + kBQA;     // kRowSawNoKey, kRowSawKey or kRowIsNaN
   const storage_t* q = static_cast<const storage_t*>(t->q) + t->q_head * kD;
   const float qmul = t->scale * kLog2e;
   for (int r = 0; r < kBQA; ++r) {
@@ -399,6 +420,7 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
     zero_floats(s + r * kBK, kBK);
     m[r] = kNegInf;
     l[r] = 0.0f;
+    state[r] = kRowSawNoKey;
   }
   for (int64_t si = 0; si < t->num_segments; ++si) {
     const HsapHostSegment g = t->segments[si];
@@ -414,15 +436,22 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
         int a = 0, b = kBK;
         if (!full)
           row_interval(g.k_begin, g.k_end, g.diag_lo, g.diag_hi, t->q_begin + r, kt0, &a, &b);
-        online_softmax_row(s + r * kBK, a, b, full, m + r, l + r, o + r * kDP);
+        online_softmax_row(s + r * kBK, a, b, full, m + r, l + r, o + r * kDP, state + r);
       }
       gemm_pb(s, kBK, 1, kBK, t->v + tile * (kBK * kDP), kDP, o, kDP, nr);
     }
   }
   for (int r = 0; r < nr; ++r) {
+    const int64_t row = t->q_begin + r;
+    if (state[r] == kRowIsNaN || (state[r] == kRowSawKey && l[r] == 0.0f)) {
+      // Merging a NaN partial makes the row NaN whatever it held.
+      float* out = t->out + row * t->out_row_stride + t->q_head * kD;
+      for (int d = 0; d < kD; ++d) out[d] = __builtin_nanf("");
+      t->lse[row] = __builtin_nanf("");
+      continue;
+    }
     if (l[r] == 0.0f) continue;  // no visible key: the partial (0, -inf) changes nothing
     const float lse2 = (m[r] + log2f(l[r])) * kLn2;
-    const int64_t row = t->q_begin + r;
     merge_row(t->out + row * t->out_row_stride + t->q_head * kD, t->lse + row, o + r * kDP,
               1.0f / l[r], lse2);
   }

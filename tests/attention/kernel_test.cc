@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/nonfinite.h"
 
 namespace hsap {
 namespace {
@@ -577,6 +578,16 @@ TEST(KernelTest, RejectsBadArguments) {
   BackwardArgs ba;
   ba.dims = p.dims;
   EXPECT_THAT(KernelBackward(ba, *BuildWorkList(p.layout, 64), 1).message(), HasSubstr("q_rows"));
+}
+
+// NaN and infinity as a naive softmax has them (hsap.h), in every copy the CPU runs.
+TEST(KernelIsaTest, EveryCopyPropagatesNaNLikeANaiveSoftmax) {
+  for (KernelIsa isa : kAllIsas) {
+    if (!CpuSupportsKernelIsa(isa)) continue;
+    SCOPED_TRACE(std::string(KernelIsaName(isa)));
+    testing::ExpectKernelSetPropagatesNaN(HandWrittenKernels(isa), Dims(4, 2, 64), kKernelBlockQ,
+                                          testing::NonFiniteLayout());
+  }
 }
 
 }  // namespace

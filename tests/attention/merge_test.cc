@@ -108,6 +108,27 @@ TEST_F(MergeTest, LargeLseDifferencesStayFinite) {
   for (int d = 0; d < kDim; ++d) EXPECT_EQ(m.o[d], b.o[d]);
 }
 
+// A NaN partial (a row whose softmax went NaN) makes the merge NaN in either order, also
+// with an empty partial; a NaN value under a negligible weight still reaches the output.
+TEST_F(MergeTest, NaNPartialsPropagate) {
+  const Partial a = Attend(scores_, values_, {4, 9, 11});
+  Partial bad = a;
+  bad.lse = std::numeric_limits<float>::quiet_NaN();
+  for (float& v : bad.o) v = std::numeric_limits<float>::quiet_NaN();
+  for (const Partial& m :
+       {Merge(a, bad), Merge(bad, a), Merge(Partial{}, bad), Merge(bad, Partial{})}) {
+    EXPECT_TRUE(std::isnan(m.lse));
+    for (float v : m.o) EXPECT_TRUE(std::isnan(v));
+  }
+  Partial nan_value = Attend(scores_, values_, {2});
+  nan_value.lse = a.lse - 200.0f;
+  nan_value.o[3] = std::numeric_limits<float>::quiet_NaN();
+  const Partial m = Merge(a, nan_value);
+  EXPECT_EQ(m.lse, a.lse);
+  EXPECT_TRUE(std::isnan(m.o[3]));
+  EXPECT_FALSE(std::isnan(m.o[2]));
+}
+
 TEST_F(MergeTest, MergePartialWorksInPlaceOnStridedBuffers) {
   // 3 rows x 2 heads, merged into rows [1, 4) of a 5-row buffer (lse stride 5).
   const int heads = 2, rows = 3;

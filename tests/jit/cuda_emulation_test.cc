@@ -31,6 +31,7 @@
 #include "jit/codegen_cuda.h"
 #include "jit/cuda_kernels.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/nonfinite.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap {
@@ -297,6 +298,25 @@ TEST(CudaEmulation, ForwardAndBackwardFp32) {
   CheckForwardAndBackward<SmallTileCfg<float, kHeadsQ / kHeadsKv, true>>(
       MakeProblem(MixedLayout(), DType::kF32, 1), 40);
 }
+// NaN and infinity as a naive softmax has them (hsap.h), over several chunks and tiles.
+TEST(CudaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
+  using Cfg = SmallTileCfg<float, kHeadsQ / kHeadsKv, true>;
+  for (testing::Plant plant : testing::kAllPlants) {
+    SCOPED_TRACE(testing::PlantName(plant));
+    Problem p = MakeProblem(testing::NonFiniteLayout(), DType::kF32, 15);
+    testing::PlantNonFinite(plant, p.dims, &p.q.f32, &p.k.f32);
+    const int64_t T = p.T();
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 40);
+    ASSERT_TRUE(w.ok()) << w.status();
+    std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
+    LaunchInit<Cfg>(out.data(), lse.data(), T);
+    EXPECT_EQ(LaunchForward<Cfg>(p, *w, p.k.data(), p.v.data(), T, out.data(), lse.data()), 0u);
+    testing::ExpectForwardNaNPattern(
+        out, lse, testing::NaiveFp64Forward(p.layout, p.dims, p.q.f32, p.k.f32, p.v.f32),
+        testing::PlantName(plant));
+  }
+}
+
 TEST(CudaEmulation, ForwardAndBackwardBf16) {
   CheckForwardAndBackward<SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true>>(
       MakeProblem(MixedLayout(), DType::kBF16, 2), 40);

@@ -28,6 +28,7 @@
 #include "jit/host_compiler.h"
 #include "lib/api/result.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/nonfinite.h"
 #include "tests/support/scoped_env.h"
 #include "tests/support/test_files.h"
 
@@ -568,6 +569,24 @@ TEST(HostJitKernelsTest, SecondRunCompilesNothing) {
     if (ss.str() == source) ++dumped;
   }
   EXPECT_EQ(dumped, 1);
+}
+
+// NaN and infinity as a naive softmax has them (hsap.h): each ISA, band masks on and off.
+TEST(HostJitKernelsTest, NaNAndInfinityPropagateLikeANaiveSoftmax) {
+  for (HostIsa isa : {HostIsa::kAvx2, HostIsa::kAvx512}) {
+    if (isa == HostIsa::kAvx512 && !HostHasAvx512()) continue;
+    for (bool band : {true, false}) {
+      HostKernelSpec spec;
+      spec.dtype = DType::kF32;
+      spec.head_dim = 64;
+      spec.gqa_ratio = 2;
+      spec.band_masks = band;
+      spec.isa = isa;
+      SCOPED_TRACE(std::string(HostIsaName(isa)) + (band ? " band" : " full"));
+      testing::ExpectKernelSetPropagatesNaN(Kernels(spec), Dims(4, 2, 64), spec.block_q,
+                                            testing::NonFiniteLayout(band));
+    }
+  }
 }
 
 }  // namespace

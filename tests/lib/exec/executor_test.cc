@@ -3,6 +3,7 @@
 // computation in the storage precision (NaiveForward/NaiveBackward) + a small floor.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
 #include "tests/support/distributed_harness.h"
+#include "tests/support/nonfinite.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/tolerance.h"
 
@@ -137,6 +139,44 @@ TEST(DistributedPartitionTest, BatchPartitionMatchesTheDataLoadersPartition) {
   }
   hsapPartitionDestroy(part);
   hsapLayoutDestroy(handle);
+}
+
+std::vector<float> Floats(const HostTensor& t) {
+  std::vector<float> x(t.size());
+  for (size_t i = 0; i < x.size(); ++i) x[i] = t.At(i);
+  return x;
+}
+
+// NaN and infinity as a naive softmax has them (hsap.h) when documents span ranks and their
+// partials are merged; no NaN gradient is lost.
+TEST(DistributedNaNTest, NaNAndInfinityPropagateLikeANaiveSoftmax) {
+  const Layout layout = testing::NonFiniteLayout();
+  DistCase c;
+  c.ranks = 3;
+  AttentionDims dims;
+  dims.heads_q = c.heads_q;
+  dims.heads_kv = c.heads_kv;
+  dims.head_dim = c.head_dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  for (testing::Plant plant : testing::kAllPlants) {
+    SCOPED_TRACE(testing::PlantName(plant));
+    RowInputs in(c, layout.num_tokens(), 15);
+    std::vector<float> q = Floats(in.q), k = Floats(in.k);
+    testing::PlantNonFinite(plant, dims, &q, &k);
+    std::memcpy(in.q.bytes.data(), q.data(), q.size() * sizeof(float));
+    std::memcpy(in.k.bytes.data(), k.data(), k.size() * sizeof(float));
+    hsapLayout_t handle = testing::ToCLayout(layout);
+    const RowOutputs got = testing::RunDistributed(handle, c, in);
+    hsapLayoutDestroy(handle);
+    ASSERT_TRUE(got.ok()) << got.errors[0] << got.errors[1] << got.errors[2];
+    const testing::NaiveOutputs ref = testing::NaiveFp64Forward(layout, dims, q, k, Floats(in.v));
+    testing::ExpectForwardNaNPattern(Floats(got.out), got.lse, ref, testing::PlantName(plant));
+    const testing::NaNGradients want =
+        testing::NaiveNaNGradients(layout, dims, ref.lse, Floats(in.dout));
+    testing::ExpectNoNaNLost(Floats(got.dq), want.dq, "dq");
+    testing::ExpectNoNaNLost(Floats(got.dk), want.dk, "dk");
+    testing::ExpectNoNaNLost(Floats(got.dv), want.dv, "dv");
+  }
 }
 
 }  // namespace
