@@ -47,8 +47,7 @@ absl::Status CheckAttentionConfig(const hsapAttentionConfig_t* config, int head_
   *scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   *num_threads = 0;
   if (config == nullptr) return absl::OkStatus();
-  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config",
-                                         sizeof(hsapAttentionConfig_t),
+  HSAP_RETURN_IF_ERROR(CheckConfigHeader(*config, "config", sizeof(hsapAttentionConfig_t),
                                          "HSAP_ATTENTION_CONFIG_INITIALIZER"));
   if (!std::isfinite(config->softmaxScale) || config->softmaxScale < 0.0f) {
     return absl::InvalidArgumentError(

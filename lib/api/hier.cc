@@ -36,8 +36,8 @@ absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t
         "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
         "dtype, numHeadsQ, numHeadsKV and headDim");
   }
-  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
-                                         "HSAP_BATCH_CONFIG_INITIALIZER"));
+  HSAP_RETURN_IF_ERROR(
+      CheckConfigHeader(*config, "config", kBatchConfigV1Size, "HSAP_BATCH_CONFIG_INITIALIZER"));
   HSAP_ASSIGN_OR_RETURN(DType dtype, DTypeFromC(config->dtype, "config->dtype"));
   options.dtype = dtype;
   options.heads_q = config->numHeadsQ;
