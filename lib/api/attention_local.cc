@@ -105,9 +105,9 @@ absl::StatusOr<LocalProblem> CheckProblem(
     return absl::InvalidArgumentError(absl::StrCat("q has ", q->numTokens, " tokens, expected ",
                                                    p.tokens, " (the layout's token count)"));
   }
-  if (q->numHeads <= 0) {
+  if (q->numHeads <= 0 || q->numHeads > kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("q has ", q->numHeads, " heads; it needs at least one"));
+        absl::StrCat("q has ", q->numHeads, " heads; it needs [1, ", kMaxHeads, "]"));
   }
   if (q->headDim <= 0) {
     return absl::InvalidArgumentError(
@@ -122,9 +122,9 @@ absl::StatusOr<LocalProblem> CheckProblem(
     return absl::InvalidArgumentError(absl::StrCat("k has ", k->numTokens, " tokens, expected ",
                                                    p.tokens, " (the layout's token count)"));
   }
-  if (k->numHeads <= 0) {
+  if (k->numHeads <= 0 || k->numHeads > kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("k has ", k->numHeads, " heads; it needs at least one"));
+        absl::StrCat("k has ", k->numHeads, " heads; it needs [1, ", kMaxHeads, "]"));
   }
   if (q->numHeads % k->numHeads != 0) {
     return absl::InvalidArgumentError(

@@ -131,6 +131,8 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
           HSAP_ASSIGN_OR_RETURN(hsap::DType dtype,
                                 hsap::DTypeFromC(config->dtype, "config->dtype"));
           options.dtype = dtype;
+          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
+          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
           options.heads_q = config->numHeadsQ;
           options.heads_kv = config->numHeadsKV;
           options.head_dim = config->headDim;

@@ -51,6 +51,14 @@ absl::Status CheckConfigHeaderAt(const void* config, size_t size, unsigned magic
   return absl::OkStatus();
 }
 
+absl::Status CheckHeadCount(int64_t heads, absl::string_view name) {
+  if (heads < 1 || heads > kMaxHeads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " = ", heads, "; it must be in [1, ", kMaxHeads, "]"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DType> DTypeFromC(const hsapDataType_t& t, absl::string_view name) {
   const auto raw = RawEnum(t);
   if (raw == hsapFloat32) return DType::kF32;

@@ -43,12 +43,20 @@ absl::Status CheckConfigHeader(const Config& config, absl::string_view name, siz
                              name, min_size, initializer);
 }
 
-// The value of an enum field of a caller's struct or array as its underlying integer, read
+// The most query or K/V heads any entry point accepts: a CUDA grid has at most 65535 blocks
+// in y, and the attention kernels give each query head its own.
+inline constexpr int kMaxHeads = 65535;
+
+// InvalidArgument naming `name` and the range [1, kMaxHeads] when `heads` is outside it.
+absl::Status CheckHeadCount(int64_t heads, absl::string_view name);
+
+// The value of an enum field of a caller's struct or array as a signed integer (a C caller
+// stores an int there: -1 reads back as -1, whatever unsigned type C++ gives the enum), read
 // without loading it as the enum: callers may store any integer there, and loading a value
 // outside the enumerators as the enum type is undefined behaviour in C++.
 template <typename E>
-std::underlying_type_t<E> RawEnum(const E& field) {
-  std::underlying_type_t<E> value;
+std::make_signed_t<std::underlying_type_t<E>> RawEnum(const E& field) {
+  std::make_signed_t<std::underlying_type_t<E>> value;
   std::memcpy(&value, &field, sizeof(value));
   return value;
 }
