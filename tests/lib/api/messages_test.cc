@@ -89,6 +89,27 @@ TEST(ApiMessagesTest, NegativeEnumsPrintAsWritten) {
   hsapLayoutDestroy(layout);
 }
 
+TEST(ApiMessagesTest, PlanJsonHeadsBeyondTheLimitAreRejectedBeforeSizingAnything) {
+  const int group_sizes[] = {1}, group_ranks[] = {0}, head_counts[] = {2}, heads[] = {0, 1};
+  hsapPlan_t plan = nullptr;
+  ASSERT_EQ(hsapPlanCreate(&plan, 1, 2, 1, 1, group_sizes, group_ranks, nullptr, nullptr,
+                           head_counts, heads, nullptr),
+            hsapSuccess);
+  size_t size = 0;
+  ASSERT_EQ(hsapPlanToJson(plan, nullptr, &size), hsapSuccess);
+  std::string json(size, '\0');
+  ASSERT_EQ(hsapPlanToJson(plan, json.data(), &size), hsapSuccess);
+  hsapPlanDestroy(plan);
+  const std::string field = "\"heads_q\": 2";
+  const size_t at = json.find(field);
+  ASSERT_NE(at, std::string::npos) << json;
+  json.replace(at, field.size(), "\"heads_q\": 1073741824");
+  plan = nullptr;
+  EXPECT_EQ(hsapPlanCreateFromJson(&plan, json.c_str()), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("heads_q = 1073741824 must be in [1, 65535]"));
+  EXPECT_EQ(plan, nullptr);
+}
+
 TEST(ApiMessagesTest, PlanJsonErrorsSayWhere) {
   hsapPlan_t plan = nullptr;
   EXPECT_EQ(hsapPlanCreateFromJson(&plan, "{\"groups\": [1, 2,, 3]}"), hsapInvalidArgument);
