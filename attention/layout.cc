@@ -214,9 +214,10 @@ absl::StatusOr<Layout> Layout::FromDocuments(absl::Span<const int64_t> cu_seqlen
                        "] = ", cu_seqlens[i], " < cu_seqlens[", i - 1, "] = ", cu_seqlens[i - 1]));
     }
   }
-  if (cu_seqlens.back() >= (int64_t{1} << 40)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cu_seqlens ends at ", cu_seqlens.back(), "; at most 2^40 tokens"));
+  if (cu_seqlens.back() > kMaxRowTokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cu_seqlens ends at ", cu_seqlens.back(), "; a row holds at most 2^31 = ", kMaxRowTokens,
+        " tokens (so that its visible pairs, up to tokens^2, fit int64)"));
   }
   if (!kinds.empty() && kinds.size() != num_docs) {
     return absl::InvalidArgumentError(absl::StrCat("kinds has ", kinds.size(),
@@ -293,9 +294,10 @@ absl::StatusOr<Layout> Layout::FromDocuments(absl::Span<const int64_t> cu_seqlen
 }
 
 absl::StatusOr<Layout> Layout::FromSlices(int64_t num_tokens, std::vector<MaskSlice> slices) {
-  if (num_tokens < 0 || num_tokens >= (int64_t{1} << 40)) {
+  if (num_tokens < 0 || num_tokens > kMaxRowTokens) {
     return absl::InvalidArgumentError(
-        absl::StrCat("num_tokens = ", num_tokens, "; it must be in [0, 2^40)"));
+        absl::StrCat("num_tokens = ", num_tokens, "; it must be in [0, 2^31 = ", kMaxRowTokens,
+                     "] (so that the row's visible pairs, up to tokens^2, fit int64)"));
   }
   for (size_t i = 0; i < slices.size(); ++i) {
     MaskSlice& s = slices[i];

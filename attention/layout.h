@@ -30,6 +30,11 @@ struct TokenRange {
   friend bool operator==(const TokenRange&, const TokenRange&) = default;
 };
 
+// The most tokens a row (a layout) may hold. Every count derived from a row, its visible
+// pairs (at most tokens^2 = 2^62) and their sums over non-overlapping slices included, then
+// fits int64 without checks at each use.
+inline constexpr int64_t kMaxRowTokens = int64_t{1} << 31;
+
 // Larger than any token count; stands for "no limit" on a diagonal bound.
 inline constexpr int64_t kNoDiagLimit = int64_t{1} << 60;
 
@@ -87,7 +92,7 @@ struct Document {
 class Layout {
  public:
   // Documents from cu_seqlens (size num_docs + 1, starting at 0, non-decreasing, at most
-  // 2^40 tokens). `kinds` empty means all causal; `params` may be empty when no document
+  // kMaxRowTokens tokens). `kinds` empty means all causal; `params` may be empty when no document
   // needs one. A prefix length must be in [0, doc length], a window in [1, doc length]
   // (longer is an error); empty documents are allowed and their params ignored. Errors
   // name the offending argument and index. Compilation: causal -> Causal(b, e, b, e);

@@ -11,7 +11,7 @@
  *  - Token positions and cu_seqlens are int64.
  *  - Config structs start with size/magic/version and must be filled by their
  *    HSAP_*_INITIALIZER macro before fields are set, so that fields can be added later
- *    without breaking callers.
+ *    without breaking callers (the rule is under Limits).
  *  - Handles are opaque. Every hsap*Destroy accepts NULL and does nothing.
  *  - Threads. Layouts, plans and partitions are read-only once created (no call changes
  *    them), so the threads of several ranks may use one at the same time, e.g. every rank
@@ -20,6 +20,27 @@
  *    one thread at a time (hsapCommAbort excepted).
  *  - Head dims: headDim is a multiple of 8 in [32, 256] everywhere (local attention, batch
  *    creation with or without a plan); any other value gives hsapInvalidArgument.
+ *
+ * Limits (beyond them a call returns hsapInvalidArgument naming the argument and the limit)
+ *  - Row: at most 2^31 tokens (cu_seqlens[numDocs], numTokens of a slice layout), so that
+ *    every count derived from a row -- its visible pairs, at most tokens^2 = 2^62 -- fits
+ *    int64_t exactly.
+ *  - Heads: numHeadsQ and numHeadsKV in [1, 65535] (a CUDA grid's y extent, one query head
+ *    per block row), numHeadsQ a multiple of numHeadsKV; the same in plans, batch configs
+ *    and the tensors of local attention.
+ *  - Head dims: a multiple of 8 in [32, 256] (above).
+ *  - Windows and prefixes of documents: a prefix length in [0, L] and a window in [1, L]
+ *    for a document of L > 0 tokens; a longer one is an error, not clamped. A causal slice's
+ *    window is >= 0 (0: unlimited) and may be any length: one of at least qEnd - qBegin
+ *    excludes nothing and is the same as 0.
+ *  - Partition copies: numTokens * bytesPerToken at most 2^56 bytes (the largest user
+ *    address space of a 64-bit host), so that no byte offset can overflow.
+ *  - Config structs: `magic` is HSAP_CONFIG_MAGIC; `version` is the HSAP_VERSION_CODE of the
+ *    caller's header: 0, a code below HSAP_VERSION(0, 1, 0) or one of another major version
+ *    is an error, a later minor version of this major is accepted; `size` is at least the
+ *    struct's first version and at most 65536 bytes. A larger struct than this library's
+ *    (from a newer header) is accepted only if every byte past this library's
+ *    sizeof(struct) is zero: the library cannot honour a field it does not know.
  */
 #ifndef HSAP_HSAP_H_
 #define HSAP_HSAP_H_
@@ -110,7 +131,8 @@ typedef struct hsapLayout_st* hsapLayout_t;
  * For a document of L > 0 tokens, a prefix length must be in [0, L] (0: causal, L: full) and
  * a window in [1, L] (1: each token sees only itself, L: causal); anything else, a longer
  * one included, gives hsapInvalidArgument naming the document. Other kinds and empty
- * documents ignore their param. The row has cu_seqlens[numDocs] tokens (at most 2^40). */
+ * documents ignore their param. The row has cu_seqlens[numDocs] tokens (at most 2^31, see
+ * Limits). */
 hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, int64_t numDocs,
                               const hsapMaskKind_t* kinds, const int64_t* params);
 /* A row of numTokens tokens with an arbitrary block-sparse mask given as slices. */
@@ -219,7 +241,7 @@ hsapResult_t hsapPartitionDestroy(hsapPartition_t partition);
 hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t* ranges,
                                     int64_t* numRanges, int64_t* numTokens);
 /* Copies a packed row [T, bytesPerToken] into per-rank shards (shards[r] holds rank r's
- * tokens), and back. */
+ * tokens), and back. T * bytesPerToken is at most 2^56 bytes (see Limits). */
 hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row,
                                   size_t bytesPerToken, void* const* shards);
 hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* shards,

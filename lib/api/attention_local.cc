@@ -47,8 +47,7 @@ absl::Status CheckAttentionConfig(const hsapAttentionConfig_t* config, int head_
   *scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   *num_threads = 0;
   if (config == nullptr) return absl::OkStatus();
-  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config",
-                                         sizeof(hsapAttentionConfig_t),
+  HSAP_RETURN_IF_ERROR(CheckConfigHeader(*config, "config", sizeof(hsapAttentionConfig_t),
                                          "HSAP_ATTENTION_CONFIG_INITIALIZER"));
   if (!std::isfinite(config->softmaxScale) || config->softmaxScale < 0.0f) {
     return absl::InvalidArgumentError(
@@ -106,9 +105,9 @@ absl::StatusOr<LocalProblem> CheckProblem(
     return absl::InvalidArgumentError(absl::StrCat("q has ", q->numTokens, " tokens, expected ",
                                                    p.tokens, " (the layout's token count)"));
   }
-  if (q->numHeads <= 0) {
+  if (q->numHeads <= 0 || q->numHeads > kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("q has ", q->numHeads, " heads; it needs at least one"));
+        absl::StrCat("q has ", q->numHeads, " heads; it needs [1, ", kMaxHeads, "]"));
   }
   if (q->headDim <= 0) {
     return absl::InvalidArgumentError(
@@ -123,9 +122,9 @@ absl::StatusOr<LocalProblem> CheckProblem(
     return absl::InvalidArgumentError(absl::StrCat("k has ", k->numTokens, " tokens, expected ",
                                                    p.tokens, " (the layout's token count)"));
   }
-  if (k->numHeads <= 0) {
+  if (k->numHeads <= 0 || k->numHeads > kMaxHeads) {
     return absl::InvalidArgumentError(
-        absl::StrCat("k has ", k->numHeads, " heads; it needs at least one"));
+        absl::StrCat("k has ", k->numHeads, " heads; it needs [1, ", kMaxHeads, "]"));
   }
   if (q->numHeads % k->numHeads != 0) {
     return absl::InvalidArgumentError(

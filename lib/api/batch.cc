@@ -126,12 +126,13 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
                 "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and "
                 "set dtype, numHeadsQ, numHeadsKV and headDim");
           }
-          HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(config->size, config->magic, "config",
-                                                       hsap::kBatchConfigV1Size,
+          HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(*config, "config", hsap::kBatchConfigV1Size,
                                                        "HSAP_BATCH_CONFIG_INITIALIZER"));
           HSAP_ASSIGN_OR_RETURN(hsap::DType dtype,
                                 hsap::DTypeFromC(config->dtype, "config->dtype"));
           options.dtype = dtype;
+          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
+          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
           options.heads_q = config->numHeadsQ;
           options.heads_kv = config->numHeadsKV;
           options.head_dim = config->headDim;

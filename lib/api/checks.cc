@@ -12,18 +12,49 @@ absl::Status CheckNotNull(const void* p, absl::string_view name) {
   return absl::OkStatus();
 }
 
-absl::Status CheckConfigHeader(size_t size, unsigned magic, absl::string_view name, size_t min_size,
-                               absl::string_view initializer) {
+absl::Status CheckConfigHeaderAt(const void* config, size_t size, unsigned magic, unsigned version,
+                                 size_t known_size, absl::string_view name, size_t min_size,
+                                 absl::string_view initializer) {
   if (magic != HSAP_CONFIG_MAGIC) {
     return absl::InvalidArgumentError(absl::StrCat(name, " was not initialised (magic is 0x",
                                                    absl::Hex(magic), ", expected 0x",
                                                    absl::Hex(HSAP_CONFIG_MAGIC), "): fill it with ",
                                                    initializer, " before setting its fields"));
   }
+  constexpr unsigned kFirstVersion = HSAP_VERSION(0, 1, 0);
+  if (version < kFirstVersion || version / 10000 != HSAP_MAJOR) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, "->version is ", version, "; this library (version code ",
+                     HSAP_VERSION_CODE, ") accepts codes of major version ", HSAP_MAJOR, " from ",
+                     kFirstVersion, ": fill it with ", initializer, " and leave version as set"));
+  }
   if (size < min_size) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, " has size ", size, ", smaller than the oldest supported layout (",
                      min_size, " bytes): fill it with ", initializer, " and pass it unmodified"));
+  }
+  if (size > kMaxConfigSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, " has size ", size, ", more than the largest a config may have (", kMaxConfigSize,
+        " bytes): fill it with ", initializer, " and pass it unmodified"));
+  }
+  const auto* bytes = static_cast<const unsigned char*>(config);
+  for (size_t i = known_size; i < size; ++i) {
+    if (bytes[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has size ", size, " but this library knows its first ", known_size,
+                       " bytes, and byte ", i,
+                       " (a field of a newer version) is set; a newer field can be "
+                       "used only with a library that knows it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckHeadCount(int64_t heads, absl::string_view name) {
+  if (heads < 1 || heads > kMaxHeads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, " = ", heads, "; it must be in [1, ", kMaxHeads, "]"));
   }
   return absl::OkStatus();
 }

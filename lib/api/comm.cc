@@ -38,8 +38,7 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
     }
     hsap::CommOptions options;
     if (config != nullptr) {
-      HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(config->size, config->magic, "config",
-                                                   kCommConfigV1Size,
+      HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(*config, "config", kCommConfigV1Size,
                                                    "HSAP_COMM_CONFIG_INITIALIZER"));
       if (config->timeoutMs < 0) {
         return absl::InvalidArgumentError(

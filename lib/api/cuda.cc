@@ -34,8 +34,8 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
   CudaCommSettings out;
   absl::Duration requested = absl::ZeroDuration();
   if (config != nullptr) {
-    HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(
-        config->size, config->magic, "config", kCommConfigV1Size, "HSAP_COMM_CONFIG_INITIALIZER"));
+    HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(*config, "config", kCommConfigV1Size,
+                                                 "HSAP_COMM_CONFIG_INITIALIZER"));
     if (config->timeoutMs < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config->timeoutMs = ", config->timeoutMs,

@@ -36,10 +36,12 @@ absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t
         "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
         "dtype, numHeadsQ, numHeadsKV and headDim");
   }
-  HSAP_RETURN_IF_ERROR(CheckConfigHeader(config->size, config->magic, "config", kBatchConfigV1Size,
-                                         "HSAP_BATCH_CONFIG_INITIALIZER"));
+  HSAP_RETURN_IF_ERROR(
+      CheckConfigHeader(*config, "config", kBatchConfigV1Size, "HSAP_BATCH_CONFIG_INITIALIZER"));
   HSAP_ASSIGN_OR_RETURN(DType dtype, DTypeFromC(config->dtype, "config->dtype"));
   options.dtype = dtype;
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
   options.heads_q = config->numHeadsQ;
   options.heads_kv = config->numHeadsKV;
   options.head_dim = config->headDim;

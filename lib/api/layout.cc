@@ -167,9 +167,10 @@ hsapResult_t hsapLayoutCreateFromSlices(hsapLayout_t* layout, int64_t numTokens,
   return hsap::RunApi("hsapLayoutCreateFromSlices", [&]() -> absl::Status {
     using hsap::kMaxCount;
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(layout, "layout"));
-    if (numTokens < 0 || numTokens > kMaxCount) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("numTokens is ", numTokens, "; it must be in [0, ", kMaxCount, "]"));
+    if (numTokens < 0 || numTokens > hsap::kMaxRowTokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "numTokens is ", numTokens, "; it must be in [0, 2^31 = ", hsap::kMaxRowTokens,
+          "], the largest row (see Limits in hsap.h)"));
     }
     if (numSlices < 0 || numSlices > kMaxCount) {
       return absl::InvalidArgumentError(

@@ -37,11 +37,24 @@ absl::Status CheckShards(const Partition& p, const void* const* shards, const ch
   return absl::OkStatus();
 }
 
-absl::Status CheckBytesPerToken(size_t bytes_per_token) {
+// The largest row in bytes: 2^56, the user address space of a 64-bit host with 5-level
+// paging. Every byte offset of the copies, at most num_tokens * bytes_per_token, then fits
+// size_t, and a size no buffer can have is an error rather than a wild copy.
+constexpr size_t kMaxRowBytes = size_t{1} << 56;
+
+absl::Status CheckBytesPerToken(const Partition& p, size_t bytes_per_token) {
   if (bytes_per_token == 0) {
     return absl::InvalidArgumentError(
         "bytesPerToken is 0; pass the size of one token's row (numHeads * headDim * element "
         "size)");
+  }
+  const auto num_tokens = static_cast<size_t>(p.num_tokens());
+  if (bytes_per_token > kMaxRowBytes ||
+      (num_tokens > 0 && bytes_per_token > kMaxRowBytes / num_tokens)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "bytesPerToken = ", bytes_per_token, " with ", num_tokens,
+        " tokens exceeds the largest row of 2^56 bytes (numTokens * bytesPerToken); pass the "
+        "size of one token's row (numHeads * headDim * element size)"));
   }
   return absl::OkStatus();
 }
@@ -117,7 +130,7 @@ hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, si
                                   void* const* shards) {
   return hsap::RunApi("hsapPartitionScatter", [&]() -> absl::Status {
     HSAP_ASSIGN_OR_RETURN(const hsap::Partition* p, hsap::PartitionFromHandle(partition));
-    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
+    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(*p, bytesPerToken));
     if (row == nullptr && p->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }
@@ -131,7 +144,7 @@ hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* s
                                  size_t bytesPerToken, void* row) {
   return hsap::RunApi("hsapPartitionGather", [&]() -> absl::Status {
     HSAP_ASSIGN_OR_RETURN(const hsap::Partition* p, hsap::PartitionFromHandle(partition));
-    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(bytesPerToken));
+    HSAP_RETURN_IF_ERROR(hsap::CheckBytesPerToken(*p, bytesPerToken));
     if (row == nullptr && p->num_tokens() > 0) {
       return absl::InvalidArgumentError("row is null");
     }

@@ -5,6 +5,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "lib/api/checks.h"
 #include "lib/api/handles.h"
 #include "lib/api/result.h"
 #include "lib/sched/plan_json.h"
@@ -31,10 +33,8 @@ absl::Status PlanCreate(hsapPlan_t* out, int num_ranks, int heads_q, int heads_k
     return absl::InvalidArgumentError(
         absl::StrCat("numGroups = ", num_groups, " must be in [1, numRanks = ", num_ranks, "]"));
   }
-  if (heads_q < 1 || heads_q > (1 << 16) || heads_kv < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("numHeadsQ = ", heads_q, ", numHeadsKV = ", heads_kv, ": both must be >= 1"));
-  }
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(heads_q, "numHeadsQ"));
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(heads_kv, "numHeadsKV"));
   for (auto [p, name] : {std::pair<const void*, const char*>{group_sizes, "groupSizes"},
                          {group_ranks, "groupRanks"},
                          {head_counts, "headCounts"}}) {

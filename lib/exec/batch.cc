@@ -30,6 +30,7 @@ struct CreateRecord {
   uint64_t heads_kv = 0;
   uint64_t head_dim = 0;
   uint64_t scale = 0;
+  uint64_t planned = 0;  // created with a plan (its fingerprint is in `weights`)
 };
 
 struct CallRecord {
@@ -154,6 +155,7 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
   mine.heads_kv = static_cast<uint64_t>(options.heads_kv);
   mine.head_dim = static_cast<uint64_t>(options.head_dim);
   mine.scale = std::bit_cast<uint32_t>(dims_.scale);
+  mine.planned = planned ? 1 : 0;
   std::vector<CreateRecord> all(comm.size());
   HSAP_RETURN_IF_ERROR(comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
                                                   "batch creation (agreement on the inputs)"));
@@ -169,6 +171,15 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
   const CreateRecord& ref = all[0];
   for (int r = 1; r < comm.size(); ++r) {
     const CreateRecord& o = all[r];
+    if (o.planned != ref.planned) {
+      auto with = [](uint64_t p) {
+        return p != 0 ? "with a plan (hsapBatchCreateWithPlan)"
+                      : "without a plan (hsapBatchCreate)";
+      };
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", r, " created the batch ", with(o.planned), " but rank 0 ", with(ref.planned),
+          "; every rank of the communicator must create it the same way"));
+    }
     const char* what = o.layout != ref.layout       ? "layout"
                        : o.weights != ref.weights   ? (planned ? "plan" : "weights")
                        : o.dtype != ref.dtype       ? "dtype"

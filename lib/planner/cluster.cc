@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lib/sched/json_text.h"
 
 namespace hsap {
 namespace {
@@ -223,11 +224,9 @@ absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
 }
 
 absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text) {
-  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    return Invalid("the text is not valid JSON (check brackets, quotes and commas)");
-  }
-  return ClusterFromJson(j);
+  absl::StatusOr<json> j = ParseJsonText(text);
+  if (!j.ok()) return Invalid(std::string(j.status().message()));
+  return ClusterFromJson(*j);
 }
 
 absl::StatusOr<Cluster> LoadCluster(const std::string& path) {

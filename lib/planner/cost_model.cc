@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "lib/sched/json_text.h"
 #include "nlohmann/json.hpp"
 
 namespace hsap {
@@ -84,9 +85,12 @@ std::vector<std::string> ModelPresetNames() {
 }
 
 absl::StatusOr<ModelSpec> ModelFromJsonText(absl::string_view text) {
-  const nlohmann::json j =
-      nlohmann::json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
+  absl::StatusOr<nlohmann::json> parsed = ParseJsonText(text);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("model: ", parsed.status().message()));
+  }
+  const nlohmann::json& j = *parsed;
+  if (!j.is_object()) {
     return absl::InvalidArgumentError("model: the text is not a JSON object");
   }
   ModelSpec m;

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <numeric>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -33,10 +34,15 @@ uint64_t MixDouble(uint64_t h, double v) { return Mix(h, std::bit_cast<uint64_t>
 }  // namespace
 
 absl::Status Plan::Validate() const {
-  if (num_ranks < 1) return Invalid(absl::StrCat("num_ranks = ", num_ranks, " must be >= 1"));
-  if (heads_q < 1 || heads_kv < 1) {
-    return Invalid(
-        absl::StrCat("heads_q = ", heads_q, " and heads_kv = ", heads_kv, " must both be >= 1"));
+  // The C ABI's limits (hsap.h, Limits), checked before anything is sized from them.
+  constexpr int kMaxRanks = 1 << 20, kMaxHeads = 65535;
+  if (num_ranks < 1 || num_ranks > kMaxRanks) {
+    return Invalid(absl::StrCat("num_ranks = ", num_ranks, " must be in [1, ", kMaxRanks, "]"));
+  }
+  for (const auto& [heads, name] : {std::pair{heads_q, "heads_q"}, {heads_kv, "heads_kv"}}) {
+    if (heads < 1 || heads > kMaxHeads) {
+      return Invalid(absl::StrCat(name, " = ", heads, " must be in [1, ", kMaxHeads, "]"));
+    }
   }
   if (heads_q % heads_kv != 0) {
     return Invalid(absl::StrCat("heads_q = ", heads_q,

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "lib/sched/json_text.h"
 #include "nlohmann/json.hpp"
 
 namespace hsap {
@@ -217,11 +218,9 @@ absl::StatusOr<Plan> PlanFromJson(const json& j) {
 }  // namespace
 
 absl::StatusOr<Plan> PlanFromJsonText(absl::string_view text) {
-  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded()) {
-    return Invalid("the text is not valid JSON (check brackets, quotes and commas)");
-  }
-  return PlanFromJson(j);
+  absl::StatusOr<json> j = ParseJsonText(text);
+  if (!j.ok()) return Invalid(std::string(j.status().message()));
+  return PlanFromJson(*j);
 }
 
 std::string PlanToJsonText(const Plan& plan, int indent) { return PlanToJson(plan).dump(indent); }

@@ -445,9 +445,13 @@ TEST_F(ApiLocalErrorsTest, Config) {
   config = HSAP_ATTENTION_CONFIG_INITIALIZER;
   config.numThreads = -2;
   ExpectForwardFails(call, hsapInvalidArgument, "config->numThreads");
-  // A larger struct from a newer header is accepted.
-  config = HSAP_ATTENTION_CONFIG_INITIALIZER;
-  config.size += 16;
+  // A larger struct from a newer header (its new fields zero) is accepted.
+  struct {
+    hsapAttentionConfig_t config;
+    unsigned char newer_fields[16];
+  } grown{HSAP_ATTENTION_CONFIG_INITIALIZER, {}};
+  grown.config.size += sizeof(grown.newer_fields);
+  call.config = &grown.config;
   EXPECT_EQ(call.Run(), hsapSuccess) << hsapGetLastError();
   EXPECT_EQ(std::string(hsapGetLastError()), "");
 }

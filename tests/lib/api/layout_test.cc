@@ -61,3 +61,40 @@ TEST(ApiLayoutTest, SliceErrorsShowTheSlicesAsWritten) {
 }
 
 }  // namespace
+
+// The largest row, 2^31 tokens, keeps every visible-pair count within int64; a longer row is
+// an error that states the limit, never a wrapped count.
+TEST(ApiLayoutTest, RowsUpToTheLimitCountTheirPairsExactly) {
+  constexpr int64_t kMaxRow = int64_t{1} << 31;
+  const hsapMaskKind_t full = hsapMaskFull;
+  for (const int64_t length : {kMaxRow + 1, int64_t{3040000000}, int64_t{1} << 40}) {
+    const int64_t cu[] = {0, length};
+    hsapLayout_t layout = nullptr;
+    EXPECT_EQ(hsapLayoutCreate(&layout, cu, 1, &full, nullptr), hsapInvalidArgument) << length;
+    EXPECT_THAT(hsapGetLastError(), HasSubstr("at most 2^31 = 2147483648 tokens"));
+    EXPECT_EQ(layout, nullptr);
+
+    const hsapMaskSlice_t slice = {0, length, 0, length, hsapSliceFull, 0};
+    EXPECT_EQ(hsapLayoutCreateFromSlices(&layout, length, &slice, 1), hsapInvalidArgument);
+    EXPECT_THAT(hsapGetLastError(), HasSubstr("[0, 2^31 = 2147483648]"));
+  }
+
+  const int64_t cu[] = {0, kMaxRow};
+  hsapLayout_t layout = nullptr;
+  int64_t pairs = 0;
+  ASSERT_EQ(hsapLayoutCreate(&layout, cu, 1, &full, nullptr), hsapSuccess);
+  ASSERT_EQ(hsapLayoutGetVisiblePairs(layout, &pairs), hsapSuccess);
+  EXPECT_EQ(pairs, kMaxRow * kMaxRow);
+  hsapLayoutDestroy(layout);
+
+  ASSERT_EQ(hsapLayoutCreate(&layout, cu, 1, nullptr, nullptr), hsapSuccess);  // causal
+  ASSERT_EQ(hsapLayoutGetVisiblePairs(layout, &pairs), hsapSuccess);
+  EXPECT_EQ(pairs, kMaxRow / 2 * (kMaxRow + 1));
+  hsapLayoutDestroy(layout);
+
+  const hsapMaskSlice_t slice = {0, kMaxRow, 0, kMaxRow, hsapSliceFull, 0};
+  ASSERT_EQ(hsapLayoutCreateFromSlices(&layout, kMaxRow, &slice, 1), hsapSuccess);
+  ASSERT_EQ(hsapLayoutGetVisiblePairs(layout, &pairs), hsapSuccess);
+  EXPECT_EQ(pairs, kMaxRow * kMaxRow);
+  hsapLayoutDestroy(layout);
+}

@@ -205,6 +205,31 @@ TEST(FaultsTest, MismatchedConfigsAndWeightsAreReported) {
     EXPECT_EQ(results[r].result, hsapInvalidUsage);
     EXPECT_THAT(results[r].error, HasSubstr("rank 1's weights differs"));
   }
+  // One rank with a plan, one without: said as such, not as differing weights.
+  std::vector<int> heads(kHeads);
+  for (int h = 0; h < kHeads; ++h) heads[h] = h;
+  const int group_sizes[] = {1, 1}, group_ranks[] = {0, 1}, head_counts[] = {kHeads, kHeads};
+  std::vector<int> both_heads = heads;
+  both_heads.insert(both_heads.end(), heads.begin(), heads.end());
+  hsapPlan_t plan = nullptr;
+  ASSERT_EQ(hsapPlanCreate(&plan, R, kHeads, kHeads, 2, group_sizes, group_ranks, nullptr, nullptr,
+                           head_counts, both_heads.data(), nullptr),
+            hsapSuccess)
+      << hsapGetLastError();
+  OnEveryRank(R, [&](int r) {
+    hsapBatchConfig_t config = Config();
+    hsapBatch_t batch = nullptr;
+    results[r].result = r == 1 ? hsapBatchCreateWithPlan(&batch, comms[r], layout, plan, &config)
+                               : hsapBatchCreate(&batch, comms[r], layout, nullptr, &config);
+    results[r].error = hsapGetLastError();
+  });
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(results[r].result, hsapInvalidUsage);
+    EXPECT_THAT(results[r].error,
+                HasSubstr("rank 1 created the batch with a plan (hsapBatchCreateWithPlan) but "
+                          "rank 0 without a plan (hsapBatchCreate)"));
+  }
+  hsapPlanDestroy(plan);
   for (hsapComm_t c : comms) hsapCommDestroy(c);
   hsapLayoutDestroy(layout);
 }

@@ -77,6 +77,8 @@ TEST(ClusterTest, CustomKindsAndPorts) {
 
 TEST(ClusterTest, MalformedInputsGiveClearErrors) {
   EXPECT_THAT(ClusterFromJsonText("{\"nodes\": [").status().message(), HasSubstr("not valid JSON"));
+  EXPECT_THAT(ClusterFromJsonText("{\"nodes\": [1 2]}").status().message(),
+              HasSubstr("not valid JSON at byte 14 (parse error at line 1, column 14"));
   EXPECT_THAT(ClusterFromJsonText("{}").status().message(), HasSubstr("\"nodes\""));
   auto unknown = ClusterFromJsonText(R"({"nodes": [{"kind": "B200", "devices": 8}]})");
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
