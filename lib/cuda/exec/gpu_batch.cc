@@ -215,11 +215,8 @@ class GpuRunnerFactory : public RunnerFactory {
     HSAP_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceHierProgram> program,
         DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream()));
-    // Growing the pool frees the old block, which waits for the device.
-    if (absl::Status s = comm_->pool().Reserve(program->pool_bytes()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("reserving the communicator's device pool (",
-                                                 program->pool_bytes(), " B): ", s.message()));
-    }
+    HSAP_RETURN_IF_ERROR(
+        comm_->pool().Reserve(program->pool_bytes(), absl::StrCat(program->pool_bytes(), " B")));
     return std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program));
   }
 

@@ -430,12 +430,8 @@ absl::StatusOr<std::unique_ptr<DeviceRingProgram>> DeviceRingProgram::Build(
   program->dtype_ = dtype;
   HSAP_ASSIGN_OR_RETURN(program->pool_layout_, ComputePoolLayout(schedule, dims, dtype));
   if (pool != nullptr) {
-    // Growing the pool frees the old block, which waits for the device.
-    if (absl::Status s = pool->Reserve(program->pool_layout_.total_bytes()); !s.ok()) {
-      return absl::Status(s.code(),
-                          absl::StrCat("reserving the communicator's device pool (",
-                                       program->pool_layout_.DebugString(), "): ", s.message()));
-    }
+    HSAP_RETURN_IF_ERROR(
+        pool->Reserve(program->pool_layout_.total_bytes(), program->pool_layout_.DebugString()));
   }
   HSAP_ASSIGN_OR_RETURN(program->lists_, DeviceWorkLists::Upload(device, schedule, stream));
   return program;

@@ -45,13 +45,19 @@ absl::StatusOr<PoolLayout> ComputePoolLayout(const Schedule& schedule, const Att
 
 DeviceBufferPool::~DeviceBufferPool() { device_.Free(base_); }
 
-absl::Status DeviceBufferPool::Reserve(size_t bytes) {
+absl::Status DeviceBufferPool::Reserve(size_t bytes, absl::string_view need) {
   if (bytes <= size_) return absl::OkStatus();
   device_.Free(base_);
   base_ = nullptr;
   size_ = 0;
-  HSAP_ASSIGN_OR_RETURN(void* p, device_.Allocate(bytes));
-  base_ = p;
+  absl::StatusOr<void*> p = device_.Allocate(bytes);
+  if (!p.ok()) {
+    if (need.empty()) return p.status();
+    return absl::Status(p.status().code(),
+                        absl::StrCat("reserving the communicator's device pool (", need,
+                                     "): ", p.status().message()));
+  }
+  base_ = *p;
   size_ = bytes;
   return absl::OkStatus();
 }

@@ -21,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attention/dtype.h"
 #include "attention/kernel.h"
 #include "lib/cuda/runtime/device.h"
@@ -68,8 +69,9 @@ class DeviceBufferPool {
   DeviceBufferPool& operator=(const DeviceBufferPool&) = delete;
 
   // Makes the pool at least `bytes` bytes (one allocation; the old block is freed first,
-  // which waits for the device, so call it only between calls).
-  absl::Status Reserve(size_t bytes);
+  // which waits for the device, so call it only between calls). A failure names `need`
+  // (what the bytes are for) when given.
+  absl::Status Reserve(size_t bytes, absl::string_view need = {});
   size_t size() const { return size_; }
   // The pool's base pointer (device memory), null before the first Reserve.
   void* base() const { return base_; }
