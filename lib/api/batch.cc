@@ -88,6 +88,25 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
   return BatchBackend{nullptr, HostRunners(HandWrittenKernels())};
 }
 
+absl::StatusOr<BatchOptions> OptionsFromConfig(const hsapBatchConfig_t* config) {
+  if (config == nullptr) {
+    return absl::InvalidArgumentError(
+        "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
+        "dtype, numHeadsQ, numHeadsKV and headDim");
+  }
+  HSAP_RETURN_IF_ERROR(
+      CheckConfigHeader(*config, "config", kBatchConfigV1Size, "HSAP_BATCH_CONFIG_INITIALIZER"));
+  BatchOptions options;
+  HSAP_ASSIGN_OR_RETURN(options.dtype, DTypeFromC(config->dtype, "config->dtype"));
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
+  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
+  options.heads_q = config->numHeadsQ;
+  options.heads_kv = config->numHeadsKV;
+  options.head_dim = config->headDim;
+  options.scale = config->softmaxScale;
+  return options;
+}
+
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const KernelSet> kernels,
                              hsapComm_st& comm) {
   auto handle = std::make_unique<hsapBatch_st>();
@@ -121,22 +140,7 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
           return absl::OkStatus();
         },
         [&]() -> absl::Status {
-          if (config == nullptr) {
-            return absl::InvalidArgumentError(
-                "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and "
-                "set dtype, numHeadsQ, numHeadsKV and headDim");
-          }
-          HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(*config, "config", hsap::kBatchConfigV1Size,
-                                                       "HSAP_BATCH_CONFIG_INITIALIZER"));
-          HSAP_ASSIGN_OR_RETURN(hsap::DType dtype,
-                                hsap::DTypeFromC(config->dtype, "config->dtype"));
-          options.dtype = dtype;
-          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
-          HSAP_RETURN_IF_ERROR(hsap::CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
-          options.heads_q = config->numHeadsQ;
-          options.heads_kv = config->numHeadsKV;
-          options.head_dim = config->headDim;
-          options.scale = config->softmaxScale;
+          HSAP_ASSIGN_OR_RETURN(options, hsap::OptionsFromConfig(config));
           return absl::OkStatus();
         });
     static const hsap::Layout* const kNoLayout = new hsap::Layout();

@@ -34,6 +34,10 @@ struct BatchBackend {
 BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& options,
                               const Layout& layout, bool planned, absl::Status& local);
 
+// The options of an hsapBatchConfig_t (header, dtype and head counts checked), or
+// InvalidArgument naming the field; shared by hsapBatchCreate and hsapBatchCreateWithPlan.
+absl::StatusOr<BatchOptions> OptionsFromConfig(const hsapBatchConfig_t* config);
+
 // The handle of a created batch on `comm`; it owns the batch, keeps its kernels alive and
 // counts in comm's live batches until it is destroyed.
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const KernelSet> kernels,

@@ -17,8 +17,6 @@
 namespace hsap {
 namespace {
 
-constexpr size_t kBatchConfigV1Size = sizeof(hsapBatchConfig_t);
-
 // The arguments other than the communicator, checked in order; the verdict travels with
 // this rank's part of the creation agreement so that its peers fail at once.
 absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t plan,
@@ -31,21 +29,7 @@ absl::Status CheckCreateArgs(hsapBatch_t* batch, hsapLayout_t layout, hsapPlan_t
     return absl::InvalidArgumentError(
         "plan is null; create one with hsapPlanCreate or hsapPlanCreateFromJson");
   }
-  if (config == nullptr) {
-    return absl::InvalidArgumentError(
-        "config is null; fill an hsapBatchConfig_t with HSAP_BATCH_CONFIG_INITIALIZER and set "
-        "dtype, numHeadsQ, numHeadsKV and headDim");
-  }
-  HSAP_RETURN_IF_ERROR(
-      CheckConfigHeader(*config, "config", kBatchConfigV1Size, "HSAP_BATCH_CONFIG_INITIALIZER"));
-  HSAP_ASSIGN_OR_RETURN(DType dtype, DTypeFromC(config->dtype, "config->dtype"));
-  options.dtype = dtype;
-  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsQ, "config->numHeadsQ"));
-  HSAP_RETURN_IF_ERROR(CheckHeadCount(config->numHeadsKV, "config->numHeadsKV"));
-  options.heads_q = config->numHeadsQ;
-  options.heads_kv = config->numHeadsKV;
-  options.head_dim = config->headDim;
-  options.scale = config->softmaxScale;
+  HSAP_ASSIGN_OR_RETURN(options, OptionsFromConfig(config));
   return absl::OkStatus();
 }
 
