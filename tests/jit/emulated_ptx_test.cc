@@ -145,6 +145,56 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, MmaTest,
                                   std::to_string(info.param.seed);
                          });
 
+// Many collectives back to back (ldmatrix then mma, 64 times, no other barrier between) on
+// four warps: each instruction sees its own operands, never a later one's. The accumulator
+// runs through every mma, so the result is checked bit for bit against the host's sums.
+TEST(MmaSequenceTest, BackToBackInstructionsKeepTheirOperands) {
+  constexpr int kSteps = 64, kWarps = 4;
+  std::mt19937_64 rng(7);
+  std::vector<Tile> a(kSteps);
+  for (Tile& t : a) FillRandom(rng, DType::kBF16, t.v, 256, 1.0f);
+  uint16_t b[16][8];
+  FillRandom(rng, DType::kBF16, &b[0][0], 128, 1.0f);
+  float d[kWarps][16][8] = {};
+  absl::Status s = LaunchWarps(kWarps, kSteps * sizeof(Tile), [&] {
+    const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+    const int g = lane / 4, t = lane % 4;
+    auto* smem = reinterpret_cast<Tile*>(hsap_dev::dynamic_smem());
+    for (int i = threadIdx.x; i < kSteps; i += kWarps * kWarp) smem[i] = a[i];
+    __syncthreads();
+    const unsigned fb[2] = {Pair(b[2 * t][g], b[2 * t + 1][g]),
+                            Pair(b[2 * t + 8][g], b[2 * t + 9][g])};
+    float acc[4] = {0, 0, 0, 0};
+    for (int step = 0; step < kSteps; ++step) {
+      // Warp w starts at a different tile, so neighbouring warps load different data.
+      const Tile& tile = smem[(step + warp * 5) % kSteps];
+      unsigned fa[4];
+      hsap_dev::ldmatrix_x4(fa, tile.v + (lane % 16) * 16 + (lane / 16) * 8);
+      hsap_dev::mma_m16n8k16_bf16(acc, fa, fb, acc);
+    }
+    d[warp][g][2 * t] = acc[0];
+    d[warp][g][2 * t + 1] = acc[1];
+    d[warp][g + 8][2 * t] = acc[2];
+    d[warp][g + 8][2 * t + 1] = acc[3];
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int w = 0; w < kWarps; ++w) {
+    for (int i = 0; i < 16; ++i) {
+      for (int j = 0; j < 8; ++j) {
+        float plain = 0;
+        for (int step = 0; step < kSteps; ++step) {
+          const Tile& tile = a[(step + w * 5) % kSteps];
+          for (int k = 0; k < 16; ++k) {
+            plain =
+                plain + Decode(tile.v[i * 16 + k], DType::kBF16) * Decode(b[k][j], DType::kBF16);
+          }
+        }
+        ASSERT_EQ(d[w][i][j], plain) << "warp " << w << " D[" << i << "][" << j << "]";
+      }
+    }
+  }
+}
+
 // ---- ldmatrix ----
 
 struct LdmatrixCase {

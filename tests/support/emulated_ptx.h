@@ -5,8 +5,11 @@
 //
 // mma and ldmatrix are warp-collective: every lane deposits its operands (registers, a row
 // address) in its slot of the warp's exchange, the warp meets at its barrier, then each lane
-// rebuilds the whole matrices from the 32 slots and computes its own result registers; a
-// second barrier keeps the slots until every lane has read them. Both instructions are
+// rebuilds the whole matrices from the 32 slots and computes its own result registers. The
+// slots alternate between two buffers (by the parity of the lanes' count of collectives), so
+// one barrier per instruction suffices: a lane overwrites a buffer only two instructions
+// later, past a barrier that every reader of that buffer reached after reading it. Both
+// instructions are
 // .sync.aligned: all 32 lanes must execute the same instruction. A lane that has exited (it
 // dropped out of the warp barrier) or that meets the warp at another collective leaves a
 // stale ticket or another opcode in its slot, and the launch faults instead of hanging.
@@ -67,7 +70,7 @@ struct PtxLaneSlot {
   const void* address = nullptr;  // ldmatrix: this lane's row address
 };
 struct PtxWarpExchange {
-  std::array<PtxLaneSlot, 32> lanes;
+  std::array<PtxLaneSlot, 32> lanes[2];  // by ticket parity
 };
 
 namespace ptx {
@@ -88,16 +91,16 @@ inline std::string OpName(PtxOp op, int variant) {
 }
 
 // Deposits this lane's slot and meets the warp; returns the 32 slots, all of the same
-// instruction (faults otherwise). Call Release() once the slots are read.
+// instruction (faults otherwise). They stay valid until this lane's next collective.
 inline const std::array<PtxLaneSlot, 32>& Gather(const PtxLaneSlot& mine) {
-  PtxWarpExchange& warp = ThisWarpExchange();
   const int lane = ThisLane();
   const std::uint64_t ticket = ++tl_collectives;
-  warp.lanes[lane] = mine;
-  warp.lanes[lane].ticket = ticket;
+  std::array<PtxLaneSlot, 32>& slots = ThisWarpExchange().lanes[ticket & 1];
+  slots[lane] = mine;
+  slots[lane].ticket = ticket;
   SyncWarp();
   for (int l = 0; l < 32; ++l) {
-    const PtxLaneSlot& s = warp.lanes[l];
+    const PtxLaneSlot& s = slots[l];
     if (s.ticket != ticket || s.op != mine.op || s.variant != mine.variant) {
       Fault(absl::StrCat(OpName(mine.op, mine.variant), ".sync.aligned: lane ", l,
                          s.ticket < ticket ? " did not take part (exited or diverged)"
@@ -106,9 +109,8 @@ inline const std::array<PtxLaneSlot, 32>& Gather(const PtxLaneSlot& mine) {
                          " of ", ticket, ")"));
     }
   }
-  return warp.lanes;
+  return slots;
 }
-inline void Release() { SyncWarp(); }
 
 inline std::uint16_t Half(std::uint32_t reg, int which) {
   return static_cast<std::uint16_t>(which == 0 ? reg & 0xffffu : reg >> 16);
@@ -156,7 +158,6 @@ inline void Mma(bool bf16, float* d, const std::uint32_t* a, const std::uint32_t
   const float c_in[4] = {c[0], c[1], c[2], c[3]};  // d may alias c
   MmaOperands m;
   GatherMmaOperands(Gather(mine), bf16, m);
-  Release();
   const int lane = ThisLane();
   for (int i = 0; i < 4; ++i) {
     int row, col;
@@ -192,7 +193,6 @@ inline void Ldmatrix(int num, bool trans, std::uint32_t* r, const void* row_addr
     }
     std::memcpy(rows[l / 8][l % 8], p, 16);
   }
-  Release();
   const int lane = ThisLane();
   const int g = lane >> 2, t = lane % 4;
   for (int m = 0; m < num; ++m) {
