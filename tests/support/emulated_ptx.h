@@ -8,11 +8,11 @@
 // rebuilds the whole matrices from the 32 slots and computes its own result registers. The
 // slots alternate between two buffers (by the parity of the lanes' count of collectives), so
 // one barrier per instruction suffices: a lane overwrites a buffer only two instructions
-// later, past a barrier that every reader of that buffer reached after reading it. Both
-// instructions are
-// .sync.aligned: all 32 lanes must execute the same instruction. A lane that has exited (it
-// dropped out of the warp barrier) or that meets the warp at another collective leaves a
-// stale ticket or another opcode in its slot, and the launch faults instead of hanging.
+// later, past a barrier that every reader of that buffer reached after reading it.
+// Both instructions are .sync.aligned: all 32 lanes must execute the same instruction. A lane
+// that has exited (it dropped out of the warp barrier) or that meets the warp at another
+// collective leaves a stale ticket or another opcode in its slot, and the launch faults
+// instead of hanging.
 //
 // mma accumulation order: the ISA leaves it unspecified (and the hardware's internal adds are
 // not IEEE additions). The emulator starts from c and adds the 16 products in ascending k,
