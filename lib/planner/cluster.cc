@@ -1,5 +1,6 @@
 #include "lib/planner/cluster.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -241,6 +242,20 @@ absl::StatusOr<Cluster> LoadCluster(const std::string& path) {
   }
   if (cluster->name.empty()) cluster->name = path;
   return cluster;
+}
+
+PortClock::PortClock(const Cluster& cluster) : cluster_(cluster), map_(cluster) {
+  free_.assign(map_.size(), 0.0);
+}
+
+double PortClock::Transfer(int src, int dst, double bytes, double ready, double* start) {
+  auto [a, b] = map_.Ports(src, dst);
+  const double begin = std::max({ready, free_[a], free_[b]});
+  const double end = begin + bytes / std::min(map_.bandwidth(a), map_.bandwidth(b));
+  free_[a] = begin + bytes / map_.bandwidth(a);
+  free_[b] = begin + bytes / map_.bandwidth(b);
+  *start = begin;
+  return end + cluster_.Latency(src, dst);
 }
 
 }  // namespace hsap

@@ -101,6 +101,24 @@ class PortMap {
   std::vector<double> bandwidth_;
 };
 
+// First-come-first-served ports (the simulators' link model): a transfer starts when it is
+// ready and both its ports are free, lasts bytes / min(bandwidths), holds each port for
+// bytes / that port's bandwidth (a fast port carrying a flow limited by a slow peer is free
+// again for the next flow), and arrives one latency after it ends. Transfers must be
+// issued in the order they become ready.
+class PortClock {
+ public:
+  explicit PortClock(const Cluster& cluster);
+  // Returns the arrival time of a transfer src -> dst (src != dst) of `bytes`, ready at
+  // `ready`; *start is when it began.
+  double Transfer(int src, int dst, double bytes, double ready, double* start);
+
+ private:
+  const Cluster& cluster_;
+  PortMap map_;
+  std::vector<double> free_;
+};
+
 absl::StatusOr<Cluster> ClusterFromJson(const nlohmann::json& json);
 absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text);
 // Reads a file; errors name the path.
