@@ -264,6 +264,18 @@ uint64_t RunSimulation::InterNodeBytes() const {
   return sum;
 }
 
+double NicBoundSeconds(const Cluster& cluster, const RunSimulation& sim) {
+  double bound = 0;
+  for (const Node& node : cluster.nodes) {
+    double bytes = 0;
+    for (int d : node.devices) {
+      if (d < static_cast<int>(sim.ranks.size())) bytes += sim.ranks[d].inter_node_bytes_sent;
+    }
+    bound = std::max(bound, bytes / (node.nics * node.nic_bytes_per_s));
+  }
+  return bound;
+}
+
 absl::StatusOr<RunSimulation> SimulatePrograms(const Cluster& cluster,
                                                absl::Span<const RankProgram> programs,
                                                int head_dim) {

@@ -64,6 +64,10 @@ struct RunSimulation {
   uint64_t InterNodeBytes() const;  // sent by all ranks, both passes
 };
 
+// A communication lower bound of a simulated run: the busiest node's inter-node bytes (sent,
+// both passes) over the node's NIC bandwidth (all its NICs, one direction).
+double NicBoundSeconds(const Cluster& cluster, const RunSimulation& sim);
+
 // Prices the programs of every rank (programs[r].rank == r, one per device of `cluster`).
 absl::StatusOr<RunSimulation> SimulatePrograms(const Cluster& cluster,
                                                absl::Span<const RankProgram> programs,
