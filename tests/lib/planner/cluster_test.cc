@@ -75,6 +75,37 @@ TEST(ClusterTest, CustomKindsAndPorts) {
   EXPECT_DOUBLE_EQ(ports.bandwidth(ports.Ports(0, 4).second), 10e9);
 }
 
+TEST(ClusterTest, FromDevicesGroupsConsecutiveRanksIntoNodes) {
+  DeviceDescription h100{"H100"}, x1{"X1", 100, 16, 1000, 0.5, 64};
+  h100.nic_gbps = x1.nic_gbps = 25;
+  x1.node = 1;
+  x1.nics = 2;
+  auto c = ClusterFromDevices({h100, h100, x1, x1, x1});
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_EQ(c->size(), 5);
+  ASSERT_EQ(c->nodes.size(), 2u);
+  EXPECT_EQ(c->nodes[1].devices, (std::vector<int>{2, 3, 4}));
+  EXPECT_EQ(c->nodes[1].nics, 2);
+  EXPECT_EQ(c->kind_of(0).name, "H100");
+  EXPECT_DOUBLE_EQ(c->kind_of(0).peak_flops, BuiltinDeviceKinds()[0].peak_flops);  // built in
+  EXPECT_DOUBLE_EQ(c->kind_of(3).AttentionFlops(), 50e12);
+  EXPECT_DOUBLE_EQ(c->LinkBandwidth(1, 2), 25e9);
+  EXPECT_FALSE(c->SameNode(1, 2));
+
+  DeviceDescription other = x1;
+  other.peak_tflops = 200;
+  EXPECT_THAT(ClusterFromDevices({x1, other}).status().message(),
+              HasSubstr("rank 1 (X1, node 1) describes its kind otherwise than rank 0"));
+  DeviceDescription back = h100;
+  EXPECT_THAT(ClusterFromDevices({h100, x1, back}).status().message(),
+              HasSubstr("the ranks of a node must be consecutive"));
+  DeviceDescription mixed = x1;
+  mixed.node = 0;
+  EXPECT_THAT(ClusterFromDevices({h100, mixed}).status().message(), HasSubstr("one kind"));
+  EXPECT_THAT(ClusterFromDevices({DeviceDescription{"Z9"}}).status().message(), HasSubstr("Z9"));
+  EXPECT_FALSE(ClusterFromDevices({}).ok());
+}
+
 TEST(ClusterTest, MalformedInputsGiveClearErrors) {
   EXPECT_THAT(ClusterFromJsonText("{\"nodes\": [").status().message(), HasSubstr("not valid JSON"));
   EXPECT_THAT(ClusterFromJsonText("{\"nodes\": [1 2]}").status().message(),
