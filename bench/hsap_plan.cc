@@ -213,6 +213,21 @@ std::string PlanSvg(const Cluster& cluster, const Workload& workload, const Plan
   return out.str();
 }
 
+// The breakdown of a simulated layer (fwd + bwd): the busiest device's compute, the
+// imbalance (that minus the mean device's compute), and the rest: transfer no compute hid.
+struct Breakdown {
+  double compute = 0, imbalance = 0, exposed = 0;
+};
+Breakdown BreakdownOf(const SimResult& sim) {
+  double most = 0, sum = 0;
+  for (const SimDevice& d : sim.devices) {
+    most = std::max(most, d.busy_seconds);
+    sum += d.busy_seconds;
+  }
+  const double mean = sim.devices.empty() ? 0 : sum / sim.devices.size();
+  return {most, std::max(0.0, most - mean), sim.Seconds() - most};
+}
+
 struct Row {
   std::string name, config;
   bool available;
@@ -315,6 +330,20 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     rows.push_back(row);
   }
   const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
+  // End to end: attention (simulated) plus the token-parallel projections and MLP.
+  auto e2e_tokens_per_s = [&](const Plan& plan, const SimResult& sim) {
+    return static_cast<double>(workload.seq_len) /
+           (model->layers * (sim.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
+  };
+  const double e2e_hsap = e2e_tokens_per_s(result->plan, result->sim);
+  double e2e_base = 0;
+  for (const Baseline& b : result->baselines) {
+    if (b.available && b.name == best_name) e2e_base = e2e_tokens_per_s(b.plan, b.sim);
+  }
+  const double e2e_speedup = e2e_base > 0 ? e2e_hsap / e2e_base : 0;
+  const double hardware_tps = static_cast<double>(workload.seq_len) /
+                              (model->layers * HardwareBoundSeconds(*cluster, workload));
+  const Breakdown parts = BreakdownOf(result->sim);
   const double of_ideal = rows[0].tokens_per_s / ideal_tps;
   if (speedups && speedup > 0) speedups->push_back(speedup);
   if (ideal_fractions) ideal_fractions->push_back(of_ideal);
@@ -349,10 +378,30 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
         "planning %.1f ms wall, %.1f ms CPU (%d cost-model evaluations)\n",
         best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
         result->planning_cpu_seconds * 1e3, result->candidates);
+    std::printf(
+        "# yardsticks per layer (fwd + bwd): hardware bound %.3f ms (datasheet peak, efficiency "
+        "1), model bound %.3f ms (cost-model efficiency); hsap at %.1f%% / %.1f%% of them\n",
+        HardwareBoundSeconds(*cluster, workload) * 1e3, IdealSeconds(*cluster, workload) * 1e3,
+        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal);
+    std::printf(
+        "# hsap's simulated layer: %.3f ms = compute %.3f (busiest device) + exposed transfer "
+        "%.3f; imbalance %.3f (busiest minus mean device compute)\n",
+        result->sim.Seconds() * 1e3, parts.compute * 1e3, parts.exposed * 1e3,
+        parts.imbalance * 1e3);
+    std::printf(
+        "# end to end (attention + token-parallel projections and MLP, token shares of the "
+        "plan): hsap %.0f tokens/s, %s %.0f tokens/s: %.3fx (attention only %.3fx)\n",
+        e2e_hsap, best_name.c_str(), e2e_base, e2e_speedup, speedup);
   } else {
-    std::printf("  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.1f%% %9.1f\n", cluster->name.c_str(),
-                cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s, best_baseline,
-                best_name.c_str(), speedup, 100 * of_ideal, result->planning_cpu_seconds * 1e3);
+    const double step = result->sim.Seconds();
+    std::printf(
+        "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
+        "%9.1f\n",
+        cluster->name.c_str(), cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s,
+        best_baseline, best_name.c_str(), speedup, e2e_speedup,
+        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal, 100 * parts.compute / step,
+        100 * parts.exposed / step, 100 * parts.imbalance / step,
+        result->planning_cpu_seconds * 1e3);
   }
   if (args.run && print_plan) {
     if (int rc = ReportRun(args, *cluster, *model, *result, best_name); rc != 0) return rc;
@@ -395,8 +444,14 @@ int main(int argc, char** argv) {
       "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
       "attention (fwd + bwd), simulated\n",
       args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
-  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %9s\n", "cluster", "devices", "hsap_tok/s",
-              "base_tok/s", "baseline", "speedup", "of_ideal", "plan_cpu_ms");
+  std::printf(
+      "# speedup: attention only; e2e_x: whole layer (attention + token-parallel projections "
+      "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
+      "model bound (cost-model efficiency); compute / exposed / imbal: shares of hsap's "
+      "simulated layer (busiest device's compute, transfer not hidden, busiest minus mean)\n");
+  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s\n", "cluster",
+              "devices", "hsap_tok/s", "base_tok/s", "baseline", "speedup", "e2e_x", "of_hw",
+              "of_model", "comp", "expos", "imbal", "plan_cpu_ms");
   std::vector<double> speedups, ideal;
   int rc = 0;
   for (const std::string& path : args.clusters) {
