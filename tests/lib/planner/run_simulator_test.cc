@@ -1,5 +1,6 @@
 #include "lib/planner/run_simulator.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -201,6 +202,12 @@ TEST(RunSimulatorTest, SlowNicIsExposedAndInterNodeBytesCounted) {
   ASSERT_GT(moved, 0u);
   EXPECT_EQ(apart->InterNodeBytes(), moved);
   EXPECT_EQ(together->InterNodeBytes(), 0u);
+  // The NIC bound: the busier node's bytes over its one NIC.
+  const double node0 = static_cast<double>(apart->ranks[0].inter_node_bytes_sent);
+  const double node1 = static_cast<double>(apart->ranks[1].inter_node_bytes_sent);
+  EXPECT_DOUBLE_EQ(NicBoundSeconds(TestCluster(2, 1, 100, 0.01), *apart),
+                   std::max(node0, node1) / 0.01e9);
+  EXPECT_EQ(NicBoundSeconds(TestCluster(1, 2, 1e6), *together), 0);
   // The forward K/V alone needs bytes / bandwidth on the wire before rank 1 can use it.
   EXPECT_GE(apart->forward_seconds, apart->ranks[0].forward.ring_sent / 0.01e9);
   EXPECT_GT(apart->ExposedTransferSeconds(), together->ExposedTransferSeconds());
