@@ -4,6 +4,7 @@
 //   hsap_plan --cluster clusters/testbed_8h100_8a100.json [--model llama-7b | MODEL.json]
 //             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
 //             [--json PLAN.json] [--svg PICTURE.svg] [--brief]
+//             [--run [--docs MEAN] [--seed N]]
 //   hsap_plan --brief clusters/mix32_*.json ...    one table row per cluster + summary
 //   hsap_plan --help
 //
@@ -12,7 +13,15 @@
 //
 // tokens/s counts the row's tokens through the attention of every layer, forward and
 // backward: seq / (layers x (t_fwd + t_bwd)) with the simulator's per-layer times.
+//
+// --run: the plan and the strongest baseline as the runtime runs them (lib/planner/
+// run_simulator.h) on a row of --seq tokens: one causal document, or causal documents of
+// mean length --docs drawn from --seed. Per layer: forward and backward time, the busiest
+// rank's compute, the imbalance (that minus the mean rank's), the transfer time no compute
+// hid, the inter-node bytes, the NIC lower bound (busiest node's inter-node bytes over its
+// NICs), and the time to build the programs and price them.
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +38,7 @@
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
 #include "lib/planner/planner.h"
+#include "lib/planner/run_simulator.h"
 #include "lib/planner/simulator.h"
 #include "lib/sched/plan.h"
 #include "lib/sched/plan_json.h"
@@ -46,11 +56,15 @@ struct Args {
   bool checkpointing = true;
   std::string json_path, svg_path;
   bool brief = false;
+  bool run = false;   // also simulate what the runtime runs (run_simulator.h)
+  double docs = 0;    // mean document length of the row it runs; 0: one document
+  uint64_t seed = 1;  // of the document lengths
 };
 
 constexpr char kUsage[] =
     "usage: hsap_plan --cluster FILE [--model NAME] [--seq N] [--full] [--margin F] "
-    "[--no-checkpointing] [--json FILE] [--svg FILE] [--brief] [FILE...]\n"
+    "[--no-checkpointing] [--json FILE] [--svg FILE] [--brief] [--run [--docs MEAN] "
+    "[--seed N]] [FILE...]\n"
     "       hsap_plan --help\n";
 
 [[noreturn]] void Usage(const char* msg) {
@@ -85,6 +99,12 @@ Args Parse(int argc, char** argv) {
       a.json_path = value();
     } else if (arg == "--svg") {
       a.svg_path = value();
+    } else if (arg == "--run") {
+      a.run = true;
+    } else if (arg == "--docs") {
+      if (!absl::SimpleAtod(value(), &a.docs) || a.docs < 0) Usage("--docs needs a length >= 0");
+    } else if (arg == "--seed") {
+      if (!absl::SimpleAtoi(value(), &a.seed)) Usage("--seed needs a non-negative integer");
     } else if (arg == "--brief") {
       a.brief = true;
     } else if (!arg.empty() && arg[0] != '-') {
@@ -193,11 +213,70 @@ std::string PlanSvg(const Cluster& cluster, const Workload& workload, const Plan
   return out.str();
 }
 
+// The breakdown of a simulated layer (fwd + bwd): the busiest device's compute, the
+// imbalance (that minus the mean device's compute), and the rest: transfer no compute hid.
+struct Breakdown {
+  double compute = 0, imbalance = 0, exposed = 0;
+};
+Breakdown BreakdownOf(const SimResult& sim) {
+  double most = 0, sum = 0;
+  for (const SimDevice& d : sim.devices) {
+    most = std::max(most, d.busy_seconds);
+    sum += d.busy_seconds;
+  }
+  const double mean = sim.devices.empty() ? 0 : sum / sim.devices.size();
+  return {most, std::max(0.0, most - mean), sim.Seconds() - most};
+}
+
 struct Row {
   std::string name, config;
   bool available;
   double fwd, bwd, tokens_per_s;
 };
+
+// --run: the plan and the strongest baseline's plan as the runtime runs them on a row (one
+// causal document, or documents of mean length --docs), priced by the run simulator.
+int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
+              const PlannerResult& result, const std::string& best_name) {
+  absl::StatusOr<Layout> row = SampleRow(args.seq, args.docs, args.seed);
+  if (!row.ok()) {
+    std::fprintf(stderr, "hsap_plan: --run: %s\n", std::string(row.status().message()).c_str());
+    return 1;
+  }
+  const LayerShape shape{model.heads_q, model.heads_kv, model.head_dim,
+                         model.dtype_bytes == 4 ? DType::kF32 : DType::kBF16};
+  std::vector<std::pair<std::string, const Plan*>> plans = {{"hsap", &result.plan}};
+  for (const Baseline& b : result.baselines) {
+    if (b.available && b.name == best_name) plans.push_back({b.name, &b.plan});
+  }
+  std::printf("# what runs: %s, priced by the run simulator (the runtime's own programs)\n",
+              args.docs > 0 ? absl::StrFormat("documents of mean %.0f tokens, seed %lu", args.docs,
+                                              static_cast<unsigned long>(args.seed))
+                                  .c_str()
+                            : "one causal document");
+  std::printf("# %-12s %10s %10s %10s %10s %10s %12s %10s %9s\n", "layout", "fwd_ms", "bwd_ms",
+              "compute_ms", "imbal_ms", "exposed_ms", "internode_GB", "nic_lb_ms", "build_ms");
+  for (const auto& [name, plan] : plans) {
+    const auto start = std::chrono::steady_clock::now();
+    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*row, *plan, shape);
+    absl::StatusOr<RunSimulation> sim = programs.ok()
+                                            ? SimulatePrograms(cluster, *programs, model.head_dim)
+                                            : absl::StatusOr<RunSimulation>(programs.status());
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (!sim.ok()) {
+      std::fprintf(stderr, "hsap_plan: --run %s: %s\n", name.c_str(),
+                   std::string(sim.status().message()).c_str());
+      return 1;
+    }
+    std::printf("  %-12s %10.3f %10.3f %10.3f %10.3f %10.3f %12.3f %10.3f %9.0f\n", name.c_str(),
+                sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
+                sim->MaxComputeSeconds() * 1e3, sim->ImbalanceSeconds() * 1e3,
+                sim->ExposedTransferSeconds() * 1e3, sim->InterNodeBytes() / 1e9,
+                NicBoundSeconds(cluster, *sim) * 1e3, ms);
+  }
+  return 0;
+}
 
 int RunOne(const Args& args, const std::string& path, bool print_plan,
            std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
@@ -251,6 +330,20 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     rows.push_back(row);
   }
   const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
+  // End to end: attention (simulated) plus the token-parallel projections and MLP.
+  auto e2e_tokens_per_s = [&](const Plan& plan, const SimResult& sim) {
+    return static_cast<double>(workload.seq_len) /
+           (model->layers * (sim.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
+  };
+  const double e2e_hsap = e2e_tokens_per_s(result->plan, result->sim);
+  double e2e_base = 0;
+  for (const Baseline& b : result->baselines) {
+    if (b.available && b.name == best_name) e2e_base = e2e_tokens_per_s(b.plan, b.sim);
+  }
+  const double e2e_speedup = e2e_base > 0 ? e2e_hsap / e2e_base : 0;
+  const double hardware_tps = static_cast<double>(workload.seq_len) /
+                              (model->layers * HardwareBoundSeconds(*cluster, workload));
+  const Breakdown parts = BreakdownOf(result->sim);
   const double of_ideal = rows[0].tokens_per_s / ideal_tps;
   if (speedups && speedup > 0) speedups->push_back(speedup);
   if (ideal_fractions) ideal_fractions->push_back(of_ideal);
@@ -285,10 +378,33 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
         "planning %.1f ms wall, %.1f ms CPU (%d cost-model evaluations)\n",
         best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
         result->planning_cpu_seconds * 1e3, result->candidates);
+    std::printf(
+        "# yardsticks per layer (fwd + bwd): hardware bound %.3f ms (datasheet peak, efficiency "
+        "1), model bound %.3f ms (cost-model efficiency); hsap at %.1f%% / %.1f%% of them\n",
+        HardwareBoundSeconds(*cluster, workload) * 1e3, IdealSeconds(*cluster, workload) * 1e3,
+        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal);
+    std::printf(
+        "# hsap's simulated layer: %.3f ms = compute %.3f (busiest device) + exposed transfer "
+        "%.3f; imbalance %.3f (busiest minus mean device compute)\n",
+        result->sim.Seconds() * 1e3, parts.compute * 1e3, parts.exposed * 1e3,
+        parts.imbalance * 1e3);
+    std::printf(
+        "# end to end (attention + token-parallel projections and MLP, token shares of the "
+        "plan): hsap %.0f tokens/s, %s %.0f tokens/s: %.3fx (attention only %.3fx)\n",
+        e2e_hsap, best_name.c_str(), e2e_base, e2e_speedup, speedup);
   } else {
-    std::printf("  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.1f%% %9.1f\n", cluster->name.c_str(),
-                cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s, best_baseline,
-                best_name.c_str(), speedup, 100 * of_ideal, result->planning_cpu_seconds * 1e3);
+    const double step = result->sim.Seconds();
+    std::printf(
+        "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
+        "%9.1f\n",
+        cluster->name.c_str(), cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s,
+        best_baseline, best_name.c_str(), speedup, e2e_speedup,
+        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal, 100 * parts.compute / step,
+        100 * parts.exposed / step, 100 * parts.imbalance / step,
+        result->planning_cpu_seconds * 1e3);
+  }
+  if (args.run && print_plan) {
+    if (int rc = ReportRun(args, *cluster, *model, *result, best_name); rc != 0) return rc;
   }
   if (!args.json_path.empty()) {
     if (absl::Status written = WriteTextFile(args.json_path, PlanToJsonText(result->plan) + "\n");
@@ -328,8 +444,14 @@ int main(int argc, char** argv) {
       "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
       "attention (fwd + bwd), simulated\n",
       args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
-  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %9s\n", "cluster", "devices", "hsap_tok/s",
-              "base_tok/s", "baseline", "speedup", "of_ideal", "plan_cpu_ms");
+  std::printf(
+      "# speedup: attention only; e2e_x: whole layer (attention + token-parallel projections "
+      "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
+      "model bound (cost-model efficiency); compute / exposed / imbal: shares of hsap's "
+      "simulated layer (busiest device's compute, transfer not hidden, busiest minus mean)\n");
+  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s\n", "cluster",
+              "devices", "hsap_tok/s", "base_tok/s", "baseline", "speedup", "e2e_x", "of_hw",
+              "of_model", "comp", "expos", "imbal", "plan_cpu_ms");
   std::vector<double> speedups, ideal;
   int rc = 0;
   for (const std::string& path : args.clusters) {

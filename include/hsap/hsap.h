@@ -351,6 +351,79 @@ hsapResult_t hsapPlanGetPredictedTime(hsapPlan_t plan, double* forwardSeconds,
 hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ,
                               int* numHeadsKV, int* numGroups);
 
+/* ---- Planning at start-up: a plan for a cluster and a model ------------------------- */
+
+/* The model and the row a plan is made for (one packed row of seqLen tokens). */
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  int64_t seqLen; /* tokens of the packed row, >= 1 */
+  int numLayers;  /* >= 1 */
+  int numHeadsQ;  /* a multiple of numHeadsKV */
+  int numHeadsKV;
+  int headDim;
+  int hidden;                  /* model width; 0: numHeadsQ x headDim */
+  int ffnHidden;               /* MLP width; 0: 4 x hidden */
+  int vocab;                   /* 0: 32000 */
+  hsapDataType_t dtype;        /* storage dtype of weights and activations */
+  int causal;                  /* 1: one causal document; 0: bidirectional */
+  double memoryMargin;         /* fraction of device memory kept free, in [0, 1) */
+  int activationCheckpointing; /* 1: layers keep only their input; 0: everything */
+} hsapPlanModel_t;
+
+#define HSAP_PLAN_MODEL_INITIALIZER                                                        \
+  {                                                                                        \
+    sizeof(hsapPlanModel_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, \
+        hsapBFloat16, 1, 0.10, 1                                                           \
+  }
+
+/* Plans attention for `model` on the cluster that `clusterJson` describes (the format of the
+ * clusters/ files of the source tree: device kinds, nodes with their devices and NICs,
+ * latencies; docs/planner.md), with the planner of bench/hsap_plan. The plan carries its
+ * predicted times (hsapPlanGetPredictedTime) and per-rank memory (hsapPlanGetRankMemory).
+ * Not collective. hsapInvalidArgument: a malformed description or model, or a model that
+ * fits on no arrangement of the cluster (the message names the device and the bytes). */
+hsapResult_t hsapPlanCreateForCluster(hsapPlan_t* plan, const char* clusterJson,
+                                      const hsapPlanModel_t* model);
+
+/* One rank's device as the planner sees it. Figures of 0 take those of a built-in kind
+ * (H100, A100, A800, L40S); any other kind needs peakTflops, memoryGib, hbmGbps,
+ * attentionEfficiency and intraNodeGbps. */
+typedef struct {
+  size_t size;
+  unsigned int magic;
+  unsigned int version;
+  char kind[32];     /* NUL-terminated, e.g. "H100" */
+  double peakTflops; /* dense 16-bit TFLOP/s */
+  double memoryGib;
+  double hbmGbps;
+  double attentionEfficiency; /* fraction of peak an attention kernel sustains, (0, 1] */
+  double intraNodeGbps;       /* to any device of its node, per direction */
+  int node;                   /* ranks of equal node share one; they must be consecutive */
+  int nics;                   /* NICs of the node; 0: 1 */
+  double nicGbps;             /* per NIC, per direction; needed with more than one node */
+} hsapPlanDevice_t;
+
+#define HSAP_PLAN_DEVICE_INITIALIZER                                                              \
+  {                                                                                               \
+    sizeof(hsapPlanDevice_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, {0}, 0.0, 0.0, 0.0, 0.0, 0.0, \
+        0, 0, 0.0                                                                                 \
+  }
+
+/* Collective over comm: every rank passes the same model and a description of its own
+ * device; the descriptions are gathered over comm and every rank plans the same cluster
+ * (as hsapPlanCreateForCluster) and gets the same plan. self == NULL takes what the
+ * communicator knows: a rank of a host communicator is a "cpu" device in node 0 with
+ * nominal figures (1 TFLOP/s, 16 GiB; every host rank alike, so only the shares matter);
+ * a CUDA communicator does not describe its devices yet (hsapUnsupported: pass self). */
+hsapResult_t hsapPlanCreateForComm(hsapPlan_t* plan, hsapComm_t comm, const hsapPlanDevice_t* self,
+                                   const hsapPlanModel_t* model);
+
+/* Predicted peak memory of `rank` under the plan, in bytes; 0 for a plan without
+ * predictions (built by hand or read from JSON without them). */
+hsapResult_t hsapPlanGetRankMemory(hsapPlan_t plan, int rank, double* bytes);
+
 /* ---- Batches under a plan: head parallelism inside groups, context parallelism across --- */
 
 /* Collective, like hsapBatchCreate, but the ranks are arranged by `plan` (HexiSeq CP x HP):

@@ -1,5 +1,6 @@
 #include "lib/planner/cluster.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -223,6 +224,58 @@ absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
   return cluster;
 }
 
+absl::StatusOr<Cluster> ClusterFromDevices(const std::vector<DeviceDescription>& devices) {
+  if (devices.empty()) return Invalid("no device described");
+  json kinds = json::object(), nodes = json::array();
+  std::map<std::string, size_t> kind_of;  // kind -> the first rank describing it
+  std::map<int, size_t> node_seen;        // node -> the last rank in it
+  auto same_kind = [](const DeviceDescription& a, const DeviceDescription& b) {
+    return a.peak_tflops == b.peak_tflops && a.memory_gib == b.memory_gib &&
+           a.hbm_gbps == b.hbm_gbps && a.attention_efficiency == b.attention_efficiency &&
+           a.intra_node_gbps == b.intra_node_gbps;
+  };
+  for (size_t r = 0; r < devices.size(); ++r) {
+    const DeviceDescription& d = devices[r];
+    const std::string who = absl::StrCat("rank ", r, " (", d.kind, ", node ", d.node, ")");
+    if (d.kind.empty()) return Invalid(absl::StrCat("rank ", r, " names no device kind"));
+    if (auto k = kind_of.find(d.kind); k == kind_of.end()) {
+      kind_of[d.kind] = r;
+      json spec = json::object();
+      for (auto [field, value] : {std::pair{"peak_tflops", d.peak_tflops},
+                                  {"memory_gib", d.memory_gib},
+                                  {"hbm_gbps", d.hbm_gbps},
+                                  {"attention_efficiency", d.attention_efficiency},
+                                  {"intra_node_gbps", d.intra_node_gbps}}) {
+        if (value != 0) spec[field] = value;
+      }
+      kinds[d.kind] = spec;
+    } else if (!same_kind(d, devices[k->second])) {
+      return Invalid(absl::StrCat(who, " describes its kind otherwise than rank ", k->second));
+    }
+    auto seen = node_seen.find(d.node);
+    if (seen != node_seen.end() && seen->second != r - 1) {
+      return Invalid(absl::StrCat(who, ": the ranks of a node must be consecutive (rank ",
+                                  seen->second, " is in node ", d.node, ")"));
+    }
+    node_seen[d.node] = r;
+    if (seen != node_seen.end()) {
+      const DeviceDescription& first = devices[r - 1];
+      if (first.kind != d.kind || first.nics != d.nics || first.nic_gbps != d.nic_gbps) {
+        return Invalid(absl::StrCat(who, " differs from rank ", r - 1,
+                                    " of its node in kind or NICs (a node holds one kind)"));
+      }
+      json& node = nodes.back();
+      node["devices"] = node["devices"].get<int>() + 1;
+      continue;
+    }
+    json node = {{"kind", d.kind}, {"devices", 1}, {"nics", d.nics > 0 ? d.nics : 1}};
+    if (d.nic_gbps > 0) node["nic_gbps"] = d.nic_gbps;
+    nodes.push_back(node);
+  }
+  json j = {{"name", "described"}, {"device_kinds", kinds}, {"nodes", nodes}};
+  return ClusterFromJson(j);
+}
+
 absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text) {
   absl::StatusOr<json> j = ParseJsonText(text);
   if (!j.ok()) return Invalid(std::string(j.status().message()));
@@ -241,6 +294,20 @@ absl::StatusOr<Cluster> LoadCluster(const std::string& path) {
   }
   if (cluster->name.empty()) cluster->name = path;
   return cluster;
+}
+
+PortClock::PortClock(const Cluster& cluster) : cluster_(cluster), map_(cluster) {
+  free_.assign(map_.size(), 0.0);
+}
+
+double PortClock::Transfer(int src, int dst, double bytes, double ready, double* start) {
+  auto [a, b] = map_.Ports(src, dst);
+  const double begin = std::max({ready, free_[a], free_[b]});
+  const double end = begin + bytes / std::min(map_.bandwidth(a), map_.bandwidth(b));
+  free_[a] = begin + bytes / map_.bandwidth(a);
+  free_[b] = begin + bytes / map_.bandwidth(b);
+  *start = begin;
+  return end + cluster_.Latency(src, dst);
 }
 
 }  // namespace hsap

@@ -101,6 +101,44 @@ class PortMap {
   std::vector<double> bandwidth_;
 };
 
+// First-come-first-served ports (the simulators' link model): a transfer starts when it is
+// ready and both its ports are free, lasts bytes / min(bandwidths), holds each port for
+// bytes / that port's bandwidth (a fast port carrying a flow limited by a slow peer is free
+// again for the next flow), and arrives one latency after it ends. Transfers must be
+// issued in the order they become ready.
+class PortClock {
+ public:
+  explicit PortClock(const Cluster& cluster);
+  // Returns the arrival time of a transfer src -> dst (src != dst) of `bytes`, ready at
+  // `ready`; *start is when it began.
+  double Transfer(int src, int dst, double bytes, double ready, double* start);
+
+ private:
+  const Cluster& cluster_;
+  PortMap map_;
+  std::vector<double> free_;
+};
+
+// One rank's device as the rank describes it (hsapPlanCreateForComm gathers them). Figures
+// of 0 take the built-in kind's; a kind that is not built in needs all of them.
+struct DeviceDescription {
+  std::string kind;
+  double peak_tflops = 0;
+  double memory_gib = 0;
+  double hbm_gbps = 0;
+  double attention_efficiency = 0;
+  double intra_node_gbps = 0;
+  int node = 0;         // ranks of equal node share a node
+  int nics = 0;         // of the node; 0: 1
+  double nic_gbps = 0;  // per NIC of the node; needed when there is more than one node
+  friend bool operator==(const DeviceDescription&, const DeviceDescription&) = default;
+};
+
+// The cluster of ranks described one by one (device i is rank i), through the JSON form
+// above so that the same checks apply. A node's ranks must be consecutive and of one kind
+// with equal node figures; every rank of a kind must describe it alike. Errors name the rank.
+absl::StatusOr<Cluster> ClusterFromDevices(const std::vector<DeviceDescription>& devices);
+
 absl::StatusOr<Cluster> ClusterFromJson(const nlohmann::json& json);
 absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text);
 // Reads a file; errors name the path.

@@ -170,6 +170,30 @@ double IdealSeconds(const Cluster& cluster, const Workload& workload) {
   return (workload.ForwardFlops() + workload.BackwardFlops()) / cluster.TotalAttentionFlops();
 }
 
+double HardwareBoundSeconds(const Cluster& cluster, const Workload& workload) {
+  double peak = 0;
+  for (int d = 0; d < cluster.size(); ++d) peak += cluster.kind_of(d).peak_flops;
+  return (workload.ForwardFlops() + workload.BackwardFlops()) / peak;
+}
+
+double DenseForwardFlopsPerToken(const ModelSpec& m) {
+  const double projections =
+      static_cast<double>(m.hidden) * (2.0 * m.heads_q + 2.0 * m.heads_kv) * m.head_dim;
+  const double mlp = 3.0 * m.hidden * static_cast<double>(m.ffn_hidden);
+  return 2.0 * (projections + mlp);
+}
+
+double DenseLayerSeconds(const Cluster& cluster, const Workload& workload, const Plan& plan) {
+  const double per_token = 3.0 * DenseForwardFlopsPerToken(workload.model);  // fwd + 2x bwd
+  const std::vector<double> shares = plan.RankShares();
+  double slowest = 0;
+  for (int r = 0; r < cluster.size() && r < static_cast<int>(shares.size()); ++r) {
+    const double tokens = shares[r] * static_cast<double>(workload.seq_len);
+    slowest = std::max(slowest, tokens * per_token / cluster.kind_of(r).AttentionFlops());
+  }
+  return slowest;
+}
+
 std::vector<RingFlow> RingFlows(const Plan& plan) {
   std::vector<RingFlow> flows;
   const int num_groups = static_cast<int>(plan.groups.size());

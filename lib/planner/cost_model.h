@@ -131,6 +131,18 @@ double UsableMemoryBytes(const Cluster& cluster, const Workload& workload, int d
 // perfect balance, communication fully hidden.
 double IdealSeconds(const Cluster& cluster, const Workload& workload);
 
+// Yardsticks.
+// Hardware bound: all attention FLOPs (fwd + bwd) over the sum of the datasheet peaks
+// (efficiency 1): no plan on any software reaches it. IdealSeconds is the model bound.
+double HardwareBoundSeconds(const Cluster& cluster, const Workload& workload);
+// The token-parallel rest of a transformer layer: the Q/K/V and output projections and the
+// SwiGLU MLP, forward FLOPs per token (2 per multiply-add); backward does twice as many.
+double DenseForwardFlopsPerToken(const ModelSpec& model);
+// Forward + backward time of that part of one layer when every rank runs its token share of
+// the row (plan.RankShares()) at its device's sustained rate (peak x attention efficiency:
+// the cost model has no separate matmul efficiency): the slowest rank's time.
+double DenseLayerSeconds(const Cluster& cluster, const Workload& workload, const Plan& plan);
+
 }  // namespace hsap
 
 #endif  // HSAP_LIB_PLANNER_COST_MODEL_H_

@@ -24,7 +24,7 @@ namespace {
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 struct Grouping {
-  std::vector<std::vector<int>> groups;  // world ranks, consecutive inside one node
+  std::vector<std::vector<int>> groups;  // world ranks, consecutive
   std::string label;                     // "H100:8 A100:4"
 };
 
@@ -502,6 +502,19 @@ class GroupingScreen {
     return t;
   }
 
+  // The screened time of a grouping from outside the per-kind space (keyed by its label).
+  double ScreenGrouping(Grouping grouping) {
+    if (auto it = seen_labels_.find(grouping.label); it != seen_labels_.end()) return it->second;
+    auto best = builder_.Balance(grouping, iterations_, RingPricing::kOverlapBound, evaluations_);
+    const double t = best ? best->cost.Seconds() : std::numeric_limits<double>::infinity();
+    seen_labels_[grouping.label] = t;
+    if (best) {
+      screened_.push_back({t, static_cast<int>(groupings_.size())});
+      groupings_.push_back(std::move(grouping));
+    }
+    return t;
+  }
+
   // The `count` fastest groupings screened, fastest first (ties: screening order).
   std::vector<Grouping> TakeBest(int count) {
     std::stable_sort(screened_.begin(), screened_.end());
@@ -519,7 +532,29 @@ class GroupingScreen {
   std::vector<Grouping> groupings_;
   std::vector<std::pair<double, int>> screened_;  // (time, index into groupings_)
   std::map<std::vector<int>, double> seen_;
+  std::map<std::string, double> seen_labels_;
 };
+
+// Stage I, groupings across kinds and nodes: for every head-parallel size h that divides
+// both the query heads and the devices, groups of h consecutive ranks, whatever their kinds
+// and nodes (a group may hold 4 H100 + 4 A100 of two nodes, as symmetric USP's do); stages
+// II and III then give them shares and heads that follow their devices' capability.
+std::vector<Grouping> SpanningGroupings(const Cluster& cluster, int heads_q) {
+  std::vector<Grouping> out;
+  const int n = cluster.size();
+  for (int h = 1; h <= std::min(n, heads_q); ++h) {
+    if (heads_q % h != 0 || n % h != 0) continue;
+    Grouping g;
+    g.label = absl::StrCat("span:", h);
+    for (int start = 0; start < n; start += h) {
+      std::vector<int> group(h);
+      std::iota(group.begin(), group.end(), start);
+      g.groups.push_back(std::move(group));
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
 
 // Stage I when the combinations are few: every one, the first kind's option varying fastest.
 void ScreenEveryCombination(GroupingScreen* screen) {
@@ -636,10 +671,13 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   } else {
     ScreenByCoordinateDescent(&screen);
   }
+  for (Grouping& g : SpanningGroupings(cluster, workload.model.heads_q)) {
+    screen.ScreenGrouping(std::move(g));
+  }
   const std::vector<Candidate> candidates =
       RefineCandidates(builder, screen.TakeBest(options.refine_top), options, &result.candidates);
 
-  // The symmetric baselines are part of the search space.
+  // The symmetric baselines are references only: the plan comes from the search above.
   result.baselines = EvaluateBaselines(cluster, workload);
   bool found = false;
   auto consider = [&](const Plan& plan, const PlanCost& cost, const SimResult& sim,
@@ -653,21 +691,32 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     builder.FillReasons(&result.plan, cost, capped, family);
   };
   HSAP_ASSIGN_OR_RETURN(const bool debug, GetBoolParam(Param::kPlanDebug));
-  for (const Candidate& c : candidates) {
+  // Each candidate is simulated with its balanced shares and with per-device-equal group
+  // shares (Stage II's alternative where the ring, not compute, sets the pace: equal blocks
+  // pipeline better, which the cost model's ring prices only approximately).
+  auto simulate = [&](const Candidate& c, const std::string& label) -> absl::Status {
     auto sim = Simulate(cluster, workload, c.plan);
     if (!sim.ok()) return sim.status();
     if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
-                   c.label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
+                   label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
                    sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
                    PlanToJsonText(c.plan, -1).c_str());
     }
-    consider(c.plan, c.cost, *sim, absl::StrCat("hsap groups ", c.label), c.capped);
-  }
-  for (const Baseline& b : result.baselines) {
-    // A padded baseline (TE) runs more tokens than the workload; it stays a reference only.
-    if (!b.available || b.workload.seq_len != workload.seq_len) continue;
-    consider(b.plan, b.cost, b.sim, absl::StrCat("symmetric ", b.name, " ", b.config), {});
+    consider(c.plan, c.cost, *sim, absl::StrCat("hsap groups ", label), c.capped);
+    return absl::OkStatus();
+  };
+  for (const Candidate& c : candidates) {
+    HSAP_RETURN_IF_ERROR(simulate(c, c.label));
+    Candidate even = c;
+    for (PlanGroup& g : even.plan.groups) g.sequence_weight = static_cast<double>(g.ranks.size());
+    if (even.plan == c.plan) continue;
+    auto cost = EvaluatePlan(cluster, workload, even.plan, RingPricing::kPipelined);
+    ++result.candidates;
+    if (!cost.ok() || !cost->fits_memory) continue;
+    even.cost = *cost;
+    even.capped.assign(even.plan.groups.size(), false);
+    HSAP_RETURN_IF_ERROR(simulate(even, absl::StrCat(c.label, ", even shares")));
   }
   if (!found) return DoesNotFitError(cluster, workload);
   result.plan.predicted_forward_seconds = result.sim.forward_seconds;

@@ -14,9 +14,14 @@
 //   Stage III — per device: query heads dealt in contiguous runs in proportion to FLOP/s
 //               (largest remainder), token shards in proportion to FLOP/s, then a memory
 //               repair that moves tokens off ranks over their budget.
-// Candidates are screened with the cost model; the best few, and the best configuration of
-// every symmetric baseline (Ring, Ulysses, USP, TE a2a+p2p), are run in the simulator and
-// the fastest is returned — so the plan is never predicted slower than a baseline.
+//   Stage I also screens groupings across kinds and nodes: groups of h consecutive ranks for
+//               every h dividing the query heads and the devices (mixed-kind groups, as
+//               symmetric USP forms, but with stages II and III giving them capability-
+//               following shares and heads).
+// Candidates are screened with the cost model; the best few are run in the simulator and
+// the fastest is returned. The symmetric baselines (Ring, Ulysses, USP, TE a2a+p2p) are
+// evaluated alongside as references only: they are never returned as the plan, so the
+// comparison with them measures the search.
 // Deterministic: no randomness, ties broken by enumeration order.
 // HSAP_PLAN_DEBUG=1 in the environment prints the simulated candidates to stderr (a value
 // that is not a boolean is an InvalidArgument error).
@@ -49,11 +54,11 @@ struct PlannerOptions {
 };
 
 struct PlannerResult {
-  Plan plan;           // predictions filled from the simulator, reasons per rank
-  PlanCost cost;       // cost model figures of the plan
-  SimResult sim;       // simulator figures of the plan
-  std::string family;  // which candidate won, e.g. "hsap groups H100:8 A100:4"
-  std::vector<Baseline> baselines;
+  Plan plan;                        // predictions filled from the simulator, reasons per rank
+  PlanCost cost;                    // cost model figures of the plan
+  SimResult sim;                    // simulator figures of the plan
+  std::string family;               // which candidate won, e.g. "hsap groups H100:8 A100:4"
+  std::vector<Baseline> baselines;  // references, not candidates
   int candidates = 0;               // plans priced by the cost model
   double planning_seconds = 0;      // wall time of PlanAttention, baselines included
   double planning_cpu_seconds = 0;  // process CPU time over the same span

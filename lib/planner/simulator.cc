@@ -6,32 +6,6 @@
 namespace hsap {
 namespace {
 
-// First-come-first-served ports: a transfer starts when it is ready and both its ports are
-// free, lasts bytes / min(bandwidths), holds each port for bytes / that port's bandwidth,
-// and arrives one latency after it ends.
-class PortClock {
- public:
-  explicit PortClock(const Cluster& cluster) : cluster_(cluster), map_(cluster) {
-    free_.assign(map_.size(), 0.0);
-  }
-  double Transfer(int src, int dst, double bytes, double ready, double* start) {
-    auto [a, b] = map_.Ports(src, dst);
-    const double begin = std::max({ready, free_[a], free_[b]});
-    const double end = begin + bytes / std::min(map_.bandwidth(a), map_.bandwidth(b));
-    // Each port is held for the time its own bandwidth needs: a fast port carrying a flow
-    // limited by a slow peer keeps the spare capacity for the next flow.
-    free_[a] = begin + bytes / map_.bandwidth(a);
-    free_[b] = begin + bytes / map_.bandwidth(b);
-    *start = begin;
-    return end + cluster_.Latency(src, dst);
-  }
-
- private:
-  const Cluster& cluster_;
-  PortMap map_;
-  std::vector<double> free_;
-};
-
 struct PendingTransfer {
   double ready;
   int order;  // tie-break: deterministic issue order

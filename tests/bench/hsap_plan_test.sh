@@ -31,6 +31,18 @@ grep -q 'cannot write .*no/such/dir/plan.json' "$tmp/err" || fail "--json: $(cat
 [ "$rc" = 1 ] || fail "--svg given a folder exits $rc"
 grep -q "cannot write $tmp" "$tmp/err" || fail "--svg: $(cat "$tmp/err")"
 
+# --run: the plan and the strongest baseline as the runtime runs them, deterministic (but for
+# the last column, the time it took).
+out=$("$plan" --cluster "$small" --run --docs 4096 --seed 7) || fail "--run exits $?"
+grep -q '^# what runs: documents of mean 4096 tokens, seed 7' <<< "$out" || fail "--run: no header: $out"
+[ "$(grep -cE '^  (hsap|Ring|Ulysses|USP|TE a2a\+p2p) +[0-9.]+ +[0-9.]+ ' <<< "$(sed -n '/^# what runs/,$p' <<< "$out")")" = 2 ] ||
+  fail "--run: not one row for the plan and one for the baseline: $out"
+again=$("$plan" --cluster "$small" --run --docs 4096 --seed 7) || fail "--run exits $?"
+[ "$(sed -n '/^# what runs/,$p' <<< "$out" | awk '{$NF=""; print}')" = "$(sed -n '/^# what runs/,$p' <<< "$again" | awk '{$NF=""; print}')" ] ||
+  fail "--run is not deterministic"
+"$plan" --cluster "$small" --run --docs -1 > /dev/null 2>&1; rc=$?
+[ "$rc" = 2 ] || fail "--docs -1 exits $rc, not 2"
+
 # More devices than the picture draws: the picture says so.
 "$plan" --cluster "$clusters/scale1024_h100_a100.json" --svg "$tmp/big.svg" > /dev/null \
   2> "$tmp/err" || fail "1024 devices with --svg exits $?: $(cat "$tmp/err")"

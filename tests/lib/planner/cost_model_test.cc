@@ -55,6 +55,22 @@ TEST(CostModelTest, WorkloadFlopsAndParameters) {
   EXPECT_DOUBLE_EQ(IdealSeconds(TestCluster(1, 4), w), 3.5 * w.ForwardFlops() / (4 * kSustained));
 }
 
+TEST(CostModelTest, YardsticksAndTheDenseRestOfTheLayer) {
+  const Workload w = TestWorkload();  // hidden 256, heads 4 / 2 of 64, ffn 512
+  const Cluster c = TestCluster(1, 4);
+  // Datasheet peak 100 TFLOP/s, sustained 50: the hardware bound is half the model bound.
+  EXPECT_DOUBLE_EQ(HardwareBoundSeconds(c, w), 0.5 * IdealSeconds(c, w));
+  // 2 x (projections 256 x (2 x 4 + 2 x 2) x 64 + MLP 3 x 256 x 512).
+  EXPECT_DOUBLE_EQ(DenseForwardFlopsPerToken(w.model), 2.0 * (256 * 12 * 64 + 3 * 256 * 512));
+  // Equal shares on 4 equal devices: a quarter of the row each, forward + 2x backward.
+  const double per_rank = 4096 / 4.0 * 3 * DenseForwardFlopsPerToken(w.model) / kSustained;
+  EXPECT_DOUBLE_EQ(DenseLayerSeconds(c, w, OneGroup(4)), per_rank);
+  // Uneven token weights: the rank holding the most tokens sets the time.
+  Plan uneven = OneGroup(4);
+  uneven.groups[0].token_weights = {2, 1, 1, 0};
+  EXPECT_DOUBLE_EQ(DenseLayerSeconds(c, w, uneven), 2 * per_rank);
+}
+
 TEST(CostModelTest, PresetsMatchPublishedShapes) {
   auto m70 = ModelPreset("llama-70b");
   ASSERT_TRUE(m70.ok());

@@ -170,6 +170,22 @@ TEST(PlannerTest, RandomClustersNeverWorseThanAnyBaseline) {
   EXPECT_GE(planned, 8);  // most random cases fit; the property is exercised
 }
 
+TEST(PlannerTest, OwnSearchNeverWorseThanABaselineOnEveryShippedCluster) {
+  // The baselines are references, not candidates: the plan comes from the search alone.
+  const Workload w = MakeWorkload("llama-7b", 131072);
+  for (const char* name :
+       {"testbed_8h100_8a100", "mix32_h100_a100", "mix32_h100_l40s", "mix64_h100_a100_a800",
+        "mix64_h100_l40s", "mix128_h100_a100", "mix128_four_kinds", "flops_48h100_8a100",
+        "flops_160a100", "flops_52h100_4a100_8a800", "flops_176a100", "scale1024_four_kinds",
+        "scale1024_h100_a100"}) {
+    SCOPED_TRACE(name);
+    auto r = PlanAttention(Load(name), w);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->family, HasSubstr("hsap groups"));
+    ExpectNeverWorse(*r);
+  }
+}
+
 TEST(PlannerTest, InfeasibleAndMalformedInputs) {
   auto tiny = ClusterFromJsonText(R"({"nodes": [{"kind": "L40S", "devices": 2}]})");
   ASSERT_TRUE(tiny.ok());

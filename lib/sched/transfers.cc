@@ -1,0 +1,157 @@
+#include "lib/sched/transfers.h"
+
+#include <utility>
+
+namespace hsap {
+namespace {
+
+constexpr uint64_t kF32 = sizeof(float);
+
+Transfer Send(int peer, TransferKind kind, uint64_t bytes) { return {peer, true, kind, bytes}; }
+Transfer Recv(int peer, TransferKind kind, uint64_t bytes) { return {peer, false, kind, bytes}; }
+
+// Elements of `rows` rows of `heads` heads of `width` elements.
+uint64_t Elements(int64_t rows, size_t heads, int width) {
+  return static_cast<uint64_t>(rows) * heads * static_cast<uint64_t>(width);
+}
+
+// A group all-to-all of one tensor (hierarchical_executor.cc's GroupExchange). Scatter:
+// this rank's shard, all heads -> each member's heads over the group buffer; gather is the
+// inverse. q_like: the tensor has query heads (else KV heads).
+Exchange GroupExchange(const RankHierarchy& r, const char* what, bool scatter, bool q_like,
+                       int width, uint64_t element_bytes) {
+  auto heads = [&](const GroupMember& m) { return q_like ? m.q_heads.size() : m.kv_heads.size(); };
+  const GroupMember& me = r.members[r.index];
+  Exchange x{what, {}};
+  for (const GroupMember& m : r.members) {
+    if (m.rank == r.rank) continue;
+    // My shard rows for m's heads, and m's shard rows for my heads.
+    const uint64_t mine_for_m = Elements(me.tokens, heads(m), width) * element_bytes;
+    const uint64_t theirs_for_me = Elements(m.tokens, heads(me), width) * element_bytes;
+    x.transfers.push_back(
+        Send(m.rank, TransferKind::kAllToAll, scatter ? mine_for_m : theirs_for_me));
+    x.transfers.push_back(
+        Recv(m.rank, TransferKind::kAllToAll, scatter ? theirs_for_me : mine_for_m));
+  }
+  return x;
+}
+
+}  // namespace
+
+HierTraffic PassProgram::Traffic() const {
+  HierTraffic t;
+  auto add_a2a = [&](const std::vector<Exchange>& xs) {
+    for (const Exchange& x : xs) {
+      for (const Transfer& m : x.transfers) (m.send ? t.a2a_sent : t.a2a_received) += m.bytes;
+    }
+  };
+  add_a2a(before);
+  add_a2a(after);
+  for (const ProgramStage& s : stages) {
+    for (const Transfer& m : s.kv) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
+    for (const Transfer& m : s.grad) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
+  }
+  return t;
+}
+
+int64_t PassProgram::pairs() const {
+  int64_t n = local_pairs;
+  for (const ProgramStage& s : stages) n += s.pairs;
+  return n;
+}
+
+RankProgram ProgramOf(const Schedule& schedule, int heads_q, int heads_kv, int head_dim,
+                      DType dtype) {
+  RankProgram p;
+  p.rank = schedule.rank;
+  p.query_heads = heads_q;
+  p.query_rows = schedule.local_rows;
+  const uint64_t row = Elements(1, heads_kv, head_dim);  // elements of one K (or V) row
+  const uint64_t es = DTypeSize(dtype);
+  for (PassProgram* pass : {&p.forward, &p.backward}) {
+    const bool backward = pass == &p.backward;
+    pass->local_pairs = schedule.local_work.visible_pairs;
+    for (const Stage& st : schedule.stages) {
+      ProgramStage s;
+      s.step = st.step;
+      s.pairs = st.recv_from >= 0 ? st.recv_work.visible_pairs : 0;
+      // K then V: two messages each way (executor.cc's KvPipeline).
+      if (st.send_to >= 0) {
+        for (int m = 0; m < 2; ++m)
+          s.kv.push_back(Send(st.send_to, TransferKind::kKv, st.send_rows * row * es));
+      }
+      if (st.recv_from >= 0) {
+        for (int m = 0; m < 2; ++m)
+          s.kv.push_back(Recv(st.recv_from, TransferKind::kKv, st.recv_rows * row * es));
+      }
+      if (backward) {
+        // dK then dV partials (fp32) of the received rows back to their owner; of this
+        // rank's rows from the stage's destination.
+        if (st.recv_from >= 0) {
+          for (int m = 0; m < 2; ++m)
+            s.grad.push_back(Send(st.recv_from, TransferKind::kKvGrad, st.recv_rows * row * kF32));
+        }
+        if (st.send_to >= 0) {
+          for (int m = 0; m < 2; ++m)
+            s.grad.push_back(Recv(st.send_to, TransferKind::kKvGrad, st.send_rows * row * kF32));
+        }
+      }
+      pass->stages.push_back(std::move(s));
+    }
+  }
+  return p;
+}
+
+RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype) {
+  RankProgram p;
+  p.rank = r.rank;
+  p.query_heads = static_cast<int>(r.q_heads.size());
+  p.query_rows = r.group_tokens;
+  const uint64_t es = DTypeSize(dtype);
+  const int D = head_dim;
+  const bool q = true, kv = false, in = true, out = false;
+  p.forward.before = {GroupExchange(r, "q", in, q, D, es), GroupExchange(r, "k", in, kv, D, es),
+                      GroupExchange(r, "v", in, kv, D, es)};
+  p.forward.after = {GroupExchange(r, "out", out, q, D, es),
+                     GroupExchange(r, "lse", out, q, 1, kF32)};
+  p.backward.before = {GroupExchange(r, "q", in, q, D, es), GroupExchange(r, "dout", in, q, D, es),
+                       GroupExchange(r, "k", in, kv, D, es), GroupExchange(r, "v", in, kv, D, es),
+                       GroupExchange(r, "lse and delta", in, q, 2, kF32)};
+  const uint64_t kv_grad_es = r.kv_grad_partial ? kF32 : es;
+  p.backward.after = {GroupExchange(r, "dq", out, q, D, es),
+                      GroupExchange(r, "dk", out, kv, D, kv_grad_es),
+                      GroupExchange(r, "dv", out, kv, D, kv_grad_es)};
+  for (PassProgram* pass : {&p.forward, &p.backward}) {
+    const bool backward = pass == &p.backward;
+    pass->local_pairs = r.local_work.visible_pairs;
+    for (const SubRingStep& st : r.steps) {
+      ProgramStage s;
+      s.step = st.step;
+      s.pairs = st.recv_group >= 0 ? st.recv_work.visible_pairs : 0;
+      // One message per peer carrying K then V of its heads (SubRingKv): sends, then
+      // receives, in the hierarchy's order.
+      for (const KvTransfer& x : st.send) {
+        s.kv.push_back(
+            Send(x.peer, TransferKind::kKv, 2 * Elements(st.send_rows, x.heads.size(), D) * es));
+      }
+      for (const KvTransfer& x : st.recv) {
+        s.kv.push_back(
+            Recv(x.peer, TransferKind::kKv, 2 * Elements(st.recv_rows, x.heads.size(), D) * es));
+      }
+      if (backward) {
+        for (const KvTransfer& x : st.recv) {
+          s.grad.push_back(Send(x.peer, TransferKind::kKvGrad,
+                                2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
+        }
+        for (const KvTransfer& x : st.send) {
+          s.grad.push_back(Recv(x.peer, TransferKind::kKvGrad,
+                                2 * Elements(st.send_rows, x.heads.size(), D) * kF32));
+        }
+      }
+      pass->stages.push_back(std::move(s));
+    }
+  }
+  return p;
+}
+
+}  // namespace hsap

@@ -1,0 +1,139 @@
+// hsapPlanCreateForCluster and hsapPlanCreateForComm: the plan every rank gets from its
+// communicator is the one the described cluster gives.
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+
+hsapPlanModel_t SmallModel() {
+  hsapPlanModel_t m = HSAP_PLAN_MODEL_INITIALIZER;
+  m.seqLen = 32768;
+  m.numLayers = 4;
+  m.numHeadsQ = 16;
+  m.numHeadsKV = 4;
+  m.headDim = 64;
+  return m;
+}
+
+std::string Json(hsapPlan_t plan) {
+  size_t size = 0;
+  EXPECT_EQ(hsapPlanToJson(plan, nullptr, &size), hsapSuccess);
+  std::string text(size, '\0');
+  EXPECT_EQ(hsapPlanToJson(plan, text.data(), &size), hsapSuccess);
+  return text;
+}
+
+// Every rank of a host world of `devices.size()` ranks plans from its own description
+// (null: none); returns each rank's plan as JSON, or its error prefixed by "error: ".
+std::vector<std::string> PlanOverComm(const std::vector<const hsapPlanDevice_t*>& devices) {
+  const int n = static_cast<int>(devices.size());
+  std::vector<hsapComm_t> comms(n);
+  EXPECT_EQ(hsapCommInitAll(comms.data(), n, nullptr), hsapSuccess);
+  std::vector<std::string> out(n);
+  std::vector<std::thread> threads;
+  const hsapPlanModel_t model = SmallModel();
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      hsapPlan_t plan = nullptr;
+      if (hsapPlanCreateForComm(&plan, comms[r], devices[r], &model) != hsapSuccess) {
+        out[r] = std::string("error: ") + hsapGetLastError();
+        return;
+      }
+      out[r] = Json(plan);
+      hsapPlanDestroy(plan);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+  return out;
+}
+
+hsapPlanDevice_t Device(const char* kind, int node, double nic_gbps) {
+  hsapPlanDevice_t d = HSAP_PLAN_DEVICE_INITIALIZER;
+  std::strncpy(d.kind, kind, sizeof(d.kind) - 1);
+  d.node = node;
+  d.nicGbps = nic_gbps;
+  return d;
+}
+
+TEST(ApiPlanningTest, HostRanksAgreeOnOnePlanOfEveryRank) {
+  const std::vector<std::string> plans = PlanOverComm({nullptr, nullptr, nullptr, nullptr});
+  for (const std::string& p : plans) {
+    EXPECT_THAT(p, Not(HasSubstr("error:")));
+    EXPECT_EQ(p, plans[0]);
+  }
+  EXPECT_THAT(plans[0], HasSubstr("\"num_ranks\": 4"));
+}
+
+TEST(ApiPlanningTest, DescribedTopologyGivesTheClusterFilesPlan) {
+  // Two H100 in node 0, two A100 in node 1, one 25 GB/s NIC each.
+  const hsapPlanDevice_t h0 = Device("H100", 0, 25), h1 = h0, a0 = Device("A100", 1, 25), a1 = a0;
+  const std::vector<std::string> plans = PlanOverComm({&h0, &h1, &a0, &a1});
+  hsapPlan_t expected = nullptr;
+  const hsapPlanModel_t model = SmallModel();
+  ASSERT_EQ(hsapPlanCreateForCluster(&expected,
+                                     R"({"nodes": [
+      {"kind": "H100", "devices": 2, "nics": 1, "nic_gbps": 25},
+      {"kind": "A100", "devices": 2, "nics": 1, "nic_gbps": 25}]})",
+                                     &model),
+            hsapSuccess)
+      << hsapGetLastError();
+  const std::string want = Json(expected);
+  for (const std::string& p : plans) EXPECT_EQ(p, want);
+  double h100 = 0, a100 = 0;
+  ASSERT_EQ(hsapPlanGetRankMemory(expected, 0, &h100), hsapSuccess);
+  ASSERT_EQ(hsapPlanGetRankMemory(expected, 2, &a100), hsapSuccess);
+  EXPECT_GT(h100, 0);
+  EXPECT_GT(a100, 0);
+  hsapPlanDestroy(expected);
+}
+
+TEST(ApiPlanningTest, BadDescriptionsFailOnEveryRankWithTheReason) {
+  // Node 0 is split by node 1: its ranks are not consecutive.
+  const hsapPlanDevice_t n0 = Device("H100", 0, 25), n1 = Device("H100", 1, 25);
+  for (const std::string& p : PlanOverComm({&n0, &n1, &n0})) {
+    EXPECT_THAT(p, HasSubstr("the ranks of a node must be consecutive"));
+  }
+  // One rank describes nothing usable (an unknown kind without figures): every rank fails.
+  const hsapPlanDevice_t odd = Device("TPU", 1, 25);
+  for (const std::string& p : PlanOverComm({&n0, &odd})) {
+    EXPECT_THAT(p, HasSubstr("error: "));
+    EXPECT_THAT(p, HasSubstr("TPU"));
+  }
+}
+
+TEST(ApiPlanningTest, ModelAndHandleErrors) {
+  hsapPlan_t plan = nullptr;
+  hsapPlanModel_t m = SmallModel();
+  m.seqLen = 0;
+  EXPECT_EQ(hsapPlanCreateForCluster(&plan, R"({"nodes": [{"kind": "H100"}]})", &m),
+            hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("seqLen"));
+  m = SmallModel();
+  m.memoryMargin = 1.0;
+  EXPECT_EQ(hsapPlanCreateForCluster(&plan, R"({"nodes": [{"kind": "H100"}]})", &m),
+            hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("memoryMargin"));
+  EXPECT_EQ(hsapPlanCreateForCluster(&plan, nullptr, &m), hsapInvalidArgument);
+  EXPECT_EQ(hsapPlanCreateForComm(&plan, nullptr, nullptr, &m), hsapInvalidArgument);
+  double bytes = 0;
+  EXPECT_EQ(hsapPlanGetRankMemory(nullptr, 0, &bytes), hsapInvalidArgument);
+  // A plan built by hand has no predictions: memory 0.
+  const int sizes[] = {1}, ranks[] = {0}, counts[] = {2}, heads[] = {0, 1};
+  ASSERT_EQ(
+      hsapPlanCreate(&plan, 1, 2, 1, 1, sizes, ranks, nullptr, nullptr, counts, heads, nullptr),
+      hsapSuccess);
+  ASSERT_EQ(hsapPlanGetRankMemory(plan, 0, &bytes), hsapSuccess);
+  EXPECT_EQ(bytes, 0);
+  hsapPlanDestroy(plan);
+}
+
+}  // namespace

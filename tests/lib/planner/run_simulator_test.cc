@@ -1,0 +1,236 @@
+#include "lib/planner/run_simulator.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+#include "lib/sched/plan_json.h"
+#include "tests/support/hier_plans.h"
+
+namespace hsap {
+namespace {
+
+using ::hsap::testing::HeadSplit;
+using ::hsap::testing::MakePlan;
+using ::hsap::testing::PlanSpec;
+
+constexpr int kHeadDim = 32;
+
+// `nodes` nodes of `per_node` devices of kind T (50 TFLOP/s sustained), no latency.
+Cluster TestCluster(int nodes, int per_node, double intra_gbps = 100, double nic_gbps = 10) {
+  auto c = ClusterFromJsonText(absl::StrFormat(R"({
+    "device_kinds": {"T": {"peak_tflops": 100, "memory_gib": 80, "hbm_gbps": 1000,
+                           "attention_efficiency": 0.5, "intra_node_gbps": %f}},
+    "nodes": [{"kind": "T", "devices": %d, "nics": 1, "nic_gbps": %f, "count": %d}],
+    "latency_us": {"intra_node": 0, "inter_node": 0}})",
+                                               intra_gbps, per_node, nic_gbps, nodes));
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+// Runs one forward and one backward of `layout` on R host ranks (a plan's batch when `plan`
+// is given, else a flat batch) and returns every rank's traffic detail.
+std::vector<hsapTrafficDetail_t> RunOnHost(const std::vector<int64_t>& cu, int R, int heads_q,
+                                           int heads_kv, const Plan* plan) {
+  hsapLayout_t layout = nullptr;
+  EXPECT_EQ(
+      hsapLayoutCreate(&layout, cu.data(), static_cast<int64_t>(cu.size()) - 1, nullptr, nullptr),
+      hsapSuccess);
+  hsapPlan_t cplan = nullptr;
+  if (plan != nullptr) {
+    EXPECT_EQ(hsapPlanCreateFromJson(&cplan, PlanToJsonText(*plan).c_str()), hsapSuccess)
+        << hsapGetLastError();
+  }
+  std::vector<hsapComm_t> comms(R);
+  hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
+  cc.timeoutMs = 60000;
+  cc.numThreads = 1;
+  EXPECT_EQ(hsapCommInitAll(comms.data(), R, &cc), hsapSuccess);
+  std::vector<hsapTrafficDetail_t> detail(R);
+  std::vector<std::string> errors(R);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < R; ++r) {
+    threads.emplace_back([&, r] {
+      hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+      bc.dtype = hsapBFloat16;
+      bc.numHeadsQ = heads_q;
+      bc.numHeadsKV = heads_kv;
+      bc.headDim = kHeadDim;
+      hsapBatch_t batch = nullptr;
+      const hsapResult_t created =
+          plan != nullptr ? hsapBatchCreateWithPlan(&batch, comms[r], layout, cplan, &bc)
+                          : hsapBatchCreate(&batch, comms[r], layout, nullptr, &bc);
+      if (created != hsapSuccess) {
+        errors[r] = hsapGetLastError();
+        return;
+      }
+      int64_t n = 0;
+      hsapBatchGetLocalTokens(batch, &n);
+      // Values do not matter for the bytes: zeros.
+      std::vector<uint16_t> q(n * heads_q * kHeadDim + 1), kv(n * heads_kv * kHeadDim + 1),
+          out(q.size()), dout(q.size()), dq(q.size()), k(kv.size()), v(kv.size()), dk(kv.size()),
+          dv(kv.size());
+      std::vector<float> lse(n * heads_q + 1);
+      auto t = [&](std::vector<uint16_t>& b, int heads) {
+        return hsapTensor_t{b.data(), hsapBFloat16, n, heads, kHeadDim};
+      };
+      hsapTensor_t tq = t(q, heads_q), tk = t(k, heads_kv), tv = t(v, heads_kv),
+                   tout = t(out, heads_q), tdout = t(dout, heads_q), tdq = t(dq, heads_q),
+                   tdk = t(dk, heads_kv), tdv = t(dv, heads_kv);
+      if (hsapAttentionForward(batch, &tq, &tk, &tv, &tout, lse.data()) != hsapSuccess ||
+          hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &tout, lse.data(), &tdq, &tdk,
+                                &tdv) != hsapSuccess) {
+        errors[r] = hsapGetLastError();
+      }
+      hsapBatchGetTrafficDetail(batch, &detail[r]);
+      hsapBatchDestroy(batch);
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  for (int r = 0; r < R; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+  for (hsapComm_t c : comms) hsapCommDestroy(c);
+  if (cplan != nullptr) hsapPlanDestroy(cplan);
+  hsapLayoutDestroy(layout);
+  return detail;
+}
+
+// Compares every byte count; returns the ring bytes the run moved.
+uint64_t ExpectSameBytes(const RunSimulation& sim, const std::vector<hsapTrafficDetail_t>& run) {
+  EXPECT_EQ(sim.ranks.size(), run.size());
+  if (sim.ranks.size() != run.size()) return 0;
+  uint64_t ring = 0;
+  for (size_t r = 0; r < run.size(); ++r) {
+    ring += run[r].forwardRingBytesSent + run[r].backwardRingBytesSent;
+    const HierTraffic& f = sim.ranks[r].forward;
+    const HierTraffic& b = sim.ranks[r].backward;
+    const hsapTrafficDetail_t& d = run[r];
+    EXPECT_EQ(f.a2a_sent, d.forwardAllToAllBytesSent) << "rank " << r;
+    EXPECT_EQ(f.a2a_received, d.forwardAllToAllBytesReceived) << "rank " << r;
+    EXPECT_EQ(f.ring_sent, d.forwardRingBytesSent) << "rank " << r;
+    EXPECT_EQ(f.ring_received, d.forwardRingBytesReceived) << "rank " << r;
+    EXPECT_EQ(b.a2a_sent, d.backwardAllToAllBytesSent) << "rank " << r;
+    EXPECT_EQ(b.a2a_received, d.backwardAllToAllBytesReceived) << "rank " << r;
+    EXPECT_EQ(b.ring_sent, d.backwardRingBytesSent) << "rank " << r;
+    EXPECT_EQ(b.ring_received, d.backwardRingBytesReceived) << "rank " << r;
+    EXPECT_EQ(sim.ranks[r].intra_node_bytes_sent + sim.ranks[r].inter_node_bytes_sent,
+              f.sent() + b.sent())
+        << "rank " << r;
+  }
+  return ring;
+}
+
+std::vector<int64_t> CuSeqlens(const Layout& layout) {
+  std::vector<int64_t> cu = {0};
+  for (const MaskSlice& s : layout.slices()) {
+    if (s.q_end > cu.back()) cu.push_back(s.q_end);
+  }
+  return cu;
+}
+
+TEST(RunSimulatorTest, PlanBytesAreTheRuntimesOnRandomPlans) {
+  const std::vector<PlanSpec> specs = {
+      {{2, 2}, 4, 2, HeadSplit::kContiguous, false, 1},
+      {{3, 1, 2}, 8, 2, HeadSplit::kRandom, true, 7},
+      {{1, 1, 1, 1}, 4, 4, HeadSplit::kContiguous, true, 4},
+      {{2, 3}, 4, 1, HeadSplit::kRoundRobin, true, 11},
+  };
+  uint64_t ring = 0;
+  for (const PlanSpec& spec : specs) {
+    SCOPED_TRACE(spec.Name());
+    const Plan plan = MakePlan(spec);
+    absl::StatusOr<Layout> layout = SampleRow(600, 250, spec.seed);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const LayerShape shape{spec.heads_q, spec.heads_kv, kHeadDim, DType::kBF16};
+    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*layout, plan, shape);
+    ASSERT_TRUE(programs.ok()) << programs.status();
+    const int R = plan.num_ranks;
+    absl::StatusOr<RunSimulation> sim = SimulatePrograms(TestCluster(R, 1), *programs, kHeadDim);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    ring +=
+        ExpectSameBytes(*sim, RunOnHost(CuSeqlens(*layout), R, spec.heads_q, spec.heads_kv, &plan));
+  }
+  EXPECT_GT(ring, 0u) << "no K/V crossed groups: the comparison would prove little";
+}
+
+TEST(RunSimulatorTest, FlatBytesAreTheRuntimes) {
+  uint64_t ring = 0;
+  for (int R : {2, 5}) {
+    for (double mean : {0.0, 120.0}) {
+      SCOPED_TRACE(absl::StrFormat("%d ranks, mean document %g", R, mean));
+      absl::StatusOr<Layout> layout = SampleRow(500, mean, 3);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      absl::StatusOr<std::vector<RankProgram>> programs =
+          FlatPrograms(*layout, R, {}, {4, 2, kHeadDim, DType::kBF16});
+      ASSERT_TRUE(programs.ok()) << programs.status();
+      absl::StatusOr<RunSimulation> sim = SimulatePrograms(TestCluster(1, R), *programs, kHeadDim);
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      ring += ExpectSameBytes(*sim, RunOnHost(CuSeqlens(*layout), R, 4, 2, nullptr));
+    }
+  }
+  EXPECT_GT(ring, 0u) << "no K/V crossed ranks: the comparison would prove little";
+}
+
+TEST(RunSimulatorTest, OneDeviceComputesEveryPairAtItsRate) {
+  const Layout layout = *SampleRow(1000, 0, 1);
+  auto programs = FlatPrograms(layout, 1, {}, {4, 2, 64, DType::kBF16});
+  ASSERT_TRUE(programs.ok()) << programs.status();
+  auto sim = SimulatePrograms(TestCluster(1, 1), *programs, 64);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  const double forward = 4.0 * 64 * (1000.0 * 1001 / 2) * 4 / 50e12;
+  EXPECT_NEAR(sim->forward_seconds, forward, 1e-15);
+  EXPECT_NEAR(sim->backward_seconds, 2.5 * forward, 1e-15);
+  EXPECT_NEAR(sim->ExposedTransferSeconds(), 0, 1e-15);
+  EXPECT_NEAR(sim->ImbalanceSeconds(), 0, 1e-15);
+}
+
+TEST(RunSimulatorTest, SlowNicIsExposedAndInterNodeBytesCounted) {
+  // Two ranks on two nodes: rank 1's queries see rank 0's keys, which cross a slow NIC.
+  const Layout layout = *SampleRow(4096, 0, 1);
+  const LayerShape shape{4, 2, 64, DType::kBF16};
+  auto programs = FlatPrograms(layout, 2, {}, shape);
+  ASSERT_TRUE(programs.ok()) << programs.status();
+  auto apart = SimulatePrograms(TestCluster(2, 1, 100, /*nic_gbps=*/0.01), *programs, 64);
+  auto together = SimulatePrograms(TestCluster(1, 2, 1e6), *programs, 64);
+  ASSERT_TRUE(apart.ok() && together.ok());
+  const uint64_t moved = apart->ranks[0].forward.sent() + apart->ranks[0].backward.sent() +
+                         apart->ranks[1].forward.sent() + apart->ranks[1].backward.sent();
+  ASSERT_GT(moved, 0u);
+  EXPECT_EQ(apart->InterNodeBytes(), moved);
+  EXPECT_EQ(together->InterNodeBytes(), 0u);
+  // The NIC bound: the busier node's bytes over its one NIC.
+  const double node0 = static_cast<double>(apart->ranks[0].inter_node_bytes_sent);
+  const double node1 = static_cast<double>(apart->ranks[1].inter_node_bytes_sent);
+  EXPECT_DOUBLE_EQ(NicBoundSeconds(TestCluster(2, 1, 100, 0.01), *apart),
+                   std::max(node0, node1) / 0.01e9);
+  EXPECT_EQ(NicBoundSeconds(TestCluster(1, 2, 1e6), *together), 0);
+  // The forward K/V alone needs bytes / bandwidth on the wire before rank 1 can use it.
+  EXPECT_GE(apart->forward_seconds, apart->ranks[0].forward.ring_sent / 0.01e9);
+  EXPECT_GT(apart->ExposedTransferSeconds(), together->ExposedTransferSeconds());
+  // The same work on both layouts of the cluster.
+  EXPECT_NEAR(apart->MaxComputeSeconds(), together->MaxComputeSeconds(), 1e-15);
+}
+
+TEST(RunSimulatorTest, SampleRowIsDeterministicAndCoversTheRow) {
+  const Layout a = *SampleRow(10000, 300, 42), b = *SampleRow(10000, 300, 42);
+  EXPECT_EQ(a.num_tokens(), 10000);
+  EXPECT_EQ(CuSeqlens(a), CuSeqlens(b));
+  EXPECT_GT(CuSeqlens(a).size(), 10u);
+  EXPECT_NE(CuSeqlens(a), CuSeqlens(*SampleRow(10000, 300, 43)));
+  EXPECT_EQ(CuSeqlens(*SampleRow(100, 0, 1)).size(), 2u);
+}
+
+TEST(RunSimulatorTest, RejectsProgramsThatDoNotFitTheCluster) {
+  const Layout layout = *SampleRow(100, 0, 1);
+  auto programs = FlatPrograms(layout, 2, {}, {4, 2, 32, DType::kBF16});
+  ASSERT_TRUE(programs.ok());
+  EXPECT_FALSE(SimulatePrograms(TestCluster(1, 3), *programs, 32).ok());
+  EXPECT_FALSE(PlanPrograms(layout, MakePlan({{1, 1}, 8, 2}), {4, 2, 32}).ok());
+}
+
+}  // namespace
+}  // namespace hsap
