@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention/dtype.h"
+#include "attention/kernel.h"
 #include "attention/layout.h"
 #include "attention/reference.h"
 #include "attention/tolerance.h"
@@ -43,6 +44,7 @@
 #include "lib/sched/hierarchy.h"
 #include "lib/sched/partition.h"
 #include "lib/sched/plan_json.h"
+#include "lib/sched/schedule.h"
 
 namespace {
 
@@ -66,6 +68,7 @@ struct Options {
   std::string dtype = "bf16";
   std::vector<double> weights;  // empty: equal
   int threads = 0;              // compute threads per rank; 0: hardware threads / ranks
+  int nodes = 0;                // >0: ranks in that many equal nodes (consecutive ranks)
   int iters = 5;
   int warmup = 1;
   int check = 1;
@@ -111,6 +114,10 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "      --dtype T          fp32 | bf16 | fp16 (default bf16)\n"
       "      --weights a,b,...  per-rank weights (default equal)\n"
       "  -T, --threads N        compute threads per rank (default: hardware threads / ranks)\n"
+      "      --nodes N          describe the ranks as N nodes of R/N consecutive ranks (host\n"
+      "                         backend, ring batches): K/V rows needed by several ranks of a\n"
+      "                         node cross into it once; prints intra/inter-node bytes beside\n"
+      "                         the inter-node bytes of direct delivery\n"
       "      --ref-max-gflop X  check only rows up to X GFLOP of forward work (default 4)\n"
       "      --timeout-ms N     communicator timeout (default 600000)\n"
       "      --seed N           seed of lengths and data (default 1)\n"
@@ -213,6 +220,8 @@ Options ParseOptions(int argc, char** argv) {
         }
         o.weights.push_back(w);
       }
+    } else if (arg == "--nodes") {
+      o.nodes = static_cast<int>(need_int(1));
     } else if (arg == "-T" || arg == "--threads") {
       o.threads = static_cast<int>(need_int(0));
     } else if (arg == "--ref-max-gflop") {
@@ -275,6 +284,12 @@ Options ParseOptions(int argc, char** argv) {
   }
   if (!o.weights.empty() && static_cast<int>(o.weights.size()) != o.ranks) {
     Usage("--weights needs one value per rank (--ranks)");
+  }
+  if (o.nodes > 0) {
+    if (o.ranks % o.nodes != 0) Usage("--nodes must divide --ranks");
+    if (o.plan_mode() || o.backend != "host") {
+      Usage("--nodes is for ring batches on the host backend (no --groups/--plan)");
+    }
   }
   return o;
 }
@@ -497,6 +512,9 @@ int main(int argc, char** argv) {
   hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
   cc.timeoutMs = o.timeout_ms;
   cc.numThreads = o.threads;
+  std::vector<int> rank_nodes;  // --nodes: consecutive ranks share a node
+  for (int r = 0; o.nodes > 0 && r < R; ++r) rank_nodes.push_back(r / (R / o.nodes));
+  cc.rankNodes = rank_nodes.empty() ? nullptr : rank_nodes.data();
   const bool on_gpu = o.backend == "cuda-loopback";
   if (on_gpu) {
     Must(hsapCommInitLoopback(comms.data(), R, &cc), "hsapCommInitLoopback");
@@ -594,9 +612,16 @@ int main(int argc, char** argv) {
       "delivers every K/V row to every rank, (T - T/R) * 2 * Hkv * D * size; ratio = mean / "
       "ring\n");
   std::printf(
+      "%s"
       "# #wrong: elements of out, dq, dk, dv (gathered from the ranks) with |x - ref| > 2 * (max "
       "error of the same-precision single-device NaiveForward/Backward) + 4 rounding units; '-' "
       "when not checked (-c 0, or above %.3g GFLOP of forward work)\n",
+      o.nodes > 0
+          ? "# intra, inter: forward K/V bytes received per rank (mean) from ranks of the same / "
+            "another node (hsapBatchGetLinkTraffic); direct: the inter-node bytes per rank (mean) "
+            "of direct delivery (each row sent from its owner to every rank that needs it, what "
+            "the runtime does without rankNodes), from the direct schedules\n"
+          : "",
       o.ref_max_gflop);
   std::printf("#\n# %9s %6s %6s %10s %10s %9s %9s %10s %10s %10s %7s", "tokens", "docs", "split",
               "fwd(ms)", "bwd(ms)", "fwdTF/s", "bwdTF/s", "bytes max", "bytes mean", "ring",
@@ -604,6 +629,7 @@ int main(int argc, char** argv) {
   if (plan != nullptr) {
     std::printf(" %10s %10s %10s %10s", "a2a", "p2p", "TE a2a", "TE p2p");
   }
+  if (o.nodes > 0) std::printf(" %10s %10s %10s", "intra", "inter", "direct");
   if (on_gpu) std::printf(" %8s %8s", "fwdHid%", "bwdHid%");
   std::printf(" %7s\n", "#wrong");
 
@@ -693,6 +719,7 @@ int main(int argc, char** argv) {
     std::vector<double> fwd_s(R), bwd_s(R);
     std::vector<hsapTraffic_t> traffic(R);
     std::vector<hsapTrafficDetail_t> detail(R);
+    std::vector<hsapLinkTraffic_t> links(R);
     std::vector<hsapResult_t> result(R, hsapSuccess);
     std::vector<std::string> error(R);
     std::vector<size_t> pool_bytes(R, 0);
@@ -770,6 +797,7 @@ int main(int argc, char** argv) {
         }
         hsapBatchGetTraffic(batch, &traffic[r]);
         hsapBatchGetTrafficDetail(batch, &detail[r]);
+        if (o.nodes > 0) hsapBatchGetLinkTraffic(batch, &links[r]);
         hsapBatchDestroy(batch);
       });
     }
@@ -905,6 +933,29 @@ int main(int argc, char** argv) {
           TransformerEngineBytes(lengths, R, plan_groups, o.heads, o.kv_heads, o.head_dim, esize);
       std::printf(" %10s %10s %10s %10s", HumanBytes(a2a).c_str(), HumanBytes(p2p).c_str(),
                   HumanBytes(te.a2a).c_str(), HumanBytes(te.p2p).c_str());
+    }
+    if (o.nodes > 0) {
+      double intra = 0, inter = 0, direct = 0;
+      for (const hsapLinkTraffic_t& l : links) {
+        intra += static_cast<double>(l.forwardIntraNodeBytesReceived) / R;
+        inter += static_cast<double>(l.forwardInterNodeBytesReceived) / R;
+      }
+      for (int r = 0; r < R; ++r) {
+        absl::StatusOr<hsap::Schedule> sched =
+            hsap::BuildSchedule(layout->layout, *part->partition, r, hsap::kKernelBlockQ);
+        if (!sched.ok()) {
+          std::fprintf(stderr, "direct schedule: %s\n",
+                       std::string(sched.status().message()).c_str());
+          return 1;
+        }
+        for (const hsap::Stage& st : sched->stages) {
+          if (st.recv_from >= 0 && rank_nodes[st.recv_from] != rank_nodes[r]) {
+            direct += static_cast<double>(st.recv_rows) * 2.0 * kv_row / R;
+          }
+        }
+      }
+      std::printf(" %10s %10s %10s", HumanBytes(intra).c_str(), HumanBytes(inter).c_str(),
+                  HumanBytes(direct).c_str());
     }
     if (on_gpu) {
       // Share of the transfer-only time that the full call hid: (compute + transfers - full)

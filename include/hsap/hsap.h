@@ -204,10 +204,19 @@ typedef struct {
    * stream of the communicator's, ordered with it by events). NULL: a stream of its own,
    * and the calls return after their work finished. Ignored by the host backend. */
   void* cudaStream;
+  /* Added for topology-aware K/V delivery (callers built against the older, shorter struct
+   * are told apart by `size`): rankNodes[r] is the index (>= 0) of the node of rank r
+   * (nranks entries); NULL: every rank on one node. Host backend: the described topology
+   * (so multi-node behaviour runs on one machine); a batch then sends a K/V row needed by
+   * several ranks of another node across the node boundary once, to one of them, which
+   * forwards it inside its node, and its dK/dV partials come back the same way
+   * (hsapBatchGetLinkTraffic reports the bytes per link class). CUDA backend: not supported
+   * yet (must be NULL; the CUDA batches deliver directly, rank to rank). */
+  const int* rankNodes;
 } hsapCommConfig_t;
 
 #define HSAP_COMM_CONFIG_INITIALIZER \
-  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL }
+  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL, NULL }
 
 /* Creates nranks ranks of the host backend in this process (comms[0..nranks-1]), like
  * ncclCommInitAll. Each rank's later calls are made from its own thread. config may be
@@ -451,6 +460,19 @@ typedef struct {
   uint64_t backwardRingBytesSent, backwardRingBytesReceived;
 } hsapTrafficDetail_t;
 hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* traffic);
+
+/* Bytes this rank moved in the last forward and backward, split by link class: messages to
+ * and from ranks of its own node (intra) and of other nodes (inter), per the communicator's
+ * rankNodes. Counted from the messages sent and received. With every rank on one node all
+ * bytes are intra-node. hsapUnsupported for batches whose runner does not classify
+ * messages on a communicator spanning several nodes (plan batches, CUDA batches). */
+typedef struct {
+  uint64_t forwardIntraNodeBytesSent, forwardIntraNodeBytesReceived;
+  uint64_t forwardInterNodeBytesSent, forwardInterNodeBytesReceived;
+  uint64_t backwardIntraNodeBytesSent, backwardIntraNodeBytesReceived;
+  uint64_t backwardInterNodeBytesSent, backwardInterNodeBytesReceived;
+} hsapLinkTraffic_t;
+hsapResult_t hsapBatchGetLinkTraffic(hsapBatch_t batch, hsapLinkTraffic_t* traffic);
 
 /* ---- CUDA communicators: one GPU per rank, over NCCL ---------------------------------- */
 

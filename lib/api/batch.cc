@@ -249,4 +249,17 @@ hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
   });
 }
 
+hsapResult_t hsapBatchGetLinkTraffic(hsapBatch_t batch, hsapLinkTraffic_t* traffic) {
+  return hsap::RunApi("hsapBatchGetLinkTraffic", [&]() -> absl::Status {
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(traffic, "traffic"));
+    HSAP_ASSIGN_OR_RETURN(const hsap::LinkTraffic fwd, b->Links(b->traffic().forward));
+    HSAP_ASSIGN_OR_RETURN(const hsap::LinkTraffic bwd, b->Links(b->traffic().backward));
+    *traffic = hsapLinkTraffic_t{
+        fwd.intra_node_sent, fwd.intra_node_received, fwd.inter_node_sent, fwd.inter_node_received,
+        bwd.intra_node_sent, bwd.intra_node_received, bwd.inter_node_sent, bwd.inter_node_received};
+    return absl::OkStatus();
+  });
+}
+
 }  // extern "C"

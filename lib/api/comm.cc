@@ -15,6 +15,9 @@ namespace {
 
 // Size of version 1 of hsapCommConfig_t (through numThreads).
 constexpr size_t kCommConfigV1Size = offsetof(hsapCommConfig_t, numThreads) + sizeof(int);
+// Size of the version with rankNodes.
+constexpr size_t kCommConfigRankNodesSize =
+    offsetof(hsapCommConfig_t, rankNodes) + sizeof(const int*);
 
 absl::StatusOr<hsap::Communicator*> GetComm(hsapComm_t comm) {
   if (comm == nullptr || comm->comm == nullptr) {
@@ -53,6 +56,16 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
       }
       options.timeout = absl::Milliseconds(config->timeoutMs);
       options.num_threads = config->numThreads;
+      if (config->size >= kCommConfigRankNodesSize && config->rankNodes != nullptr) {
+        options.rank_nodes.assign(config->rankNodes, config->rankNodes + nranks);
+        for (int r = 0; r < nranks; ++r) {
+          if (options.rank_nodes[r] < 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("config->rankNodes[", r, "] = ", options.rank_nodes[r],
+                             " is negative; give every rank the index (>= 0) of its node"));
+          }
+        }
+      }
     }
     HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Communicator>> world,
                           hsap::Communicator::CreateHostWorld(nranks, options));

@@ -42,6 +42,12 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
           " is negative; pass a positive timeout in milliseconds, or 0 for the default"));
     }
     requested = absl::Milliseconds(config->timeoutMs);
+    if (config->size >= offsetof(hsapCommConfig_t, rankNodes) + sizeof(const int*) &&
+        config->rankNodes != nullptr) {
+      return absl::UnimplementedError(
+          "config->rankNodes is not supported by the CUDA backend yet (its batches deliver K/V "
+          "directly, rank to rank); pass NULL");
+    }
     if (config->size >= kCommConfigStreamSize) {
       out.stream = static_cast<hsap::cuda::cudaStream>(config->cudaStream);
     }

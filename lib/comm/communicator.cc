@@ -39,6 +39,15 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> Communicator::CreateH
                                                    " is negative; pass 0 for the default"));
   }
   HSAP_ASSIGN_OR_RETURN(absl::Duration timeout, ResolveTimeout(options.timeout));
+  Topology topology = Topology::SingleNode(nranks);
+  if (!options.rank_nodes.empty()) {
+    if (static_cast<int>(options.rank_nodes.size()) != nranks) {
+      return absl::InvalidArgumentError(absl::StrCat("rank_nodes has ", options.rank_nodes.size(),
+                                                     " entries for ", nranks,
+                                                     " ranks; give one node per rank"));
+    }
+    HSAP_ASSIGN_OR_RETURN(topology, Topology::FromRankNodes(options.rank_nodes));
+  }
   int num_threads = options.num_threads;
   if (num_threads == 0) {
     const int hardware = static_cast<int>(std::thread::hardware_concurrency());
@@ -49,13 +58,18 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> Communicator::CreateH
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(nranks);
   for (auto& transport : transports) {
-    comms.push_back(std::make_unique<Communicator>(std::move(transport), timeout, num_threads));
+    comms.push_back(
+        std::make_unique<Communicator>(std::move(transport), timeout, num_threads, topology));
   }
   return comms;
 }
 
 Communicator::Communicator(std::unique_ptr<Transport> transport, absl::Duration timeout,
-                           int num_threads)
-    : transport_(std::move(transport)), timeout_(timeout), num_threads_(num_threads) {}
+                           int num_threads, std::optional<Topology> topology)
+    : transport_(std::move(transport)),
+      timeout_(timeout),
+      num_threads_(num_threads),
+      topology_(topology.has_value() ? *std::move(topology)
+                                     : Topology::SingleNode(transport_->size())) {}
 
 }  // namespace hsap

@@ -114,8 +114,11 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
     weights_hash = h;
   }
   HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, weights_hash, local, /*planned=*/false));
-  HSAP_ASSIGN_OR_RETURN(Schedule schedule,
-                        BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ));
+  HSAP_ASSIGN_OR_RETURN(
+      Schedule schedule,
+      BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ,
+                    runners.RunsRelays() ? absl::Span<const int>(comm.topology().node_of_rank())
+                                         : absl::Span<const int>()));
   batch->schedule_ = std::make_unique<const Schedule>(std::move(schedule));
   HSAP_RETURN_IF_ERROR(batch->AgreeOnRunner(
       runners.ForSchedule(comm, *batch->schedule_, batch->dims_, options.dtype)));
@@ -304,6 +307,19 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
   const uint64_t call = calls_;
   HSAP_RETURN_IF_ERROR(AgreeOnCall(2, local_check));
   return runner_->Backward(call, dout, q, k, v, out, lse, dq, dk, dv, traffic_.backward);
+}
+
+absl::StatusOr<LinkTraffic> Batch::Links(const CallTraffic& call) const {
+  if (call.links_counted) return call.links;
+  if (!comm_->topology().single_node()) {
+    return absl::UnimplementedError(
+        "this batch's runner (a plan batch or a GPU batch) does not classify its messages by "
+        "link, and the communicator's ranks span several nodes");
+  }
+  LinkTraffic links;
+  links.intra_node_sent = call.sent();
+  links.intra_node_received = call.received();
+  return links;
 }
 
 }  // namespace hsap

@@ -39,52 +39,86 @@ class RowSource {
   }
 };
 
-// Double-buffered K/V movement along the stages of a schedule.
+// Adds a message of `bytes` between this rank and `peer` to `t`, by link class.
+void Tally(ExecTraffic& t, const Communicator& comm, int peer, uint64_t bytes, bool sent) {
+  const bool intra = comm.topology().SameNode(comm.rank(), peer);
+  if (sent) {
+    t.bytes_sent += bytes;
+    (intra ? t.intra_node_sent : t.inter_node_sent) += bytes;
+  } else {
+    t.bytes_received += bytes;
+    (intra ? t.intra_node_received : t.inter_node_received) += bytes;
+  }
+}
+
+void AddTraffic(ExecTraffic& to, const ExecTraffic& from) {
+  to.bytes_sent += from.bytes_sent;
+  to.bytes_received += from.bytes_received;
+  to.intra_node_sent += from.intra_node_sent;
+  to.intra_node_received += from.intra_node_received;
+  to.inter_node_sent += from.inter_node_sent;
+  to.inter_node_received += from.inter_node_received;
+}
+
+// Double-buffered K/V movement along the stages of a schedule. Kept buffers (relays) are
+// received into the relay store, and fan-outs send from it.
 class KvPipeline {
  public:
   KvPipeline(const ExecContext& ctx, const void* k, const void* v, const char* pass,
              Payload key_tag, Payload value_tag)
       : ctx_(ctx), k_(k), v_(v), pass_(pass), key_tag_(key_tag), value_tag_(value_tag) {
     row_bytes_ = static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim * DTypeSize(ctx.dtype);
+    store_k_.resize(static_cast<size_t>(ctx.schedule->store_rows) * row_bytes_);
+    store_v_.resize(store_k_.size());
   }
 
-  // Posts stage i's transfers into buffer slot i % 2.
+  // Posts stage i's transfers into buffer slot i % 2 (or the relay store).
   absl::StatusOr<std::unique_ptr<Transport::Pending>> Post(size_t i) {
     const Stage& st = ctx_.schedule->stages[i];
     Slot& slot = slots_[i % 2];
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
+    Communicator& comm = *ctx_.comm;
     if (st.send_to >= 0) {
       const size_t bytes = static_cast<size_t>(st.send_rows) * row_bytes_;
       RowSource src;
-      const void* kp = src.Prepare(k_, row_bytes_, st.send_runs, slot.send_k);
-      const void* vp = src.Prepare(v_, row_bytes_, st.send_runs, slot.send_v);
-      moved_.bytes_sent += 2 * bytes;
+      const void* kp = src.Prepare(st.send_from_store ? store_k_.data() : k_, row_bytes_,
+                                   st.send_runs, slot.send_k);
+      const void* vp = src.Prepare(st.send_from_store ? store_v_.data() : v_, row_bytes_,
+                                   st.send_runs, slot.send_v);
+      Tally(moved_, comm, st.send_to, 2 * bytes, /*sent=*/true);
       sends.push_back({st.send_to, kp, bytes, RingTag(ctx_.call_id, key_tag_, st.step)});
       sends.push_back({st.send_to, vp, bytes, RingTag(ctx_.call_id, value_tag_, st.step)});
     }
     if (st.recv_from >= 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * row_bytes_;
-      moved_.bytes_received += 2 * bytes;
-      slot.recv_k.resize(bytes);
-      slot.recv_v.resize(bytes);
-      recvs.push_back(
-          {st.recv_from, slot.recv_k.data(), bytes, RingTag(ctx_.call_id, key_tag_, st.step)});
-      recvs.push_back(
-          {st.recv_from, slot.recv_v.data(), bytes, RingTag(ctx_.call_id, value_tag_, st.step)});
+      Tally(moved_, comm, st.recv_from, 2 * bytes, /*sent=*/false);
+      if (st.store_begin < 0) {
+        slot.recv_k.resize(bytes);
+        slot.recv_v.resize(bytes);
+      }
+      recvs.push_back({st.recv_from, const_cast<void*>(recv_k(i)), bytes,
+                       RingTag(ctx_.call_id, key_tag_, st.step)});
+      recvs.push_back({st.recv_from, const_cast<void*>(recv_v(i)), bytes,
+                       RingTag(ctx_.call_id, value_tag_, st.step)});
     }
-    return ctx_.comm->transport().Start(sends, recvs, StageName(pass_, st, "kv"));
+    return comm.transport().Start(sends, recvs, StageName(pass_, st, "kv"));
   }
 
-  const void* recv_k(size_t i) const { return slots_[i % 2].recv_k.data(); }
+  const void* recv_k(size_t i) const { return Received(i, store_k_, slots_[i % 2].recv_k); }
+  const void* recv_v(size_t i) const { return Received(i, store_v_, slots_[i % 2].recv_v); }
   // Payload bytes of the stages posted so far.
   const ExecTraffic& moved() const { return moved_; }
-  const void* recv_v(size_t i) const { return slots_[i % 2].recv_v.data(); }
 
  private:
   struct Slot {
     std::vector<char> send_k, send_v, recv_k, recv_v;
   };
+  const void* Received(size_t i, const std::vector<char>& store,
+                       const std::vector<char>& slot) const {
+    const int64_t at = ctx_.schedule->stages[i].store_begin;
+    return at >= 0 ? store.data() + at * row_bytes_ : slot.data();
+  }
   const ExecContext& ctx_;
   const void* k_;
   const void* v_;
@@ -92,6 +126,7 @@ class KvPipeline {
   Payload key_tag_, value_tag_;
   size_t row_bytes_ = 0;
   Slot slots_[2];
+  std::vector<char> store_k_, store_v_;
   ExecTraffic moved_;
 };
 
@@ -132,8 +167,18 @@ absl::Status ExecuteForward(const ExecContext& ctx, const void* q, const void* k
   args.lse = lse32.data();
 
   KvPipeline kv(ctx, k, v, "forward", Payload::kKey, Payload::kValue);
+  auto on_stage = [&](size_t i) -> absl::Status {
+    const Stage& st = sched.stages[i];
+    if (st.recv_from < 0 || st.recv_work.empty()) return absl::OkStatus();
+    args.k = kv.recv_k(i);
+    args.v = kv.recv_v(i);
+    args.k_rows = st.recv_rows;
+    return ctx.kernels->Forward(args, st.recv_work, threads);
+  };
+  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+  const size_t fan = sched.first_fan_out();
   absl::Status run = RunStaged(
-      sched.stages.size(), [&](size_t i) { return kv.Post(i); },
+      fan, [&](size_t i) { return kv.Post(i); },
       [&]() -> absl::Status {
         if (sched.local_work.empty()) return absl::OkStatus();
         args.k = k;
@@ -141,14 +186,12 @@ absl::Status ExecuteForward(const ExecContext& ctx, const void* q, const void* k
         args.k_rows = rows;
         return ctx.kernels->Forward(args, sched.local_work, threads);
       },
-      [&](size_t i) -> absl::Status {
-        const Stage& st = sched.stages[i];
-        if (st.recv_from < 0 || st.recv_work.empty()) return absl::OkStatus();
-        args.k = kv.recv_k(i);
-        args.v = kv.recv_v(i);
-        args.k_rows = st.recv_rows;
-        return ctx.kernels->Forward(args, st.recv_work, threads);
-      });
+      on_stage);
+  if (run.ok() && fan < sched.stages.size()) {
+    run = RunStaged(
+        sched.stages.size() - fan, [&](size_t i) { return kv.Post(fan + i); },
+        [] { return absl::OkStatus(); }, [&](size_t i) { return on_stage(fan + i); });
+  }
   if (!run.ok()) return run;
   StoreRows(ctx.dtype, out32, out);
   if (!lse32.empty()) std::memcpy(lse, lse32.data(), lse32.size() * sizeof(float));
@@ -192,17 +235,17 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
   };
 
   // Gradient partials: computed for the rows received at stage i (sent back to their
-  // owner), and received for this rank's rows that the stage's destination used.
+  // owner), and received for this rank's rows that the stage's destination used. A kept
+  // buffer's partials are computed into the relay store and summed there.
   std::vector<float> part_k[2], part_v[2], back_k[2], back_v[2];
+  std::vector<float> store_gk(sched.store_rows * kv_row, 0.0f), store_gv(store_gk.size(), 0.0f);
   ExecTraffic grad_moved;
-  auto add_returned = [&](size_t i) {
-    const Stage& st = sched.stages[i];
-    if (st.send_to < 0) return;
-    const float* gk = back_k[i % 2].data();
-    const float* gv = back_v[i % 2].data();
+  auto add_rows = [&](const Stage& st, const float* gk, const float* gv) {
+    float* to_k = st.send_from_store ? store_gk.data() : dk32.data();
+    float* to_v = st.send_from_store ? store_gv.data() : dv32.data();
     for (const TokenRun& run : st.send_runs) {
-      float* tk = dk32.data() + run.local_begin * kv_row;
-      float* tv = dv32.data() + run.local_begin * kv_row;
+      float* tk = to_k + run.local_begin * kv_row;
+      float* tv = to_v + run.local_begin * kv_row;
       const size_t count = static_cast<size_t>(run.length) * kv_row;
       for (size_t e = 0; e < count; ++e) {
         tk[e] += gk[e];
@@ -213,8 +256,6 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     }
   };
 
-  std::vector<int> steps;
-  for (const Stage& st : sched.stages) steps.push_back(st.step);
   BackwardStages hooks;
   hooks.post_kv = [&](size_t i) { return kv.Post(i); };
   hooks.local = local;
@@ -222,14 +263,19 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     const Stage& st = sched.stages[i];
     const size_t slot = i % 2;
     if (st.recv_from < 0) return absl::OkStatus();
-    part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
-    part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+    if (st.store_begin >= 0) {
+      args.dk = store_gk.data() + st.store_begin * kv_row;
+      args.dv = store_gv.data() + st.store_begin * kv_row;
+    } else {
+      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
+      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
+      args.dk = part_k[slot].data();
+      args.dv = part_v[slot].data();
+    }
     if (st.recv_work.empty()) return absl::OkStatus();
     args.k = kv.recv_k(i);
     args.v = kv.recv_v(i);
     args.k_rows = st.recv_rows;
-    args.dk = part_k[slot].data();
-    args.dv = part_v[slot].data();
     return ctx.kernels->Backward(args, st.recv_work, threads);
   };
   hooks.post_grad = [&](size_t i) {
@@ -237,19 +283,19 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     const size_t slot = i % 2;
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
-    if (st.recv_from >= 0) {
+    if (st.recv_from >= 0 && st.store_begin < 0) {
       const size_t bytes = part_k[slot].size() * sizeof(float);
-      grad_moved.bytes_sent += 2 * bytes;
+      Tally(grad_moved, *ctx.comm, st.recv_from, 2 * bytes, /*sent=*/true);
       sends.push_back({st.recv_from, part_k[slot].data(), bytes,
                        RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
       sends.push_back({st.recv_from, part_v[slot].data(), bytes,
                        RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
     }
-    if (st.send_to >= 0) {
+    if (st.send_to >= 0 && !st.send_grads_deferred) {
       back_k[slot].resize(st.send_rows * kv_row);
       back_v[slot].resize(st.send_rows * kv_row);
       const size_t bytes = back_k[slot].size() * sizeof(float);
-      grad_moved.bytes_received += 2 * bytes;
+      Tally(grad_moved, *ctx.comm, st.send_to, 2 * bytes, /*sent=*/false);
       recvs.push_back({st.send_to, back_k[slot].data(), bytes,
                        RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
       recvs.push_back({st.send_to, back_v[slot].data(), bytes,
@@ -258,16 +304,71 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
     return ctx.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
   };
   hooks.add_returned = [&](size_t i) {
-    add_returned(i);
+    const Stage& st = sched.stages[i];
+    if (st.send_to >= 0 && !st.send_grads_deferred) {
+      add_rows(st, back_k[i % 2].data(), back_v[i % 2].data());
+    }
     return absl::OkStatus();
   };
-  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
+  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+  const size_t fan = sched.first_fan_out();
+  std::vector<int> steps;
+  for (const Stage& st : sched.stages) steps.push_back(st.step);
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).first(fan), hooks));
+  if (fan < sched.stages.size()) {
+    BackwardStages fan_out;
+    fan_out.post_kv = [&](size_t i) { return hooks.post_kv(fan + i); };
+    fan_out.local = [] { return absl::OkStatus(); };
+    fan_out.compute = [&](size_t i) { return hooks.compute(fan + i); };
+    fan_out.post_grad = [&](size_t i) { return hooks.post_grad(fan + i); };
+    fan_out.add_returned = [&](size_t i) { return hooks.add_returned(fan + i); };
+    HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).subspan(fan), fan_out));
+  }
+  // The return phase: kept buffers' summed partials go back to their owners.
+  std::vector<std::vector<float>> deferred_k(sched.stages.size()), deferred_v(sched.stages.size());
+  {
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched.stages[i];
+      if (st.recv_from >= 0 && st.store_begin >= 0) {
+        const size_t bytes = st.recv_rows * kv_row * sizeof(float);
+        Tally(grad_moved, *ctx.comm, st.recv_from, 2 * bytes, /*sent=*/true);
+        sends.push_back({st.recv_from, store_gk.data() + st.store_begin * kv_row, bytes,
+                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
+        sends.push_back({st.recv_from, store_gv.data() + st.store_begin * kv_row, bytes,
+                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        deferred_k[i].resize(st.send_rows * kv_row);
+        deferred_v[i].resize(st.send_rows * kv_row);
+        const size_t bytes = deferred_k[i].size() * sizeof(float);
+        Tally(grad_moved, *ctx.comm, st.send_to, 2 * bytes, /*sent=*/false);
+        recvs.push_back({st.send_to, deferred_k[i].data(), bytes,
+                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
+        recvs.push_back({st.send_to, deferred_v[i].data(), bytes,
+                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+    }
+    if (!sends.empty() || !recvs.empty()) {
+      HSAP_ASSIGN_OR_RETURN(
+          std::unique_ptr<Transport::Pending> pending,
+          ctx.comm->transport().Start(sends, recvs, "backward relay dk/dv return"));
+      HSAP_RETURN_IF_ERROR(pending->Wait());
+      for (size_t i = 0; i < fan; ++i) {
+        const Stage& st = sched.stages[i];
+        if (st.send_to >= 0 && st.send_grads_deferred) {
+          add_rows(st, deferred_k[i].data(), deferred_v[i].data());
+        }
+      }
+    }
+  }
   StoreRows(ctx.dtype, dq32, dq);
   StoreRows(ctx.dtype, dk32, dk);
   StoreRows(ctx.dtype, dv32, dv);
   if (traffic != nullptr) {
-    traffic->bytes_sent = kv.moved().bytes_sent + grad_moved.bytes_sent;
-    traffic->bytes_received = kv.moved().bytes_received + grad_moved.bytes_received;
+    *traffic = kv.moved();
+    AddTraffic(*traffic, grad_moved);
   }
   return absl::OkStatus();
 }

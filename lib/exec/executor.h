@@ -11,6 +11,13 @@
 // owner at the same step (reverse direction). An owner adds the partials of its rows in
 // step order after its local gradient, so the result is bitwise the same from run to run.
 //
+// Relays (a schedule on several nodes, schedule.h): the direct stages run first, then the
+// fan-out stages, which send from the relay store (the kept receive buffers, received
+// straight into it). In the backward a gateway computes a kept buffer's partials into the
+// store, adds the fan-out's returned partials into it in stage order, and after the last
+// stage returns each kept buffer's sums to its owner (Payload::kRelayKeyGrad/ValueGrad),
+// which adds them in stage order after all its other partials.
+//
 // Sends of a single contiguous run of rows go straight from the caller's tensors (zero
 // copy); others are packed. Transport stages are named like "forward step 3 (kv from rank
 // 1, to rank 5)" so that a timeout says where it happened.
@@ -32,6 +39,10 @@ namespace hsap {
 struct ExecTraffic {
   uint64_t bytes_sent = 0;
   uint64_t bytes_received = 0;
+  // The same bytes by link class (the communicator's topology): messages between ranks of
+  // one node and of different nodes, counted per message by the host executor.
+  uint64_t intra_node_sent = 0, intra_node_received = 0;
+  uint64_t inter_node_sent = 0, inter_node_received = 0;
 };
 
 // Bytes a forward / backward of `schedule` moves, predicted from the schedule alone.

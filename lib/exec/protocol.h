@@ -43,7 +43,16 @@ static_assert(kPlanBit << 1 == kCollectiveTagBit, "the plan bit sits just below 
 static_assert((uint64_t{1} << kStepBits) >= (uint64_t{1} << 20), "steps must fit");
 
 // The payloads of a ring batch (sequence-aware ring, host and GPU).
-enum class Payload : uint64_t { kKey = 1, kValue = 2, kKeyGrad = 3, kValueGrad = 4 };
+// kRelayKeyGrad / kRelayValueGrad: a gateway's summed partials of a relayed buffer, returned
+// to the owner after every stage (lib/sched/schedule.h); their step is the direct stage's.
+enum class Payload : uint64_t {
+  kKey = 1,
+  kValue = 2,
+  kKeyGrad = 3,
+  kValueGrad = 4,
+  kRelayKeyGrad = 5,
+  kRelayValueGrad = 6,
+};
 
 // The payloads of a plan batch: sub-ring K/V and fp32 dK/dV partials, and the group
 // exchanges in (q, k, v, dout, lse with delta) and back (out, lse, dq, dk, dv).

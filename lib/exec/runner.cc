@@ -8,6 +8,15 @@
 namespace hsap {
 namespace {
 
+CallTraffic ToCallTraffic(const ExecTraffic& t) {
+  CallTraffic c;
+  c.ring_sent = t.bytes_sent;
+  c.ring_received = t.bytes_received;
+  c.links_counted = true;
+  c.links = {t.intra_node_sent, t.intra_node_received, t.inter_node_sent, t.inter_node_received};
+  return c;
+}
+
 class HostRingRunner : public BatchRunner {
  public:
   explicit HostRingRunner(ExecContext ctx) : ctx_(std::move(ctx)) {}
@@ -17,7 +26,7 @@ class HostRingRunner : public BatchRunner {
     ctx_.call_id = call_id;
     ExecTraffic t;
     absl::Status s = ExecuteForward(ctx_, q, k, v, out, lse, &t);
-    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    traffic = ToCallTraffic(t);
     return s;
   }
   absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
@@ -26,7 +35,7 @@ class HostRingRunner : public BatchRunner {
     ctx_.call_id = call_id;
     ExecTraffic t;
     absl::Status s = ExecuteBackward(ctx_, dout, q, k, v, out, lse, dq, dk, dv, &t);
-    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    traffic = ToCallTraffic(t);
     return s;
   }
 
@@ -57,6 +66,8 @@ class HostPlanRunner : public BatchRunner {
 class HostRunnerFactory : public RunnerFactory {
  public:
   explicit HostRunnerFactory(const KernelSet& kernels) : kernels_(kernels) {}
+
+  bool RunsRelays() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,

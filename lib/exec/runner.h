@@ -22,9 +22,21 @@
 
 namespace hsap {
 
+// Payload bytes of one call by link class (the communicator's topology): messages between
+// ranks of one node and of different nodes.
+struct LinkTraffic {
+  uint64_t intra_node_sent = 0, intra_node_received = 0;
+  uint64_t inter_node_sent = 0, inter_node_received = 0;
+  friend bool operator==(const LinkTraffic&, const LinkTraffic&) = default;
+};
+
 // Payload bytes of one call: inside the head-parallel group (all-to-all) and along the
-// rings. A batch without a plan moves everything along its ring.
-using CallTraffic = HierTraffic;
+// rings. A batch without a plan moves everything along its ring. `links` holds the same
+// bytes by link class when the runner counted them (links_counted: the host ring runner).
+struct CallTraffic : HierTraffic {
+  bool links_counted = false;
+  LinkTraffic links;
+};
 
 class BatchRunner {
  public:
@@ -42,6 +54,9 @@ class BatchRunner {
 class RunnerFactory {
  public:
   virtual ~RunnerFactory() = default;
+  // Whether the runners made run relayed K/V delivery (schedule.h) on a communicator whose
+  // ranks span several nodes; when false, batches get the direct schedule.
+  virtual bool RunsRelays() const { return false; }
   // Called once on every rank of `comm` after the ranks agreed on the batch; `schedule` /
   // `rank` outlive the runner. May run collectives on the communicator (every rank's
   // factory takes part, in the same order, whether or not its own preparation failed).

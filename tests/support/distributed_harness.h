@@ -141,6 +141,8 @@ struct DistCase {
   int heads_q = 2, heads_kv = 1, head_dim = 32;
   bool backward = true;
   int timeout_ms = 60000;
+  // The node of every rank (hsapCommConfig_t::rankNodes); empty: NULL (one node).
+  std::vector<int> rank_nodes;
   // The communicators (hsapCommInitAll: the host backend), where tensors live (null: host
   // memory), and what each rank's thread does first (e.g. select its GPU).
   std::function<hsapResult_t(hsapComm_t*, int, const hsapCommConfig_t*)> init_comms =
@@ -183,6 +185,7 @@ struct RowOutputs {
   HostTensor out, dq, dk, dv;
   std::vector<float> lse;  // [heads_q, tokens]
   std::vector<hsapTraffic_t> traffic;
+  std::vector<hsapLinkTraffic_t> link_traffic;  // zero where hsapBatchGetLinkTraffic failed
   std::vector<int64_t> local_tokens;
   std::vector<std::vector<int64_t>> ranges;  // per rank, begin/end pairs
   std::vector<hsapResult_t> results;         // per rank: the first failing call's result
@@ -264,6 +267,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   res.dv = HostTensor(c.dtype, T, c.heads_kv, c.head_dim);
   res.lse.assign(static_cast<size_t>(T) * c.heads_q, 0.0f);
   res.traffic.assign(R, hsapTraffic_t{});
+  res.link_traffic.assign(R, hsapLinkTraffic_t{});
   res.local_tokens.assign(R, -1);
   res.ranges.assign(R, {});
   res.results.assign(R, hsapSuccess);
@@ -283,6 +287,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
   config.timeoutMs = c.timeout_ms;
   config.numThreads = 1;
+  config.rankNodes = c.rank_nodes.empty() ? nullptr : c.rank_nodes.data();
   EXPECT_EQ(c.init_comms(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
   TensorPlacement host_memory;
   TensorPlacement& place = c.placement != nullptr ? *c.placement : host_memory;
@@ -342,6 +347,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     place.Fetch(tdk.data, dk[r].data(), dk[r].size());
     place.Fetch(tdv.data, dv[r].data(), dv[r].size());
     hsapBatchGetTraffic(batch, &res.traffic[r]);
+    hsapBatchGetLinkTraffic(batch, &res.link_traffic[r]);
     hsapBatchDestroy(batch);
   });
   for (hsapComm_t comm : comms) hsapCommDestroy(comm);
