@@ -26,8 +26,7 @@ using InfoFn = void (*)(HsapHostKernelInfo*);
 using PackFn = void (*)(const HsapHostPackTask*);
 using ConvertFn = void (*)(const HsapHostConvertTask*);
 using ForwardFn = void (*)(const HsapHostForwardTask*);
-using BackwardQFn = void (*)(const HsapHostBackwardQTask*);
-using BackwardKvFn = void (*)(const HsapHostBackwardKvTask*);
+using BackwardFn = void (*)(const HsapHostBackwardTask*);
 using MergeFn = void (*)(const HsapHostMergeTask*);
 
 // Per-thread scratch of the generated kernels (grown on demand, reused across calls).
@@ -74,8 +73,7 @@ class LoadedKernels final : public HostJitKernelSet {
     k->pack_ = Sym<PackFn>(m, "hsap_pack", status);
     k->convert_ = Sym<ConvertFn>(m, "hsap_convert", status);
     k->forward_ = Sym<ForwardFn>(m, "hsap_forward", status);
-    k->backward_q_ = Sym<BackwardQFn>(m, "hsap_backward_q", status);
-    k->backward_kv_ = Sym<BackwardKvFn>(m, "hsap_backward_kv", status);
+    k->backward_ = Sym<BackwardFn>(m, "hsap_backward", status);
     k->merge_ = Sym<MergeFn>(m, "hsap_merge", status);
     if (!status.ok()) return status;
     info(&k->info_);
@@ -177,37 +175,18 @@ class LoadedKernels final : public HostJitKernelSet {
     const std::vector<HsapHostSegment> segments = Segments(work);
     const std::vector<Chunk> chunks = ChunksOf(work, bq);
 
-    // dq: one task per (chunk, query head).
-    const int64_t nq = static_cast<int64_t>(chunks.size()) * dims.heads_q;
-    ParallelFor(nq, num_threads, [&](int64_t i) {
-      const Chunk& c = chunks[i / dims.heads_q];
-      const int h = static_cast<int>(i % dims.heads_q);
-      const int kvh = dims.KvHead(h);
-      HsapHostBackwardQTask t{};
-      t.q32 = q32.data();
-      t.do32 = do32.data();
-      t.qd_row_stride = qd_stride;
-      t.lse = args.lse + h * args.q_rows;
-      t.delta = args.delta + h * args.q_rows;
-      t.kt = kt.data() + kvh * per_head;
-      t.vt = vt.data() + kvh * per_head;
-      t.krow = krow.data() + kvh * per_head;
-      t.dq = args.dq;
-      t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
-      t.q_head = h;
-      t.scale = dims.scale;
-      t.q_begin = c.q_begin;
-      t.q_end = c.q_end;
-      t.segments = segments.data() + c.seg_begin;
-      t.num_segments = c.seg_end - c.seg_begin;
-      t.scratch = ThreadScratch(info_.scratch_floats);
-      backward_q_(&t);
-    });
-
-    // dk, dv: one task per (kv head, key tile), over the chunks that see the tile, in
-    // work-list order (deterministic).
-    std::vector<std::vector<HsapHostKvItem>> items(static_cast<size_t>(tiles));
-    for (const Chunk& c : chunks) {
+    // Fused backward: one task per (key tile, chunk, kv head) with the chunk's segments that
+    // see the tile as items. Pair (chunk c, tile t) runs in wave (c - t) mod L, so no two
+    // tasks of a wave share a tile's dk/dv or a chunk's dq, and every element sums its
+    // contributions in wave order, whatever the number of threads.
+    struct Pair {
+      int64_t tile, chunk;
+      std::vector<HsapHostKvItem> items;
+    };
+    std::vector<Pair> pairs;
+    std::vector<std::vector<size_t>> pairs_of_tile(static_cast<size_t>(tiles));
+    for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
+      const Chunk& c = chunks[ci];
       for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
         const HsapHostSegment& g = segments[s];
         int64_t lo = g.k_begin, hi = g.k_end;
@@ -216,45 +195,60 @@ class LoadedKernels final : public HostJitKernelSet {
           hi = std::min(hi, c.q_end - 1 + g.diag_hi + 1);
         }
         for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
-          items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
-                                 std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
+          std::vector<size_t>& mine = pairs_of_tile[tile];
+          if (mine.empty() || pairs[mine.back()].chunk != ci) {
+            mine.push_back(pairs.size());
+            pairs.push_back({tile, ci, {}});
+          }
+          pairs[mine.back()].items.push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
+                                              std::min(g.k_end, (tile + 1) * bk), g.diag_lo,
+                                              g.diag_hi});
         }
+      }
+    }
+    const int64_t waves = std::max<int64_t>(static_cast<int64_t>(chunks.size()), tiles);
+    std::vector<std::vector<size_t>> by_wave(static_cast<size_t>(waves));
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      for (size_t p : pairs_of_tile[tile]) {
+        by_wave[((pairs[p].chunk - tile) % waves + waves) % waves].push_back(p);
       }
     }
     std::vector<std::vector<int32_t>> q_heads(dims.heads_kv);
     for (int h = 0; h < dims.heads_q; ++h) q_heads[dims.KvHead(h)].push_back(h);
-    std::vector<int64_t> busy_tiles;
-    for (int64_t t = 0; t < tiles; ++t) {
-      if (!items[t].empty()) busy_tiles.push_back(t);
+    for (const std::vector<size_t>& wave : by_wave) {
+      const int64_t n = static_cast<int64_t>(wave.size()) * dims.heads_kv;
+      ParallelFor(n, num_threads, [&](int64_t i) {
+        const Pair& pair = pairs[wave[i / dims.heads_kv]];
+        const int kvh = static_cast<int>(i % dims.heads_kv);
+        if (q_heads[kvh].empty()) return;
+        const int64_t tile_offset = kvh * per_head + pair.tile * tile_floats;
+        HsapHostBackwardTask t{};
+        t.q32 = q32.data();
+        t.do32 = do32.data();
+        t.qd_row_stride = qd_stride;
+        t.lse = args.lse;
+        t.delta = args.delta;
+        t.lse_stride = args.q_rows;
+        t.kt_tile = kt.data() + tile_offset;
+        t.vt_tile = vt.data() + tile_offset;
+        t.krow_tile = krow.data() + tile_offset;
+        t.dq = args.dq;
+        t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
+        t.dk = args.dk;
+        t.dv = args.dv;
+        t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
+        t.k_rows = args.k_rows;
+        t.tile = pair.tile;
+        t.kv_head = kvh;
+        t.num_q_heads = static_cast<int32_t>(q_heads[kvh].size());
+        t.q_heads = q_heads[kvh].data();
+        t.scale = dims.scale;
+        t.items = pair.items.data();
+        t.num_items = static_cast<int64_t>(pair.items.size());
+        t.scratch = ThreadScratch(info_.scratch_floats);
+        backward_(&t);
+      });
     }
-    const int64_t nkv = static_cast<int64_t>(busy_tiles.size()) * dims.heads_kv;
-    ParallelFor(nkv, num_threads, [&](int64_t i) {
-      const int64_t tile = busy_tiles[i / dims.heads_kv];
-      const int kvh = static_cast<int>(i % dims.heads_kv);
-      if (q_heads[kvh].empty()) return;
-      HsapHostBackwardKvTask t{};
-      t.q32 = q32.data();
-      t.do32 = do32.data();
-      t.qd_row_stride = qd_stride;
-      t.lse = args.lse;
-      t.delta = args.delta;
-      t.lse_stride = args.q_rows;
-      t.kt_tile = kt.data() + kvh * per_head + tile * tile_floats;
-      t.vt_tile = vt.data() + kvh * per_head + tile * tile_floats;
-      t.dk = args.dk;
-      t.dv = args.dv;
-      t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
-      t.k_rows = args.k_rows;
-      t.tile = tile;
-      t.kv_head = kvh;
-      t.num_q_heads = static_cast<int32_t>(q_heads[kvh].size());
-      t.q_heads = q_heads[kvh].data();
-      t.scale = dims.scale;
-      t.items = items[tile].data();
-      t.num_items = static_cast<int64_t>(items[tile].size());
-      t.scratch = ThreadScratch(info_.scratch_floats);
-      backward_kv_(&t);
-    });
     return absl::OkStatus();
   }
 
@@ -390,8 +384,7 @@ class LoadedKernels final : public HostJitKernelSet {
   PackFn pack_ = nullptr;
   ConvertFn convert_ = nullptr;
   ForwardFn forward_ = nullptr;
-  BackwardQFn backward_q_ = nullptr;
-  BackwardKvFn backward_kv_ = nullptr;
+  BackwardFn backward_ = nullptr;
   MergeFn merge_ = nullptr;
 };
 
