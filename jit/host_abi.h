@@ -64,10 +64,11 @@
     int64_t q_begin, q_end, k_begin, k_end, diag_lo, diag_hi;                               \
   } HsapHostKvItem;                                                                         \
   /* Fused backward (FlashAttention-2 order) of key tile `tile` of one kv head against */   \
-  /* `items` (the segments of one query block, at most BQ rows, that see the tile) and */   \
-  /* the query heads q_heads[0..num_q_heads): recomputes P and dS once and adds dk, dv */   \
-  /* of the tile and dq of the block's rows. The caller runs no two tasks that share a */   \
-  /* key tile or query rows at once. */                                                     \
+  /* `items` (query blocks of at most BQ rows with a segment that sees the tile, sorted */  \
+  /* by block) and the query heads q_heads[0..num_q_heads): recomputes P and dS once, */    \
+  /* adds dk, dv of the tile and dq of the items' rows. Before it first adds to the dq */   \
+  /* rows of item i it calls before_item(ctx, i) (when set), where the library waits */     \
+  /* until it may. */                                                                       \
   typedef struct HsapHostBackwardTask {                                                     \
     const float* q32;                                                                       \
     const float* do32;                                                                      \
@@ -88,6 +89,8 @@
     float scale;                                                                            \
     const HsapHostKvItem* items;                                                            \
     int64_t num_items;                                                                      \
+    void (*before_item)(void* ctx, int64_t item);                                           \
+    void* ctx;                                                                              \
     float* scratch;                                                                         \
   } HsapHostBackwardTask;                                                                   \
   /* Merges (o2, lse2) into (o1, lse1) for rows [row_begin, row_end), all heads. */         \

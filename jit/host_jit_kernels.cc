@@ -1,6 +1,7 @@
 #include "jit/host_jit_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
 #include <tuple>
@@ -175,16 +176,15 @@ class LoadedKernels final : public HostJitKernelSet {
     const std::vector<HsapHostSegment> segments = Segments(work);
     const std::vector<Chunk> chunks = ChunksOf(work, bq);
 
-    // Fused backward: one task per (key tile, chunk, kv head) with the chunk's segments that
-    // see the tile as items. Pair (chunk c, tile t) runs in wave (c - t) mod L, so no two
-    // tasks of a wave share a tile's dk/dv or a chunk's dq, and every element sums its
-    // contributions in wave order, whatever the number of threads.
-    struct Pair {
-      int64_t tile, chunk;
-      std::vector<HsapHostKvItem> items;
-    };
-    std::vector<Pair> pairs;
-    std::vector<std::vector<size_t>> pairs_of_tile(static_cast<size_t>(tiles));
+    // Fused backward: one task per (busy key tile, kv head), as the FlashAttention-2 order
+    // (dk, dv of the tile in registers and scratch across its chunks), each also adding
+    // dS.K into dq. The tiles that see a chunk add to its dq in increasing tile order:
+    // a task waits (ChunkTurn) until the tiles before it are done with the chunk. So every
+    // dq, dk and dv element sums its contributions in one order whatever the number of
+    // threads; tasks are handed out in increasing order, so the lowest unfinished one
+    // never waits.
+    std::vector<std::vector<HsapHostKvItem>> items(static_cast<size_t>(tiles));
+    std::vector<std::vector<int64_t>> item_chunk(static_cast<size_t>(tiles));
     for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
       const Chunk& c = chunks[ci];
       for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
@@ -195,60 +195,94 @@ class LoadedKernels final : public HostJitKernelSet {
           hi = std::min(hi, c.q_end - 1 + g.diag_hi + 1);
         }
         for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
-          std::vector<size_t>& mine = pairs_of_tile[tile];
-          if (mine.empty() || pairs[mine.back()].chunk != ci) {
-            mine.push_back(pairs.size());
-            pairs.push_back({tile, ci, {}});
-          }
-          pairs[mine.back()].items.push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
-                                              std::min(g.k_end, (tile + 1) * bk), g.diag_lo,
-                                              g.diag_hi});
+          items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
+                                 std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
+          item_chunk[tile].push_back(ci);
         }
       }
     }
-    const int64_t waves = std::max<int64_t>(static_cast<int64_t>(chunks.size()), tiles);
-    std::vector<std::vector<size_t>> by_wave(static_cast<size_t>(waves));
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      for (size_t p : pairs_of_tile[tile]) {
-        by_wave[((pairs[p].chunk - tile) % waves + waves) % waves].push_back(p);
+    // turn[tile][i]: how many earlier tiles add to the dq of item i's chunk.
+    std::vector<std::vector<int64_t>> turn(static_cast<size_t>(tiles));
+    std::vector<int64_t> tiles_seen(chunks.size(), 0);
+    std::vector<int64_t> busy_tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (items[t].empty()) continue;
+      busy_tiles.push_back(t);
+      const std::vector<int64_t>& ic = item_chunk[t];
+      turn[t].resize(ic.size());
+      for (size_t i = 0; i < ic.size(); ++i) {
+        turn[t][i] = tiles_seen[ic[i]];
+        if (i + 1 == ic.size() || ic[i + 1] != ic[i]) ++tiles_seen[ic[i]];
       }
     }
     std::vector<std::vector<int32_t>> q_heads(dims.heads_kv);
     for (int h = 0; h < dims.heads_q; ++h) q_heads[dims.KvHead(h)].push_back(h);
-    for (const std::vector<size_t>& wave : by_wave) {
-      const int64_t n = static_cast<int64_t>(wave.size()) * dims.heads_kv;
-      ParallelFor(n, num_threads, [&](int64_t i) {
-        const Pair& pair = pairs[wave[i / dims.heads_kv]];
-        const int kvh = static_cast<int>(i % dims.heads_kv);
-        if (q_heads[kvh].empty()) return;
-        const int64_t tile_offset = kvh * per_head + pair.tile * tile_floats;
-        HsapHostBackwardTask t{};
-        t.q32 = q32.data();
-        t.do32 = do32.data();
-        t.qd_row_stride = qd_stride;
-        t.lse = args.lse;
-        t.delta = args.delta;
-        t.lse_stride = args.q_rows;
-        t.kt_tile = kt.data() + tile_offset;
-        t.vt_tile = vt.data() + tile_offset;
-        t.krow_tile = krow.data() + tile_offset;
-        t.dq = args.dq;
-        t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
-        t.dk = args.dk;
-        t.dv = args.dv;
-        t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
-        t.k_rows = args.k_rows;
-        t.tile = pair.tile;
-        t.kv_head = kvh;
-        t.num_q_heads = static_cast<int32_t>(q_heads[kvh].size());
-        t.q_heads = q_heads[kvh].data();
-        t.scale = dims.scale;
-        t.items = pair.items.data();
-        t.num_items = static_cast<int64_t>(pair.items.size());
-        t.scratch = ThreadScratch(info_.scratch_floats);
-        backward_(&t);
-      });
-    }
+    // done[kv head][chunk]: tiles (in order) that finished adding to the chunk's dq.
+    std::vector<std::atomic<int64_t>> done(chunks.size() * dims.heads_kv);
+    struct ChunkTurn {
+      const std::vector<int64_t>* chunk_of;
+      const std::vector<int64_t>* turn;
+      std::atomic<int64_t>* done;  // this kv head's row
+      int64_t current = -1;        // item whose chunk this task is adding to
+
+      void Finish() {
+        if (current < 0) return;
+        std::atomic<int64_t>& d = done[(*chunk_of)[current]];
+        d.store((*turn)[current] + 1, std::memory_order_release);
+        d.notify_all();
+      }
+      static void BeforeItem(void* ctx, int64_t item) {
+        auto* self = static_cast<ChunkTurn*>(ctx);
+        if (self->current >= 0 && (*self->chunk_of)[self->current] == (*self->chunk_of)[item]) {
+          return;  // same chunk: already its turn
+        }
+        self->Finish();
+        self->current = item;
+        std::atomic<int64_t>& d = self->done[(*self->chunk_of)[item]];
+        const int64_t mine = (*self->turn)[item];
+        for (int64_t v = d.load(std::memory_order_acquire); v != mine;
+             v = d.load(std::memory_order_acquire)) {
+          d.wait(v, std::memory_order_acquire);
+        }
+      }
+    };
+    const int64_t nkv = static_cast<int64_t>(busy_tiles.size()) * dims.heads_kv;
+    ParallelFor(nkv, num_threads, [&](int64_t i) {
+      const int64_t tile = busy_tiles[i / dims.heads_kv];
+      const int kvh = static_cast<int>(i % dims.heads_kv);
+      if (q_heads[kvh].empty()) return;
+      const int64_t tile_offset = kvh * per_head + tile * tile_floats;
+      ChunkTurn order{&item_chunk[tile], &turn[tile],
+                      done.data() + static_cast<int64_t>(chunks.size()) * kvh};
+      HsapHostBackwardTask t{};
+      t.q32 = q32.data();
+      t.do32 = do32.data();
+      t.qd_row_stride = qd_stride;
+      t.lse = args.lse;
+      t.delta = args.delta;
+      t.lse_stride = args.q_rows;
+      t.kt_tile = kt.data() + tile_offset;
+      t.vt_tile = vt.data() + tile_offset;
+      t.krow_tile = krow.data() + tile_offset;
+      t.dq = args.dq;
+      t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
+      t.dk = args.dk;
+      t.dv = args.dv;
+      t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
+      t.k_rows = args.k_rows;
+      t.tile = tile;
+      t.kv_head = kvh;
+      t.num_q_heads = static_cast<int32_t>(q_heads[kvh].size());
+      t.q_heads = q_heads[kvh].data();
+      t.scale = dims.scale;
+      t.items = items[tile].data();
+      t.num_items = static_cast<int64_t>(items[tile].size());
+      t.before_item = &ChunkTurn::BeforeItem;
+      t.ctx = &order;
+      t.scratch = ThreadScratch(info_.scratch_floats);
+      backward_(&t);
+      order.Finish();
+    });
     return absl::OkStatus();
   }
 

@@ -486,6 +486,7 @@ HSAP_EXPORT void hsap_backward(const HsapHostBackwardTask* t) {
       }
       gemm_pb(s, 1, kBK, nr, da, t->qd_row_stride, dv, kDP, kBK);   // dV += P^T dO
       gemm_pb(dp, 1, kBK, nr, qa, t->qd_row_stride, dk, kDP, kBK);  // dK += dS^T Q
+      if (gi == 0 && t->before_item) t->before_item(t->ctx, ii);    // may add to dq now
       zero_floats(dq, kBQA * kDP);
       gemm_pb(dp, kBK, 1, kBK, t->krow_tile, kDP, dq, kDP, nr);  // dQ = dS K
       for (int r = 0; r < nr; ++r) {
