@@ -339,9 +339,10 @@ TEST(HostJitKernelsTest, ShardedBuffersComposeAndAreDeterministic) {
   ExpectWithinRule("sharded out", ref_rows, naive_rows, got_rows);
 }
 
-// The fused backward runs (key tile, query block) pairs in waves; each dq, dk and dv element
-// must sum its contributions in the same order whatever the number of threads, also with
-// several segments per block (documents of every mask kind) and grouped query heads.
+// The fused backward adds every key tile's share of a query block's dq in tile order (tasks
+// wait their turn); each dq, dk and dv element must sum its contributions in the same order
+// whatever the number of threads, also with several segments per block (documents of every
+// mask kind) and grouped query heads.
 TEST(HostJitKernelsTest, BackwardIsBitwiseTheSameOnAnyThreadCount) {
   HostKernelSpec spec;  // the bf16/128/GQA-4 case of the grid (compiled once)
   spec.dtype = DType::kBF16;
