@@ -102,12 +102,26 @@ absl::Status CheckBuffers(std::initializer_list<std::pair<const void*, const cha
   return absl::OkStatus();
 }
 
-// Key chunks of kTileK rows and, for each, the (block, segment) pairs that touch it, in
-// work-list order: the fixed order in which their contributions are summed.
+// One unit of the fused backward: query rows [q0, q0 + rows) of work-list block `block`
+// against key chunk `chunk` (keys [chunk * kTileK, + kTileK)), through the block's segments
+// touching[chunk][first, last).
+struct BackwardPair {
+  int64_t chunk;
+  int64_t block;
+  int64_t q0;
+  int rows;
+  int32_t first, last;
+};
+
+// The pairs of a backward call in waves: no two pairs of one wave share a query tile or a
+// key chunk, so a wave's pairs (times the kv heads) run in parallel, each adding straight
+// into dq, dk and dv. A tile's dq and a chunk's dk/dv therefore sum their contributions in
+// wave order, which does not depend on the number of threads.
 struct BackwardSchedule {
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> touching;  // by chunk
-  std::vector<int64_t> busy_chunks;                                // chunks touched at all
-  std::vector<std::vector<int>> heads_of_group;                    // q heads by kv head
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> touching;  // (block, segment) by chunk
+  std::vector<BackwardPair> pairs;                                 // grouped by wave
+  std::vector<size_t> wave_begin;                // wave w: pairs[wave_begin[w], wave_begin[w + 1])
+  std::vector<std::vector<int>> heads_of_group;  // q heads by kv head
 };
 
 // ---------------------------------------------------------------------------------------
@@ -243,8 +257,48 @@ absl::Status BackwardWith(KernelIsa isa, const BackwardArgs& args, const WorkLis
       }
     }
   }
+  // Query tiles are numbered over the blocks in order; pair (tile u, chunk c) goes to wave
+  // (u - c) mod L, a matching since u < L and c < L.
+  std::vector<int64_t> first_tile(work.blocks.size() + 1, 0);
+  for (size_t b = 0; b < work.blocks.size(); ++b) {
+    const QueryBlock& blk = work.blocks[b];
+    first_tile[b + 1] = first_tile[b] + (blk.q_end - blk.q_begin + kTileQ - 1) / kTileQ;
+  }
+  const int64_t num_waves = std::max<int64_t>(first_tile.back(), num_chunks);
+  std::vector<int64_t> wave_of;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    if (!schedule.touching[c].empty()) schedule.busy_chunks.push_back(c);
+    const std::vector<std::pair<int64_t, int64_t>>& touching = schedule.touching[c];
+    const int64_t c0 = c * kTileK, c1 = std::min<int64_t>(c0 + kTileK, args.k_rows);
+    for (size_t first = 0, last; first < touching.size(); first = last) {
+      const int64_t b = touching[first].first;
+      for (last = first + 1; last < touching.size() && touching[last].first == b;) ++last;
+      const QueryBlock& blk = work.blocks[b];
+      for (int64_t q0 = blk.q_begin; q0 < blk.q_end; q0 += kTileQ) {
+        const int64_t q1 = std::min<int64_t>(q0 + kTileQ, blk.q_end);
+        bool visible = false;
+        for (size_t i = first; i < last && !visible; ++i) {
+          const KeySegment& seg = work.segments[touching[i].second];
+          visible = Classify(seg, q0, q1, std::max(seg.k_begin, c0), std::min(seg.k_end, c1)) !=
+                    TileVisibility::kEmpty;
+        }
+        if (!visible) continue;
+        const int64_t u = first_tile[b] + (q0 - blk.q_begin) / kTileQ;
+        schedule.pairs.push_back({c, b, q0, static_cast<int>(q1 - q0), static_cast<int32_t>(first),
+                                  static_cast<int32_t>(last)});
+        wave_of.push_back(((u - c) % num_waves + num_waves) % num_waves);
+      }
+    }
+  }
+  // Counting sort by wave (stable: within a wave, pairs stay in chunk order).
+  std::vector<size_t> count(num_waves + 1, 0);
+  for (int64_t w : wave_of) ++count[w + 1];
+  for (int64_t w = 0; w < num_waves; ++w) count[w + 1] += count[w];
+  std::vector<BackwardPair> sorted(schedule.pairs.size());
+  for (size_t i = 0; i < wave_of.size(); ++i) sorted[count[wave_of[i]]++] = schedule.pairs[i];
+  schedule.pairs = std::move(sorted);
+  schedule.wave_begin.push_back(0);
+  for (int64_t w = 0; w < num_waves; ++w) {
+    if (count[w] != schedule.wave_begin.back()) schedule.wave_begin.push_back(count[w]);
   }
   schedule.heads_of_group.resize(dims.heads_kv);
   for (int h = 0; h < dims.heads_q; ++h) schedule.heads_of_group[dims.KvHead(h)].push_back(h);

@@ -12,9 +12,12 @@
 // than kKernelBlockQ rows is processed kKernelBlockQ rows at a time, so any block_q works.
 // Each task walks its segments in key tiles of kKernelBlockK, skips empty tiles, masks
 // partial ones per element and converts the storage type to fp32 once per tile. Backward
-// runs two passes: (kv head, key chunk of kKernelBlockK rows) tasks produce dk/dv summing
-// over the listed blocks and the q heads of the group in a fixed order, then (q head,
-// block) tasks produce dq: no atomics, no order that depends on the thread count.
+// is fused (FlashAttention-2 order, five matrix products per tile): a task is one (query
+// tile, key chunk of kKernelBlockK rows, kv head) pair, which recomputes P and dS once per
+// q head of the group and adds dv += P^T dO, dk += dS^T Q and dq += dS K into the caller's
+// buffers. Pairs run in waves in which no two share a query tile or a key chunk, so every
+// dq, dk and dv element sums its contributions in wave order: no atomics, no order that
+// depends on the thread count.
 //
 // Accuracy (tests/attention/kernel_test.cc): out, lse, dq, dk and dv meet the rule of
 // attention/tolerance.h with the kernels' floor,

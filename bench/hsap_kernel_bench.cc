@@ -4,6 +4,13 @@
 //   hsap_kernel_bench [--tokens=N] [--heads_q=H] [--heads_kv=H] [--dtype=bf16|fp16|fp32]
 //                     [--dims=64,128,256] [--threads=N] [--reps=N] [--nvrtc_arch=sm_90]
 //                     [--nvrtc_limit=N (0: all shipped variants, -1: skip)]
+//                     [--layouts=causal,packed,full] [--peer=<python> [--peer_script=PATH]]
+//
+// --peer: also times PyTorch's CPU attention (bench/torch_peer.py, run by that Python) on
+// the same shape, dtype and thread count for the single-document layouts (causal, full)
+// and prints its times beside the hand-written and JIT ones, with the ratios
+// (torch_ms / hsap_ms: above 1 means hsap is faster). Without an importable torch the
+// comparison is skipped with a line saying why.
 //
 // Throughput is GFLOP/s over visible (query, key) pairs: forward 4*D flops per pair per
 // query head (Q.K^T and P.V), backward 10*D (2.5x forward, the FlashAttention convention;
@@ -17,6 +24,7 @@
 // distinct initial values per thread (so the compiler cannot merge them), fp32 FMA on
 // AVX-512 (or AVX2), and vdpbf16ps where the CPU has AVX512-BF16.
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -164,7 +172,21 @@ struct Flags {
   int reps = 3;
   std::string nvrtc_arch = "sm_90";
   int nvrtc_limit = 0;
+  std::vector<std::string> layouts = {"causal", "packed"};
+  std::string peer;  // Python interpreter for bench/torch_peer.py; empty: no peer
+  std::string peer_script;
 };
+
+std::vector<std::string> SplitCommas(const char* v) {
+  std::vector<std::string> parts;
+  for (const char* p = v; *p;) {
+    const char* e = p;
+    while (*e && *e != ',') ++e;
+    if (e > p) parts.emplace_back(p, e);
+    p = *e == ',' ? e + 1 : e;
+  }
+  return parts;
+}
 
 Flags ParseFlags(int argc, char** argv) {
   Flags f;
@@ -199,13 +221,82 @@ Flags ParseFlags(int argc, char** argv) {
       f.nvrtc_arch = v;
     } else if (const char* v = value("nvrtc_limit")) {
       f.nvrtc_limit = std::atoi(v);
+    } else if (const char* v = value("layouts")) {
+      f.layouts = SplitCommas(v);
+      for (const std::string& l : f.layouts) {
+        if (l != "causal" && l != "packed" && l != "full") {
+          std::fprintf(stderr, "--layouts: unknown layout '%s' (causal, packed, full)\n",
+                       l.c_str());
+          std::exit(2);
+        }
+      }
+    } else if (const char* v = value("peer")) {
+      f.peer = v;
+    } else if (const char* v = value("peer_script")) {
+      f.peer_script = v;
     } else {
       std::fprintf(stderr, "unknown flag %s (see the comment at the top of the source)\n", argv[i]);
       std::exit(2);
     }
   }
   if (f.threads <= 0) f.threads = HardwareThreads();
+  if (!f.peer.empty() && f.peer_script.empty()) {
+    // bench/torch_peer.py of the source tree this binary was built from (build/..).
+    char exe[4096];
+    const ssize_t n = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    std::string dir = n > 0 ? std::string(exe, n) : std::string(argv[0]);
+    dir = dir.substr(0, dir.find_last_of('/') + 1);
+    f.peer_script = dir + "../bench/torch_peer.py";
+  }
   return f;
+}
+
+// PyTorch's forward and backward milliseconds for one shape, from bench/torch_peer.py; or
+// why there are none.
+struct PeerTimes {
+  bool ok = false;
+  double fwd_ms = 0, bwd_ms = 0;
+  std::string why;
+};
+
+PeerTimes RunPeer(const Flags& f, const std::string& mask, int dim, int threads) {
+  PeerTimes t;
+  const std::string cmd = f.peer + " " + f.peer_script + " --tokens=" + std::to_string(f.tokens) +
+                          " --heads_q=" + std::to_string(f.heads_q) +
+                          " --heads_kv=" + std::to_string(f.heads_kv) +
+                          " --dim=" + std::to_string(dim) + " --dtype=" +
+                          std::string(f.dtype == DType::kF32   ? "fp32"
+                                      : f.dtype == DType::kF16 ? "fp16"
+                                                               : "bf16") +
+                          " --mask=" + mask + " --threads=" + std::to_string(threads) +
+                          " --reps=" + std::to_string(f.reps) + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) {
+    t.why = "cannot run " + cmd;
+    return t;
+  }
+  bool have_fwd = false, have_bwd = false;
+  std::string last;
+  char line[1024];
+  while (std::fgets(line, sizeof(line), pipe) != nullptr) {
+    double ms = 0;
+    if (std::sscanf(line, "peer fwd %lf", &ms) == 1) {
+      t.fwd_ms = ms;
+      have_fwd = true;
+    } else if (std::sscanf(line, "peer bwd %lf", &ms) == 1) {
+      t.bwd_ms = ms;
+      have_bwd = true;
+    } else if (line[0] != '\0') {
+      last = line;
+    }
+  }
+  const int rc = pclose(pipe);
+  t.ok = rc == 0 && have_fwd && have_bwd;
+  if (!t.ok) {
+    while (!last.empty() && (last.back() == '\n' || last.back() == '\r')) last.pop_back();
+    t.why = last.empty() ? cmd + " exited with status " + std::to_string(rc) : last;
+  }
+  return t;
 }
 
 // Causal documents of varied lengths filling `tokens` (a packed training row).
@@ -387,10 +478,12 @@ int main(int argc, char** argv) {
     b.dq.resize(qn);
     b.dk.resize(kn);
     b.dv.resize(kn);
-    for (const char* layout_name : {"causal", "packed"}) {
-      const Layout layout = std::strcmp(layout_name, "causal") == 0
-                                ? *Layout::FromDocuments(std::vector<int64_t>{0, f.tokens})
-                                : PackedLayout(f.tokens);
+    for (const std::string& layout_name : f.layouts) {
+      const Layout layout =
+          layout_name == "causal" ? *Layout::FromDocuments(std::vector<int64_t>{0, f.tokens})
+          : layout_name == "full" ? *Layout::FromDocuments(std::vector<int64_t>{0, f.tokens},
+                                                           std::vector<MaskKind>{MaskKind::kFull})
+                                  : PackedLayout(f.tokens);
       const WorkList work = *BuildWorkList(layout, kKernelBlockQ);
       const double pairs = static_cast<double>(layout.VisiblePairs()) * f.heads_q;
       for (int threads : {1, f.threads}) {
@@ -406,11 +499,32 @@ int main(int argc, char** argv) {
           const double hg = flops / hs / 1e9, jg = flops / js / 1e9;
           std::printf(
               "  %-7s %5d %4s %7d %13.0f %10.2f %10.1f %10.2f %10.1f %7.2fx %7.1f%% %7lld\n",
-              layout_name, dim, dir == 0 ? "fwd" : "bwd", threads, pairs, hs * 1e3, hg, js * 1e3,
-              jg, jg / hg, 100.0 * jg / peak,
+              layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, pairs, hs * 1e3, hg,
+              js * 1e3, jg, jg / hg, 100.0 * jg / peak,
               static_cast<long long>(dir == 0 ? wrong_fwd : wrong_bwd));
           std::fflush(stdout);
         }
+        if (f.peer.empty()) continue;
+        if (layout_name == "packed") {
+          std::printf("  # peer: no PyTorch figure for the packed layout (no varlen CPU kernel)\n");
+          continue;
+        }
+        const PeerTimes peer = RunPeer(f, layout_name, dim, threads);
+        if (!peer.ok) {
+          std::printf("  # peer skipped: %s\n", peer.why.c_str());
+          continue;
+        }
+        for (int dir = 0; dir < 2; ++dir) {
+          const double tm = dir == 0 ? peer.fwd_ms : peer.bwd_ms;
+          const double hm = 1e3 * (dir == 0 ? hand.fwd_s : hand.bwd_s);
+          const double jm = 1e3 * (dir == 0 ? jit.fwd_s : jit.bwd_s);
+          std::printf(
+              "  %-7s %5d %4s %7d torch_ms %9.2f  hand_ms %9.2f  torch/hand %5.2fx  jit_ms %9.2f  "
+              "torch/jit %5.2fx\n",
+              layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, tm, hm, tm / hm, jm,
+              tm / jm);
+        }
+        std::fflush(stdout);
       }
     }
   }

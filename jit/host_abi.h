@@ -59,40 +59,28 @@
     int64_t num_segments;                                                                   \
     float* scratch; /* hsap_scratch_floats() floats, 64-byte aligned */                     \
   } HsapHostForwardTask;                                                                    \
-  /* Backward, query side: dq of rows [q_begin, q_end) of one query head. */                \
-  typedef struct HsapHostBackwardQTask {                                                    \
-    const float* q32;                                                                       \
-    const float* do32;                                                                      \
-    int64_t qd_row_stride; /* heads_q * DP */                                               \
-    const float* lse;      /* this head's final lse row */                                  \
-    const float* delta;    /* this head's delta row */                                      \
-    const float* kt;                                                                        \
-    const float* vt;                                                                        \
-    const float* krow;                                                                      \
-    float* dq;                                                                              \
-    int64_t dq_row_stride;                                                                  \
-    int32_t q_head;                                                                         \
-    float scale;                                                                            \
-    int64_t q_begin, q_end;                                                                 \
-    const HsapHostSegment* segments;                                                        \
-    int64_t num_segments;                                                                   \
-    float* scratch;                                                                         \
-  } HsapHostBackwardQTask;                                                                  \
   /* One block of query rows that sees keys of a key tile, in buffer rows. */               \
   typedef struct HsapHostKvItem {                                                           \
     int64_t q_begin, q_end, k_begin, k_end, diag_lo, diag_hi;                               \
   } HsapHostKvItem;                                                                         \
-  /* Backward, key side: dk/dv of key tile `tile` of one kv head, summed over `items` */    \
-  /* and over the query heads q_heads[0..num_q_heads). */                                   \
-  typedef struct HsapHostBackwardKvTask {                                                   \
+  /* Fused backward (FlashAttention-2 order) of key tile `tile` of one kv head against */   \
+  /* `items` (query blocks of at most BQ rows with a segment that sees the tile, sorted */  \
+  /* by block) and the query heads q_heads[0..num_q_heads): recomputes P and dS once, */    \
+  /* adds dk, dv of the tile and dq of the items' rows. Before it first adds to the dq */   \
+  /* rows of item i it calls before_item(ctx, i) (when set), where the library waits */     \
+  /* until it may. */                                                                       \
+  typedef struct HsapHostBackwardTask {                                                     \
     const float* q32;                                                                       \
     const float* do32;                                                                      \
-    int64_t qd_row_stride;                                                                  \
-    const float* lse; /* [heads_q][lse_stride] */                                           \
+    int64_t qd_row_stride; /* heads_q * DP */                                               \
+    const float* lse;      /* [heads_q][lse_stride] */                                      \
     const float* delta;                                                                     \
     int64_t lse_stride;                                                                     \
     const float* kt_tile;                                                                   \
     const float* vt_tile;                                                                   \
+    const float* krow_tile;                                                                 \
+    float* dq;                                                                              \
+    int64_t dq_row_stride;                                                                  \
     float* dk;                                                                              \
     float* dv;                                                                              \
     int64_t kv_row_stride, k_rows, tile;                                                    \
@@ -101,8 +89,10 @@
     float scale;                                                                            \
     const HsapHostKvItem* items;                                                            \
     int64_t num_items;                                                                      \
+    void (*before_item)(void* ctx, int64_t item);                                           \
+    void* ctx;                                                                              \
     float* scratch;                                                                         \
-  } HsapHostBackwardKvTask;                                                                 \
+  } HsapHostBackwardTask;                                                                   \
   /* Merges (o2, lse2) into (o1, lse1) for rows [row_begin, row_end), all heads. */         \
   typedef struct HsapHostMergeTask {                                                        \
     float* o1;                                                                              \
@@ -119,7 +109,7 @@
     int64_t scratch_floats;                                                                 \
   } HsapHostKernelInfo;
 
-#define HSAP_HOST_ABI_VERSION 1
+#define HSAP_HOST_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -134,8 +124,7 @@ HSAP_HOST_ABI_DECLS
 //   void hsap_pack(const HsapHostPackTask*);
 //   void hsap_convert(const HsapHostConvertTask*);
 //   void hsap_forward(const HsapHostForwardTask*);
-//   void hsap_backward_q(const HsapHostBackwardQTask*);
-//   void hsap_backward_kv(const HsapHostBackwardKvTask*);
+//   void hsap_backward(const HsapHostBackwardTask*);
 //   void hsap_merge(const HsapHostMergeTask*);
 
 #ifdef __cplusplus

@@ -1,6 +1,7 @@
 #include "jit/host_jit_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <map>
 #include <tuple>
@@ -26,8 +27,7 @@ using InfoFn = void (*)(HsapHostKernelInfo*);
 using PackFn = void (*)(const HsapHostPackTask*);
 using ConvertFn = void (*)(const HsapHostConvertTask*);
 using ForwardFn = void (*)(const HsapHostForwardTask*);
-using BackwardQFn = void (*)(const HsapHostBackwardQTask*);
-using BackwardKvFn = void (*)(const HsapHostBackwardKvTask*);
+using BackwardFn = void (*)(const HsapHostBackwardTask*);
 using MergeFn = void (*)(const HsapHostMergeTask*);
 
 // Per-thread scratch of the generated kernels (grown on demand, reused across calls).
@@ -74,8 +74,7 @@ class LoadedKernels final : public HostJitKernelSet {
     k->pack_ = Sym<PackFn>(m, "hsap_pack", status);
     k->convert_ = Sym<ConvertFn>(m, "hsap_convert", status);
     k->forward_ = Sym<ForwardFn>(m, "hsap_forward", status);
-    k->backward_q_ = Sym<BackwardQFn>(m, "hsap_backward_q", status);
-    k->backward_kv_ = Sym<BackwardKvFn>(m, "hsap_backward_kv", status);
+    k->backward_ = Sym<BackwardFn>(m, "hsap_backward", status);
     k->merge_ = Sym<MergeFn>(m, "hsap_merge", status);
     if (!status.ok()) return status;
     info(&k->info_);
@@ -177,37 +176,17 @@ class LoadedKernels final : public HostJitKernelSet {
     const std::vector<HsapHostSegment> segments = Segments(work);
     const std::vector<Chunk> chunks = ChunksOf(work, bq);
 
-    // dq: one task per (chunk, query head).
-    const int64_t nq = static_cast<int64_t>(chunks.size()) * dims.heads_q;
-    ParallelFor(nq, num_threads, [&](int64_t i) {
-      const Chunk& c = chunks[i / dims.heads_q];
-      const int h = static_cast<int>(i % dims.heads_q);
-      const int kvh = dims.KvHead(h);
-      HsapHostBackwardQTask t{};
-      t.q32 = q32.data();
-      t.do32 = do32.data();
-      t.qd_row_stride = qd_stride;
-      t.lse = args.lse + h * args.q_rows;
-      t.delta = args.delta + h * args.q_rows;
-      t.kt = kt.data() + kvh * per_head;
-      t.vt = vt.data() + kvh * per_head;
-      t.krow = krow.data() + kvh * per_head;
-      t.dq = args.dq;
-      t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
-      t.q_head = h;
-      t.scale = dims.scale;
-      t.q_begin = c.q_begin;
-      t.q_end = c.q_end;
-      t.segments = segments.data() + c.seg_begin;
-      t.num_segments = c.seg_end - c.seg_begin;
-      t.scratch = ThreadScratch(info_.scratch_floats);
-      backward_q_(&t);
-    });
-
-    // dk, dv: one task per (kv head, key tile), over the chunks that see the tile, in
-    // work-list order (deterministic).
+    // Fused backward: one task per (busy key tile, kv head), as the FlashAttention-2 order
+    // (dk, dv of the tile in registers and scratch across its chunks), each also adding
+    // dS.K into dq. The tiles that see a chunk add to its dq in increasing tile order:
+    // a task waits (ChunkTurn) until the tiles before it are done with the chunk. So every
+    // dq, dk and dv element sums its contributions in one order whatever the number of
+    // threads; tasks are handed out in increasing order, so the lowest unfinished one
+    // never waits.
     std::vector<std::vector<HsapHostKvItem>> items(static_cast<size_t>(tiles));
-    for (const Chunk& c : chunks) {
+    std::vector<std::vector<int64_t>> item_chunk(static_cast<size_t>(tiles));
+    for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
+      const Chunk& c = chunks[ci];
       for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
         const HsapHostSegment& g = segments[s];
         int64_t lo = g.k_begin, hi = g.k_end;
@@ -218,29 +197,75 @@ class LoadedKernels final : public HostJitKernelSet {
         for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
           items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
                                  std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
+          item_chunk[tile].push_back(ci);
         }
+      }
+    }
+    // turn[tile][i]: how many earlier tiles add to the dq of item i's chunk.
+    std::vector<std::vector<int64_t>> turn(static_cast<size_t>(tiles));
+    std::vector<int64_t> tiles_seen(chunks.size(), 0);
+    std::vector<int64_t> busy_tiles;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (items[t].empty()) continue;
+      busy_tiles.push_back(t);
+      const std::vector<int64_t>& ic = item_chunk[t];
+      turn[t].resize(ic.size());
+      for (size_t i = 0; i < ic.size(); ++i) {
+        turn[t][i] = tiles_seen[ic[i]];
+        if (i + 1 == ic.size() || ic[i + 1] != ic[i]) ++tiles_seen[ic[i]];
       }
     }
     std::vector<std::vector<int32_t>> q_heads(dims.heads_kv);
     for (int h = 0; h < dims.heads_q; ++h) q_heads[dims.KvHead(h)].push_back(h);
-    std::vector<int64_t> busy_tiles;
-    for (int64_t t = 0; t < tiles; ++t) {
-      if (!items[t].empty()) busy_tiles.push_back(t);
-    }
+    // done[kv head][chunk]: tiles (in order) that finished adding to the chunk's dq.
+    std::vector<std::atomic<int64_t>> done(chunks.size() * dims.heads_kv);
+    struct ChunkTurn {
+      const std::vector<int64_t>* chunk_of;
+      const std::vector<int64_t>* turn;
+      std::atomic<int64_t>* done;  // this kv head's row
+      int64_t current = -1;        // item whose chunk this task is adding to
+
+      void Finish() {
+        if (current < 0) return;
+        std::atomic<int64_t>& d = done[(*chunk_of)[current]];
+        d.store((*turn)[current] + 1, std::memory_order_release);
+        d.notify_all();
+      }
+      static void BeforeItem(void* ctx, int64_t item) {
+        auto* self = static_cast<ChunkTurn*>(ctx);
+        if (self->current >= 0 && (*self->chunk_of)[self->current] == (*self->chunk_of)[item]) {
+          return;  // same chunk: already its turn
+        }
+        self->Finish();
+        self->current = item;
+        std::atomic<int64_t>& d = self->done[(*self->chunk_of)[item]];
+        const int64_t mine = (*self->turn)[item];
+        for (int64_t v = d.load(std::memory_order_acquire); v != mine;
+             v = d.load(std::memory_order_acquire)) {
+          d.wait(v, std::memory_order_acquire);
+        }
+      }
+    };
     const int64_t nkv = static_cast<int64_t>(busy_tiles.size()) * dims.heads_kv;
     ParallelFor(nkv, num_threads, [&](int64_t i) {
       const int64_t tile = busy_tiles[i / dims.heads_kv];
       const int kvh = static_cast<int>(i % dims.heads_kv);
       if (q_heads[kvh].empty()) return;
-      HsapHostBackwardKvTask t{};
+      const int64_t tile_offset = kvh * per_head + tile * tile_floats;
+      ChunkTurn order{&item_chunk[tile], &turn[tile],
+                      done.data() + static_cast<int64_t>(chunks.size()) * kvh};
+      HsapHostBackwardTask t{};
       t.q32 = q32.data();
       t.do32 = do32.data();
       t.qd_row_stride = qd_stride;
       t.lse = args.lse;
       t.delta = args.delta;
       t.lse_stride = args.q_rows;
-      t.kt_tile = kt.data() + kvh * per_head + tile * tile_floats;
-      t.vt_tile = vt.data() + kvh * per_head + tile * tile_floats;
+      t.kt_tile = kt.data() + tile_offset;
+      t.vt_tile = vt.data() + tile_offset;
+      t.krow_tile = krow.data() + tile_offset;
+      t.dq = args.dq;
+      t.dq_row_stride = int64_t{dims.heads_q} * dims.head_dim;
       t.dk = args.dk;
       t.dv = args.dv;
       t.kv_row_stride = int64_t{dims.heads_kv} * dims.head_dim;
@@ -252,8 +277,11 @@ class LoadedKernels final : public HostJitKernelSet {
       t.scale = dims.scale;
       t.items = items[tile].data();
       t.num_items = static_cast<int64_t>(items[tile].size());
+      t.before_item = &ChunkTurn::BeforeItem;
+      t.ctx = &order;
       t.scratch = ThreadScratch(info_.scratch_floats);
-      backward_kv_(&t);
+      backward_(&t);
+      order.Finish();
     });
     return absl::OkStatus();
   }
@@ -390,8 +418,7 @@ class LoadedKernels final : public HostJitKernelSet {
   PackFn pack_ = nullptr;
   ConvertFn convert_ = nullptr;
   ForwardFn forward_ = nullptr;
-  BackwardQFn backward_q_ = nullptr;
-  BackwardKvFn backward_kv_ = nullptr;
+  BackwardFn backward_ = nullptr;
   MergeFn merge_ = nullptr;
 };
 

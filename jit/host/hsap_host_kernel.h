@@ -351,11 +351,9 @@ HSAP_INLINE void merge_row(float* o1, float* lse1, const float* o2, float o2_mul
 }
 
 constexpr int64_t kScratchForward = 2 * kBQA * kDP + kBQA * kBK + 3 * kBQA;
-constexpr int64_t kScratchBackwardQ = 2 * kBQA * kBK + kBQA * kDP;
-constexpr int64_t kScratchBackwardKv = 2 * kBQA * kBK + 2 * kBK * kDP;
-constexpr int64_t kMax2(int64_t a, int64_t b) { return a > b ? a : b; }
+constexpr int64_t kScratchBackward = 2 * kBQA * kBK + 2 * kBK * kDP + kBQA * kDP;
 constexpr int64_t kScratchFloats =
-    kMax2(kScratchForward, kMax2(kScratchBackwardQ, kScratchBackwardKv));
+    kScratchForward > kScratchBackward ? kScratchForward : kScratchBackward;
 
 }  // namespace
 
@@ -457,55 +455,16 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
   }
 }
 
-HSAP_EXPORT void hsap_backward_q(const HsapHostBackwardQTask* t) {
-  const int nr = static_cast<int>(t->q_end - t->q_begin);
+HSAP_EXPORT void hsap_backward(const HsapHostBackwardTask* t) {
   float* const s = t->scratch;        // [kBQA][kBK] scores -> probabilities
   float* const dp = s + kBQA * kBK;   // [kBQA][kBK] dO.V^T -> dS
-  float* const dq = dp + kBQA * kBK;  // [kBQA][kDP]
-  zero_floats(dq, kBQA * kDP);
-  zero_floats(s, 2 * kBQA * kBK);
-  const float* qa = t->q32 + t->q_begin * t->qd_row_stride + t->q_head * kDP;
-  const float* da = t->do32 + t->q_begin * t->qd_row_stride + t->q_head * kDP;
-  const float c2 = t->scale * kLog2e;
-  for (int64_t si = 0; si < t->num_segments; ++si) {
-    const HsapHostSegment g = t->segments[si];
-    int64_t lo, hi;
-    block_key_range(g.k_begin, g.k_end, g.diag_lo, g.diag_hi, t->q_begin, t->q_end, &lo, &hi);
-    if (hi <= lo) continue;
-    for (int64_t tile = lo / kBK; tile * kBK < hi; ++tile) {
-      const int64_t kt0 = tile * kBK;
-      const bool full =
-          tile_is_full(g.k_begin, g.k_end, g.diag_lo, g.diag_hi, t->q_begin, t->q_end, kt0);
-      gemm_abt(qa, t->qd_row_stride, t->kt + tile * (kBK * kDP), s, nr);
-      gemm_abt(da, t->qd_row_stride, t->vt + tile * (kBK * kDP), dp, nr);
-      for (int r = 0; r < nr; ++r) {
-        const int64_t row = t->q_begin + r;
-        int a = 0, b = kBK;
-        if (!full) row_interval(g.k_begin, g.k_end, g.diag_lo, g.diag_hi, row, kt0, &a, &b);
-        probs_and_dscores_row(s + r * kBK, dp + r * kBK, a, b, full, t->lse[row], t->delta[row],
-                              c2);
-      }
-      gemm_pb(dp, kBK, 1, kBK, t->krow + tile * (kBK * kDP), kDP, dq, kDP, nr);
-    }
-  }
-  const __m256 sc = _mm256_set1_ps(t->scale);
-  for (int r = 0; r < nr; ++r) {
-    float* out = t->dq + (t->q_begin + r) * t->dq_row_stride + t->q_head * kD;
-    for (int d = 0; d < kD; d += 8) {
-      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_loadu_ps(dq + r * kDP + d), sc,
-                                                _mm256_loadu_ps(out + d)));
-    }
-  }
-}
-
-HSAP_EXPORT void hsap_backward_kv(const HsapHostBackwardKvTask* t) {
-  float* const s = t->scratch;        // [kBQA][kBK]
-  float* const dp = s + kBQA * kBK;   // [kBQA][kBK]
   float* const dk = dp + kBQA * kBK;  // [kBK][kDP]
   float* const dv = dk + kBK * kDP;   // [kBK][kDP]
+  float* const dq = dv + kBK * kDP;   // [kBQA][kDP] dS.K of one item and head
   zero_floats(s, 2 * kBQA * kBK + 2 * kBK * kDP);
   const int64_t kt0 = t->tile * kBK;
   const float c2 = t->scale * kLog2e;
+  const __m256 sc = _mm256_set1_ps(t->scale);
   for (int64_t ii = 0; ii < t->num_items; ++ii) {
     const HsapHostKvItem it = t->items[ii];
     const int nr = static_cast<int>(it.q_end - it.q_begin);
@@ -527,9 +486,18 @@ HSAP_EXPORT void hsap_backward_kv(const HsapHostBackwardKvTask* t) {
       }
       gemm_pb(s, 1, kBK, nr, da, t->qd_row_stride, dv, kDP, kBK);   // dV += P^T dO
       gemm_pb(dp, 1, kBK, nr, qa, t->qd_row_stride, dk, kDP, kBK);  // dK += dS^T Q
+      if (gi == 0 && t->before_item) t->before_item(t->ctx, ii);    // may add to dq now
+      zero_floats(dq, kBQA * kDP);
+      gemm_pb(dp, kBK, 1, kBK, t->krow_tile, kDP, dq, kDP, nr);  // dQ = dS K
+      for (int r = 0; r < nr; ++r) {
+        float* out = t->dq + (it.q_begin + r) * t->dq_row_stride + h * kD;
+        for (int d = 0; d < kD; d += 8) {
+          _mm256_storeu_ps(out + d, _mm256_fmadd_ps(_mm256_loadu_ps(dq + r * kDP + d), sc,
+                                                    _mm256_loadu_ps(out + d)));
+        }
+      }
     }
   }
-  const __m256 sc = _mm256_set1_ps(t->scale);
   for (int j = 0; j < kBK; ++j) {
     const int64_t row = kt0 + j;
     if (row >= t->k_rows) break;

@@ -139,14 +139,14 @@ TEST(HostCompilerTest, AbiHeaderTextMatchesTheLibrary) {
   src.code = absl::StrCat(
       "#include \"hsap_host_abi.h\"\nextern \"C\" __attribute__((visibility(\"default\"))) "
       "unsigned long sizes() { return sizeof(HsapHostForwardTask) * 1000000ul + "
-      "sizeof(HsapHostBackwardKvTask) * 1000ul + sizeof(HsapHostKernelInfo); }\n");
+      "sizeof(HsapHostBackwardTask) * 1000ul + sizeof(HsapHostKernelInfo); }\n");
   src.headers = {{"hsap_host_abi.h", text}};
   auto m = CompileHostModule(src, TestCache());
   ASSERT_TRUE(m.ok()) << m.status();
   auto sym = (*m)->Symbol("sizes");
   ASSERT_TRUE(sym.ok());
   EXPECT_EQ(reinterpret_cast<unsigned long (*)()>(*sym)(),
-            sizeof(HsapHostForwardTask) * 1000000ul + sizeof(HsapHostBackwardKvTask) * 1000ul +
+            sizeof(HsapHostForwardTask) * 1000000ul + sizeof(HsapHostBackwardTask) * 1000ul +
                 sizeof(HsapHostKernelInfo));
 }
 

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -336,6 +337,64 @@ TEST(HostJitKernelsTest, ShardedBuffersComposeAndAreDeterministic) {
     }
   }
   ExpectWithinRule("sharded out", ref_rows, naive_rows, got_rows);
+}
+
+// The fused backward adds every key tile's share of a query block's dq in tile order (tasks
+// wait their turn); each dq, dk and dv element must sum its contributions in the same order
+// whatever the number of threads, also with several segments per block (documents of every
+// mask kind) and grouped query heads.
+TEST(HostJitKernelsTest, BackwardIsBitwiseTheSameOnAnyThreadCount) {
+  HostKernelSpec spec;  // the bf16/128/GQA-4 case of the grid (compiled once)
+  spec.dtype = DType::kBF16;
+  spec.head_dim = 128;
+  spec.gqa_ratio = 4;
+  const HostJitKernelSet& kernels = Kernels(spec);
+  std::mt19937_64 rng(11);
+  const int64_t tokens = 500;
+  const Layout layout = CaseLayout(rng, Case{spec.dtype, 128, 4, true}, tokens);
+  const AttentionDims dims = Dims(8, 2, 128);
+  const int64_t qn = tokens * dims.heads_q * dims.head_dim;
+  const int64_t kn = tokens * dims.heads_kv * dims.head_dim;
+  const auto q = RandomTensor(rng, qn, spec.dtype);
+  const auto k = RandomTensor(rng, kn, spec.dtype);
+  const auto v = RandomTensor(rng, kn, spec.dtype);
+  const auto dout = RandomTensor(rng, qn, spec.dtype);
+  std::normal_distribution<float> normal;
+  std::vector<float> lse(dims.heads_q * tokens), delta(lse.size());
+  for (size_t i = 0; i < lse.size(); ++i) {
+    lse[i] = 3.0f + normal(rng);
+    delta[i] = normal(rng);
+  }
+  auto work = BuildWorkList(layout, spec.block_q);
+  ASSERT_TRUE(work.ok()) << work.status();
+  std::vector<float> grads[2][3];
+  for (int run = 0; run < 2; ++run) {
+    std::vector<float> dq(qn, 0.5f), dk(kn, -0.25f), dv(kn, 1.0f);  // added into
+    BackwardArgs ba;
+    ba.dims = dims;
+    ba.dtype = spec.dtype;
+    ba.q = q.data();
+    ba.dout = dout.data();
+    ba.lse = lse.data();
+    ba.delta = delta.data();
+    ba.q_rows = ba.k_rows = tokens;
+    ba.k = k.data();
+    ba.v = v.data();
+    ba.dq = dq.data();
+    ba.dk = dk.data();
+    ba.dv = dv.data();
+    ASSERT_TRUE(kernels.Backward(ba, *work, run == 0 ? 1 : 3).ok());
+    grads[run][0] = dq;
+    grads[run][1] = dk;
+    grads[run][2] = dv;
+  }
+  for (int g = 0; g < 3; ++g) {
+    ASSERT_EQ(grads[0][g].size(), grads[1][g].size());
+    EXPECT_EQ(
+        0, std::memcmp(grads[0][g].data(), grads[1][g].data(), grads[0][g].size() * sizeof(float)))
+        << "gradient "
+        << "qkv"[g] << " differs between 1 and 3 threads";
+  }
 }
 
 TEST(HostJitKernelsTest, MergeKernelMatchesMergePartial) {

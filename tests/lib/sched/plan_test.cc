@@ -1,5 +1,8 @@
 #include "lib/sched/plan.h"
 
+#include <algorithm>
+#include <iterator>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -169,6 +172,76 @@ TEST(PlanTest, JsonErrorsAreClear) {
       "groups": [{"ranks": [0], "sequence_weight": 1, "heads": [[1, 0]]}]})");
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->groups[0].heads[0], (std::vector<int>{0, 1}));
+}
+
+// Mutations of a valid plan's JSON (bytes replaced, spans deleted or repeated, numbers and
+// tokens that push limits inserted): each text is a plan that survives a round trip or an
+// invalid argument with a message, never a crash, hang or other error (run under the
+// sanitizers in CI).
+TEST(PlanTest, JsonMutationFuzzGivesAPlanOrAClearError) {
+  Plan plan = ExamplePlan();
+  plan.ranks.resize(6);
+  const std::string valid = PlanToJsonText(plan);
+  static const char* const kTokens[] = {"{",
+                                        "}",
+                                        "[",
+                                        "]",
+                                        ",",
+                                        ":",
+                                        "\"",
+                                        "-1",
+                                        "0",
+                                        "1e308",
+                                        "-1e308",
+                                        "nan",
+                                        "1e999",
+                                        "65536",
+                                        "[]",
+                                        "{}",
+                                        "null",
+                                        "true",
+                                        "99999999999999999999",
+                                        "\"0-65535\"",
+                                        "\"\\u0000\""};
+  std::mt19937_64 rng(2026);
+  int parsed = 0, rejected = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::string text = valid;
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits && !text.empty(); ++e) {
+      const size_t at = rng() % text.size();
+      const size_t len = 1 + rng() % std::min<size_t>(16, text.size() - at);
+      switch (rng() % 4) {
+        case 0:
+          text[at] = static_cast<char>(rng() % 256);
+          break;
+        case 1:
+          text.erase(at, len);
+          break;
+        case 2:
+          text.insert(at, text.substr(at, len));
+          break;
+        default:
+          text.insert(at, kTokens[rng() % std::size(kTokens)]);
+      }
+    }
+    absl::StatusOr<Plan> got = PlanFromJsonText(text);
+    if (got.ok()) {
+      ++parsed;
+      absl::StatusOr<Plan> again = PlanFromJsonText(PlanToJsonText(*got));
+      ASSERT_TRUE(again.ok()) << again.status() << "\nmutated text:\n" << text;
+      EXPECT_EQ(*again, *got) << text;
+    } else {
+      ++rejected;
+      ASSERT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument)
+          << got.status() << "\nmutated text:\n"
+          << text;
+      ASSERT_FALSE(got.status().message().empty()) << text;
+    }
+  }
+  EXPECT_GT(rejected, 0);
+  RecordProperty("parsed", parsed);
+  RecordProperty("rejected", rejected);
 }
 
 TEST(PlanCApiTest, CreateByHandToJsonAndBack) {
