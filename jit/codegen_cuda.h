@@ -67,6 +67,11 @@ struct CudaTiles {
   int block_m = 0, block_n = 0, threads = 0;
   int bwd_block_m = 0, bwd_block_n = 0, bwd_threads = 0;
   int fwd_smem_bytes = 0, bwd_smem_bytes = 0;  // dynamic shared memory per CTA
+  // Tensor-core forward: depth of the cp.async K/V ring, and whether Q's A fragments stay in
+  // registers for a whole query chunk (else re-read from shared memory per k-step). 0/false
+  // for the FMA kernels.
+  int fwd_stages = 0;
+  bool q_in_registers = false;
 };
 
 // Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
@@ -80,6 +85,9 @@ CudaMath ResolveCudaMath(const CudaKernelConfig& config);
 
 // Dynamic shared memory a CTA may use on `arch` (opt-in maximum), e.g. 232448 on sm_90.
 int CudaMaxSharedMemory(int arch);
+// Shared memory of one SM on `arch`, e.g. 233472 on sm_90 (each CTA also costs 1 KiB of
+// it for the driver's reservation).
+int CudaSharedMemoryPerSm(int arch);
 
 // Checks the configuration: arch sm_XX >= sm_70, head dim a multiple of 8 in [32, 256],
 // gqa in [1, 64], 0 <= num_peers <= 15, explicit tiles consistent, math = kTensorCore only
@@ -87,7 +95,8 @@ int CudaMaxSharedMemory(int arch);
 absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& config);
 
 // The tile shapes used for `config`: explicit ones kept, the others the largest that fit
-// the architecture's shared memory (see codegen_cuda.cc).
+// the architecture's shared memory, or for tensor-core math the mma tiles (see
+// codegen_cuda.cc for why they are what they are).
 absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
 
 // One kernel of a generated program.
@@ -98,6 +107,10 @@ struct CudaKernelEntry {
   std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
   int threads = 0;              // blockDim.x
   int dynamic_smem_bytes = 0;
+  bool tensor_core = false;  // computes with mma.sync (its SASS holds HMMA)
+  // The CTAs per SM the tiles were chosen for (registers, threads and shared memory must
+  // allow at least this many; the variant compile test checks it).
+  int min_ctas_per_sm = 1;
 };
 
 struct CudaKernelSource {
@@ -122,7 +135,7 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
 
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
-// hsap_attention.cuh.
+// hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

@@ -21,12 +21,14 @@
 //   kBwdBlockM, kBwdBlockN, kBwdThreads   backward tile and CTA size
 //   kHasBand                       false: only full segments (no causal/window band)
 //   kMaxSteps                      fused forward: steps per launch (0: not generated)
+//   kFwdStages, kQInRegisters      tensor-core forward: cp.async K/V stages, Q held in registers
 //   kFwdSmemBytes, kBwdSmemBytes   dynamic shared memory (checked against the formulas)
 #ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 #define HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
+#include "hsap_attention_mma_fwd.cuh"
 #include "hsap_device.cuh"
 #include "hsap_params.cuh"
 #include "hsap_sync.cuh"
@@ -80,11 +82,11 @@ HSAP_DEV void load_tile(float* dst, const void* src, long long row0, int valid, 
 // the merge of the partial (o, lse) into out/lse. kStaged: K/V were written by other CTAs of
 // this kernel (fused path), so they are read with ld.global.cg.
 template <class Cfg, bool kStaged>
-__device__ void attend_block_fwd(float* smem, const void* q, const void* k, const void* v,
-                                 float* out, float* lse, long long q_rows, long long k_rows,
-                                 int heads_q, int heads_kv, int h, int kvh, float scale,
-                                 const QueryBlock qb, const KeySegment* segments,
-                                 unsigned int* error_flag) {
+__device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, const void* v,
+                                     float* out, float* lse, long long q_rows, long long k_rows,
+                                     int heads_q, int heads_kv, int h, int kvh, float scale,
+                                     const QueryBlock qb, const KeySegment* segments,
+                                     unsigned int* error_flag) {
   using S = FwdShape<Cfg>;
   using T = typename Cfg::T;
   constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
@@ -206,9 +208,36 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
   }
 }
 
+// The forward core of Cfg's math: tensor cores (hsap_attention_mma_fwd.cuh) or FMA loops.
+// Both the "fwd" and the "fused_fwd" kernel call it.
+template <class Cfg, bool kStaged>
+__device__ void attend_block_fwd(float* smem, const void* q, const void* k, const void* v,
+                                 float* out, float* lse, long long q_rows, long long k_rows,
+                                 int heads_q, int heads_kv, int h, int kvh, float scale,
+                                 const QueryBlock qb, const KeySegment* segments,
+                                 unsigned int* error_flag) {
+  if constexpr (Cfg::kTensorCore) {
+    attend_block_fwd_mma<Cfg, kStaged>(smem, q, k, v, out, lse, q_rows, k_rows, heads_q, heads_kv,
+                                       h, kvh, scale, qb, segments, error_flag);
+  } else {
+    attend_block_fwd_fma<Cfg, kStaged>(smem, q, k, v, out, lse, q_rows, k_rows, heads_q, heads_kv,
+                                       h, kvh, scale, qb, segments, error_flag);
+  }
+}
+
+// The forward's dynamic shared memory by the device-side formula of Cfg's math.
+template <class Cfg, bool kTensorCore = Cfg::kTensorCore>
+struct FwdSmem {
+  static constexpr int kBytes = FwdShape<Cfg>::kFwdSmemBytes;
+};
+template <class Cfg>
+struct FwdSmem<Cfg, true> {
+  static constexpr int kBytes = MmaFwdShapeOf<Cfg>::kSmemBytes;
+};
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attn_fwd_kernel(const FwdParams p) {
-  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+  static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   float* smem = dynamic_smem();
   if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
@@ -473,7 +502,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
     fused_fwd_kernel(const FusedFwdParamsT<(Cfg::kMaxSteps > 0 ? Cfg::kMaxSteps : 1)> p) {
   static_assert(Cfg::kMaxSteps >= 1, "hsap: fused kernel generated without steps");
-  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+  static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   const FusedFwdHead& h = p.head;
   float* smem = dynamic_smem();
