@@ -56,16 +56,17 @@ int MmaFwdSmemBytes(int d, int bm, int bn, int stages) {
 
 // The tensor-core forward's tiles. One m16 row block per warp and 4 warps: 64 query rows.
 // Per thread the O accumulator takes D/2 fp32 registers and S kBN/2; Q's A fragments D/4.
-// At D <= 128 that is <= 64 + 32 + 32 registers with 64-key tiles: no spill, and two CTAs
-// per SM where their shared memory fits. At D > 128 the accumulator alone is up to 128
-// registers, so Q is re-read from shared memory per k-step instead of held (64 more
-// registers would spill) and the key tile is halved to 32 (S = 16 registers). Two stages
-// of K/V: enough to cover an L2 latency behind one tile's math at these sizes, and the
-// most that keeps two CTAs of D = 128 within an sm_90 SM. 128-row tiles (two row blocks
-// per warp) double the per-thread arrays; see docs/gpu_backend.md.
+// Q's fragments stay in registers only at D = 64: at D = 128 holding them (32 registers)
+// took the forward to 255 registers and the fused forward, whose step loop keeps more state
+// live, to spills on sm_80, so from D = 128 on they are re-read with ldmatrix per k-step
+// (1/8 more shared-memory traffic than the K and V tiles). Keys: 64 per tile, 32 above
+// D = 128 (S = 16 registers next to an accumulator of up to 128). Two stages of K/V: enough
+// to cover an L2 latency behind one tile's math at these sizes, and the most that keeps two
+// CTAs of D = 128 within an sm_90 SM. 128-row tiles (two row blocks per warp) double the
+// per-thread arrays; see docs/gpu_backend.md.
 absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTiles* t) {
   t->fwd_stages = 2;
-  t->q_in_registers = c.head_dim <= 128;
+  t->q_in_registers = c.head_dim <= 64;
   if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
     if (c.block_m <= 0 || c.block_n <= 0 || c.threads <= 0) {
       return absl::InvalidArgumentError(

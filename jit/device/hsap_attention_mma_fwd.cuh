@@ -9,9 +9,10 @@
 //   - a CTA of kWarps warps holds kBM = 16 * kWarps query rows: warp w owns rows
 //     [16w, 16w + 16), one m16 row block, so every softmax statistic of a row lives in the
 //     four lanes of a quad (lanes 4g..4g+3 hold rows g and g + 8 of the block);
-//   - the Q tile is copied to shared memory with cp.async, then (kQInRegs) loaded once per
-//     query chunk into A fragments with ldmatrix.x4; at head dim 256 the fragments would
-//     take 64 more registers per thread, so they are re-read from shared memory per k-step;
+//   - the Q tile is copied to shared memory with cp.async, then (kQInRegs: head dim 64)
+//     loaded once per query chunk into A fragments with ldmatrix.x4; at larger head dims
+//     holding them costs registers the accumulators need (ChooseMmaForwardTiles), so they
+//     are re-read from shared memory per k-step;
 //   - K/V tiles of kBN keys stream through a kStages-deep cp.async ring (tile i + kStages - 1
 //     is in flight while tile i is computed); rows past the tile's valid keys are
 //     zero-filled, so P V never reads garbage;
@@ -176,8 +177,8 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
     cp_async_rows<kBM, kD, kLdh, S::kThreads>(Qs, q, q0, rows, heads_q, h);
     cp_async_commit();
 
-    KeyTileWalk<Cfg::kHasBand, kBN> load{segments, qb.seg_begin, qb.seg_end, q0,
-                                         rows,     k_rows,       error_flag};
+    KeyTileWalk<Cfg::kHasBand, kBN> load{segments,   qb.seg_begin, qb.seg_end, q0, rows, k_rows,
+                                         error_flag, KeySegment{}, false,      0,  0};
     load.enter();
     KeyTileWalk<Cfg::kHasBand, kBN> tile = load;
     auto issue = [&](int stage) {  // the K/V tile `load` is on, into ring slot `stage`

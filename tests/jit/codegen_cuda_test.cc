@@ -149,14 +149,16 @@ TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_THAT(s->source, HasSubstr("kTensorCore = true;"));
   EXPECT_THAT(s->source, HasSubstr("kFwdStages = 2;"));
-  EXPECT_THAT(s->source, HasSubstr("kQInRegisters = true;"));
+  EXPECT_THAT(s->source, HasSubstr("kQInRegisters = false;"));  // D = 128
   // The forward and the fused forward run on tensor cores, sized for two CTAs per SM on
   // sm_90 (2 x 87040 B of shared memory); the other roles are FMA kernels.
   for (const CudaKernelEntry& k : s->kernels) {
     const bool mma = k.role == "fwd" || k.role == "fused_fwd";
     EXPECT_EQ(k.tensor_core, mma) << k.role;
     EXPECT_EQ(k.min_ctas_per_sm, mma ? 2 : 1) << k.role;
-    if (mma) EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8)) << k.role;
+    if (mma) {
+      EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8)) << k.role;
+    }
   }
   // On sm_80 two of them do not fit an SM's 164 KiB: one CTA is what the tiles promise.
   c.arch = "sm_80";
@@ -253,11 +255,11 @@ TEST(ChooseCudaTiles, FitSharedMemoryOfEachArchitecture) {
         EXPECT_LE(tiles->threads, 1024);
         if (ResolveCudaMath(c) == CudaMath::kTensorCore) {
           // One m16 row block per warp; the O fragment is D/2 floats per thread, and Q is
-          // held in registers only up to D = 128 (ChooseMmaForwardTiles).
+          // held in registers only at D = 64 (ChooseMmaForwardTiles).
           EXPECT_EQ(tiles->block_m, 16 * (tiles->threads / 32)) << d;
           EXPECT_EQ(tiles->block_n % 16, 0) << d;
           EXPECT_GE(tiles->fwd_stages, 2) << d;
-          EXPECT_EQ(tiles->q_in_registers, d <= 128) << d;
+          EXPECT_EQ(tiles->q_in_registers, d <= 64) << d;
         } else {
           // Per-thread accumulator of at most 64 floats.
           EXPECT_LE(d / (tiles->threads / tiles->block_m), 64);

@@ -360,12 +360,14 @@ TEST(CudaMmaEmulation, MisalignedTensorIsFlagged) {
   for (float x : r.lse) EXPECT_EQ(x, -INFINITY);
 }
 
-// The generator's tiles for these configurations: 64 x 64 on 4 warps, 2 stages, Q kept in
-// registers up to head dim 128; the device shape agrees with the generator's byte count.
+// The generator's tiles for these configurations: 64 x 64 on 4 warps, 2 stages; Q's fragments
+// held in registers at head dim 64 and re-read from shared memory at 128 (so the tests above
+// run both paths); the device shape agrees with the generator's byte count.
 TEST(CudaMmaEmulation, ConfigurationsAreTheGenerators) {
   using Cfg = MmaTileCfg<hsap_dev::bf16, 128, 2, true>;
   static_assert(Cfg::kBlockM == 64 && Cfg::kBlockN == 64 && Cfg::kThreads == 128);
-  static_assert(Cfg::kFwdStages == 2 && Cfg::kQInRegisters);
+  static_assert(Cfg::kFwdStages == 2 && !Cfg::kQInRegisters);
+  static_assert(MmaTileCfg<hsap_dev::bf16, 64, 2, true>::kQInRegisters);
   EXPECT_EQ(hsap_dev::MmaFwdShapeOf<Cfg>::kSmemBytes, Cfg::kFwdSmemBytes);
   jit::CudaKernelConfig c;
   c.arch = "sm_90";
