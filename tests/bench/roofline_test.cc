@@ -14,16 +14,18 @@ jit::CudaKernelConfig Bf16D128() {
   return c;
 }
 
-// 64 x 64 tiles on 4 warps: 64 FLOPs per K/V byte from L2/HBM, 16 per shared byte (every
-// warp reads the whole K and V tile for its 16 rows), so shared memory (128 B/clk/SM) caps
-// the forward at 16 * 128 FLOP/clk/SM, below the assumed mma.sync rate on sm_90.
+// 64 x 64 tiles on 4 warps at D = 64 (Q in registers): 64 FLOPs per K/V byte from L2/HBM, 16
+// per shared byte (every warp reads the whole K and V tile for its 16 rows), so shared memory
+// (128 B/clk/SM) caps the forward at 16 * 128 FLOP/clk/SM, below the assumed mma.sync rate.
 TEST(Roofline, TensorCoreForwardIsBoundBySharedMemory) {
-  const jit::CudaKernelConfig c = Bf16D128();
+  jit::CudaKernelConfig c = Bf16D128();
+  c.head_dim = 64;
   absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
   ASSERT_TRUE(t.ok()) << t.status();
+  ASSERT_TRUE(t->q_in_registers);
   const GpuSpec h200 = H200();
-  const Roofline r = ForwardRoofline(c, *t, 168, /*tensor_core=*/true, h200);
-  EXPECT_DOUBLE_EQ(r.flops_per_tile, 4.0 * 64 * 64 * 128);
+  const Roofline r = ForwardRoofline(c, *t, 173, /*tensor_core=*/true, h200);
+  EXPECT_DOUBLE_EQ(r.flops_per_tile, 4.0 * 64 * 64 * 64);
   EXPECT_DOUBLE_EQ(r.flops_per_global_byte, 64);
   EXPECT_DOUBLE_EQ(r.flops_per_smem_byte, 16);
   EXPECT_DOUBLE_EQ(r.peak_tflops, h200.dense_16bit_tflops);
@@ -33,11 +35,19 @@ TEST(Roofline, TensorCoreForwardIsBoundBySharedMemory) {
   EXPECT_NEAR(r.predicted_tflops, smem, 1e-6);
   EXPECT_EQ(r.bound, "shared memory");
   EXPECT_NEAR(r.hbm_tflops, 64 * 4.8, 1e-9);  // not part of the prediction
-  EXPECT_EQ(r.ctas_per_sm, 2);                // 87040 B of shared memory twice in 228 KiB
-  EXPECT_EQ(r.occupancy_limiter, "shared memory");
+  // 173 registers: 5632 per warp after rounding, 22528 per CTA, two CTAs in 65536.
+  EXPECT_EQ(r.ctas_per_sm, 2);
+  EXPECT_EQ(r.occupancy_limiter, "registers");
   // H100 and H200 differ only in HBM: the on-chip prediction is the same.
-  EXPECT_DOUBLE_EQ(ForwardRoofline(c, *t, 168, true, H100Sxm()).predicted_tflops,
+  EXPECT_DOUBLE_EQ(ForwardRoofline(c, *t, 173, true, H100Sxm()).predicted_tflops,
                    r.predicted_tflops);
+  // At D = 128 Q is re-read per k-step: 32 D more shared bytes per warp and tile.
+  const jit::CudaKernelConfig c128 = Bf16D128();
+  absl::StatusOr<jit::CudaTiles> t128 = jit::ChooseCudaTiles(c128);
+  ASSERT_TRUE(t128.ok()) << t128.status();
+  ASSERT_FALSE(t128->q_in_registers);
+  EXPECT_DOUBLE_EQ(ForwardRoofline(c128, *t128, 241, true, h200).flops_per_smem_byte,
+                   4.0 * 64 * 64 * 128 / (4 * (4.0 * 64 * 128 + 32 * 128)));
 }
 
 TEST(Roofline, FmaKernelsAreBoundFarBelowTheTensorCorePeak) {
