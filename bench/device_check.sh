@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot check of the CUDA backend on a GPU machine (meant to finish in under 5 minutes):
+# One-shot check of the CUDA backend on a GPU machine (meant to finish in under 8 minutes):
 #   1. configure + build (Release, all cores),
 #   2. the GPU tests (ctest -R Cuda: loopback ranks on one GPU, NCCL ranks on several GPUs,
 #      batches against the fp64 reference), the GPU executor on the emulated device, and the
@@ -13,8 +13,16 @@
 #      unavailable; the summary ends with those figures. Forward of batches without a plan
 #      runs fused (peer windows, lib/cuda/runtime/peer_window.h); the packed rows run once more with
 #      --fused 0 (forward through loopback transfer stages) for comparison.
+#   4. the tensor-core kernels on one GPU (bf16, D = 128, 32K tokens: one causal document and
+#      a packed row): hsap_attn_perf with one loopback rank prints our forward and backward
+#      TFLOP/s over visible pairs and the errors against the fp64 reference, and cuDNN's
+#      forward on the same input with the ratio (cuDNN's backward: no graph yet, said so);
+#      then the ptxas resource report and roofline of the kernels those runs launch
+#      (hsap_roofline).
 # Results go to $OUT (when set) or ./device_check_out: build log, test logs, summary.txt.
 # Usage: bench/device_check.sh [build-dir]
+#   DEVICE_CHECK_DRY_RUN=1: print the steps' commands instead of running them (no build, no
+#   GPU; tests/bench/device_check_test.sh checks them).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +34,56 @@ SUMMARY="$RESULTS/summary.txt"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START ))s; }
+
+# run LOG CMD...: runs CMD with its output in $RESULTS/LOG (or only prints it, dry run).
+DRY=${DEVICE_CHECK_DRY_RUN:-0}
+run() {
+  local log=$1
+  shift
+  if [ "$DRY" = 1 ]; then
+    echo "run: $* > $log"
+    return 0
+  fi
+  "$@" > "$RESULTS/$log" 2>&1
+}
+
+# The tensor-core section (step 4): our forward/backward and cuDNN's forward, one GPU.
+tensor_core_section() {
+  local perf=$1 roofline=$2
+  local layout docs
+  for layout in causal packed; do
+    case $layout in
+      causal) docs=(--docs-dist single) ;;
+      packed) docs=(--docs-dist longtail --tokens-per-doc 2048) ;;
+    esac
+    say "## tensor cores, one GPU: bf16, d=128, 32768 tokens, $layout (fwd+bwd; cuDNN fwd)"
+    run "tc_$layout.txt" timeout 120 "$perf" --backend cuda-loopback --ranks 1 --dtype bf16 \
+      --head-dim 128 --heads 16 --kv-heads 16 -b 32768 -e 32768 -n 10 -w 3 -c 0 \
+      "${docs[@]}" || status=1
+    [ "$DRY" = 1 ] || tee -a "$SUMMARY" < "$RESULTS/tc_$layout.txt"
+    # The errors against the fp64 reference on the same kernels: 8192 tokens, 4 heads (the
+    # reference of the 32K row would take the CPU longer than the whole check).
+    say "## tensor cores, errors against the fp64 reference: 8192 tokens, 4 heads, $layout"
+    run "tc_${layout}_check.txt" timeout 120 "$perf" --backend cuda-loopback --ranks 1 \
+      --dtype bf16 --head-dim 128 --heads 4 --kv-heads 4 -b 8192 -e 8192 -n 2 -w 1 -c 1 \
+      --ref-max-gflop 100 --cudnn 0 "${docs[@]}" || status=1
+    [ "$DRY" = 1 ] || tee -a "$SUMMARY" < "$RESULTS/tc_${layout}_check.txt"
+  done
+  say "  cuDNN backward: not compared (bench/cudnn_attention.h builds the forward graph only)"
+  say "## resource report and roofline of the launched kernels (ptxas -v via NVRTC)"
+  run roofline.txt "$roofline" sm_90 || status=1
+  if [ "$DRY" != 1 ]; then
+    grep -E '^(#|variant)|sm90_bf16_d128_g1_(band|full)_tc ' "$RESULTS/roofline.txt" \
+      | tee -a "$SUMMARY"
+  fi
+}
+
+if [ "$DRY" = 1 ]; then
+  status=0
+  BIN="$BUILD"
+  tensor_core_section "$BIN/hsap_attn_perf" "$BIN/hsap_roofline"
+  exit 0
+fi
 
 say "# hsap device check, $(date -u +%FT%TZ), $(uname -n)"
 if command -v nvidia-smi > /dev/null; then
@@ -95,6 +153,11 @@ for layout in causal packed; do
     say "  $layout: ${reason:-no cuDNN figures (hsap_attn_perf did not reach them; see attn_perf_$layout.txt)}"
   fi
 done
+
+# 4. Tensor-core kernels against cuDNN on one GPU, and their resource report.
+ROOFLINE="$BUILD/hsap_roofline"
+[ -x "$ROOFLINE" ] || ROOFLINE="$BUILD/bench/hsap_roofline"
+tensor_core_section "$PERF" "$ROOFLINE"
 
 say "done in $(elapsed), status $status; results in $RESULTS"
 exit $status

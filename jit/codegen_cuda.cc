@@ -9,14 +9,20 @@
 // Included for the build's dependency tracking only: the .cuh bodies are visible to CUDA
 // compilers alone (hsap_params.cuh is plain C++). Their text is embedded below.
 #include "jit/device/hsap_attention.cuh"
+#include "jit/device/hsap_attention_mma_fwd.cuh"
 #include "jit/device/hsap_device.cuh"
+#include "jit/device/hsap_mma.cuh"
 #include "jit/device/hsap_params.cuh"
 #include "jit/device/hsap_sync.cuh"
+#include "jit/device/hsap_worklist.cuh"
 
 // The device headers' text, embedded at build time (jit/embed_file.h).
 HSAP_EMBED_FILE(hsap_embedded_params_cuh, "jit/device/hsap_params.cuh");
 HSAP_EMBED_FILE(hsap_embedded_device_cuh, "jit/device/hsap_device.cuh");
 HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "jit/device/hsap_sync.cuh");
+HSAP_EMBED_FILE(hsap_embedded_worklist_cuh, "jit/device/hsap_worklist.cuh");
+HSAP_EMBED_FILE(hsap_embedded_mma_cuh, "jit/device/hsap_mma.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_mma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 
 namespace hsap::jit {
@@ -42,6 +48,51 @@ int BwdSmemBytes(int d, int bm, int bn) {
   return 4 * ((2 * bm + 2 * bn) * Padded(d) + 2 * bm * Padded(bn));
 }
 
+// The tensor-core forward (hsap_attention_mma_fwd.cuh, MmaFwdShape): the Q tile and kStages
+// K and V tiles of 16-bit elements, rows padded by 8 elements (16 bytes).
+int MmaFwdSmemBytes(int d, int bm, int bn, int stages) {
+  return 2 * (bm + 2 * stages * bn) * (d + 8);
+}
+
+// The tensor-core forward's tiles. One m16 row block per warp and 4 warps: 64 query rows.
+// Per thread the O accumulator takes D/2 fp32 registers and S kBN/2; Q's A fragments D/4.
+// Q's fragments stay in registers only at D = 64: at D = 128 holding them (32 registers)
+// took the forward to 255 registers and the fused forward, whose step loop keeps more state
+// live, to spills on sm_80, so from D = 128 on they are re-read with ldmatrix per k-step
+// (1/8 more shared-memory traffic than the K and V tiles). Keys: 64 per tile, 32 above
+// D = 128 (S = 16 registers next to an accumulator of up to 128). Two stages of K/V: enough
+// to cover an L2 latency behind one tile's math at these sizes, and the most that keeps two
+// CTAs of D = 128 within an sm_90 SM. 128-row tiles (two row blocks per warp) double the
+// per-thread arrays; see docs/gpu_backend.md.
+absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTiles* t) {
+  t->fwd_stages = 2;
+  t->q_in_registers = c.head_dim <= 64;
+  if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
+    if (c.block_m <= 0 || c.block_n <= 0 || c.threads <= 0) {
+      return absl::InvalidArgumentError(
+          "CudaKernelConfig: block_m, block_n and threads must be set together");
+    }
+    if (c.threads % 32 != 0 || c.block_m != 16 * (c.threads / 32) || c.block_n % 16 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("CudaKernelConfig tiles ", c.block_m, "x", c.block_n, " on ", c.threads,
+                       " threads: the tensor-core forward needs block_m = 16 * warps and block_n a "
+                       "multiple of 16"));
+    }
+    t->block_m = c.block_m;
+    t->block_n = c.block_n;
+    t->threads = c.threads;
+  } else {
+    t->block_m = 64;
+    t->threads = 128;
+    for (int bn : {c.head_dim <= 128 ? 64 : 32, 16}) {
+      t->block_n = bn;
+      if (MmaFwdSmemBytes(c.head_dim, 64, bn, t->fwd_stages) <= limit) break;
+    }
+  }
+  t->fwd_smem_bytes = MmaFwdSmemBytes(c.head_dim, t->block_m, t->block_n, t->fwd_stages);
+  return absl::OkStatus();
+}
+
 const char* CudaTypeName(DType t) {
   switch (t) {
     case DType::kF32:
@@ -64,11 +115,48 @@ std::string CudaKernelConfig::Name() const {
       absl::StrCat(arch_digits, "_", absl::string_view(dtype_name.data(), dtype_name.size()), "_d",
                    head_dim, "_g", gqa, has_band ? "_band" : "_full");
   if (role.num_peers > 0) absl::StrAppend(&name, "_p", role.num_peers);
+  if (ResolveCudaMath(*this) == CudaMath::kTensorCore) {
+    absl::StrAppend(&name, "_tc");
+  } else if (math == CudaMath::kFma && CudaTensorCoreApplies(*this)) {
+    absl::StrAppend(&name, "_fma");
+  }
   if (block_m || block_n || threads || bwd_block_m || bwd_block_n || bwd_threads) {
     absl::StrAppend(&name, "_t", block_m, "x", block_n, "x", threads, "_b", bwd_block_m, "x",
                     bwd_block_n, "x", bwd_threads);
   }
   return name;
+}
+
+bool CudaTensorCoreApplies(const CudaKernelConfig& c) {
+  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
+  return arch.ok() && *arch >= 80 && (c.dtype == DType::kBF16 || c.dtype == DType::kF16) &&
+         c.head_dim % 16 == 0 && c.head_dim >= 64 && c.head_dim <= 256;
+}
+
+CudaMath ResolveCudaMath(const CudaKernelConfig& c) {
+  return c.math != CudaMath::kFma && CudaTensorCoreApplies(c) ? CudaMath::kTensorCore
+                                                              : CudaMath::kFma;
+}
+
+int CudaSharedMemoryPerSm(int arch) {
+  switch (arch) {
+    case 70:
+    case 72:
+      return 98304;
+    case 75:
+      return 65536;
+    case 80:
+    case 87:
+      return 167936;
+    case 90:
+    case 100:
+    case 101:
+    case 103:
+    case 110:
+      return 233472;
+    default:
+      return arch >= 80 ? 102400 : 49152;
+  }
 }
 
 int CudaMaxSharedMemory(int arch) {
@@ -111,6 +199,12 @@ absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& c) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "CudaKernelConfig.role: num_peers = %d (must be in [0, %d])", c.role.num_peers, kMaxPeers));
   }
+  if (c.math == CudaMath::kTensorCore && !CudaTensorCoreApplies(c)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CudaKernelConfig.math = kTensorCore needs bf16 or f16, a head dim that is a multiple "
+        "of 16 in [64, 256] and sm_80 or newer (got ",
+        std::string(DTypeName(c.dtype)), ", head dim ", c.head_dim, ", ", c.arch, ")"));
+  }
   return absl::OkStatus();
 }
 
@@ -120,9 +214,12 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
   const int tpr = ThreadsPerRow(c.head_dim);
   CudaTiles t;
 
-  // Forward: the largest of these tiles whose shared memory fits.
+  // Forward: the mma tiles, or the largest of these tiles whose shared memory fits.
   constexpr int kFwdCandidates[][2] = {{64, 64}, {64, 32}, {32, 32}, {16, 32}, {16, 16}};
-  if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
+  const bool tensor_core = ResolveCudaMath(c) == CudaMath::kTensorCore;
+  if (tensor_core) {
+    HSAP_RETURN_IF_ERROR(ChooseMmaForwardTiles(c, limit, &t));
+  } else if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
     if (c.block_m <= 0 || c.block_n <= 0 || c.threads <= 0) {
       return absl::InvalidArgumentError(
           "CudaKernelConfig: block_m, block_n and threads must be set together");
@@ -163,7 +260,7 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("no tile of head dim ", c.head_dim, " fits the shared memory of ", c.arch));
   }
-  t.fwd_smem_bytes = FwdSmemBytes(c.head_dim, t.block_m, t.block_n);
+  if (!tensor_core) t.fwd_smem_bytes = FwdSmemBytes(c.head_dim, t.block_m, t.block_n);
   t.bwd_smem_bytes = BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
   if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit)) {
     return absl::InvalidArgumentError(
@@ -184,6 +281,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
   std::string s = absl::StrCat("struct ", struct_name, " {\n");
   absl::StrAppend(&s, "  using T = ", CudaTypeName(config.dtype), ";\n");
   absl::StrAppend(&s, "  static constexpr int kHeadDim = ", config.head_dim, ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kTensorCore = ",
+                  ResolveCudaMath(config) == CudaMath::kTensorCore ? "true" : "false", ";\n");
   absl::StrAppend(&s, "  static constexpr int kGqa = ", config.gqa, ";\n");
   absl::StrAppend(&s, "  static constexpr int kBlockM = ", t.block_m, ", kBlockN = ", t.block_n,
                   ", kThreads = ", t.threads, ";\n");
@@ -193,6 +292,9 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
                   ";\n");
   absl::StrAppend(&s, "  static constexpr int kNumPeers = ", config.role.num_peers, ";\n");
   absl::StrAppend(&s, "  static constexpr int kMaxSteps = ", MaxFusedSteps(config), ";\n");
+  absl::StrAppend(&s, "  static constexpr int kFwdStages = ", t.fwd_stages, ";\n");
+  absl::StrAppend(
+      &s, "  static constexpr bool kQInRegisters = ", t.q_in_registers ? "true" : "false", ";\n");
   absl::StrAppend(&s, "  static constexpr int kFwdSmemBytes = ", t.fwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "  static constexpr int kBwdSmemBytes = ", t.bwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "};\n");
@@ -208,6 +310,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   HSAP_ASSIGN_OR_RETURN(CudaTiles tiles, ChooseCudaTiles(config));
   const CudaTiles& t = tiles;
   const int max_steps = MaxFusedSteps(config);
+  const bool tc = ResolveCudaMath(config) == CudaMath::kTensorCore;
 
   CudaKernelSource out;
   out.config = config;
@@ -217,7 +320,8 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
 
   std::string& s = out.source;
   absl::StrAppend(&s, "// Generated by hsap jit/codegen_cuda for ", config.Name(), ".\n",
-                  "// Kernel contracts: hsap_params.cuh. Kernel bodies: hsap_attention.cuh.\n",
+                  "// Kernel contracts: hsap_params.cuh. Kernel bodies: hsap_attention.cuh",
+                  tc ? " (tensor-core forward: hsap_attention_mma_fwd.cuh)" : "", ".\n",
                   "#include \"hsap_attention.cuh\"\n\n");
   absl::StrAppend(&s, CudaConfigStruct(config, t, "HsapCfg"), "\n");
 
@@ -226,9 +330,10 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
     const char* name;
     const char* params;
     int threads, smem;
+    bool tensor_core = false;
   };
   std::vector<Kernel> kernels = {
-      {"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads, t.fwd_smem_bytes},
+      {"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads, t.fwd_smem_bytes, tc},
       {"bwd", "attn_bwd_kernel", "hsap_dev::BwdParams", t.bwd_threads, t.bwd_smem_bytes},
       {"delta", "attn_delta_kernel", "hsap_dev::DeltaParams", 256, 0},
       {"merge", "lse_merge_kernel", "hsap_dev::MergeParams", 256, 0},
@@ -242,7 +347,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   if (max_steps > 0) {
     fused_params = absl::StrCat("hsap_dev::FusedFwdParamsT<", max_steps, ">");
     kernels.push_back(
-        {"fused_fwd", "fused_fwd_kernel", fused_params.c_str(), t.threads, t.fwd_smem_bytes});
+        {"fused_fwd", "fused_fwd_kernel", fused_params.c_str(), t.threads, t.fwd_smem_bytes, tc});
   }
   absl::StrAppend(&s,
                   "// Explicit instantiations (NVRTC also instantiates them through the name\n"
@@ -250,8 +355,13 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   for (const Kernel& k : kernels) {
     absl::StrAppend(&s, "template __global__ void hsap_dev::", k.name, "<HsapCfg>(const ", k.params,
                     ");\n");
-    out.kernels.push_back(
-        {k.role, absl::StrCat("hsap_dev::", k.name, "<HsapCfg>"), k.threads, k.smem});
+    // The tensor-core forward was sized for two CTAs per SM wherever their shared memory
+    // fits one SM (ChooseMmaForwardTiles); everything else for at least one.
+    const int arch = *ParseCudaArch(config.arch);
+    const int min_ctas =
+        k.tensor_core && 2 * (k.smem + 1024) <= CudaSharedMemoryPerSm(arch) ? 2 : 1;
+    out.kernels.push_back({k.role, absl::StrCat("hsap_dev::", k.name, "<HsapCfg>"), k.threads,
+                           k.smem, k.tensor_core, min_ctas});
   }
   return out;
 }
@@ -261,6 +371,11 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
       {"hsap_params.cuh", std::string(hsap_embedded_params_cuh, hsap_embedded_params_cuh_end)},
       {"hsap_device.cuh", std::string(hsap_embedded_device_cuh, hsap_embedded_device_cuh_end)},
       {"hsap_sync.cuh", std::string(hsap_embedded_sync_cuh, hsap_embedded_sync_cuh_end)},
+      {"hsap_worklist.cuh",
+       std::string(hsap_embedded_worklist_cuh, hsap_embedded_worklist_cuh_end)},
+      {"hsap_mma.cuh", std::string(hsap_embedded_mma_cuh, hsap_embedded_mma_cuh_end)},
+      {"hsap_attention_mma_fwd.cuh",
+       std::string(hsap_embedded_attention_mma_fwd_cuh, hsap_embedded_attention_mma_fwd_cuh_end)},
       {"hsap_attention.cuh",
        std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
   };

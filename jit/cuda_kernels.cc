@@ -1,9 +1,14 @@
 #include "jit/cuda_kernels.h"
 
+#include <algorithm>
 #include <atomic>
 #include <thread>
+#include <utility>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "jit/cache.h"
@@ -59,6 +64,96 @@ absl::StatusOr<std::string> CompiledCudaKernels::LoweredName(absl::string_view r
   return binary.LoweredName(e.name_expression);
 }
 
+namespace {
+
+// The integer before `unit` in `line` ("Used 96 registers" -> 96 for "registers"), or -1.
+int NumberBefore(absl::string_view line, absl::string_view unit) {
+  const size_t at = line.find(unit);
+  if (at == absl::string_view::npos || at < 2) return -1;
+  size_t begin = at - 1;  // the space before the unit
+  while (begin > 0 && absl::ascii_isdigit(line[begin - 1])) --begin;
+  int value = -1;
+  return absl::SimpleAtoi(line.substr(begin, at - 1 - begin), &value) ? value : -1;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CudaKernelResources>> ParsePtxasResources(absl::string_view log) {
+  // Per kernel: "Compiling entry function 'NAME' for 'sm_90'", then "N bytes stack frame,
+  // N bytes spill stores, N bytes spill loads", then "Used N registers, ... N bytes smem".
+  std::vector<CudaKernelResources> out;
+  bool open = false;
+  auto unfinished = [&] {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ptxas log: no register count for ", out.back().function));
+  };
+  constexpr absl::string_view kEntry = "Compiling entry function '";
+  for (absl::string_view line : absl::StrSplit(log, '\n')) {
+    if (const size_t at = line.find(kEntry); at != absl::string_view::npos) {
+      if (open) return unfinished();
+      line.remove_prefix(at + kEntry.size());
+      out.push_back({});
+      out.back().function = std::string(line.substr(0, line.find('\'')));
+      open = true;
+    } else if (open && line.find("bytes stack frame") != absl::string_view::npos) {
+      out.back().stack_frame_bytes = std::max(0, NumberBefore(line, "bytes stack frame"));
+      out.back().spill_store_bytes = std::max(0, NumberBefore(line, "bytes spill stores"));
+      out.back().spill_load_bytes = std::max(0, NumberBefore(line, "bytes spill loads"));
+    } else if (open && line.find("Used ") != absl::string_view::npos) {
+      out.back().registers = NumberBefore(line, "registers");
+      out.back().static_smem_bytes = std::max(0, NumberBefore(line, "bytes smem"));
+      if (out.back().registers < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("ptxas log: unreadable line: ", line));
+      }
+      open = false;
+    }
+  }
+  if (open) return unfinished();
+  return out;
+}
+
+int CudaCtasPerSm(int arch, int threads, int registers, int smem_bytes, std::string* limiter) {
+  if (threads <= 0) return 0;
+  const int warps = (threads + 31) / 32;
+  const bool small_sm = arch == 75 || arch == 86 || arch == 89 || arch == 120;
+  const int max_threads = arch == 75 ? 1024 : small_sm ? 1536 : 2048;
+  const int max_ctas = small_sm ? 16 : 32;
+  const int reserved = arch >= 80 ? 1024 : 0;
+  const int regs_per_warp = ((std::max(registers, 1) * 32 + 255) / 256) * 256;
+  const std::pair<int, const char*> limits[] = {
+      {65536 / (regs_per_warp * warps), "registers"},
+      {max_threads / (warps * 32), "threads"},
+      {max_ctas, "CTA slots"},
+      {CudaSharedMemoryPerSm(arch) / (smem_bytes + reserved), "shared memory"}};
+  std::pair<int, const char*> least = limits[0];
+  for (const auto& l : limits) {
+    if (l.first < least.first) least = l;
+  }
+  if (limiter != nullptr) *limiter = least.second;
+  return std::max(least.first, 0);
+}
+
+absl::StatusOr<std::vector<CudaKernelResources>> CompiledCudaKernels::Resources() const {
+  if (binary.kind != CudaBinary::Kind::kCubin) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(source.program_name, " was compiled to PTX: no ptxas report"));
+  }
+  HSAP_ASSIGN_OR_RETURN(std::vector<CudaKernelResources> all, ParsePtxasResources(binary.log));
+  std::vector<CudaKernelResources> out;
+  for (const CudaKernelEntry& e : source.kernels) {
+    HSAP_ASSIGN_OR_RETURN(std::string lowered, binary.LoweredName(e.name_expression));
+    const auto it = std::find_if(all.begin(), all.end(), [&](const CudaKernelResources& r) {
+      return r.function == lowered;
+    });
+    if (it == all.end()) {
+      return absl::NotFoundError(absl::StrCat("the ptxas report of ", source.program_name,
+                                              " has no entry ", lowered, " (", e.role, ")"));
+    }
+    out.push_back(*it);
+  }
+  return out;
+}
+
 absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& config,
                                                        CompileCache* cache, bool force_ptx) {
   absl::StatusOr<CudaKernelSource> source = GenerateCudaKernels(config);
@@ -69,6 +164,7 @@ absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& c
   request.headers = source->headers;
   request.arch = config.arch;
   request.force_ptx = force_ptx;
+  request.extra_options = {"--ptxas-options=-v"};  // the resource report (Resources())
   request.name_expressions = source->NameExpressions();
   HSAP_ASSIGN_OR_RETURN(CudaBinary binary, CompileCuda(request, cache));
   return CompiledCudaKernels{*std::move(source), std::move(binary)};

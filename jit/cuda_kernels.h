@@ -30,9 +30,33 @@ const std::vector<std::string>& ShippedCudaArchs();
 // The shipped configurations for one architecture ("sm_80", "sm_90", ...).
 std::vector<CudaKernelConfig> ShippedCudaConfigs(absl::string_view arch);
 
+// What ptxas reports for one kernel of a cubin (NVRTC --ptxas-options=-v).
+struct CudaKernelResources {
+  std::string function;  // the lowered name
+  int registers = 0;     // per thread
+  int stack_frame_bytes = 0;
+  int spill_store_bytes = 0, spill_load_bytes = 0;
+  int static_smem_bytes = 0;
+};
+
+// The kernels of a ptxas verbose log, in the order of the log. InvalidArgument when an entry
+// lacks its register count.
+absl::StatusOr<std::vector<CudaKernelResources>> ParsePtxasResources(absl::string_view log);
+
+// CTAs of `threads` threads, `registers` registers per thread (allocated per warp in units of
+// 256) and `smem_bytes` of shared memory (plus the driver's 1 KiB per CTA on sm_80+) that fit
+// on one SM of `arch`; `limiter` (may be null) names the binding resource: "registers",
+// "threads", "CTA slots" or "shared memory".
+int CudaCtasPerSm(int arch, int threads, int registers, int smem_bytes,
+                  std::string* limiter = nullptr);
+
 struct CompiledCudaKernels {
   CudaKernelSource source;
   CudaBinary binary;
+
+  // ptxas' report of each kernel, in the order of source.kernels (CompileCudaKernels asks
+  // ptxas for it). FailedPrecondition for PTX (no ptxas ran).
+  absl::StatusOr<std::vector<CudaKernelResources>> Resources() const;
 
   // The entry of kernel `role` ("fwd", "bwd", ...) and its lowered name in the binary.
   absl::StatusOr<CudaKernelEntry> Entry(absl::string_view role) const;
@@ -40,7 +64,8 @@ struct CompiledCudaKernels {
 };
 
 // Generates and compiles `config` (cubin, or PTX when `force_ptx` or when NVRTC has no cubin
-// target for the arch). `cache` may be null (no caching).
+// target for the arch), with ptxas' verbose report in the log. `cache` may be null (no
+// caching).
 absl::StatusOr<CompiledCudaKernels> CompileCudaKernels(const CudaKernelConfig& config,
                                                        CompileCache* cache, bool force_ptx = false);
 

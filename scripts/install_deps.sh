@@ -13,3 +13,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
 fi
+
+# cuobjdump and the nvdisasm it runs (PyPI nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm): the
+# variant compile test disassembles the cubins to check that the tensor-core kernels hold HMMA
+# (it skips, saying so, without them). Into the project's venv when there is one, else into
+# /opt/hsap-tools (--target changes nothing of the system Python, so PEP 668's guard is
+# lifted for it); optional: a machine without pip access still builds and tests.
+if [ -x /opt/hsap-py/bin/python ]; then
+  /opt/hsap-py/bin/python -m pip show -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm > /dev/null 2>&1 ||
+    /opt/hsap-py/bin/python -m pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
+    echo "note: cuobjdump not installed (the HMMA check will skip)"
+elif ! ls /opt/hsap-tools/nvidia/cu*/bin/nvdisasm > /dev/null 2>&1; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --target /opt/hsap-tools \
+    nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
+    echo "note: cuobjdump not installed (the HMMA check will skip)"
+fi

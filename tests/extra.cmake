@@ -26,3 +26,8 @@ if(TARGET hsap_plan)
                    $<TARGET_FILE:hsap_plan> ${PROJECT_SOURCE_DIR}/clusters)
   set_tests_properties(bench_hsap_plan PROPERTIES TIMEOUT 300)
 endif()
+# bench/device_check.sh cannot run here (no GPU): it parses, and its dry run lists the
+# tensor-core comparison runs.
+add_test(NAME bench_device_check
+         COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/bench/device_check_test.sh
+                 ${PROJECT_SOURCE_DIR}/bench/device_check.sh)

@@ -15,30 +15,26 @@
 // Required members of Cfg:
 //   using T;                       float, hsap_dev::bf16 or hsap_dev::f16
 //   kHeadDim, kGqa                 head dim (multiple of 8 in [32, 256]), heads_q / heads_kv
+//   kTensorCore                    the math (jit/codegen_cuda.h CudaMath): true selects the
+//                                  mma kernels of hsap_attention_mma_*.cuh
 //   kBlockM, kBlockN, kThreads     forward tile (query rows, key rows) and CTA size
 //   kBwdBlockM, kBwdBlockN, kBwdThreads   backward tile and CTA size
 //   kHasBand                       false: only full segments (no causal/window band)
 //   kMaxSteps                      fused forward: steps per launch (0: not generated)
+//   kFwdStages, kQInRegisters      tensor-core forward: cp.async K/V stages, Q held in registers
 //   kFwdSmemBytes, kBwdSmemBytes   dynamic shared memory (checked against the formulas)
 #ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 #define HSAP_JIT_DEVICE_HSAP_ATTENTION_CUH_
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
+#include "hsap_attention_mma_fwd.cuh"
 #include "hsap_device.cuh"
 #include "hsap_params.cuh"
 #include "hsap_sync.cuh"
+#include "hsap_worklist.cuh"
 
 namespace hsap_dev {
-
-constexpr long long kNoDiagLimit = 1LL << 60;  // attention/layout.h
-
-HSAP_DEV long long min64(long long a, long long b) { return a < b ? a : b; }
-HSAP_DEV long long max64(long long a, long long b) { return a > b ? a : b; }
-
-HSAP_DEV void report(unsigned int* error_flag, unsigned int bits) {
-  if (error_flag != nullptr && threadIdx.x == 0) atomicOr(error_flag, bits);
-}
 
 template <int kD_, int kBM_, int kBN_, int kThreads_>
 struct TileShape {
@@ -81,33 +77,16 @@ HSAP_DEV void load_tile(float* dst, const void* src, long long row0, int valid, 
   }
 }
 
-// The visible key range [k_lo, k_hi) of `seg` for query rows [q0, q0 + rows).
-HSAP_DEV void visible_keys(const KeySegment& seg, long long q0, int rows, long long* k_lo,
-                           long long* k_hi) {
-  *k_lo = max64(seg.k_begin, q0 + seg.diag_lo);
-  *k_hi = min64(seg.k_end, q0 + rows + seg.diag_hi);  // last visible: q0 + rows - 1 + diag_hi
-}
-
-HSAP_DEV bool segment_is_full(const KeySegment& seg) {
-  return seg.diag_lo <= -kNoDiagLimit && seg.diag_hi >= kNoDiagLimit;
-}
-
-// Every (row, col) of the tile is inside the band.
-HSAP_DEV bool tile_inside_band(const KeySegment& seg, long long q0, int rows, long long k0,
-                               int cols) {
-  return k0 - (q0 + rows - 1) >= seg.diag_lo && (k0 + cols - 1) - q0 <= seg.diag_hi;
-}
-
 // ---------------------------------------------------------------------------------------
 // Forward over one query block of one head: online softmax over the block's segments, then
 // the merge of the partial (o, lse) into out/lse. kStaged: K/V were written by other CTAs of
 // this kernel (fused path), so they are read with ld.global.cg.
 template <class Cfg, bool kStaged>
-__device__ void attend_block_fwd(float* smem, const void* q, const void* k, const void* v,
-                                 float* out, float* lse, long long q_rows, long long k_rows,
-                                 int heads_q, int heads_kv, int h, int kvh, float scale,
-                                 const QueryBlock qb, const KeySegment* segments,
-                                 unsigned int* error_flag) {
+__device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, const void* v,
+                                     float* out, float* lse, long long q_rows, long long k_rows,
+                                     int heads_q, int heads_kv, int h, int kvh, float scale,
+                                     const QueryBlock qb, const KeySegment* segments,
+                                     unsigned int* error_flag) {
   using S = FwdShape<Cfg>;
   using T = typename Cfg::T;
   constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
@@ -229,26 +208,36 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
   }
 }
 
-// The kv head of query head h, or -1 (reported) when the head geometry breaks the contract.
-template <class Cfg>
-HSAP_DEV int kv_head(const int* kv_head_of_q, int heads_q, int heads_kv, int h,
-                     unsigned int* error_flag) {
-  int kvh = -1;
-  if (kv_head_of_q != nullptr) {
-    kvh = kv_head_of_q[h];
-  } else if (heads_q == heads_kv * Cfg::kGqa) {
-    kvh = h / Cfg::kGqa;
+// The forward core of Cfg's math: tensor cores (hsap_attention_mma_fwd.cuh) or FMA loops.
+// Both the "fwd" and the "fused_fwd" kernel call it.
+template <class Cfg, bool kStaged>
+__device__ void attend_block_fwd(float* smem, const void* q, const void* k, const void* v,
+                                 float* out, float* lse, long long q_rows, long long k_rows,
+                                 int heads_q, int heads_kv, int h, int kvh, float scale,
+                                 const QueryBlock qb, const KeySegment* segments,
+                                 unsigned int* error_flag) {
+  if constexpr (Cfg::kTensorCore) {
+    attend_block_fwd_mma<Cfg, kStaged>(smem, q, k, v, out, lse, q_rows, k_rows, heads_q, heads_kv,
+                                       h, kvh, scale, qb, segments, error_flag);
+  } else {
+    attend_block_fwd_fma<Cfg, kStaged>(smem, q, k, v, out, lse, q_rows, k_rows, heads_q, heads_kv,
+                                       h, kvh, scale, qb, segments, error_flag);
   }
-  if (kvh < 0 || kvh >= heads_kv) {
-    report(error_flag, kErrorHeads);
-    return -1;
-  }
-  return kvh;
 }
+
+// The forward's dynamic shared memory by the device-side formula of Cfg's math.
+template <class Cfg, bool kTensorCore = Cfg::kTensorCore>
+struct FwdSmem {
+  static constexpr int kBytes = FwdShape<Cfg>::kFwdSmemBytes;
+};
+template <class Cfg>
+struct FwdSmem<Cfg, true> {
+  static constexpr int kBytes = MmaFwdShapeOf<Cfg>::kSmemBytes;
+};
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attn_fwd_kernel(const FwdParams p) {
-  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+  static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   float* smem = dynamic_smem();
   if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
@@ -513,7 +502,7 @@ template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
     fused_fwd_kernel(const FusedFwdParamsT<(Cfg::kMaxSteps > 0 ? Cfg::kMaxSteps : 1)> p) {
   static_assert(Cfg::kMaxSteps >= 1, "hsap: fused kernel generated without steps");
-  static_assert(Cfg::kFwdSmemBytes == FwdShape<Cfg>::kFwdSmemBytes,
+  static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   const FusedFwdHead& h = p.head;
   float* smem = dynamic_smem();

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -22,6 +23,7 @@
 #include "jit/device/hsap_params.cuh"
 #include "jit/nvrtc.h"
 #include "lib/api/result.h"
+#include "tests/support/cuobjdump.h"
 #include "tests/support/scoped_env.h"
 #include "tests/support/test_files.h"
 
@@ -59,7 +61,7 @@ static_assert(sizeof(hsap_dev::FusedFwdParamsT<16>) < 4096, "kernel parameter li
 
 TEST(CudaDeviceHeaders, EmbeddedTextIsTheFilesText) {
   const auto& headers = CudaDeviceHeaders();
-  ASSERT_EQ(headers.size(), 4u);
+  ASSERT_EQ(headers.size(), 7u);
   for (const auto& [name, content] : headers) {
     const std::string on_disk = ReadFile(absl::StrCat(HSAP_SOURCE_DIR, "/jit/device/", name));
     ASSERT_FALSE(on_disk.empty()) << name;
@@ -82,7 +84,7 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
   EXPECT_THAT(s->source, HasSubstr("kGqa = 4;"));
   EXPECT_THAT(s->source, HasSubstr("kHasBand = false;"));
   EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 0;"));
-  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full.cu");
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_tc.cu");
   std::vector<std::string> roles;
   for (const CudaKernelEntry& k : s->kernels) {
     roles.push_back(k.role);
@@ -97,9 +99,85 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
   s = GenerateCudaKernels(c);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 4;"));
-  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_p3.cu");
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_p3_tc.cu");
   EXPECT_EQ(s->kernels.back().role, "fused_fwd");
   EXPECT_THAT(s->source, HasSubstr("FusedFwdParamsT<4>"));
+}
+
+// kAuto resolves to tensor cores for bf16/f16 at head dims 64..256 (multiples of 16) on
+// sm_80+, and to the FMA kernels elsewhere (fp32, other head dims, older architectures).
+TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
+  CudaKernelConfig c;
+  c.arch = "sm_80";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore);
+  EXPECT_EQ(c.Name(), "sm80_bf16_d128_g1_band_tc");
+  c.dtype = DType::kF16;
+  for (int d : {64, 80, 96, 112, 128, 192, 256}) {
+    c.head_dim = d;
+    EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore) << d;
+  }
+  for (int d : {32, 48, 72, 136, 200}) {  // below 64, or not a multiple of 16
+    c.head_dim = d;
+    EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma) << d;
+    EXPECT_THAT(c.Name(), Not(HasSubstr("_tc")));
+  }
+  c.head_dim = 128;
+  c.dtype = DType::kF32;  // no TF32 unless asked for
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  c.dtype = DType::kBF16;
+  c.arch = "sm_75";
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  c.arch = "sm_90";
+  c.math = CudaMath::kFma;  // forced: the plain kernels, named apart
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  EXPECT_EQ(c.Name(), "sm90_bf16_d128_g1_band_fma");
+  c.math = CudaMath::kTensorCore;
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore);
+  EXPECT_TRUE(ValidateCudaKernelConfig(c).ok());
+  c.dtype = DType::kF32;  // asked for where it cannot apply
+  EXPECT_EQ(ValidateCudaKernelConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ValidateCudaKernelConfig(c).message(), HasSubstr("math"));
+  c.math = CudaMath::kAuto;
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("kTensorCore = false;"));
+  c.dtype = DType::kBF16;
+  c.role = {3};
+  s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("kTensorCore = true;"));
+  EXPECT_THAT(s->source, HasSubstr("kFwdStages = 2;"));
+  EXPECT_THAT(s->source, HasSubstr("kQInRegisters = false;"));  // D = 128
+  // The forward and the fused forward run on tensor cores, sized for two CTAs per SM on
+  // sm_90 (2 x 87040 B of shared memory); the other roles are FMA kernels.
+  for (const CudaKernelEntry& k : s->kernels) {
+    const bool mma = k.role == "fwd" || k.role == "fused_fwd";
+    EXPECT_EQ(k.tensor_core, mma) << k.role;
+    EXPECT_EQ(k.min_ctas_per_sm, mma ? 2 : 1) << k.role;
+    if (mma) {
+      EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8)) << k.role;
+    }
+  }
+  // On sm_80 two of them do not fit an SM's 164 KiB: one CTA is what the tiles promise.
+  c.arch = "sm_80";
+  s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->kernels.front().min_ctas_per_sm, 1);
+  // Head dim 256: 32-key tiles, Q re-read from shared memory.
+  c.head_dim = 256;
+  absl::StatusOr<CudaTiles> t = ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->block_m, 64);
+  EXPECT_EQ(t->block_n, 32);
+  EXPECT_FALSE(t->q_in_registers);
+  // Explicit tiles must keep one m16 row block per warp.
+  c.head_dim = 128;
+  c.block_m = 64;
+  c.block_n = 64;
+  c.threads = 64;
+  EXPECT_EQ(ChooseCudaTiles(c).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // The config struct is rendered by one function: the program NVRTC compiles holds it as
@@ -175,8 +253,17 @@ TEST(ChooseCudaTiles, FitSharedMemoryOfEachArchitecture) {
         EXPECT_LE(tiles->bwd_smem_bytes, limit);
         EXPECT_EQ(tiles->threads % 32, 0);
         EXPECT_LE(tiles->threads, 1024);
-        // Per-thread accumulator of at most 64 floats.
-        EXPECT_LE(d / (tiles->threads / tiles->block_m), 64);
+        if (ResolveCudaMath(c) == CudaMath::kTensorCore) {
+          // One m16 row block per warp; the O fragment is D/2 floats per thread, and Q is
+          // held in registers only at D = 64 (ChooseMmaForwardTiles).
+          EXPECT_EQ(tiles->block_m, 16 * (tiles->threads / 32)) << d;
+          EXPECT_EQ(tiles->block_n % 16, 0) << d;
+          EXPECT_GE(tiles->fwd_stages, 2) << d;
+          EXPECT_EQ(tiles->q_in_registers, d <= 64) << d;
+        } else {
+          // Per-thread accumulator of at most 64 floats.
+          EXPECT_LE(d / (tiles->threads / tiles->block_m), 64);
+        }
         EXPECT_LE(d / (tiles->bwd_threads / tiles->bwd_block_m), 64);
       }
     }
@@ -214,7 +301,12 @@ TEST(ShippedCudaConfigs, AreValidDistinctAndCoverTheMatrix) {
 
 // The main check of the CUDA half of the JIT: every shipped variant compiles with NVRTC for
 // sm_80 and sm_90, and each cubin defines every kernel under the lowered name the runtime
-// will look up. Two compile threads; the timings are printed.
+// will look up. Two compile threads; the timings are printed. Then, for every kernel of every
+// role of every variant, ptxas' report (CompiledCudaKernels::Resources): no spill, and the
+// registers, threads and shared memory allow at least the CTAs per SM its tiles were chosen
+// for (min_ctas_per_sm); and with cuobjdump (tests/support/cuobjdump.h; where there is none,
+// Cuobjdump.FindsHmmaInATensorCoreKernel skips and says so) its SASS holds HMMA exactly when
+// the generator marked it tensor_core.
 TEST(ShippedCudaKernels, AllVariantsCompileForSm80AndSm90) {
   REQUIRE_NVRTC();
   absl::StatusOr<std::vector<CudaVariantTiming>> timings =
@@ -237,6 +329,54 @@ TEST(ShippedCudaKernels, AllVariantsCompileForSm80AndSm90) {
       "(mean %.3f, max %.3f)\n",
       timings->size(), total, total / timings->size(), worst, cpu, cpu / timings->size(),
       worst_cpu);
+
+  const std::string cuobjdump = testing::FindCuobjdump();
+  const std::string dir = TempDir();
+  int kernels = 0, tensor_core = 0, sass_checked = 0;
+  for (const std::string& arch : ShippedCudaArchs()) {
+    for (const CudaKernelConfig& c : ShippedCudaConfigs(arch)) {
+      absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());  // cached
+      ASSERT_TRUE(k.ok()) << k.status();
+      const std::string& name = k->source.program_name;
+      absl::StatusOr<std::vector<CudaKernelResources>> res = k->Resources();
+      ASSERT_TRUE(res.ok()) << name << ": " << res.status();
+      std::map<std::string, std::string> sass;
+      if (!cuobjdump.empty()) sass = testing::SassByFunction(cuobjdump, k->binary.image, dir);
+      for (size_t i = 0; i < k->source.kernels.size(); ++i) {
+        const CudaKernelEntry& e = k->source.kernels[i];
+        const CudaKernelResources& r = (*res)[i];
+        ++kernels;
+        tensor_core += e.tensor_core;
+        EXPECT_EQ(r.spill_store_bytes, 0) << name << " " << e.role;
+        EXPECT_EQ(r.spill_load_bytes, 0) << name << " " << e.role;
+        std::string limiter;
+        const int ctas = CudaCtasPerSm(*ParseCudaArch(arch), e.threads, r.registers,
+                                       e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
+        EXPECT_GE(ctas, e.min_ctas_per_sm)
+            << name << " " << e.role << ": " << r.registers << " registers, " << limiter;
+        if (e.role == "fwd" || e.role == "bwd" || e.role == "fused_fwd") {
+          std::printf(
+              "[ resources ] %-40s %-9s %3d regs, spill %d/%d B, stack %d B, smem %6d "
+              "B, %d CTA/SM (%s)%s\n",
+              name.c_str(), e.role.c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes,
+              r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas,
+              limiter.c_str(), e.tensor_core ? " [tensor cores]" : "");
+        }
+        if (cuobjdump.empty()) continue;
+        const auto it = sass.find(*k->binary.LoweredName(e.name_expression));
+        ASSERT_NE(it, sass.end()) << name << ": no SASS for " << e.role;
+        EXPECT_EQ(it->second.find("HMMA") != std::string::npos, e.tensor_core)
+            << name << " " << e.role
+            << (e.tensor_core ? ": a tensor-core kernel without HMMA"
+                              : ": HMMA in a kernel not marked tensor_core");
+        ++sass_checked;
+      }
+    }
+  }
+  std::filesystem::remove_all(dir);
+  EXPECT_GE(tensor_core, 20);  // forward and fused forward of the bf16/f16 variants at least
+  std::printf("[ resources ] %d kernels, %d on tensor cores; SASS checked: %d (%s)\n", kernels,
+              tensor_core, sass_checked, cuobjdump.empty() ? "no cuobjdump" : cuobjdump.c_str());
 }
 
 TEST(ShippedCudaKernels, PtxFallbackMentionsEveryEntry) {

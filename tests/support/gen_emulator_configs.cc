@@ -90,6 +90,16 @@ Instance ChosenTile(DType dtype, int head_dim, int gqa, bool band) {
   return i;
 }
 
+// A tensor-core configuration (bf16/f16, head dim 64..256) with the tiles ChooseCudaTiles
+// picks (64 query rows on 4 warps, one m16 row block each); kSteps as in SmallTile.
+Instance MmaTile(DType dtype, int head_dim, int gqa, bool band, int steps) {
+  Instance i = ChosenTile(dtype, head_dim, gqa, band);
+  i.config.math = jit::CudaMath::kTensorCore;
+  i.config.role.num_peers = steps > 0 ? steps - 1 : 0;
+  absl::StrAppend(&i.template_args, ", ", steps);
+  return i;
+}
+
 std::vector<Family> Families() {
   constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
   return {
@@ -106,6 +116,13 @@ std::vector<Family> Families() {
        "typename StorageT, int kHeadDim, int kG, bool kBand",
        "ChosenTileCfg",
        {ChosenTile(kBF16, 128, 1, true)}},
+      {"// Tensor-core variants (math kTensorCore) with the tiles ChooseCudaTiles picks on sm_90,\n"
+       "// as the GPU runs them; kSteps > 0: with the fused forward of kSteps steps per launch.\n",
+       "typename StorageT, int kHeadDim, int kG, bool kBand, int kSteps = 0",
+       "MmaTileCfg",
+       {MmaTile(kBF16, 64, 2, true, 0), MmaTile(kF16, 64, 2, true, 0),
+        MmaTile(kBF16, 128, 2, true, 0), MmaTile(kF16, 128, 2, true, 0),
+        MmaTile(kBF16, 64, 2, false, 0), MmaTile(kBF16, 64, 2, true, 3)}},
   };
 }
 

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "base/status_macros.h"
 #include "jit/cache.h"
 #include "jit/cuda_kernels.h"
@@ -20,7 +22,21 @@ struct Kernel {
   CUfunction function = nullptr;
   int threads = 0;
   int smem = 0;
+  bool tensor_core = false;  // cp.async rows: q, k, v must be 16-byte aligned
 };
+
+// The tensor-core kernels move 16-byte rows with cp.async; the kernel would only flag a
+// misaligned tensor in an error word the forward does not read back, so the host refuses it.
+absl::Status CheckAligned(const Kernel& k, const char* what, const void* q, const void* k_ptr,
+                          const void* v) {
+  if (!k.tensor_core) return absl::OkStatus();
+  const auto bits = reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(k_ptr) |
+                    reinterpret_cast<uintptr_t>(v);
+  if ((bits & 15u) == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "%s: the tensor-core kernels need 16-byte aligned q, k and v (got %p, %p, %p)", what, q,
+      k_ptr, v));
+}
 
 class JitDeviceKernels : public DeviceKernels {
  public:
@@ -67,6 +83,7 @@ class JitDeviceKernels : public DeviceKernels {
       Kernel& kernel = *slot.kernel;
       kernel.threads = entry.threads;
       kernel.smem = entry.dynamic_smem_bytes;
+      kernel.tensor_core = entry.tensor_core;
       HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name.c_str()),
                                    absl::StrCat("cuModuleGetFunction(", name, ")")));
       if (kernel.smem > 48 * 1024) {
@@ -90,10 +107,12 @@ class JitDeviceKernels : public DeviceKernels {
   }
 
   absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(CheckAligned(fwd_, "attention forward", p.q, p.k, p.v));
     HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
     return Launch(fwd_, "attention forward", grid, &p, s);
   }
   absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(CheckAligned(bwd_, "attention backward", p.q, p.k, p.v));
     HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
     return Launch(bwd_, "attention backward", grid, &p, s);
   }
@@ -185,7 +204,7 @@ absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKer
   HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&device), "cudaGetDevice"));
   HSAP_RETURN_IF_ERROR(
       rt->Check(rt->DeviceGetAttribute(&sms, kCudaDevAttrMultiProcessorCount, device),
-                  "cudaDeviceGetAttribute(multiprocessor count)"));
+                "cudaDeviceGetAttribute(multiprocessor count)"));
   // cudaFree(nullptr) initialises the device's primary context and makes it current.
   HSAP_RETURN_IF_ERROR(rt->Check(rt->Free(nullptr), "cudaFree(nullptr) (context set-up)"));
   HSAP_ASSIGN_OR_RETURN(jit::CompiledCudaKernels compiled,

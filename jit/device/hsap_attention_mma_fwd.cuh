@@ -1,0 +1,366 @@
+// The tensor-core forward: the compute core of the "fwd" and "fused_fwd" kernels of
+// hsap_attention.cuh for configurations whose math is CudaMath::kTensorCore (bf16/f16, head
+// dim a multiple of 16 in [64, 256], sm_80+). Same Params, same work lists, same partial
+// (out, lse) merge and the same masking and NaN/inf rules as the FMA core
+// (attend_block_fwd_fma); only the arithmetic differs.
+//
+// Structure (FlashAttention-2 forward, written in the CUTLASS/ThunderKittens manner with the
+// instructions of hsap_mma.cuh):
+//   - a CTA of kWarps warps holds kBM = 16 * kWarps query rows: warp w owns rows
+//     [16w, 16w + 16), one m16 row block, so every softmax statistic of a row lives in the
+//     four lanes of a quad (lanes 4g..4g+3 hold rows g and g + 8 of the block);
+//   - the Q tile is copied to shared memory with cp.async, then (kQInRegs: head dim 64)
+//     loaded once per query chunk into A fragments with ldmatrix.x4; at larger head dims
+//     holding them costs registers the accumulators need (ChooseMmaForwardTiles), so they
+//     are re-read from shared memory per k-step;
+//   - K/V tiles of kBN keys stream through a kStages-deep cp.async ring (tile i + kStages - 1
+//     is in flight while tile i is computed); rows past the tile's valid keys are
+//     zero-filled, so P V never reads garbage;
+//   - S = Q K^T: mma m16n8k16, B fragments of K by ldmatrix.x4 (non-transposed: a K row is a
+//     column of B);
+//   - online softmax in fp32 on the S accumulator fragments, in the log2 domain
+//     (OnlineSoftmax of hsap_device.cuh), row max/sum over the quad with __shfl_xor_sync;
+//   - P is rounded to the storage type and repacked from the C fragments into A fragments
+//     in registers (the C layout of two adjacent n8 tiles is the A layout of one k16 step);
+//   - O += P V: B fragments of V by ldmatrix.x4.trans (a V row is a row of B);
+//   - the epilogue merges (O / l, lse) into out/lse exactly as the FMA core does.
+// Shared-memory rows are padded by 16 bytes (kLdh = D + 8 elements) so that the eight rows
+// an ldmatrix phase reads start in eight different 16-byte bank groups (no conflicts).
+#ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_MMA_FWD_CUH_
+#define HSAP_JIT_DEVICE_HSAP_ATTENTION_MMA_FWD_CUH_
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
+
+#include "hsap_device.cuh"
+#include "hsap_mma.cuh"
+#include "hsap_params.cuh"
+#include "hsap_worklist.cuh"
+
+namespace hsap_dev {
+
+template <int kD_, int kBM_, int kBN_, int kThreads_, int kStages_, bool kQInRegs_>
+struct MmaFwdShape {
+  static constexpr int kD = kD_, kBM = kBM_, kBN = kBN_, kThreads = kThreads_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kLdh = kD + 8;       // shared-memory row, in 16-bit elements
+  static constexpr int kKSteps = kD / 16;   // k16 steps of Q K^T
+  static constexpr int kNTiles = kBN / 8;   // n8 tiles of S per warp
+  static constexpr int kPSteps = kBN / 16;  // k16 steps of P V
+  static constexpr int kDTiles = kD / 8;    // n8 tiles of O per warp
+  // Q tile, then kStages K tiles, then kStages V tiles (jit/codegen_cuda.cc: same formula).
+  static constexpr int kSmemBytes = 2 * (kBM + 2 * kStages * kBN) * kLdh;
+  static_assert(kD >= 64 && kD <= 256 && kD % 16 == 0,
+                "hsap: the tensor-core kernels need a head dim that is a multiple of 16 in "
+                "[64, 256]");
+  static_assert(kThreads % 32 == 0 && kBM == 16 * kWarps,
+                "hsap: tensor-core forward: one m16 row block per warp (kBM = 16 * warps)");
+  static_assert(kBN % 16 == 0 && kBN >= 16, "hsap: tensor-core forward: kBN a multiple of 16");
+  static_assert(kStages >= 2, "hsap: the cp.async pipeline needs at least two stages");
+};
+
+template <class Cfg>
+using MmaFwdShapeOf = MmaFwdShape<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
+                                  Cfg::kFwdStages, Cfg::kQInRegisters>;
+
+// The mma and the packing of two fp32 values for storage type T.
+template <typename T>
+struct MmaOps;
+template <>
+struct MmaOps<bf16> {
+  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    mma_m16n8k16_bf16(d, a, b, d);
+  }
+  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+};
+template <>
+struct MmaOps<f16> {
+  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    mma_m16n8k16_f16(d, a, b, d);
+  }
+  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_f16x2(lo, hi); }
+};
+
+// Rows [0, kRows) of head `head` of a [rows, heads, kD] 16-bit tensor, starting at row
+// `row0`, into dst (kLdh-strided) by 16-byte cp.async; rows [valid, kRows) are zero-filled
+// without reading global memory. The caller commits the group.
+template <int kRows, int kD, int kLdh, int kThreads>
+HSAP_DEV void cp_async_rows(unsigned short* dst, const void* src, long long row0, int valid,
+                            int heads, int head) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  const unsigned short* base = static_cast<const unsigned short*>(src);
+  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < valid;
+    const long long at = ok ? ((row0 + r) * heads + head) * static_cast<long long>(kD) + c * 8 : 0;
+    cp_async_16_zfill(dst + r * kLdh + c * 8, base + at, ok);
+  }
+}
+
+// Walks the key tiles of one query chunk in work-list order: the segments [si, seg_end),
+// each over its visible key range for the chunk's rows, kBN keys per tile. Segments that
+// break the contract are reported and skipped, as the FMA core does.
+template <bool kHasBand, int kBN>
+struct KeyTileWalk {
+  const KeySegment* segments;
+  long long si, seg_end;
+  long long q0;
+  int rows;
+  long long k_rows;
+  unsigned int* error_flag;
+  KeySegment seg;
+  bool full;
+  long long k0, k_hi;
+
+  HSAP_DEV bool valid() const { return si < seg_end; }
+  HSAP_DEV int cols() const { return static_cast<int>(min64(kBN, k_hi - k0)); }
+  // Settles on the first tile of segment si or a later one (or on the end).
+  HSAP_DEV void enter() {
+    for (; si < seg_end; ++si) {
+      seg = segments[si];
+      full = segment_is_full(seg);
+      if (!kHasBand && !full) {
+        report(error_flag, kErrorBandInFullOnlyVariant);
+        continue;
+      }
+      if (seg.k_begin < 0 || seg.k_end > k_rows) {
+        report(error_flag, kErrorRowsOutOfRange);
+        continue;
+      }
+      visible_keys(seg, q0, rows, &k0, &k_hi);
+      if (k0 < k_hi) return;
+    }
+  }
+  HSAP_DEV void next() {
+    k0 += kBN;
+    if (k0 >= k_hi) {
+      ++si;
+      enter();
+    }
+  }
+};
+
+// Forward over one query block of one head with tensor cores; the contract of
+// attend_block_fwd_fma (hsap_attention.cuh). kStaged: K/V were written by other CTAs of this
+// kernel (fused path); cp.async.cg reads through L2 like ld.global.cg, so it sees them.
+template <class Cfg, bool kStaged>
+__device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k, const void* v,
+                                     float* out, float* lse, long long q_rows, long long k_rows,
+                                     int heads_q, int heads_kv, int h, int kvh, float scale,
+                                     const QueryBlock qb, const KeySegment* segments,
+                                     unsigned int* error_flag) {
+  using S = MmaFwdShapeOf<Cfg>;
+  using T = typename Cfg::T;
+  using Ops = MmaOps<T>;
+  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kLdh = S::kLdh, kStages = S::kStages;
+  unsigned short* Qs = reinterpret_cast<unsigned short*>(smem_f);
+  unsigned short* Ks = Qs + kBM * kLdh;
+  unsigned short* Vs = Ks + kStages * kBN * kLdh;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // quad (row pair g, g + 8) and lane in the quad
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  if (qb.q_begin < 0 || qb.q_end > q_rows || qb.q_begin > qb.q_end) {
+    report(error_flag, kErrorRowsOutOfRange);
+    return;  // uniform over the CTA
+  }
+  if (((reinterpret_cast<unsigned long long>(q) | reinterpret_cast<unsigned long long>(k) |
+        reinterpret_cast<unsigned long long>(v)) &
+       15ull) != 0) {
+    report(error_flag, kErrorMisaligned);
+    return;
+  }
+  for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {
+    const int rows = static_cast<int>(min64(kBM, qb.q_end - q0));
+    __syncthreads();  // the previous chunk is done with every shared tile
+    cp_async_rows<kBM, kD, kLdh, S::kThreads>(Qs, q, q0, rows, heads_q, h);
+    cp_async_commit();
+
+    KeyTileWalk<Cfg::kHasBand, kBN> load{segments,   qb.seg_begin, qb.seg_end, q0, rows, k_rows,
+                                         error_flag, KeySegment{}, false,      0,  0};
+    load.enter();
+    KeyTileWalk<Cfg::kHasBand, kBN> tile = load;
+    auto issue = [&](int stage) {  // the K/V tile `load` is on, into ring slot `stage`
+      const int cols = load.cols();
+      cp_async_rows<kBN, kD, kLdh, S::kThreads>(Ks + stage * kBN * kLdh, k, load.k0, cols, heads_kv,
+                                                kvh);
+      cp_async_rows<kBN, kD, kLdh, S::kThreads>(Vs + stage * kBN * kLdh, v, load.k0, cols, heads_kv,
+                                                kvh);
+      load.next();
+    };
+    // Prologue: tiles 0 .. kStages - 2 in flight, one group each (empty groups past the end
+    // keep the group count, and so cp_async_wait's meaning, uniform).
+    HSAP_UNROLL
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (load.valid()) issue(s);
+      cp_async_commit();
+    }
+    cp_async_wait<kStages - 1>();  // the Q group
+    __syncthreads();
+
+    // Q as A fragments: matrix i of ldmatrix.x4 is rows (i & 1) * 8.., cols (i >> 1) * 8..
+    // of the warp's 16 x 16 block, i.e. a0..a3 of the m16n8k16 A layout.
+    const unsigned short* q_row = Qs + (warp * 16 + (lane & 15)) * kLdh + (lane >> 4) * 8;
+    unsigned qf[S::kQInRegs ? S::kKSteps : 1][4];
+    if constexpr (S::kQInRegs) {
+      HSAP_UNROLL
+      for (int kk = 0; kk < S::kKSteps; ++kk) ldmatrix_x4(qf[kk], q_row + kk * 16);
+    }
+
+    OnlineSoftmax sm[2];
+    sm[0].init();
+    sm[1].init();
+    // Per row (g, g + 8): whether a key was visible and whether a score was NaN or +inf
+    // (the FMA core's rule: such a row's result is NaN).
+    bool saw_key[2] = {false, false}, non_finite[2] = {false, false};
+    float o[S::kDTiles][4];
+    HSAP_UNROLL
+    for (int j = 0; j < S::kDTiles; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+
+    for (int it = 0; tile.valid(); ++it) {
+      __syncthreads();  // every warp is done with tile it - 1, whose slot is refilled now
+      if (load.valid()) issue((it + kStages - 1) % kStages);
+      cp_async_commit();
+      cp_async_wait<kStages - 1>();  // tile it has landed (this thread's copies) ...
+      __syncthreads();               // ... and everyone's
+      const unsigned short* Kt = Ks + (it % kStages) * kBN * kLdh;
+      const unsigned short* Vt = Vs + (it % kStages) * kBN * kLdh;
+      const int cols = tile.cols();
+      const long long k0 = tile.k0;
+
+      // S = Q K^T. ldmatrix.x4 on K: matrices (keys j*8.., dims +0), (keys j*8.., dims +8),
+      // (keys (j+1)*8.., dims +0), (keys (j+1)*8.., dims +8) = b0, b1 of n-tiles j, j + 1.
+      float s[S::kNTiles][4];
+      HSAP_UNROLL
+      for (int j = 0; j < S::kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      const unsigned short* k_row =
+          Kt + ((lane >> 4) * 8 + (lane & 7)) * kLdh + ((lane >> 3) & 1) * 8;
+      HSAP_UNROLL
+      for (int kk = 0; kk < S::kKSteps; ++kk) {
+        unsigned a[4];
+        if constexpr (S::kQInRegs) {
+          a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+        } else {
+          ldmatrix_x4(a, q_row + kk * 16);
+        }
+        HSAP_UNROLL
+        for (int j = 0; j < S::kNTiles; j += 2) {
+          unsigned b[4];
+          ldmatrix_x4(b, k_row + j * 8 * kLdh + kk * 16);
+          const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          Ops::mma(s[j], a, b0);
+          Ops::mma(s[j + 1], a, b1);
+        }
+      }
+
+      // Mask, then the online softmax of rows g (hr = 0: c0, c1) and g + 8 (hr = 1: c2, c3);
+      // this lane holds key columns j * 8 + 2t + e.
+      const bool masked =
+          Cfg::kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, k0, cols);
+      HSAP_UNROLL
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = warp * 16 + g + 8 * hr;
+        float tile_max = neg_inf();
+        HSAP_UNROLL
+        for (int j = 0; j < S::kNTiles; ++j) {
+          HSAP_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int c = j * 8 + 2 * t + e;
+            bool visible = r < rows && c < cols;
+            if (masked && visible) {
+              const long long diag = (k0 + c) - (q0 + r);
+              visible = diag >= tile.seg.diag_lo && diag <= tile.seg.diag_hi;
+            }
+            const float x = visible ? s[j][2 * hr + e] * scale_log2 : neg_inf();
+            saw_key[hr] = saw_key[hr] || visible;
+            non_finite[hr] = non_finite[hr] || !(x < pos_inf());  // NaN or +inf
+            s[j][2 * hr + e] = x;
+            tile_max = fmaxf(tile_max, x);
+          }
+        }
+        const float rescale = sm[hr].begin_tile(group_max<4>(tile_max));
+        float tile_sum = 0.0f;
+        HSAP_UNROLL
+        for (int j = 0; j < S::kNTiles; ++j) {
+          HSAP_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const float p = sm[hr].weight(s[j][2 * hr + e]);
+            tile_sum += p;
+            s[j][2 * hr + e] = p;
+          }
+        }
+        sm[hr].end_tile(group_sum<4>(tile_sum));
+        HSAP_UNROLL
+        for (int j = 0; j < S::kDTiles; ++j) {
+          o[j][2 * hr] *= rescale;
+          o[j][2 * hr + 1] *= rescale;
+        }
+      }
+
+      // O += P V. The C fragments of n-tiles 2kc and 2kc + 1 are the A fragment of k-step kc.
+      // ldmatrix.x4.trans on V: matrices (keys +0, dims j*8..), (keys +8, dims j*8..),
+      // (keys +0, dims (j+1)*8..), (keys +8, dims (j+1)*8..) = b0, b1 of d-tiles j, j + 1.
+      const unsigned short* v_row =
+          Vt + (((lane >> 3) & 1) * 8 + (lane & 7)) * kLdh + (lane >> 4) * 8;
+      HSAP_UNROLL
+      for (int kc = 0; kc < S::kPSteps; ++kc) {
+        const unsigned a[4] = {Ops::pack(s[2 * kc][0], s[2 * kc][1]),
+                               Ops::pack(s[2 * kc][2], s[2 * kc][3]),
+                               Ops::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                               Ops::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+        HSAP_UNROLL
+        for (int j = 0; j < S::kDTiles; j += 2) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, v_row + kc * 16 * kLdh + j * 8);
+          const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+          Ops::mma(o[j], a, b0);
+          Ops::mma(o[j + 1], a, b1);
+        }
+      }
+      tile.next();
+    }
+    cp_async_wait<0>();  // only empty groups remain; none may outlive the chunk
+
+    // Merge this chunk's partial rows into out/lse (the FMA core's epilogue, per quad).
+    LseMerge merged[2];
+    float lse2[2];
+    HSAP_UNROLL
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = warp * 16 + g + 8 * hr;
+      const bool row_saw_key = group_max<4>(saw_key[hr] ? 1.0f : 0.0f) > 0.0f;
+      const bool row_is_nan = group_max<4>(non_finite[hr] ? 1.0f : 0.0f) > 0.0f ||
+                              (row_saw_key && sm[hr].lse() == neg_inf());
+      lse2[hr] = row_is_nan ? quiet_nan() : sm[hr].lse();
+      const float inv_l = row_is_nan ? lse2[hr] : sm[hr].inv_l();
+      merged[hr] = LseMerge{0.0f, 1.0f, 0.0f};
+      if (r < rows) {
+        merged[hr] = merge_lse(lse[static_cast<long long>(h) * q_rows + (q0 + r)], lse2[hr]);
+        if (lse2[hr] != neg_inf()) {
+          float* orow = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
+          HSAP_UNROLL
+          for (int j = 0; j < S::kDTiles; ++j) {
+            HSAP_UNROLL
+            for (int e = 0; e < 2; ++e) {
+              const int d = j * 8 + 2 * t + e;
+              orow[d] = merged[hr].w1 * orow[d] + merged[hr].w2 * (o[j][2 * hr + e] * inv_l);
+            }
+          }
+        }
+      }
+    }
+    __syncwarp();  // every lane of the quad has read the old lse
+    HSAP_UNROLL
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = warp * 16 + g + 8 * hr;
+      if (r < rows && t == 0 && lse2[hr] != neg_inf()) {
+        lse[static_cast<long long>(h) * q_rows + (q0 + r)] = merged[hr].lse;
+      }
+    }
+  }
+}
+
+}  // namespace hsap_dev
+
+#endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
+#endif  // HSAP_JIT_DEVICE_HSAP_ATTENTION_MMA_FWD_CUH_

@@ -1,0 +1,383 @@
+// The tensor-core forward (jit/device/hsap_attention_mma_fwd.cuh) run in the CUDA emulator
+// (tests/support/cuda_emulator.h, with the warp-collective mma/ldmatrix/cp.async of
+// tests/support/emulated_ptx.h) at the production tiles the generator picks (64 query rows
+// on 4 warps, 64-key tiles, a 2-stage cp.async ring), against the fp64 reference under the
+// project's rule (attention/tolerance.h):
+//   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
+// Documents end inside, at and across the 64-row tiles; work-list blocks are longer than a
+// tile, so blocks run in several chunks, the last one partial. The configurations are the
+// generator's (tests/support/emulator_configs.h, family MmaTileCfg).
+// clang-format off
+#include "tests/support/cuda_emulator.h"
+#include "jit/device/hsap_attention.cuh"
+#include "tests/support/emulator_configs.h"
+// clang-format on
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/dtype.h"
+#include "attention/reference.h"
+#include "attention/tolerance.h"
+#include "attention/worklist.h"
+#include "gtest/gtest.h"
+#include "jit/codegen_cuda.h"
+#include "tests/support/attention_test_util.h"
+#include "tests/support/nonfinite.h"
+#include "tests/support/random_layouts.h"
+#include "tests/support/tolerance.h"
+
+namespace hsap {
+namespace {
+
+using testing::MmaTileCfg;
+
+// 16-bit storage (bf16 or f16 bits), 16-byte aligned as cp.async requires (and as device
+// allocations are).
+struct Bits {
+  std::vector<uint16_t, std::allocator<uint16_t>> v;
+  DType dtype;
+  Bits(DType t, size_t n) : v(n + 8, 0), dtype(t) {}
+  uint16_t* data() {
+    auto p = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + ((16 - p % 16) % 16) / 2;
+  }
+  const uint16_t* data() const { return const_cast<Bits*>(this)->data(); }
+  void Set(size_t i, float x) {
+    data()[i] = dtype == DType::kBF16 ? FloatToBF16(x).bits : FloatToF16(x).bits;
+  }
+  float Get(size_t i) const {
+    return dtype == DType::kBF16 ? BF16ToFloat(BF16{data()[i]}) : F16ToFloat(F16{data()[i]});
+  }
+};
+
+struct Problem {
+  Layout layout;
+  AttentionDims dims;
+  DType dtype;
+  Bits q, k, v;
+  int64_t T() const { return layout.num_tokens(); }
+};
+
+Problem MakeProblem(Layout layout, DType dtype, int head_dim, int heads_q, int heads_kv,
+                    uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  AttentionDims dims;
+  dims.heads_q = heads_q;
+  dims.heads_kv = heads_kv;
+  dims.head_dim = head_dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t T = layout.num_tokens();
+  Problem p{std::move(layout),
+            dims,
+            dtype,
+            Bits(dtype, T * heads_q * head_dim),
+            Bits(dtype, T * heads_kv * head_dim),
+            Bits(dtype, T * heads_kv * head_dim)};
+  // Scores of a few units (|q|, |k| up to 2): softmax rows that are neither flat nor one-hot.
+  for (Bits* x : {&p.q, &p.k}) {
+    for (size_t i = 0; i + 8 < x->v.size(); ++i) x->Set(i, 2.0f * u(rng));
+  }
+  for (size_t i = 0; i + 8 < p.v.v.size(); ++i) p.v.Set(i, u(rng));
+  return p;
+}
+
+std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
+  std::vector<hsap_dev::QueryBlock> out;
+  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
+  return out;
+}
+std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
+  std::vector<hsap_dev::KeySegment> out;
+  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
+  return out;
+}
+
+double MaxError(const std::vector<float>& got, const std::vector<double>& ref,
+                const std::string& name) {
+  EXPECT_EQ(got.size(), ref.size()) << name;
+  double e = 0;
+  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(double{got[i]}, ref[i]) << name << "[" << i << "]";
+      continue;
+    }
+    const double diff = std::abs(double{got[i]} - ref[i]);
+    if (!(diff <= e)) e = diff;  // NaN propagates as the error
+  }
+  return e;
+}
+
+void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
+                      const std::vector<double>& naive, const std::vector<double>& ref) {
+  const double err = MaxError(got, ref, name);
+  double n = 0;  // the naive computation's error (it is fp64 on rounded intermediates)
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isinf(ref[i])) n = std::max(n, std::abs(naive[i] - ref[i]));
+  }
+  const double bound = ToleranceBound(n, testing::MaxAbs(ref), kKernelFloor);
+  EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
+  EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
+}
+
+// Out [T, Hq, D] = 0 and lse [Hq, T] = -inf, as init_partial_kernel leaves them.
+struct Partial {
+  std::vector<float> out, lse;
+  Partial(int64_t T, const AttentionDims& d)
+      : out(T * d.heads_q * d.head_dim, 0.0f), lse(T * d.heads_q, -INFINITY) {}
+};
+
+template <class Cfg>
+unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
+                           const int* kv_map = nullptr) {
+  const auto blocks = DeviceBlocks(w);
+  const auto segments = DeviceSegments(w);
+  unsigned int error_flag = 0;
+  hsap_dev::FwdParams fp{};
+  fp.q = p.q.data();
+  fp.k = p.k.data();
+  fp.v = p.v.data();
+  fp.out = r->out.data();
+  fp.lse = r->lse.data();
+  fp.blocks = blocks.data();
+  fp.segments = segments.data();
+  fp.kv_head_of_q = kv_map;
+  fp.error_flag = &error_flag;
+  fp.q_rows = p.T();
+  fp.k_rows = p.T();
+  fp.num_blocks = static_cast<int>(blocks.size());
+  fp.heads_q = p.dims.heads_q;
+  fp.heads_kv = p.dims.heads_kv;
+  fp.scale = p.dims.scale;
+  EXPECT_EQ(hsap_emu::Launch(fp.num_blocks, fp.heads_q, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
+                             [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); }),
+            absl::OkStatus());
+  return error_flag;
+}
+
+// The forward of `p` (work-list blocks of `block_rows` rows) against the reference.
+template <class Cfg>
+void CheckForward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
+  static_assert(Cfg::kTensorCore && Cfg::kThreads == 128 && Cfg::kBlockM == 64);
+  ASSERT_EQ(p.dims.head_dim, Cfg::kHeadDim);
+  p.dims.kv_head_of_q = kv_map;
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r, kv_map.empty() ? nullptr : kv_map.data()), 0u);
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("out", r.out, naive.out, ref.out);
+  ExpectWithinRule("lse", r.lse, naive.lse, ref.lse);
+}
+
+// Every mask kind, documents ending inside, at and across 64-row tiles: causal 70, full 64,
+// causal 1, sliding window (20) 45, prefix-LM (prefix 15) 35, full 20.
+Layout EveryMaskKind() {
+  const std::vector<int64_t> cu = {0, 70, 134, 135, 180, 215, 235};
+  const std::vector<MaskKind> kinds = {MaskKind::kCausal,   MaskKind::kFull,
+                                       MaskKind::kCausal,   MaskKind::kSlidingWindow,
+                                       MaskKind::kPrefixLM, MaskKind::kFull};
+  return *Layout::FromDocuments(cu, kinds, {0, 0, 0, 20, 15, 0});
+}
+
+TEST(CudaMmaEmulation, ForwardEveryMaskKindBf16HeadDim64Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(EveryMaskKind(), DType::kBF16, 64, 4, 2, 1), 160);
+}
+TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim64Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::f16, 64, 2, true>>(
+      MakeProblem(EveryMaskKind(), DType::kF16, 64, 2, 1, 2), 96);
+}
+TEST(CudaMmaEmulation, ForwardEveryMaskKindBf16HeadDim128Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 128, 2, true>>(
+      MakeProblem(EveryMaskKind(), DType::kBF16, 128, 2, 1, 3), 160);
+}
+TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim128Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::f16, 128, 2, true>>(
+      MakeProblem(EveryMaskKind(), DType::kF16, 128, 2, 1, 4), 96);
+}
+// User slices: causal blocks, some with a window, and full rectangles onto earlier blocks.
+TEST(CudaMmaEmulation, ForwardArbitrarySlices) {
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 5), 128);
+}
+// A run-time query-head to kv-head map (not h / kGqa).
+TEST(CudaMmaEmulation, ForwardWithKvHeadMap) {
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 2, 6), 160, {1, 0});
+}
+// The full-only variant on bidirectional documents.
+TEST(CudaMmaEmulation, ForwardFullOnlyVariant) {
+  const std::vector<int64_t> cu = {0, 100, 164, 200};
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, false>>(
+      MakeProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
+                  DType::kBF16, 64, 2, 1, 7),
+      128);
+}
+
+// NaN and infinity as a naive softmax has them (include/hsap/hsap.h), like the FMA kernel:
+// the same rows are NaN, rows that see no planted key stay finite.
+TEST(CudaMmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
+  using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
+  for (testing::Plant plant : testing::kAllPlants) {
+    SCOPED_TRACE(testing::PlantName(plant));
+    Problem p = MakeProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
+    const int64_t T = p.T();
+    std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = p.k.Get(i), v[i] = p.v.Get(i);
+    testing::PlantNonFinite(plant, p.dims, &q, &k);
+    for (size_t i = 0; i < q.size(); ++i) p.q.Set(i, q[i]);
+    for (size_t i = 0; i < k.size(); ++i) p.k.Set(i, k[i]);
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 96);
+    ASSERT_TRUE(w.ok()) << w.status();
+    Partial r(T, p.dims);
+    EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), 0u);
+    const testing::NaiveOutputs ref = testing::NaiveFp64Forward(p.layout, p.dims, q, k, v);
+    int64_t nan_rows = 0;
+    for (size_t i = 0; i < r.lse.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.lse[i]), std::isnan(ref.lse[i])) << "lse[" << i << "]";
+      nan_rows += std::isnan(ref.lse[i]);
+      if (std::isinf(ref.lse[i])) EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
+    }
+    for (size_t i = 0; i < r.out.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.out[i]), std::isnan(ref.out[i])) << "out[" << i << "]";
+    }
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, static_cast<int64_t>(r.lse.size()));
+  }
+}
+
+// The fused forward (copy CTAs staging K/V shards, compute CTAs attending) on the same
+// tensor-core core: three shards, each step's partial merged into the same rows.
+TEST(CudaMmaEmulation, FusedForwardThreeSteps) {
+  using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true, 3>;
+  constexpr int kSteps = 3, kCopy = 1, kCompute = 3;
+  const Problem p = MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 9);
+  const int64_t T = p.T();
+  const int HKV = p.dims.heads_kv, D = p.dims.head_dim;
+  // Contiguous shards [0, 100), [100, 180), [180, T), attended in the order 2, 0, 1.
+  const std::vector<std::vector<TokenRun>> shards = {
+      {{180, 0, T - 180}}, {{0, 0, 100}}, {{100, 0, 80}}};
+  const std::vector<TokenRun> all = {{0, 0, T}};
+  std::vector<Bits> ks, vs;
+  std::vector<std::vector<hsap_dev::QueryBlock>> blocks;
+  std::vector<std::vector<hsap_dev::KeySegment>> segments;
+  std::vector<int64_t> rows;
+  for (const auto& runs : shards) {
+    const int64_t n = runs[0].length, row = int64_t{HKV} * D;
+    ks.emplace_back(DType::kBF16, n * row);
+    vs.emplace_back(DType::kBF16, n * row);
+    for (int64_t i = 0; i < n * row; ++i) {
+      ks.back().data()[i] = p.k.data()[runs[0].global_begin * row + i];
+      vs.back().data()[i] = p.v.data()[runs[0].global_begin * row + i];
+    }
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout.slices(), all, runs, 96);
+    ASSERT_TRUE(w.ok()) << w.status();
+    blocks.push_back(DeviceBlocks(*w));
+    segments.push_back(DeviceSegments(*w));
+    rows.push_back(n);
+  }
+  std::vector<Bits> stage;  // two K and two V staging buffers, each the largest shard
+  const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
+  for (int b = 0; b < 4; ++b) stage.emplace_back(DType::kBF16, max_rows * HKV * D);
+  Partial r(T, p.dims);
+  unsigned int counters[4] = {0, 0, 0, 0};
+  std::vector<unsigned int> consumed(kSteps, 0);
+  unsigned int error_flag = 0;
+  hsap_dev::FusedFwdParamsT<kSteps> fp{};
+  fp.head.q = p.q.data();
+  fp.head.out = r.out.data();
+  fp.head.lse = r.lse.data();
+  fp.head.error_flag = &error_flag;
+  for (int b = 0; b < 2; ++b) {
+    fp.head.stage_k[b] = stage[b].data();
+    fp.head.stage_v[b] = stage[2 + b].data();
+  }
+  fp.head.counters = counters;
+  fp.head.q_rows = T;
+  fp.head.heads_q = p.dims.heads_q;
+  fp.head.heads_kv = HKV;
+  fp.head.scale = p.dims.scale;
+  fp.head.num_steps = kSteps;
+  fp.head.num_copy_ctas = kCopy;
+  for (int s = 0; s < kSteps; ++s) {
+    hsap_dev::FusedStep& st = fp.steps[s];
+    st.k_src = ks[s].data();
+    st.v_src = vs[s].data();
+    st.consumed_flag = &consumed[s];
+    st.blocks = blocks[s].data();
+    st.segments = segments[s].data();
+    st.k_rows = rows[s];
+    st.num_blocks = static_cast<int>(blocks[s].size());
+  }
+  EXPECT_EQ(hsap_emu::Launch(kCopy + kCompute, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
+                             /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); }),
+            absl::OkStatus());
+  EXPECT_EQ(error_flag, 0u);
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("fused out", r.out, naive.out, ref.out);
+  ExpectWithinRule("fused lse", r.lse, naive.lse, ref.lse);
+}
+
+// cp.async moves 16-byte rows: a misaligned tensor is reported, nothing is computed.
+TEST(CudaMmaEmulation, MisalignedTensorIsFlagged) {
+  using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
+  Problem p = MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 10);
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 96);
+  ASSERT_TRUE(w.ok());
+  Partial r(p.T(), p.dims);
+  hsap_dev::FwdParams fp{};
+  const auto blocks = DeviceBlocks(*w);
+  const auto segments = DeviceSegments(*w);
+  unsigned int error_flag = 0;
+  fp.q = p.q.data();
+  fp.k = p.k.data() + 1;  // 2 bytes off
+  fp.v = p.v.data();
+  fp.out = r.out.data();
+  fp.lse = r.lse.data();
+  fp.blocks = blocks.data();
+  fp.segments = segments.data();
+  fp.error_flag = &error_flag;
+  fp.q_rows = fp.k_rows = p.T() - 1;
+  fp.num_blocks = 1;
+  fp.heads_q = 2;
+  fp.heads_kv = 1;
+  fp.scale = 1.0f;
+  EXPECT_EQ(hsap_emu::Launch(1, 2, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
+                             [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); }),
+            absl::OkStatus());
+  EXPECT_EQ(error_flag, static_cast<unsigned int>(hsap_dev::kErrorMisaligned));
+  for (float x : r.lse) EXPECT_EQ(x, -INFINITY);
+}
+
+// The generator's tiles for these configurations: 64 x 64 on 4 warps, 2 stages; Q's fragments
+// held in registers at head dim 64 and re-read from shared memory at 128 (so the tests above
+// run both paths); the device shape agrees with the generator's byte count.
+TEST(CudaMmaEmulation, ConfigurationsAreTheGenerators) {
+  using Cfg = MmaTileCfg<hsap_dev::bf16, 128, 2, true>;
+  static_assert(Cfg::kBlockM == 64 && Cfg::kBlockN == 64 && Cfg::kThreads == 128);
+  static_assert(Cfg::kFwdStages == 2 && !Cfg::kQInRegisters);
+  static_assert(MmaTileCfg<hsap_dev::bf16, 64, 2, true>::kQInRegisters);
+  EXPECT_EQ(hsap_dev::MmaFwdShapeOf<Cfg>::kSmemBytes, Cfg::kFwdSmemBytes);
+  jit::CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  c.gqa = 2;
+  absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->fwd_smem_bytes, Cfg::kFwdSmemBytes);
+}
+
+}  // namespace
+}  // namespace hsap
