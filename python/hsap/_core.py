@@ -368,6 +368,7 @@ class Comm(_Handle):
     destroy its batches first (Batch.close) or close() raises InvalidUsageError."""
 
     _destroy_fn = "hsapCommDestroy"
+    cuda_stream: int | None = None  # the cudaStream_t a CUDA communicator enqueues on
 
     @classmethod
     def _adopt(cls, handle: int) -> "Comm":
@@ -402,6 +403,7 @@ class Comm(_Handle):
         _Handle.__init__(self)
         _call("hsapCommInitRank", ctypes.byref(self._handle), int(nranks), uid, int(rank),
               ctypes.byref(config))
+        self.cuda_stream = cuda_stream
         return self
 
     @classmethod

@@ -43,7 +43,6 @@ def comm_from_process_group(group: Any = None, backend: str | None = None,
     stream = torch.cuda.current_stream().cuda_stream if backend == "cuda" else None
     comm = Comm.init_rank(size, token.cpu().numpy().tobytes(), rank, backend=backend,
                           timeout_ms=timeout_ms, num_threads=num_threads, cuda_stream=stream)
-    comm.cuda_stream = stream
     return comm
 
 
@@ -59,7 +58,7 @@ def _check_device(tensors: Sequence[torch.Tensor], comm: Comm | None) -> None:
         raise ValueError(f"hsap: {'CUDA' if cuda else 'CPU'} tensors need a "
                          f"{'CUDA' if cuda else 'host'} communicator")
     if cuda:
-        stream = getattr(comm, "cuda_stream", None)
+        stream = comm.cuda_stream
         if stream and torch.cuda.current_stream(tensors[0].device).cuda_stream != stream:
             raise ValueError("hsap: the current CUDA stream is not the one the communicator was "
                              "created with; call hsap under that stream")
