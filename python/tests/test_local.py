@@ -103,3 +103,26 @@ def test_layout_dense_mask_matches_documented_kinds():
         b, e = cu[d], cu[d + 1]
         expected[b:e, b:e] = hsap.torch._document_mask(kind, params[d], e - b, "cpu").numpy()
     np.testing.assert_array_equal(mask, expected)
+
+
+def test_from_slices_shared_prompt_matches_dense_mask_sdpa(rng):
+    """Two answers that both see a shared prompt (a mask no cu_seqlens can express)."""
+    slices = [hsap.Slice(0, 16, 0, 16, "causal"), hsap.Slice(16, 28, 0, 16, "full"),
+              hsap.Slice(16, 28, 16, 28, "causal"), hsap.Slice(28, 40, 0, 16, "full"),
+              (28, 40, 28, 40, "causal")]
+    q, k, v, g = _inputs(rng, 40, 4, 2, 32, torch.float32)
+    with hsap.Layout.from_slices(40, slices) as layout:
+        mask = torch.from_numpy(layout.dense_mask())
+        assert layout.visible_pairs == int(mask.sum())
+        got = _grads(lambda a, b, c: hsap.attention_local(a, b, c, layout), q, k, v, g)
+
+    def dense(a, b, c):
+        o = torch.nn.functional.scaled_dot_product_attention(
+            a.transpose(0, 1), b.transpose(0, 1).repeat_interleave(2, 0),
+            c.transpose(0, 1).repeat_interleave(2, 0), attn_mask=mask)
+        return o.transpose(0, 1)
+
+    ref = _grads(dense, *[t.double() for t in (q, k, v, g)])
+    naive = _grads(dense, q, k, v, g)
+    for name, x, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        assert_close(name, x, r, n)
