@@ -15,6 +15,8 @@ namespace {
 
 // Size of version 1 of hsapCommConfig_t (through numThreads).
 constexpr size_t kCommConfigV1Size = offsetof(hsapCommConfig_t, numThreads) + sizeof(int);
+constexpr size_t kCommConfigBackendSize =
+    offsetof(hsapCommConfig_t, backend) + sizeof(hsapBackend_t);
 
 absl::StatusOr<hsap::Communicator*> GetComm(hsapComm_t comm) {
   if (comm == nullptr || comm->comm == nullptr) {
@@ -53,6 +55,15 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
       }
       options.timeout = absl::Milliseconds(config->timeoutMs);
       options.num_threads = config->numThreads;
+      if (config->size >= kCommConfigBackendSize) {
+        const auto backend = hsap::RawEnum(config->backend);
+        if (backend != hsapBackendDefault && backend != hsapBackendHost) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "config->backend = ", backend,
+              ": hsapCommInitAll creates host ranks only (hsapBackendDefault or hsapBackendHost); "
+              "for CUDA ranks use hsapCommInitRank or hsapCommInitLoopback"));
+        }
+      }
     }
     HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Communicator>> world,
                           hsap::Communicator::CreateHostWorld(nranks, options));
