@@ -68,3 +68,24 @@ def test_closed_batch_refuses_partition_calls():
     with pytest.raises(ValueError, match="closed"):
         batch.scatter(row)  # the partition belonged to the batch
     comm.close()
+
+
+def test_core_works_without_importing_torch():
+    """The C-level part (layouts, communicators, batches, numpy calls) never imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, hsap\n"
+            "with hsap.Layout([0, 16]) as l:\n"
+            "    x = np.ones((16, 4, 32), np.float32)\n"
+            "    out, lse = hsap.attention_forward_local(x, x, x, l)\n"
+            "    (c,) = hsap.Comm.init_all(1)\n"
+            "    with hsap.Batch(c, l, 4, 4, 32, 'float32') as b:\n"
+            "        b.forward(x, x, x)\n"
+            "    c.close()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(hsap.__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
