@@ -5,7 +5,9 @@ has no copy of its own (running from the source tree), else the installed packag
 JIT kernels are cached in $HSAP_CACHE_DIR (default: build/jit-cache of the checkout).
 """
 
+import importlib.util
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -13,10 +15,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+if importlib.util.find_spec("hsap") is None:  # not installed: the checkout's package
+    sys.path.insert(0, str(ROOT / "python"))
 _build_lib = ROOT / "build" / "libhsap.so"
-if "HSAP_LIBRARY" not in os.environ and _build_lib.exists():
-    import importlib.util
-
+if not os.environ.get("HSAP_LIBRARY") and _build_lib.exists():
     spec = importlib.util.find_spec("hsap")
     packaged = spec is not None and spec.origin and Path(spec.origin).with_name("libhsap.so").exists()
     if not packaged:
