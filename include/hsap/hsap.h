@@ -191,6 +191,14 @@ hsapResult_t hsapAttentionBackwardLocal(const hsapAttentionConfig_t* config, hsa
 
 typedef struct hsapComm_st* hsapComm_t;
 
+/* The backend of a communicator made by hsapCommInitRank. */
+typedef enum {
+  hsapBackendDefault = 0, /* CUDA where the unique id and this process have NCCL and a CUDA
+                           * device, else host (see hsapCommInitRank) */
+  hsapBackendHost = 1,    /* CPU ranks: processes (or threads) of one host, shared memory */
+  hsapBackendCuda = 2     /* one GPU per rank over NCCL */
+} hsapBackend_t;
+
 typedef struct {
   size_t size;
   unsigned int magic;
@@ -204,6 +212,10 @@ typedef struct {
    * stream of the communicator's, ordered with it by events). NULL: a stream of its own,
    * and the calls return after their work finished. Ignored by the host backend. */
   void* cudaStream;
+  /* Added in 0.1 for ranks as processes (older, shorter structs read as
+   * hsapBackendDefault): which backend hsapCommInitRank creates (see there).
+   * hsapCommInitAll accepts hsapBackendDefault and hsapBackendHost only. */
+  hsapBackend_t backend;
   /* Added for topology-aware K/V delivery (callers built against the older, shorter struct
    * are told apart by `size`): rankNodes[r] is the index (>= 0) of the node of rank r
    * (nranks entries); NULL: every rank on one node. Host backend: the described topology
@@ -215,12 +227,13 @@ typedef struct {
   const int* rankNodes;
 } hsapCommConfig_t;
 
-#define HSAP_COMM_CONFIG_INITIALIZER \
-  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL, NULL }
+#define HSAP_COMM_CONFIG_INITIALIZER                                            \
+  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL, \
+    hsapBackendDefault, NULL }
 
 /* Creates nranks ranks of the host backend in this process (comms[0..nranks-1]), like
  * ncclCommInitAll. Each rank's later calls are made from its own thread. config may be
- * NULL. */
+ * NULL. For host ranks in several processes, see hsapCommInitRank. */
 hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
 /* Frees one rank. Not collective; a rank must not be destroyed while a peer still waits on
  * it (abort first if unsure). The batches created on comm must be destroyed first: while one
@@ -488,10 +501,33 @@ typedef struct {
   char internal[128];
 } hsapUniqueId_t;
 
-/* Creates a token on one rank (to be broadcast to all ranks by the caller). */
+/* Creates a token on one rank (to be broadcast to all ranks by the caller), for either
+ * backend; it needs neither CUDA nor NCCL. It holds 128 random bits that name the host
+ * backend's shared-memory segment and, where NCCL loads and a CUDA device exists, an
+ * ncclUniqueId for the CUDA backend. Use a fresh token for every communicator. */
 hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId);
-/* Collective over nranks processes/threads, one GPU each (the current CUDA device), like
- * ncclCommInitRank. config may be NULL; config->cudaStream is honoured. */
+/* Collective over the nranks processes (or threads) that pass the same uniqueId, each with
+ * its own rank, like ncclCommInitRank; it returns once every rank has joined, or fails
+ * after the timeout (config->timeoutMs) naming the ranks missing. config may be NULL.
+ * The backend is config->backend:
+ *  - hsapBackendCuda: one GPU per rank (the current CUDA device), over NCCL;
+ *    config->cudaStream is honoured. The token must come from hsapGetUniqueId on a machine
+ *    with NCCL and a CUDA device; a raw ncclUniqueId copied into the token works too.
+ *  - hsapBackendHost: a host rank in this process that talks to the other ranks through
+ *    one POSIX shared-memory segment per communicator ("/dev/shm/hsap-<hex>", named from
+ *    the token), so the ranks must share one host (and one pid namespace). Rank 0 creates
+ *    it, the others open it; once every rank has joined, the name is removed, so nothing
+ *    is left in /dev/shm whatever happens to the processes afterwards (the memory is
+ *    freed when the last rank destroys its communicator or exits). Everything of the
+ *    host backend applies: numThreads (0: hardware threads / nranks), batches with or
+ *    without plans, abort from any rank or thread. A rank whose process dies without
+ *    hsapCommDestroy aborts the communicator: its peers' pending and later calls return
+ *    hsapAborted within about 20 ms (they check the peers' pids while they wait), never
+ *    later than their timeout (hsapTimeout). hsapCommSplit is not available (CUDA only).
+ *  - hsapBackendDefault: CUDA when the token carries an ncclUniqueId (or is a raw one) and
+ *    this process finds NCCL and a CUDA device, host otherwise. Ranks of one communicator
+ *    must end up with the same backend: pass it explicitly where unsure (e.g. CPU tensors
+ *    on a machine with GPUs). */
 hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqueId, int rank,
                               const hsapCommConfig_t* config);
 /* Adopts a trainer's existing ncclComm_t (passed as void*); the ncclComm stays owned by the

@@ -15,6 +15,9 @@ namespace {
 
 // Size of version 1 of hsapCommConfig_t (through numThreads).
 constexpr size_t kCommConfigV1Size = offsetof(hsapCommConfig_t, numThreads) + sizeof(int);
+// Size of the version with backend.
+constexpr size_t kCommConfigBackendSize =
+    offsetof(hsapCommConfig_t, backend) + sizeof(hsapBackend_t);
 // Size of the version with rankNodes.
 constexpr size_t kCommConfigRankNodesSize =
     offsetof(hsapCommConfig_t, rankNodes) + sizeof(const int*);
@@ -56,6 +59,15 @@ hsapResult_t hsapCommInitAll(hsapComm_t* comms, int nranks, const hsapCommConfig
       }
       options.timeout = absl::Milliseconds(config->timeoutMs);
       options.num_threads = config->numThreads;
+      if (config->size >= kCommConfigBackendSize) {
+        const auto backend = hsap::RawEnum(config->backend);
+        if (backend != hsapBackendDefault && backend != hsapBackendHost) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "config->backend = ", backend,
+              ": hsapCommInitAll creates host ranks only (hsapBackendDefault or hsapBackendHost); "
+              "for CUDA ranks use hsapCommInitRank or hsapCommInitLoopback"));
+        }
+      }
       if (config->size >= kCommConfigRankNodesSize && config->rankNodes != nullptr) {
         options.rank_nodes.assign(config->rankNodes, config->rankNodes + nranks);
         for (int r = 0; r < nranks; ++r) {

@@ -1,15 +1,23 @@
-// C entry points of the CUDA communicator section of hsap.h.
+// C entry points of the CUDA communicator section of hsap.h, and hsapGetUniqueId /
+// hsapCommInitRank for both backends (host ranks as processes: lib/comm/shm_transport.h).
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "base/status_macros.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
 #include "lib/api/result.h"
 #include "lib/comm/communicator.h"
+#include "lib/comm/shm_transport.h"
+#include "lib/comm/topology.h"
 #include "lib/cuda/exec/gpu_batch.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 #include "lib/cuda/runtime/device.h"
@@ -18,20 +26,89 @@
 
 namespace {
 
-static_assert(sizeof(hsapUniqueId_t) == sizeof(hsap::cuda::NcclUniqueId),
-              "hsapUniqueId_t must carry an ncclUniqueId");
-
 constexpr size_t kCommConfigV1Size = offsetof(hsapCommConfig_t, numThreads) + sizeof(int);
 constexpr size_t kCommConfigStreamSize = offsetof(hsapCommConfig_t, cudaStream) + sizeof(void*);
+constexpr size_t kCommConfigBackendSize =
+    offsetof(hsapCommConfig_t, backend) + sizeof(hsapBackend_t);
+constexpr size_t kCommConfigRankNodesSize =
+    offsetof(hsapCommConfig_t, rankNodes) + sizeof(const int*);
 
-struct CudaCommSettings {
-  absl::Duration timeout;
-  hsap::cuda::cudaStream stream = nullptr;
+// The layout of an hsapUniqueId_t made by hsapGetUniqueId. A token without kIdMagic is
+// taken for a raw ncclUniqueId (as hsapGetUniqueId made them before the host backend
+// could use them).
+constexpr char kIdMagic[8] = {'h', 's', 'a', 'p', 'U', 'I', 'D', '\1'};
+constexpr size_t kIdFlagsOffset = 8;
+constexpr uint8_t kIdHasNccl = 1;
+constexpr size_t kIdShmOffset = 16;
+constexpr size_t kIdNcclOffset = 32;
+// ncclUniqueId is 128 bytes, of which NCCL uses the first few dozen (a magic and a socket
+// address); the token keeps the first kIdNcclBytes and requires the rest to be zero.
+constexpr size_t kIdNcclBytes = sizeof(hsapUniqueId_t) - kIdNcclOffset;
+
+static_assert(sizeof(hsapUniqueId_t) == sizeof(hsap::cuda::NcclUniqueId),
+              "hsapUniqueId_t must carry an ncclUniqueId");
+static_assert(kIdShmOffset + sizeof(hsap::ShmWorldId::bytes) <= kIdNcclOffset);
+
+struct DecodedId {
+  bool is_hsap = false;  // made by hsapGetUniqueId
+  std::optional<hsap::cuda::NcclUniqueId> nccl;
+  hsap::ShmWorldId shm;
 };
 
-// Reads the fields the CUDA backend uses; a config of the older size has no stream.
-absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
-  CudaCommSettings out;
+DecodedId DecodeId(const hsapUniqueId_t& id) {
+  DecodedId out;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(id.internal);
+  if (std::memcmp(bytes, kIdMagic, sizeof(kIdMagic)) != 0) {
+    hsap::cuda::NcclUniqueId raw;
+    std::memcpy(raw.internal, id.internal, sizeof(raw.internal));
+    out.nccl = raw;
+    return out;
+  }
+  out.is_hsap = true;
+  std::memcpy(out.shm.bytes.data(), bytes + kIdShmOffset, out.shm.bytes.size());
+  if ((bytes[kIdFlagsOffset] & kIdHasNccl) != 0) {
+    hsap::cuda::NcclUniqueId nccl;
+    std::memset(nccl.internal, 0, sizeof(nccl.internal));
+    std::memcpy(nccl.internal, bytes + kIdNcclOffset, kIdNcclBytes);
+    out.nccl = nccl;
+  }
+  return out;
+}
+
+struct CommSettings {
+  absl::Duration timeout;
+  int num_threads = 0;
+  hsap::cuda::cudaStream stream = nullptr;
+  hsapBackend_t backend = hsapBackendDefault;
+  const int* rank_nodes = nullptr;  // config->rankNodes (nranks entries) or null
+};
+
+// The host backend's described topology (config->rankNodes), or a refusal for the CUDA
+// backend, whose batches deliver K/V directly, rank to rank.
+absl::StatusOr<std::optional<hsap::Topology>> RankTopology(const CommSettings& settings, int nranks,
+                                                           bool cuda) {
+  if (settings.rank_nodes == nullptr) return std::optional<hsap::Topology>();
+  if (cuda) {
+    return absl::UnimplementedError(
+        "config->rankNodes is not supported by the CUDA backend yet (its batches deliver K/V "
+        "directly, rank to rank); pass NULL");
+  }
+  for (int r = 0; r < nranks; ++r) {
+    if (settings.rank_nodes[r] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config->rankNodes[", r, "] = ", settings.rank_nodes[r],
+                       " is negative; give every rank the index (>= 0) of its node"));
+    }
+  }
+  HSAP_ASSIGN_OR_RETURN(hsap::Topology topology,
+                        hsap::Topology::FromRankNodes(
+                            absl::MakeConstSpan(settings.rank_nodes, static_cast<size_t>(nranks))));
+  return std::optional<hsap::Topology>(std::move(topology));
+}
+
+// Reads and checks a config of any size (older ones lack the stream and the backend).
+absl::StatusOr<CommSettings> ReadCommConfig(const hsapCommConfig_t* config) {
+  CommSettings out;
   absl::Duration requested = absl::ZeroDuration();
   if (config != nullptr) {
     HSAP_RETURN_IF_ERROR(hsap::CheckConfigHeader(*config, "config", kCommConfigV1Size,
@@ -41,15 +118,25 @@ absl::StatusOr<CudaCommSettings> ReadConfig(const hsapCommConfig_t* config) {
           "config->timeoutMs = ", config->timeoutMs,
           " is negative; pass a positive timeout in milliseconds, or 0 for the default"));
     }
-    requested = absl::Milliseconds(config->timeoutMs);
-    if (config->size >= offsetof(hsapCommConfig_t, rankNodes) + sizeof(const int*) &&
-        config->rankNodes != nullptr) {
-      return absl::UnimplementedError(
-          "config->rankNodes is not supported by the CUDA backend yet (its batches deliver K/V "
-          "directly, rank to rank); pass NULL");
+    if (config->numThreads < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config->numThreads = ", config->numThreads,
+                       " is negative; pass 0 for hardware threads / ranks"));
     }
+    requested = absl::Milliseconds(config->timeoutMs);
+    out.num_threads = config->numThreads;
+    if (config->size >= kCommConfigRankNodesSize) out.rank_nodes = config->rankNodes;
     if (config->size >= kCommConfigStreamSize) {
       out.stream = static_cast<hsap::cuda::cudaStream>(config->cudaStream);
+    }
+    if (config->size >= kCommConfigBackendSize) {
+      const auto backend = hsap::RawEnum(config->backend);
+      if (backend < hsapBackendDefault || backend > hsapBackendCuda) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config->backend = ", backend,
+            " is not an hsapBackend_t (hsapBackendDefault, hsapBackendHost, hsapBackendCuda)"));
+      }
+      out.backend = static_cast<hsapBackend_t>(backend);
     }
   }
   HSAP_ASSIGN_OR_RETURN(absl::Duration timeout, hsap::ResolveTimeout(requested));
@@ -86,10 +173,25 @@ extern "C" {
 hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId) {
   return hsap::RunApi("hsapGetUniqueId", [&]() -> absl::Status {
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(uniqueId, "uniqueId"));
-    HSAP_ASSIGN_OR_RETURN(const hsap::cuda::NcclApi* nccl, hsap::cuda::LoadNccl());
-    hsap::cuda::NcclUniqueId id;
-    HSAP_RETURN_IF_ERROR(nccl->Check(nccl->GetUniqueId(&id), "ncclGetUniqueId"));
-    std::memcpy(uniqueId->internal, id.internal, sizeof(id.internal));
+    HSAP_ASSIGN_OR_RETURN(const hsap::ShmWorldId shm, hsap::NewShmWorldId());
+    hsapUniqueId_t id;
+    std::memset(&id, 0, sizeof(id));
+    auto* bytes = reinterpret_cast<uint8_t*>(id.internal);
+    std::memcpy(bytes, kIdMagic, sizeof(kIdMagic));
+    std::memcpy(bytes + kIdShmOffset, shm.bytes.data(), shm.bytes.size());
+    // The CUDA backend's part, where it could be used; its absence only rules out CUDA.
+    if (hsap::cuda::CheckNcclDevice().ok()) {
+      const hsap::cuda::NcclApi& nccl = **hsap::cuda::LoadNccl();
+      hsap::cuda::NcclUniqueId nid;
+      HSAP_RETURN_IF_ERROR(nccl.Check(nccl.GetUniqueId(&nid), "ncclGetUniqueId"));
+      const auto* tail = reinterpret_cast<const uint8_t*>(nid.internal) + kIdNcclBytes;
+      if (std::all_of(tail, tail + (sizeof(nid.internal) - kIdNcclBytes),
+                      [](uint8_t b) { return b == 0; })) {
+        bytes[kIdFlagsOffset] |= kIdHasNccl;
+        std::memcpy(bytes + kIdNcclOffset, nid.internal, kIdNcclBytes);
+      }
+    }
+    *uniqueId = id;
     return absl::OkStatus();
   });
 }
@@ -106,14 +208,49 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
       return absl::InvalidArgumentError(
           absl::StrCat("rank = ", rank, " is outside [0, nranks = ", nranks, ")"));
     }
-    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
+    HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
+    const DecodedId id = DecodeId(uniqueId);
+    hsapBackend_t backend = settings.backend;
+    if (backend == hsapBackendDefault) {
+      const bool cuda = !id.is_hsap || (id.nccl && hsap::cuda::CheckNcclDevice().ok());
+      backend = cuda ? hsapBackendCuda : hsapBackendHost;
+    }
+    if (backend == hsapBackendHost) {
+      if (!id.is_hsap) {
+        return absl::InvalidArgumentError(
+            "uniqueId was not made by hsapGetUniqueId (a raw ncclUniqueId?); the host backend "
+            "needs a token from hsapGetUniqueId");
+      }
+      if (nranks > hsap::kMaxShmRanks) {
+        return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " is outside [1, ",
+                                                       hsap::kMaxShmRanks,
+                                                       "] for the host backend across processes"));
+      }
+      HSAP_ASSIGN_OR_RETURN(std::optional<hsap::Topology> topology,
+                            RankTopology(settings, nranks, /*cuda=*/false));
+      HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::Transport> transport,
+                            hsap::CreateShmTransport(id.shm, nranks, rank, settings.timeout));
+      int num_threads = settings.num_threads;
+      if (num_threads == 0) {
+        num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / nranks);
+      }
+      auto handle = std::make_unique<hsapComm_st>();
+      handle->comm = std::make_unique<hsap::Communicator>(std::move(transport), settings.timeout,
+                                                          num_threads, std::move(topology));
+      *comm = handle.release();
+      return absl::OkStatus();
+    }
+    HSAP_RETURN_IF_ERROR(RankTopology(settings, nranks, /*cuda=*/true).status());
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
+    if (!id.nccl) {
+      return absl::FailedPreconditionError(
+          "uniqueId carries no ncclUniqueId (hsapGetUniqueId found no CUDA device or NCCL where "
+          "it ran); make the token on a rank with a GPU and NCCL for the CUDA backend");
+    }
     const hsap::cuda::NcclApi& nccl = **hsap::cuda::LoadNccl();
-    hsap::cuda::NcclUniqueId id;
-    std::memcpy(id.internal, uniqueId.internal, sizeof(id.internal));
     hsap::cuda::ncclComm nc = nullptr;
     HSAP_RETURN_IF_ERROR(
-        nccl.Check(nccl.CommInitRank(&nc, nranks, id, rank),
+        nccl.Check(nccl.CommInitRank(&nc, nranks, *id.nccl, rank),
                    absl::StrCat("ncclCommInitRank(rank ", rank, " of ", nranks, ")")));
     absl::StatusOr<std::unique_ptr<hsap::cuda::NcclTransport>> t =
         hsap::cuda::NcclTransport::Create(nc, /*owns_comm=*/true, /*stream=*/nullptr,
@@ -132,7 +269,8 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(comm, "comm"));
     *comm = nullptr;
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(ncclComm, "ncclComm"));
-    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
+    HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
+    HSAP_RETURN_IF_ERROR(RankTopology(settings, /*nranks=*/0, /*cuda=*/true).status());
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::cuda::NcclTransport> t,
                           hsap::cuda::NcclTransport::Create(
@@ -156,7 +294,8 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
           "hsapCommSplit needs a CUDA communicator (hsapCommInitRank / hsapCommInitFromNccl); "
           "host communicators cannot be split");
     }
-    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
+    HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
+    HSAP_RETURN_IF_ERROR(RankTopology(settings, /*nranks=*/0, /*cuda=*/true).status());
     if (config == nullptr || config->size < kCommConfigStreamSize) {
       settings.stream = nullptr;  // a stream of its own, not the parent's
     }
@@ -196,7 +335,7 @@ hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommC
       return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
     }
     for (int r = 0; r < nranks; ++r) comms[r] = nullptr;
-    HSAP_ASSIGN_OR_RETURN(CudaCommSettings settings, ReadConfig(config));
+    HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckCudaDevice());
     HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Transport>> transports,
                           hsap::cuda::CreateLoopbackTransports(nranks, settings.timeout));

@@ -44,19 +44,6 @@ struct Op {
 
 bool IsTerminal(const Op& op) { return op.state == OpState::kDone || op.state == OpState::kFailed; }
 
-std::string TagName(uint64_t tag) {
-  if ((tag & kCollectiveTagBit) == 0) return absl::StrCat("tag ", tag);
-  const auto kind = static_cast<uint8_t>((tag & ~kCollectiveTagBit) >> kCollectiveKindShift);
-  const uint64_t sequence = tag & kCollectiveSequenceMask;
-  switch (static_cast<CollectiveKind>(kind)) {
-    case CollectiveKind::kAllGather:
-      return absl::StrCat("tag allgather#", sequence);
-    case CollectiveKind::kAllToAllV:
-      return absl::StrCat("tag alltoallv#", sequence);
-  }
-  return absl::StrCat("collective tag ", kind, "#", sequence);
-}
-
 const char* KindName(OpKind kind) { return kind == OpKind::kSend ? "send" : "recv"; }
 
 using MatchKey = std::pair<int, uint64_t>;  // (the other rank, tag)
@@ -388,54 +375,6 @@ class HostPending final : public Transport::Pending {
   absl::Status result_;
 };
 
-// Checks that no receive buffer overlaps another receive or a send buffer of the stage
-// (a peer would write into memory that is being read or written concurrently).
-absl::Status CheckBuffersDisjoint(int rank, absl::string_view stage, absl::Span<const SendOp> sends,
-                                  absl::Span<const RecvOp> recvs) {
-  struct Interval {
-    uintptr_t begin, end;
-    bool is_recv;
-    size_t index;
-  };
-  std::vector<Interval> intervals;
-  intervals.reserve(sends.size() + recvs.size());
-  for (size_t i = 0; i < sends.size(); ++i) {
-    if (sends[i].bytes == 0) continue;
-    const auto begin = reinterpret_cast<uintptr_t>(sends[i].data);
-    intervals.push_back({begin, begin + sends[i].bytes, false, i});
-  }
-  for (size_t i = 0; i < recvs.size(); ++i) {
-    if (recvs[i].bytes == 0) continue;
-    const auto begin = reinterpret_cast<uintptr_t>(recvs[i].data);
-    intervals.push_back({begin, begin + recvs[i].bytes, true, i});
-  }
-  std::sort(intervals.begin(), intervals.end(),
-            [](const Interval& a, const Interval& b) { return a.begin < b.begin; });
-  // Any earlier interval whose end lies past the current begin overlaps it.
-  const Interval* furthest_any = nullptr;
-  const Interval* furthest_recv = nullptr;
-  auto name = [](const Interval& v) {
-    return absl::StrCat(v.is_recv ? "recvs[" : "sends[", v.index, "]");
-  };
-  for (const Interval& v : intervals) {
-    const Interval* clash = nullptr;
-    if (furthest_recv != nullptr && v.begin < furthest_recv->end) clash = furthest_recv;
-    if (clash == nullptr && v.is_recv && furthest_any != nullptr && v.begin < furthest_any->end) {
-      clash = furthest_any;
-    }
-    if (clash != nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", rank, ": stage '", stage, "': buffer of ", name(v), " overlaps ", name(*clash),
-          "; a receive buffer must not overlap any other buffer of the stage"));
-    }
-    if (furthest_any == nullptr || v.end > furthest_any->end) furthest_any = &v;
-    if (v.is_recv && (furthest_recv == nullptr || v.end > furthest_recv->end)) {
-      furthest_recv = &v;
-    }
-  }
-  return absl::OkStatus();
-}
-
 class HostTransport final : public Transport {
  public:
   HostTransport(std::shared_ptr<World> world, int rank) : world_(std::move(world)), rank_(rank) {}
@@ -452,30 +391,7 @@ class HostTransport final : public Transport {
   absl::StatusOr<std::unique_ptr<Pending>> Start(absl::Span<const SendOp> sends,
                                                  absl::Span<const RecvOp> recvs,
                                                  std::string stage) override {
-    const int n = world_->size();
-    auto check = [&](const char* what, size_t i, int peer, const void* data,
-                     size_t bytes) -> absl::Status {
-      if (peer < 0 || peer >= n) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("rank ", rank_, ": stage '", stage, "': ", what, "[", i, "].peer = ", peer,
-                         " is not a rank of this world of ", n, " ranks"));
-      }
-      if (data == nullptr && bytes > 0) {
-        return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, ": stage '", stage,
-                                                       "': ", what, "[", i, "].data is null with ",
-                                                       bytes, " bytes"));
-      }
-      return absl::OkStatus();
-    };
-    for (size_t i = 0; i < sends.size(); ++i) {
-      absl::Status status = check("sends", i, sends[i].peer, sends[i].data, sends[i].bytes);
-      if (!status.ok()) return status;
-    }
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      absl::Status status = check("recvs", i, recvs[i].peer, recvs[i].data, recvs[i].bytes);
-      if (!status.ok()) return status;
-    }
-    HSAP_RETURN_IF_ERROR(CheckBuffersDisjoint(rank_, stage, sends, recvs));
+    HSAP_RETURN_IF_ERROR(CheckStageOps(rank_, world_->size(), stage, sends, recvs));
 
     auto pending = std::make_unique<HostPending>(world_, rank_, stage);
     std::lock_guard<std::mutex> lock(world_->mu);

@@ -46,6 +46,9 @@ constexpr uint64_t CollectiveTag(CollectiveKind kind, uint64_t sequence) {
          (sequence & kCollectiveSequenceMask);
 }
 
+// A tag as error messages name it: "tag 17", "tag allgather#3", "tag alltoallv#0".
+std::string TagName(uint64_t tag);
+
 struct SendOp {
   int peer = -1;
   const void* data = nullptr;  // must stay valid and unchanged until the stage completes
@@ -67,6 +70,13 @@ struct TrafficCounters {
   uint64_t messages_sent = 0;
   uint64_t messages_received = 0;
 };
+
+// Checks the operations of one stage of rank `rank` in a world of `size` ranks before a
+// transport posts them: every peer in [0, size), no null buffer with bytes > 0, and no
+// receive buffer overlapping any other buffer of the stage (a peer would write into memory
+// that is being read or written concurrently). InvalidArgument naming the operation.
+absl::Status CheckStageOps(int rank, int size, absl::string_view stage,
+                           absl::Span<const SendOp> sends, absl::Span<const RecvOp> recvs);
 
 class Transport {
  public:

@@ -1,10 +1,18 @@
-// Runs distributed attention through the C API with one thread per rank, for the
-// distributed, traffic and faults tests.
+// Runs distributed attention through the C API with one thread per rank, or one process
+// per rank, for the distributed, traffic and faults tests.
+//
+// Ranks as processes: RunDistributed forks one child per rank (tests/support/
+// process_ranks.h), each joining a host communicator through hsapGetUniqueId /
+// hsapCommInitRank(hsapBackendHost) and running the same rank body as a thread would; the
+// children send their outputs back to the test process. A case runs so when it sets
+// `processes`, or when $HSAP_TEST_RANKS is "processes" (ctest runs the distributed suites
+// once more that way: the "processes:" tests) and it uses the default host communicators.
 #ifndef HSAP_TESTS_SUPPORT_DISTRIBUTED_HARNESS_H_
 #define HSAP_TESTS_SUPPORT_DISTRIBUTED_HARNESS_H_
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -19,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
 #include "lib/sched/partition.h"
+#include "tests/support/process_ranks.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap::testing {
@@ -152,7 +161,23 @@ struct DistCase {
   // What each rank's thread does once its batch exists, before forward (e.g. destroy the
   // layout).
   std::function<void(int)> after_create;
+  // Non-null: the batches are made by hsapBatchCreateWithPlan with this plan (weights are
+  // not used), and each rank's tensors are its rows of the batch's own partition.
+  hsapPlan_t plan = nullptr;
+  // Ranks as processes on the host backend (see the top of this file).
+  bool processes = false;
 };
+
+using InitCommsFn = hsapResult_t (*)(hsapComm_t*, int, const hsapCommConfig_t*);
+
+// Whether RunDistributed runs the ranks of `c` as processes.
+inline bool RanksAsProcesses(const DistCase& c) {
+  if (c.processes) return true;
+  const char* env = std::getenv("HSAP_TEST_RANKS");
+  if (env == nullptr || std::string(env) != "processes") return false;
+  const InitCommsFn* init = c.init_comms.target<InitCommsFn>();
+  return init != nullptr && *init == &hsapCommInitAll && c.placement == nullptr && !c.enter_rank;
+}
 
 // Full-row inputs.
 struct RowInputs {
@@ -283,16 +308,15 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
        dk = ScatterRow(part, R, res.dk), dv = ScatterRow(part, R, res.dv);
   std::vector<std::vector<float>> lse(R);  // per rank [heads_q, local]
 
-  std::vector<hsapComm_t> comms(R, nullptr);
   hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
   config.timeoutMs = c.timeout_ms;
   config.numThreads = 1;
   config.rankNodes = c.rank_nodes.empty() ? nullptr : c.rank_nodes.data();
-  EXPECT_EQ(c.init_comms(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
   TensorPlacement host_memory;
   TensorPlacement& place = c.placement != nullptr ? *c.placement : host_memory;
+  std::vector<std::vector<TokenRange>> plan_shards(R);  // with a plan: each rank's rows
 
-  OnEveryRank(R, [&](int r) {
+  auto run_rank = [&](int r, hsapComm_t comm) {
     if (c.enter_rank) c.enter_rank(r);
     auto fail = [&](hsapResult_t result) {
       res.results[r] = result;
@@ -304,7 +328,10 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     bc.numHeadsKV = c.heads_kv;
     bc.headDim = c.head_dim;
     hsapBatch_t batch = nullptr;
-    if (hsapResult_t e = hsapBatchCreate(&batch, comms[r], layout, weights, &bc); e) {
+    if (hsapResult_t e = c.plan != nullptr
+                             ? hsapBatchCreateWithPlan(&batch, comm, layout, c.plan, &bc)
+                             : hsapBatchCreate(&batch, comm, layout, weights, &bc);
+        e) {
       return fail(e);
     }
     if (c.after_create) c.after_create(r);
@@ -317,6 +344,21 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     hsapPartitionGetRanges(own, r, nullptr, &num_ranges, nullptr);
     res.ranges[r].resize(2 * num_ranges);
     hsapPartitionGetRanges(own, r, res.ranges[r].data(), &num_ranges, nullptr);
+    if (c.plan != nullptr) {
+      std::vector<TokenRange>& shard = plan_shards[r];
+      shard.clear();
+      for (int64_t i = 0; i < num_ranges; ++i) {
+        shard.push_back({res.ranges[r][2 * i], res.ranges[r][2 * i + 1]});
+      }
+      q[r] = SliceRows(in.q, shard);
+      k[r] = SliceRows(in.k, shard);
+      v[r] = SliceRows(in.v, shard);
+      dout[r] = SliceRows(in.dout, shard);
+      out[r] = SliceRows(res.out, shard);
+      dq[r] = SliceRows(res.dq, shard);
+      dk[r] = SliceRows(res.dk, shard);
+      dv[r] = SliceRows(res.dv, shard);
+    }
 
     auto placed = [&](std::vector<uint8_t>& shard) {
       return place.Place(shard.data(), shard.size());
@@ -349,9 +391,83 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     hsapBatchGetTraffic(batch, &res.traffic[r]);
     hsapBatchGetLinkTraffic(batch, &res.link_traffic[r]);
     hsapBatchDestroy(batch);
-  });
-  for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+  };
 
+  if (RanksAsProcesses(c)) {
+    hsapUniqueId_t id;
+    EXPECT_EQ(hsapGetUniqueId(&id), hsapSuccess) << hsapGetLastError();
+    std::vector<ProcessRank> children = RunRanksAsProcesses(R, [&](int r) -> std::string {
+      hsapCommConfig_t own = config;
+      own.backend = hsapBackendHost;
+      hsapComm_t comm = nullptr;
+      if (hsapResult_t e = hsapCommInitRank(&comm, R, id, r, &own); e) {
+        res.results[r] = e;
+        res.errors[r] = hsapGetLastError();
+      } else {
+        run_rank(r, comm);
+        hsapCommDestroy(comm);
+      }
+      ReportWriter w;
+      w.Value(res.results[r]);
+      w.String(res.errors[r]);
+      w.Value(res.traffic[r]);
+      w.Value(res.link_traffic[r]);
+      w.Value(res.local_tokens[r]);
+      w.Bytes(res.ranges[r].data(), res.ranges[r].size() * sizeof(int64_t));
+      for (const auto* t : {&out[r], &dq[r], &dk[r], &dv[r]}) {
+        w.Bytes(t->data(), t->size());
+      }
+      w.Bytes(lse[r].data(), lse[r].size() * sizeof(float));
+      return w.Take();
+    });
+    for (int r = 0; r < R; ++r) {
+      ReportReader reader(children[r].report);
+      std::string field;
+      bool ok = children[r].exited_normally() && reader.Value(res.results[r]) &&
+                reader.String(res.errors[r]) && reader.Value(res.traffic[r]) &&
+                reader.Value(res.link_traffic[r]) && reader.Value(res.local_tokens[r]) &&
+                reader.Next(field);
+      if (ok) {
+        res.ranges[r].resize(field.size() / sizeof(int64_t));
+        std::memcpy(res.ranges[r].data(), field.data(), field.size());
+        for (auto* t : {&out[r], &dq[r], &dk[r], &dv[r]}) {
+          ok = ok && reader.Next(field);
+          t->assign(field.begin(), field.end());
+        }
+        ok = ok && reader.Next(field);
+        lse[r].resize(field.size() / sizeof(float));
+        std::memcpy(lse[r].data(), field.data(), field.size());
+        if (c.plan != nullptr) {
+          for (size_t i = 0; i + 1 < res.ranges[r].size(); i += 2) {
+            plan_shards[r].push_back({res.ranges[r][i], res.ranges[r][i + 1]});
+          }
+        }
+      }
+      if (!ok) {
+        res.results[r] = hsapInternalError;
+        res.errors[r] = "the rank's process did not report (status " +
+                        std::to_string(children[r].wait_status) + ")";
+      }
+    }
+  } else {
+    std::vector<hsapComm_t> comms(R, nullptr);
+    EXPECT_EQ(c.init_comms(comms.data(), R, &config), hsapSuccess) << hsapGetLastError();
+    OnEveryRank(R, [&](int r) { run_rank(r, comms[r]); });
+    for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+  }
+
+  if (c.plan != nullptr) {  // the batch's partition, not the data loader's
+    for (int r = 0; r < R; ++r) {
+      if (res.local_tokens[r] < 0) continue;
+      UnsliceRows(out[r], plan_shards[r], res.out);
+      UnsliceRows(dq[r], plan_shards[r], res.dq);
+      UnsliceRows(dk[r], plan_shards[r], res.dk);
+      UnsliceRows(dv[r], plan_shards[r], res.dv);
+      UnsliceLse(lse[r], plan_shards[r], c.heads_q, res.lse);
+    }
+    hsapPartitionDestroy(part);
+    return res;
+  }
   GatherRow(part, out, res.out);
   GatherRow(part, dq, res.dq);
   GatherRow(part, dk, res.dk);

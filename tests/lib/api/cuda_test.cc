@@ -88,19 +88,18 @@ TEST(CudaLoader, DefaultSearchReportsWhatThisMachineLacks) {
             HasSubstr("libnccl.so.2 not found"), HasSubstr("libcudart not found")));
 }
 
-TEST(CudaApi, UniqueIdWhereNcclLoads) {
-  hsapUniqueId_t id;
+// Tokens are made for either backend: with NCCL they carry an ncclUniqueId too, without
+// it they still name a host communicator.
+TEST(CudaApi, UniqueIdWithOrWithoutNccl) {
+  hsapUniqueId_t id, other;
   std::memset(&id, 0, sizeof(id));
   EXPECT_EQ(sizeof(id), 128u);
-  if (!LoadNccl().ok()) {
-    EXPECT_EQ(hsapGetUniqueId(&id), hsapUnsupported);
-    EXPECT_THAT(LastError(), HasSubstr("libnccl.so.2 not found"));
-    return;
-  }
   ASSERT_EQ(hsapGetUniqueId(&id), hsapSuccess) << LastError();
+  ASSERT_EQ(hsapGetUniqueId(&other), hsapSuccess) << LastError();
   bool nonzero = false;
   for (char c : id.internal) nonzero = nonzero || c != 0;
   EXPECT_TRUE(nonzero);
+  EXPECT_NE(std::memcmp(&id, &other, sizeof(id)), 0);
   EXPECT_EQ(hsapGetUniqueId(nullptr), hsapInvalidArgument);
   EXPECT_THAT(LastError(), HasSubstr("uniqueId"));
 }
@@ -108,8 +107,21 @@ TEST(CudaApi, UniqueIdWhereNcclLoads) {
 TEST(CudaApi, UniqueIdWithoutNccl) {
   testing::ScopedEnv path("HSAP_CUDA_LIB_PATH", EmptyDir().c_str());
   hsapUniqueId_t id;
-  EXPECT_EQ(hsapGetUniqueId(&id), hsapUnsupported);
-  EXPECT_THAT(LastError(), HasSubstr("libnccl.so.2 not found"));
+  ASSERT_EQ(hsapGetUniqueId(&id), hsapSuccess) << LastError();
+  hsapComm_t comm = nullptr;
+  hsapCommConfig_t config = HSAP_COMM_CONFIG_INITIALIZER;
+  config.backend = hsapBackendCuda;
+  EXPECT_EQ(hsapCommInitRank(&comm, 1, id, 0, &config), hsapUnsupported);
+  EXPECT_THAT(LastError(), HasSubstr("libcuda.so.1 not found"));
+  EXPECT_EQ(comm, nullptr);
+  // The default backend without CUDA: host.
+  config.backend = hsapBackendDefault;
+  config.timeoutMs = 10000;
+  ASSERT_EQ(hsapCommInitRank(&comm, 1, id, 0, &config), hsapSuccess) << LastError();
+  int is_cuda = -1;
+  EXPECT_EQ(hsapCommIsCuda(comm, &is_cuda), hsapSuccess);
+  EXPECT_EQ(is_cuda, 0);
+  EXPECT_EQ(hsapCommDestroy(comm), hsapSuccess);
 }
 
 TEST(CudaApi, InitRankChecksArgumentsFirst) {

@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/comm/shm_transport.h"
 
 namespace hsap {
 namespace {
@@ -47,6 +48,37 @@ uint8_t Pattern(int stage, int src, int dst, size_t i) {
   return static_cast<uint8_t>(stage * 131 + src * 31 + dst * 7 + i * 13 + (i >> 8));
 }
 
+// The suite below runs on both transports of host ranks: the in-process one and the
+// shared-memory one (lib/comm/shm_transport.h), here with one thread per rank; the
+// process-based runs are in shm_transport_test.cc.
+enum class World { kHost, kShm };
+
+class TransportTest : public ::testing::TestWithParam<World> {
+ protected:
+  std::vector<std::unique_ptr<Transport>> MakeWorld(int n,
+                                                    absl::Duration timeout = absl::Seconds(20)) {
+    if (GetParam() == World::kHost) return ::hsap::MakeWorld(n, timeout);
+    absl::StatusOr<ShmWorldId> id = NewShmWorldId();
+    EXPECT_TRUE(id.ok()) << id.status();
+    std::vector<std::unique_ptr<Transport>> world(n);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        absl::StatusOr<std::unique_ptr<Transport>> t = CreateShmTransport(*id, n, r, timeout);
+        EXPECT_TRUE(t.ok()) << t.status();
+        if (t.ok()) world[r] = *std::move(t);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    return world;
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransportTest, ::testing::Values(World::kHost, World::kShm),
+                         [](const ::testing::TestParamInfo<World>& info) {
+                           return info.param == World::kHost ? "Host" : "Shm";
+                         });
+
 TEST(HostTransportTest, CreateRejectsBadArguments) {
   EXPECT_EQ(CreateHostTransports(0, absl::Seconds(1)).status().code(),
             absl::StatusCode::kInvalidArgument);
@@ -62,7 +94,7 @@ TEST(HostTransportTest, CreateRejectsBadArguments) {
   }
 }
 
-TEST(HostTransportTest, MatchesByTagInAnyPostingOrder) {
+TEST_P(TransportTest, MatchesByTagInAnyPostingOrder) {
   auto world = MakeWorld(2);
   const std::vector<uint64_t> tags = {5, 1, 99, 7};
   std::vector<std::vector<uint8_t>> payload(tags.size());
@@ -93,7 +125,7 @@ TEST(HostTransportTest, MatchesByTagInAnyPostingOrder) {
   }
 }
 
-TEST(HostTransportTest, EqualTagsMatchInPostingOrder) {
+TEST_P(TransportTest, EqualTagsMatchInPostingOrder) {
   auto world = MakeWorld(2);
   uint32_t a = 0xAAAA, b = 0xBBBB, c = 0xCCCC;
   uint32_t ra = 0, rb = 0, rc = 0;
@@ -114,7 +146,7 @@ TEST(HostTransportTest, EqualTagsMatchInPostingOrder) {
   EXPECT_EQ(rc, c);
 }
 
-TEST(HostTransportTest, SelfSendAndZeroBytes) {
+TEST_P(TransportTest, SelfSendAndZeroBytes) {
   auto world = MakeWorld(1);
   std::vector<int> in = {1, 2, 3}, out(3, 0);
   SendOp sends[] = {{0, in.data(), sizeof(int) * 3, 4}, {0, nullptr, 0, 5}};
@@ -130,7 +162,7 @@ TEST(HostTransportTest, SelfSendAndZeroBytes) {
   EXPECT_EQ(world[0]->counters().messages_sent, 0u);
 }
 
-TEST(HostTransportTest, RingStagesBackToBack) {
+TEST_P(TransportTest, RingStagesBackToBack) {
   constexpr int kRanks = 4;
   constexpr int kStages = 200;
   auto world = MakeWorld(kRanks);
@@ -157,7 +189,7 @@ TEST(HostTransportTest, RingStagesBackToBack) {
   }
 }
 
-TEST(HostTransportTest, AllToAllRandomSizesWithExactCounters) {
+TEST_P(TransportTest, AllToAllRandomSizesWithExactCounters) {
   constexpr int kRanks = 5;
   constexpr int kRounds = 12;
   auto world = MakeWorld(kRanks);
@@ -213,7 +245,7 @@ TEST(HostTransportTest, AllToAllRandomSizesWithExactCounters) {
   }
 }
 
-TEST(HostTransportTest, WaitsInAnyOrderAcrossStages) {
+TEST_P(TransportTest, WaitsInAnyOrderAcrossStages) {
   // Rank 0 waits on its send first, rank 1 on its other send first: each Wait must also
   // perform the copies of the rank's other stage, or this deadlocks.
   auto world = MakeWorld(2, absl::Seconds(10));
@@ -237,7 +269,7 @@ TEST(HostTransportTest, WaitsInAnyOrderAcrossStages) {
   EXPECT_EQ(y1, 10);
 }
 
-TEST(HostTransportTest, AllGather) {
+TEST_P(TransportTest, AllGather) {
   for (int n : {1, 2, 5}) {
     for (size_t bytes : {size_t{0}, size_t{1}, size_t{37}}) {
       for (bool in_place : {false, true}) {
@@ -272,7 +304,7 @@ TEST(HostTransportTest, AllGather) {
   }
 }
 
-TEST(HostTransportTest, AllGatherRejectsOverlap) {
+TEST_P(TransportTest, AllGatherRejectsOverlap) {
   auto world = MakeWorld(1);
   std::vector<uint8_t> buf(16);
   EXPECT_EQ(world[0]->AllGather(buf.data() + 1, buf.data(), 8, "g").code(),
@@ -281,7 +313,7 @@ TEST(HostTransportTest, AllGatherRejectsOverlap) {
             absl::StatusCode::kInvalidArgument);
 }
 
-TEST(HostTransportTest, SizeMismatchFailsOnBothSides) {
+TEST_P(TransportTest, SizeMismatchFailsOnBothSides) {
   auto world = MakeWorld(2);
   std::vector<uint8_t> a(8, 1), b(16, 0), c(4, 9), d(4, 0);
   auto results = RunRanks(2, [&](int rank) -> absl::Status {
@@ -307,7 +339,7 @@ TEST(HostTransportTest, SizeMismatchFailsOnBothSides) {
   EXPECT_EQ(d, c) << "the well-formed message of the stage still arrives";
 }
 
-TEST(HostTransportTest, TimeoutNamesRankPeerTagAndStage) {
+TEST_P(TransportTest, TimeoutNamesRankPeerTagAndStage) {
   auto world = MakeWorld(3, absl::Milliseconds(200));
   std::vector<uint8_t> buf(32);
   const absl::Time start = absl::Now();
@@ -327,7 +359,7 @@ TEST(HostTransportTest, TimeoutNamesRankPeerTagAndStage) {
   EXPECT_THAT(later.message(), HasSubstr("timed out"));
 }
 
-TEST(HostTransportTest, TimeoutListsEveryMissingPeer) {
+TEST_P(TransportTest, TimeoutListsEveryMissingPeer) {
   auto world = MakeWorld(4, absl::Milliseconds(150));
   int out = 1, in1 = 0, in3 = 0;
   auto results = RunRanks(4, [&](int rank) -> absl::Status {
@@ -347,7 +379,7 @@ TEST(HostTransportTest, TimeoutListsEveryMissingPeer) {
             "rank 3 (send tag 8, recv tag 6)");
 }
 
-TEST(HostTransportTest, RankThatNeverArrivesTimesOutTheOthers) {
+TEST_P(TransportTest, RankThatNeverArrivesTimesOutTheOthers) {
   constexpr int kRanks = 4;
   auto world = MakeWorld(kRanks, absl::Milliseconds(200));
   auto results = RunRanks(kRanks, [&](int me) -> absl::Status {
@@ -371,7 +403,7 @@ TEST(HostTransportTest, RankThatNeverArrivesTimesOutTheOthers) {
   }
 }
 
-TEST(HostTransportTest, WithdrawnReceiveIsNeverWrittenAfterTimeout) {
+TEST_P(TransportTest, WithdrawnReceiveIsNeverWrittenAfterTimeout) {
   auto world = MakeWorld(2, absl::Milliseconds(100));
   auto buffer = std::make_unique<std::vector<uint8_t>>(1024, 0);
   absl::Status s = world[0]->Exchange({}, {{RecvOp{1, buffer->data(), 1024, 3}}}, "early");
@@ -382,6 +414,8 @@ TEST(HostTransportTest, WithdrawnReceiveIsNeverWrittenAfterTimeout) {
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition) << late;
 }
 
+// Host transport only: the shared-memory transport writes a send's payload into the ring at
+// once, so a receiver finds the message there even after the sender timed out.
 TEST(HostTransportTest, WithdrawnMatchedSendFailsThePeerCleanly) {
   // Rank 1 posts its receive (so the send is matched) but waits only after rank 0 has timed
   // out and freed its send buffer: rank 1 must fail with Aborted and never read the buffer.
@@ -410,7 +444,7 @@ TEST(HostTransportTest, WithdrawnMatchedSendFailsThePeerCleanly) {
   EXPECT_EQ(in, std::vector<uint8_t>(4096, 0));
 }
 
-TEST(HostTransportTest, AbortFromAnotherThreadReleasesEveryWaiter) {
+TEST_P(TransportTest, AbortFromAnotherThreadReleasesEveryWaiter) {
   constexpr int kRanks = 3;
   auto world = MakeWorld(kRanks, absl::Seconds(60));
   const absl::Time start = absl::Now();
@@ -438,7 +472,7 @@ TEST(HostTransportTest, AbortFromAnotherThreadReleasesEveryWaiter) {
   EXPECT_EQ(world[2]->AllGather(&x, &x, 0, "after").code(), absl::StatusCode::kAborted);
 }
 
-TEST(HostTransportTest, AbortRacingLargeTransfersIsSafe) {
+TEST_P(TransportTest, AbortRacingLargeTransfersIsSafe) {
   // Ranks stream 256 KiB messages around a ring while another thread aborts at a random
   // moment: every rank ends with OK or Aborted, and (under ASan) no buffer is touched after
   // its stage returned.
@@ -466,7 +500,7 @@ TEST(HostTransportTest, AbortRacingLargeTransfersIsSafe) {
   }
 }
 
-TEST(HostTransportTest, RejectsBadOperations) {
+TEST_P(TransportTest, RejectsBadOperations) {
   auto world = MakeWorld(2);
   std::vector<uint8_t> buf(64);
   auto code = [&](std::vector<SendOp> s, std::vector<RecvOp> r) {
@@ -499,7 +533,7 @@ TEST(HostTransportTest, RejectsBadOperations) {
   EXPECT_EQ(world[0]->counters().messages_sent, 2u);
 }
 
-TEST(HostTransportTest, DestroyedPeerFailsFast) {
+TEST_P(TransportTest, DestroyedPeerFailsFast) {
   auto world = MakeWorld(3, absl::Seconds(60));
   int x = 0;
   const absl::Time start = absl::Now();
@@ -517,7 +551,7 @@ TEST(HostTransportTest, DestroyedPeerFailsFast) {
   EXPECT_THAT(s.message(), HasSubstr("rank 1 has been destroyed"));
 }
 
-TEST(HostTransportTest, DestroyingAnUnwaitedStageWaitsForIt) {
+TEST_P(TransportTest, DestroyingAnUnwaitedStageWaitsForIt) {
   auto world = MakeWorld(2);
   int a = 42, b = 0;
   auto results = RunRanks(2, [&](int me) -> absl::Status {

@@ -104,6 +104,24 @@ TEST(DistributedMaskKindsTest, EveryKindAsOneDocumentSpanningRanks) {
   }
 }
 
+// Plan batches (hsapBatchCreateWithPlan): the sequence split over two groups of two ranks,
+// the heads split inside each group; each rank holds its rows of the batch's partition.
+TEST(DistributedPlanTest, PlanBatchMatchesReference) {
+  const int sizes[] = {2, 2}, ranks[] = {0, 1, 2, 3}, counts[] = {2, 2, 2, 2};
+  const int heads[] = {0, 1, 2, 3, 0, 1, 2, 3};
+  hsapPlan_t plan = nullptr;
+  ASSERT_EQ(
+      hsapPlanCreate(&plan, 4, 4, 2, 2, sizes, ranks, nullptr, nullptr, counts, heads, nullptr),
+      hsapSuccess)
+      << hsapGetLastError();
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    DistCase c = Make(4, {}, dtype, 4, 2, 32);
+    c.plan = plan;
+    CheckAgainstReference(RandomLayout(600, DocMix::kLongTail, 31, false), c, 31);
+  }
+  hsapPlanDestroy(plan);
+}
+
 TEST(DistributedDeterminismTest, BackwardIsBitwiseIdenticalAcrossRuns) {
   const Layout layout = RandomLayout(600, DocMix::kOneHuge, 31, /*causal_only=*/false);
   const DistCase c = Make(4, {3, 1, 1, 3}, DType::kBF16, 2, 1, 32);
