@@ -360,7 +360,6 @@ class Engine {
   struct Inbox {  // peer -> this rank
     bool in_message = false;
     Record rec;
-    std::string stage;
     uint64_t received = 0;
     Op* recv = nullptr;            // the payload goes straight into this receive, or
     std::shared_ptr<Early> early;  // into this heap buffer; neither: discarded
@@ -518,7 +517,7 @@ class Engine {
         if (rec.type == kAck || rec.type == kMismatch) {
           OnReply(peer, rec, stage);
         } else {
-          StartMessage(peer, rec, std::move(stage));
+          StartMessage(peer, rec, stage);
         }
         continue;
       }
@@ -541,7 +540,7 @@ class Engine {
     return progressed;
   }
 
-  void StartMessage(int peer, const Record& rec, std::string stage) {
+  void StartMessage(int peer, const Record& rec, const std::string& stage) {
     Inbox& in = in_[peer];
     in.in_message = true;
     in.rec = rec;
@@ -570,7 +569,6 @@ class Engine {
       early_[key].push_back(e);
       in.early = std::move(e);
     }
-    in.stage = std::move(stage);
     if (rec.bytes == 0) FinishMessage(peer);
   }
 

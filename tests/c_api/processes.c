@@ -167,6 +167,19 @@ static int RunVictimRank(hsapUniqueId_t id, int rank) {
   return 10 + e;
 }
 
+/* Whether the segment the token names is still in /dev/shm: hsapGetUniqueId puts the 16
+ * random bytes that name it ("hsap-" and their hex digits) at offset 16. */
+static int SegmentLeft(const hsapUniqueId_t* id) {
+  char path[64] = "/dev/shm/hsap-";
+  size_t at = strlen(path);
+  int i;
+  for (i = 16; i < 32; ++i) {
+    snprintf(path + at, sizeof(path) - at, "%02x", (unsigned)(unsigned char)id->internal[i]);
+    at += 2;
+  }
+  return access(path, F_OK) == 0;
+}
+
 static int Spawn(hsapUniqueId_t id, int victim, pid_t* pids) {
   int r;
   for (r = 0; r < RANKS; ++r) {
@@ -196,6 +209,11 @@ int main(void) {
     }
   }
 
+  if (SegmentLeft(&id)) {
+    fprintf(stderr, "the segment was left in /dev/shm\n");
+    ++failures;
+  }
+
   if (hsapGetUniqueId(&id) != hsapSuccess) return 1;
   if (!Spawn(id, 1, pids)) return 1;
   {
@@ -215,6 +233,10 @@ int main(void) {
               WIFEXITED(status) ? WEXITSTATUS(status) : -1);
       ++failures;
     }
+  }
+  if (SegmentLeft(&id)) {
+    fprintf(stderr, "the segment was left in /dev/shm after a rank was killed\n");
+    ++failures;
   }
   if (failures == 0) printf("processes: OK\n");
   return failures == 0 ? 0 : 1;

@@ -420,6 +420,9 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
       w.Bytes(lse[r].data(), lse[r].size() * sizeof(float));
       return w.Take();
     });
+    for (const std::string& e : HsapShmEntries()) {
+      EXPECT_NE(e, HsapSegmentOf(id)) << "the ranks left their segment in /dev/shm";
+    }
     for (int r = 0; r < R; ++r) {
       ReportReader reader(children[r].report);
       std::string field;

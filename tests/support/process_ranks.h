@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "hsap/hsap.h"
 
 namespace hsap::testing {
 
@@ -185,6 +186,19 @@ inline std::vector<ProcessRank> RunRanksAsProcesses(
     close(fds[r]);
   }
   return out;
+}
+
+// The /dev/shm entry of the segment a token names: hsapGetUniqueId puts the 16 random bytes
+// that name it at offset 16 (lib/api/cuda.cc); the name is "hsap-" and their hex digits.
+inline std::string HsapSegmentOf(const hsapUniqueId_t& id) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string name = "hsap-";
+  for (int i = 16; i < 32; ++i) {
+    const auto b = static_cast<uint8_t>(id.internal[i]);
+    name.push_back(kHex[b >> 4]);
+    name.push_back(kHex[b & 15]);
+  }
+  return name;
 }
 
 // Entries of /dev/shm whose name starts with "hsap-" (segments of the host backend).

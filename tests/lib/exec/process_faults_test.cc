@@ -33,22 +33,9 @@ using ::testing::HasSubstr;
 
 constexpr int kHeads = 2, kDim = 32;
 
-// The segment a token names: hsapGetUniqueId puts the 16 random bytes that name it at
-// offset 16 (lib/api/cuda.cc), the name is "hsap-" and their hex digits.
-std::string SegmentOf(const hsapUniqueId_t& id) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string name = "hsap-";
-  for (int i = 16; i < 32; ++i) {
-    const auto b = static_cast<uint8_t>(id.internal[i]);
-    name.push_back(kHex[b >> 4]);
-    name.push_back(kHex[b & 15]);
-  }
-  return name;
-}
-
 void ExpectNoSegment(const hsapUniqueId_t& id) {
   for (const std::string& e : testing::HsapShmEntries()) {
-    EXPECT_NE(e, SegmentOf(id)) << "left behind in /dev/shm";
+    EXPECT_NE(e, testing::HsapSegmentOf(id)) << "left behind in /dev/shm";
   }
 }
 
