@@ -12,11 +12,13 @@
 #include "jit/device/hsap_device.cuh"
 #include "jit/device/hsap_params.cuh"
 #include "jit/device/hsap_sync.cuh"
+#include "jit/device/hsap_worklist.cuh"
 
 // The device headers' text, embedded at build time (jit/embed_file.h).
 HSAP_EMBED_FILE(hsap_embedded_params_cuh, "jit/device/hsap_params.cuh");
 HSAP_EMBED_FILE(hsap_embedded_device_cuh, "jit/device/hsap_device.cuh");
 HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "jit/device/hsap_sync.cuh");
+HSAP_EMBED_FILE(hsap_embedded_worklist_cuh, "jit/device/hsap_worklist.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 
 namespace hsap::jit {
@@ -64,11 +66,27 @@ std::string CudaKernelConfig::Name() const {
       absl::StrCat(arch_digits, "_", absl::string_view(dtype_name.data(), dtype_name.size()), "_d",
                    head_dim, "_g", gqa, has_band ? "_band" : "_full");
   if (role.num_peers > 0) absl::StrAppend(&name, "_p", role.num_peers);
+  if (ResolveCudaMath(*this) == CudaMath::kTensorCore) {
+    absl::StrAppend(&name, "_tc");
+  } else if (math == CudaMath::kFma && CudaTensorCoreApplies(*this)) {
+    absl::StrAppend(&name, "_fma");
+  }
   if (block_m || block_n || threads || bwd_block_m || bwd_block_n || bwd_threads) {
     absl::StrAppend(&name, "_t", block_m, "x", block_n, "x", threads, "_b", bwd_block_m, "x",
                     bwd_block_n, "x", bwd_threads);
   }
   return name;
+}
+
+bool CudaTensorCoreApplies(const CudaKernelConfig& c) {
+  absl::StatusOr<int> arch = ParseCudaArch(c.arch);
+  return arch.ok() && *arch >= 80 && (c.dtype == DType::kBF16 || c.dtype == DType::kF16) &&
+         c.head_dim % 16 == 0 && c.head_dim >= 64 && c.head_dim <= 256;
+}
+
+CudaMath ResolveCudaMath(const CudaKernelConfig& c) {
+  return c.math != CudaMath::kFma && CudaTensorCoreApplies(c) ? CudaMath::kTensorCore
+                                                              : CudaMath::kFma;
 }
 
 int CudaMaxSharedMemory(int arch) {
@@ -110,6 +128,12 @@ absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& c) {
   if (c.role.num_peers < 0 || c.role.num_peers > kMaxPeers) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "CudaKernelConfig.role: num_peers = %d (must be in [0, %d])", c.role.num_peers, kMaxPeers));
+  }
+  if (c.math == CudaMath::kTensorCore && !CudaTensorCoreApplies(c)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CudaKernelConfig.math = kTensorCore needs bf16 or f16, a head dim that is a multiple "
+        "of 16 in [64, 256] and sm_80 or newer (got ",
+        std::string(DTypeName(c.dtype)), ", head dim ", c.head_dim, ", ", c.arch, ")"));
   }
   return absl::OkStatus();
 }
@@ -184,6 +208,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
   std::string s = absl::StrCat("struct ", struct_name, " {\n");
   absl::StrAppend(&s, "  using T = ", CudaTypeName(config.dtype), ";\n");
   absl::StrAppend(&s, "  static constexpr int kHeadDim = ", config.head_dim, ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kTensorCore = ",
+                  ResolveCudaMath(config) == CudaMath::kTensorCore ? "true" : "false", ";\n");
   absl::StrAppend(&s, "  static constexpr int kGqa = ", config.gqa, ";\n");
   absl::StrAppend(&s, "  static constexpr int kBlockM = ", t.block_m, ", kBlockN = ", t.block_n,
                   ", kThreads = ", t.threads, ";\n");
@@ -261,6 +287,8 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
       {"hsap_params.cuh", std::string(hsap_embedded_params_cuh, hsap_embedded_params_cuh_end)},
       {"hsap_device.cuh", std::string(hsap_embedded_device_cuh, hsap_embedded_device_cuh_end)},
       {"hsap_sync.cuh", std::string(hsap_embedded_sync_cuh, hsap_embedded_sync_cuh_end)},
+      {"hsap_worklist.cuh",
+       std::string(hsap_embedded_worklist_cuh, hsap_embedded_worklist_cuh_end)},
       {"hsap_attention.cuh",
        std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
   };

@@ -32,6 +32,17 @@ struct CudaTopologyRole {
   friend bool operator==(const CudaTopologyRole&, const CudaTopologyRole&) = default;
 };
 
+// The arithmetic of the attention kernels ("fwd", "bwd", "fused_fwd").
+//   kFma:        fp32 FMA loops over fp32 shared-memory tiles (hsap_attention.cuh); every
+//                dtype and head dim, sm_70 and up.
+//   kTensorCore: mma.sync m16n8k16 on bf16/f16 operands with fp32 accumulation, ldmatrix
+//                fragment loads and cp.async K/V pipelines (hsap_attention_mma_*.cuh); bf16
+//                and f16, head dims that are multiples of 16 in [64, 256], sm_80 and up.
+//   kAuto:       kTensorCore where it applies, else kFma (ResolveCudaMath). fp32 stays on
+//                kFma: TF32 would round the scores to 10 mantissa bits, which fp32 callers
+//                have not asked for.
+enum class CudaMath { kAuto, kFma, kTensorCore };
+
 struct CudaKernelConfig {
   std::string arch = "sm_90";  // sm_XX
   DType dtype = DType::kBF16;
@@ -39,6 +50,7 @@ struct CudaKernelConfig {
   int gqa = 1;           // heads_q / heads_kv (a runtime kv_head_of_q map may override)
   bool has_band = true;  // false: work lists hold only full segments
   CudaTopologyRole role;
+  CudaMath math = CudaMath::kAuto;
   // Tile shapes; 0 = chosen by ChooseCudaTiles.
   int block_m = 0, block_n = 0, threads = 0;
   int bwd_block_m = 0, bwd_block_n = 0, bwd_threads = 0;
@@ -46,7 +58,8 @@ struct CudaKernelConfig {
   // static_asserts must then fail the compile with a clear log).
   bool skip_validation = false;
 
-  // A short identifier, e.g. "sm90_bf16_d128_g8_band_p3".
+  // A short identifier, e.g. "sm90_bf16_d128_g8_band_p3_tc" ("_tc": tensor-core math;
+  // "_fma": the FMA kernels forced where tensor cores would apply).
   std::string Name() const;
 };
 
@@ -56,11 +69,21 @@ struct CudaTiles {
   int fwd_smem_bytes = 0, bwd_smem_bytes = 0;  // dynamic shared memory per CTA
 };
 
+// Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
+// [64, 256], sm_80 or newer.
+bool CudaTensorCoreApplies(const CudaKernelConfig& config);
+
+// The math the kernels of `config` use: kFma when asked for or when tensor cores do not
+// apply (an explicit kTensorCore that does not apply fails ValidateCudaKernelConfig),
+// kTensorCore otherwise. Never kAuto.
+CudaMath ResolveCudaMath(const CudaKernelConfig& config);
+
 // Dynamic shared memory a CTA may use on `arch` (opt-in maximum), e.g. 232448 on sm_90.
 int CudaMaxSharedMemory(int arch);
 
 // Checks the configuration: arch sm_XX >= sm_70, head dim a multiple of 8 in [32, 256],
-// gqa in [1, 64], 0 <= num_peers <= 15, explicit tiles consistent.
+// gqa in [1, 64], 0 <= num_peers <= 15, explicit tiles consistent, math = kTensorCore only
+// where CudaTensorCoreApplies.
 absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& config);
 
 // The tile shapes used for `config`: explicit ones kept, the others the largest that fit
@@ -98,7 +121,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
                              absl::string_view struct_name);
 
 // Our device headers, (include name, content), embedded in the library at build time from
-// jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_attention.cuh.
+// jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
+// hsap_attention.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

@@ -15,6 +15,8 @@
 // Required members of Cfg:
 //   using T;                       float, hsap_dev::bf16 or hsap_dev::f16
 //   kHeadDim, kGqa                 head dim (multiple of 8 in [32, 256]), heads_q / heads_kv
+//   kTensorCore                    the math (jit/codegen_cuda.h CudaMath): true selects the
+//                                  mma kernels of hsap_attention_mma_*.cuh
 //   kBlockM, kBlockN, kThreads     forward tile (query rows, key rows) and CTA size
 //   kBwdBlockM, kBwdBlockN, kBwdThreads   backward tile and CTA size
 //   kHasBand                       false: only full segments (no causal/window band)
@@ -28,17 +30,9 @@
 #include "hsap_device.cuh"
 #include "hsap_params.cuh"
 #include "hsap_sync.cuh"
+#include "hsap_worklist.cuh"
 
 namespace hsap_dev {
-
-constexpr long long kNoDiagLimit = 1LL << 60;  // attention/layout.h
-
-HSAP_DEV long long min64(long long a, long long b) { return a < b ? a : b; }
-HSAP_DEV long long max64(long long a, long long b) { return a > b ? a : b; }
-
-HSAP_DEV void report(unsigned int* error_flag, unsigned int bits) {
-  if (error_flag != nullptr && threadIdx.x == 0) atomicOr(error_flag, bits);
-}
 
 template <int kD_, int kBM_, int kBN_, int kThreads_>
 struct TileShape {
@@ -79,23 +73,6 @@ HSAP_DEV void load_tile(float* dst, const void* src, long long row0, int valid, 
     }
     dst[rr * kLd + d] = x;
   }
-}
-
-// The visible key range [k_lo, k_hi) of `seg` for query rows [q0, q0 + rows).
-HSAP_DEV void visible_keys(const KeySegment& seg, long long q0, int rows, long long* k_lo,
-                           long long* k_hi) {
-  *k_lo = max64(seg.k_begin, q0 + seg.diag_lo);
-  *k_hi = min64(seg.k_end, q0 + rows + seg.diag_hi);  // last visible: q0 + rows - 1 + diag_hi
-}
-
-HSAP_DEV bool segment_is_full(const KeySegment& seg) {
-  return seg.diag_lo <= -kNoDiagLimit && seg.diag_hi >= kNoDiagLimit;
-}
-
-// Every (row, col) of the tile is inside the band.
-HSAP_DEV bool tile_inside_band(const KeySegment& seg, long long q0, int rows, long long k0,
-                               int cols) {
-  return k0 - (q0 + rows - 1) >= seg.diag_lo && (k0 + cols - 1) - q0 <= seg.diag_hi;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -227,23 +204,6 @@ __device__ void attend_block_fwd(float* smem, const void* q, const void* k, cons
     __syncwarp();  // every lane of the row has read the old lse
     if (r < rows && tc == 0 && lse2 != neg_inf()) *lse_ptr = merged.lse;
   }
-}
-
-// The kv head of query head h, or -1 (reported) when the head geometry breaks the contract.
-template <class Cfg>
-HSAP_DEV int kv_head(const int* kv_head_of_q, int heads_q, int heads_kv, int h,
-                     unsigned int* error_flag) {
-  int kvh = -1;
-  if (kv_head_of_q != nullptr) {
-    kvh = kv_head_of_q[h];
-  } else if (heads_q == heads_kv * Cfg::kGqa) {
-    kvh = h / Cfg::kGqa;
-  }
-  if (kvh < 0 || kvh >= heads_kv) {
-    report(error_flag, kErrorHeads);
-    return -1;
-  }
-  return kvh;
 }
 
 template <class Cfg>

@@ -41,6 +41,8 @@ enum ErrorBits : unsigned int {
                      // out of [0, heads_kv)
   kErrorPeerTimeout = 8u,  // fused kernel: a peer's ready flag did not arrive in time (the
                            // step was not copied: its results are garbage)
+  kErrorMisaligned = 16u,  // tensor-core variants: q, k or v (or a fused stage buffer) is not
+                           // 16-byte aligned (cp.async moves 16-byte rows); nothing computed
 };
 
 // attn_fwd_kernel<Cfg>. Grid (num_blocks, heads_q), Cfg::kThreads threads, dynamic shared

@@ -59,7 +59,7 @@ static_assert(sizeof(hsap_dev::FusedFwdParamsT<16>) < 4096, "kernel parameter li
 
 TEST(CudaDeviceHeaders, EmbeddedTextIsTheFilesText) {
   const auto& headers = CudaDeviceHeaders();
-  ASSERT_EQ(headers.size(), 4u);
+  ASSERT_EQ(headers.size(), 5u);
   for (const auto& [name, content] : headers) {
     const std::string on_disk = ReadFile(absl::StrCat(HSAP_SOURCE_DIR, "/jit/device/", name));
     ASSERT_FALSE(on_disk.empty()) << name;
@@ -82,7 +82,7 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
   EXPECT_THAT(s->source, HasSubstr("kGqa = 4;"));
   EXPECT_THAT(s->source, HasSubstr("kHasBand = false;"));
   EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 0;"));
-  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full.cu");
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_tc.cu");
   std::vector<std::string> roles;
   for (const CudaKernelEntry& k : s->kernels) {
     roles.push_back(k.role);
@@ -97,9 +97,54 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
   s = GenerateCudaKernels(c);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_THAT(s->source, HasSubstr("kMaxSteps = 4;"));
-  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_p3.cu");
+  EXPECT_EQ(s->program_name, "hsap_sm90_fp16_d96_g4_full_p3_tc.cu");
   EXPECT_EQ(s->kernels.back().role, "fused_fwd");
   EXPECT_THAT(s->source, HasSubstr("FusedFwdParamsT<4>"));
+}
+
+// kAuto resolves to tensor cores for bf16/f16 at head dims 64..256 (multiples of 16) on
+// sm_80+, and to the FMA kernels elsewhere (fp32, other head dims, older architectures).
+TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
+  CudaKernelConfig c;
+  c.arch = "sm_80";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore);
+  EXPECT_EQ(c.Name(), "sm80_bf16_d128_g1_band_tc");
+  c.dtype = DType::kF16;
+  for (int d : {64, 80, 96, 112, 128, 192, 256}) {
+    c.head_dim = d;
+    EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore) << d;
+  }
+  for (int d : {32, 48, 72, 136, 200}) {  // below 64, or not a multiple of 16
+    c.head_dim = d;
+    EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma) << d;
+    EXPECT_THAT(c.Name(), Not(HasSubstr("_tc")));
+  }
+  c.head_dim = 128;
+  c.dtype = DType::kF32;  // no TF32 unless asked for
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  c.dtype = DType::kBF16;
+  c.arch = "sm_75";
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  c.arch = "sm_90";
+  c.math = CudaMath::kFma;  // forced: the plain kernels, named apart
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kFma);
+  EXPECT_EQ(c.Name(), "sm90_bf16_d128_g1_band_fma");
+  c.math = CudaMath::kTensorCore;
+  EXPECT_EQ(ResolveCudaMath(c), CudaMath::kTensorCore);
+  EXPECT_TRUE(ValidateCudaKernelConfig(c).ok());
+  c.dtype = DType::kF32;  // asked for where it cannot apply
+  EXPECT_EQ(ValidateCudaKernelConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(ValidateCudaKernelConfig(c).message(), HasSubstr("math"));
+  c.math = CudaMath::kAuto;
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("kTensorCore = false;"));
+  c.dtype = DType::kBF16;
+  s = GenerateCudaKernels(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("kTensorCore = true;"));
 }
 
 // The config struct is rendered by one function: the program NVRTC compiles holds it as
