@@ -5,7 +5,8 @@
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
 // CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
-// lane), dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
+// lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h),
+// dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
 // acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
 // A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
 // Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
@@ -112,11 +113,14 @@ struct alignas(16) uint4 {
   }
 };
 
+// The tensor-core instructions of jit/device/hsap_mma.cuh (mma, ldmatrix, cp.async).
+#include "tests/support/emulated_ptx.h"
+
 namespace hsap_emu {
 
 struct Cta {
   explicit Cta(int threads, size_t smem_floats)
-      : bar(threads), smem(smem_floats, 0.0f), shfl(threads, 0.0f) {
+      : bar(threads), smem(smem_floats, 0.0f), shfl(threads, 0.0f), ptx(threads / 32) {
     for (int w = 0; w < threads / 32; ++w)
       warp_bars.push_back(std::make_unique<std::barrier<>>(32));
   }
@@ -124,9 +128,20 @@ struct Cta {
   std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
   std::vector<float> smem;
   std::vector<float> shfl;
+  std::vector<PtxWarpExchange> ptx;  // per warp
 };
 
 inline thread_local Cta* tl_cta = nullptr;
+
+// The hooks of emulated_ptx.h.
+inline PtxWarpExchange& ThisWarpExchange() { return tl_cta->ptx[threadIdx.x / 32]; }
+inline int ThisLane() { return static_cast<int>(threadIdx.x % 32); }
+inline bool InSharedMemory(const void* p, std::size_t bytes) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(tl_cta->smem.data());
+  const auto end = begin + tl_cta->smem.size() * sizeof(float);
+  const auto q = reinterpret_cast<std::uintptr_t>(p);
+  return begin <= q && q + bytes <= end;
+}
 
 inline void SyncWarp() {
   tl_cta->warp_bars[threadIdx.x / 32]->arrive_and_wait();
