@@ -59,7 +59,7 @@ static_assert(sizeof(hsap_dev::FusedFwdParamsT<16>) < 4096, "kernel parameter li
 
 TEST(CudaDeviceHeaders, EmbeddedTextIsTheFilesText) {
   const auto& headers = CudaDeviceHeaders();
-  ASSERT_EQ(headers.size(), 5u);
+  ASSERT_EQ(headers.size(), 7u);
   for (const auto& [name, content] : headers) {
     const std::string on_disk = ReadFile(absl::StrCat(HSAP_SOURCE_DIR, "/jit/device/", name));
     ASSERT_FALSE(on_disk.empty()) << name;
