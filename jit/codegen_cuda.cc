@@ -51,15 +51,15 @@ int BwdSmemBytes(int d, int bm, int bn) {
 
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
 // behind them): 4 warps; up to head dim 128 each warp owns 16 keys x all of D of dK/dV
-// (64-key tiles) and the query tile is 64 rows at D <= 64, 32 above (S^T and dP^T of 32
-// queries next to the 128 dK/dV floats of D = 128); above 128 two warps split D (32-key tiles,
-// dK/dV at most 128 floats per thread).
+// (64-key tiles), next to S^T and dP^T of the query tile: 64 queries at D <= 64, 16 above
+// (at D = 128, 32 queries left ptxas 24 bytes of spills on sm_90); above 128 two warps split
+// D (32-key tiles, dK/dV at most 128 floats per thread, 32-query tiles).
 struct MmaBwdTile {
   int bm, bn, threads;
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
   if (head_dim <= 64) return {64, 64, 128};
-  if (head_dim <= 128) return {32, 64, 128};
+  if (head_dim <= 128) return {16, 64, 128};
   return {32, 32, 128};
 }
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with

@@ -33,8 +33,9 @@
 // Registers (fp32 accumulators per thread; 255 is the hardware limit, the compile test asks
 // for zero spills): key items hold dK + dV = 2 * 16 * kDW / 32 = kDW and S^T, dP^T =
 // 2 * 16 * kBM / 32 = kBM. Head dims up to 128: 16 keys x all of D per warp (kDW = D),
-// kBN = 64, 4 warps, and kBM = 64 for D <= 64 (64 + 64 floats) but kBM = 32 above
-// (128 + 32); head dims above 128 split D over two warps (kDW = D / 2 <= 128, kBN = 32):
+// kBN = 64, 4 warps, and kBM = 64 for D <= 64 (64 + 64 floats) but kBM = 16 above
+// (128 + 16: with 32, ptxas spilled 24 bytes on sm_90); head dims above 128 split D over two
+// warps (kDW = D / 2 <= 128, kBN = 32, kBM = 32):
 // both warps of a key group compute the same S^T, dP^T (the price of keeping dK, dV in
 // registers). Query items hold dQ = D / 2 floats plus S, dP of 32-key tiles (16 floats).
 //
