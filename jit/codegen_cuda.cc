@@ -1,5 +1,7 @@
 #include "jit/codegen_cuda.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
@@ -9,6 +11,7 @@
 // Included for the build's dependency tracking only: the .cuh bodies are visible to CUDA
 // compilers alone (hsap_params.cuh is plain C++). Their text is embedded below.
 #include "jit/device/hsap_attention.cuh"
+#include "jit/device/hsap_attention_mma_bwd.cuh"
 #include "jit/device/hsap_attention_mma_fwd.cuh"
 #include "jit/device/hsap_device.cuh"
 #include "jit/device/hsap_mma.cuh"
@@ -24,6 +27,7 @@ HSAP_EMBED_FILE(hsap_embedded_worklist_cuh, "jit/device/hsap_worklist.cuh");
 HSAP_EMBED_FILE(hsap_embedded_mma_cuh, "jit/device/hsap_mma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_mma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
 
 namespace hsap::jit {
 namespace {
@@ -93,6 +97,30 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
   return absl::OkStatus();
 }
 
+// The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
+// behind them): 4 warps; up to head dim 128 each warp owns 16 keys x all of D of dK/dV
+// (64-key tiles), next to S^T and dP^T of the query tile: 64 queries at D <= 64, 16 above
+// (at D = 128, 32 queries left ptxas 24 bytes of spills on sm_90); above 128 two warps split
+// D (32-key tiles, dK/dV at most 128 floats per thread, 32-query tiles).
+struct MmaBwdTile {
+  int bm, bn, threads;
+};
+MmaBwdTile MmaBwdTileFor(int head_dim) {
+  if (head_dim <= 64) return {64, 64, 128};
+  if (head_dim <= 128) return {16, 64, 128};
+  return {32, 32, 128};
+}
+// MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with
+// lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, two stages of
+// 32-key K, V tiles), rows padded by 8 elements, after 256 bytes of shared walk state.
+int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
+  const int row = 2 * (d + 8), ctrl = 256, qm = 16 * (threads / 32);
+  const int key_pass = ctrl + 2 * bn * row + 2 * 2 * bm * row + 2 * 2 * bm * 4 +
+                       (deterministic_dq ? 0 : bn * (bm + 8) * 2);
+  const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * std::min(bn, 32) * row;
+  return std::max(key_pass, dq_pass);
+}
+
 const char* CudaTypeName(DType t) {
   switch (t) {
     case DType::kF32:
@@ -117,6 +145,7 @@ std::string CudaKernelConfig::Name() const {
   if (role.num_peers > 0) absl::StrAppend(&name, "_p", role.num_peers);
   if (ResolveCudaMath(*this) == CudaMath::kTensorCore) {
     absl::StrAppend(&name, "_tc");
+    if (!deterministic_dq) absl::StrAppend(&name, "_adq");
   } else if (math == CudaMath::kFma && CudaTensorCoreApplies(*this)) {
     absl::StrAppend(&name, "_fma");
   }
@@ -246,7 +275,17 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_block_m = c.bwd_block_m;
     t.bwd_block_n = c.bwd_block_n;
     t.bwd_threads = c.bwd_threads;
+    t.bwd_tensor_core = ResolveCudaMath(c) == CudaMath::kTensorCore;
+  } else if (const MmaBwdTile m = MmaBwdTileFor(c.head_dim);
+             ResolveCudaMath(c) == CudaMath::kTensorCore &&
+             MmaBwdSmemBytes(c.head_dim, m.bm, m.bn, m.threads, c.deterministic_dq) <= limit) {
+    t.bwd_block_m = m.bm;
+    t.bwd_block_n = m.bn;
+    t.bwd_threads = m.threads;
+    t.bwd_tensor_core = true;
   } else {
+    // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit (head
+    // dims above 128 on the 99 KB of sm_86/89).
     for (const auto& [bm, bn] : kBwdCandidates) {
       if (BwdSmemBytes(c.head_dim, bm, bn) <= limit) {
         t.bwd_block_m = bm;
@@ -261,7 +300,9 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
         absl::StrCat("no tile of head dim ", c.head_dim, " fits the shared memory of ", c.arch));
   }
   if (!tensor_core) t.fwd_smem_bytes = FwdSmemBytes(c.head_dim, t.block_m, t.block_n);
-  t.bwd_smem_bytes = BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
+  t.bwd_smem_bytes = t.bwd_tensor_core ? MmaBwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n,
+                                                         t.bwd_threads, c.deterministic_dq)
+                                       : BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
   if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CudaKernelConfig tiles need ", t.fwd_smem_bytes, "/", t.bwd_smem_bytes,
@@ -297,6 +338,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
       &s, "  static constexpr bool kQInRegisters = ", t.q_in_registers ? "true" : "false", ";\n");
   absl::StrAppend(&s, "  static constexpr int kFwdSmemBytes = ", t.fwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "  static constexpr int kBwdSmemBytes = ", t.bwd_smem_bytes, ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kDeterministicDq = ",
+                  config.deterministic_dq ? "true" : "false", ";\n");
   absl::StrAppend(&s, "};\n");
   return s;
 }
@@ -322,7 +365,10 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   absl::StrAppend(&s, "// Generated by hsap jit/codegen_cuda for ", config.Name(), ".\n",
                   "// Kernel contracts: hsap_params.cuh. Kernel bodies: hsap_attention.cuh",
                   tc ? " (tensor-core forward: hsap_attention_mma_fwd.cuh)" : "", ".\n",
-                  "#include \"hsap_attention.cuh\"\n\n");
+                  "#include \"hsap_attention.cuh\"\n");
+  const bool tc_bwd = t.bwd_tensor_core;
+  if (tc_bwd) absl::StrAppend(&s, "#include \"hsap_attention_mma_bwd.cuh\"\n");
+  absl::StrAppend(&s, "\n");
   absl::StrAppend(&s, CudaConfigStruct(config, t, "HsapCfg"), "\n");
 
   struct Kernel {
@@ -334,7 +380,8 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   };
   std::vector<Kernel> kernels = {
       {"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads, t.fwd_smem_bytes, tc},
-      {"bwd", "attn_bwd_kernel", "hsap_dev::BwdParams", t.bwd_threads, t.bwd_smem_bytes},
+      {"bwd", tc_bwd ? "attn_bwd_mma_kernel" : "attn_bwd_kernel", "hsap_dev::BwdParams",
+       t.bwd_threads, t.bwd_smem_bytes, tc_bwd},
       {"delta", "attn_delta_kernel", "hsap_dev::DeltaParams", 256, 0},
       {"merge", "lse_merge_kernel", "hsap_dev::MergeParams", 256, 0},
       {"init", "init_partial_kernel", "hsap_dev::InitParams", 256, 0},
@@ -378,6 +425,8 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
        std::string(hsap_embedded_attention_mma_fwd_cuh, hsap_embedded_attention_mma_fwd_cuh_end)},
       {"hsap_attention.cuh",
        std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
+      {"hsap_attention_mma_bwd.cuh",
+       std::string(hsap_embedded_attention_mma_bwd_cuh, hsap_embedded_attention_mma_bwd_cuh_end)},
   };
   return *headers;
 }

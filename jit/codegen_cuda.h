@@ -54,6 +54,10 @@ struct CudaKernelConfig {
   // Tile shapes; 0 = chosen by ChooseCudaTiles.
   int block_m = 0, block_n = 0, threads = 0;
   int bwd_block_m = 0, bwd_block_n = 0, bwd_threads = 0;
+  // Tensor-core backward only: dq reduced in a fixed order (query-major pass, bitwise
+  // reproducible) when true, fp32 atomicAdd from the key-major pass (fewer flops, not
+  // reproducible) when false. The FMA backward ignores it (its dq is always deterministic).
+  bool deterministic_dq = true;
   // Emit the source even if the configuration is unsupported (tests: the device code's
   // static_asserts must then fail the compile with a clear log).
   bool skip_validation = false;
@@ -72,6 +76,9 @@ struct CudaTiles {
   // for the FMA kernels.
   int fwd_stages = 0;
   bool q_in_registers = false;
+  // "bwd" is the tensor-core backward (hsap_attention_mma_bwd.cuh): the math resolves to
+  // kTensorCore and its tiles fit the architecture's shared memory.
+  bool bwd_tensor_core = false;
 };
 
 // Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
@@ -135,7 +142,7 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
 
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
-// hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh.
+// hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh, hsap_attention_mma_bwd.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

@@ -48,6 +48,12 @@ std::vector<CudaKernelConfig> ShippedCudaConfigs(absl::string_view arch) {
   add(DType::kBF16, 128, 8, true, {3});
   add(DType::kBF16, 128, 8, true, {7});
   add(DType::kBF16, 128, 1, true, {3});
+  // The tensor-core backward with atomic dq (deterministic_dq = false, "_adq"), so that the
+  // variant compile test covers its kernel too; the runtime requests the deterministic
+  // default.
+  add(DType::kBF16, 128, 1, true);
+  out.back().deterministic_dq = false;
+  if (!CudaTensorCoreApplies(out.back())) out.pop_back();  // same variant as the default
   return out;
 }
 

@@ -1,7 +1,8 @@
 // The CUDA kernel variants hsap ships, and compiling them.
 //
 // ShippedCudaConfigs() lists the configurations the CUDA runtime (issue 7) requests: the
-// dtypes, head dims, GQA ratios, mask kinds and topology roles of the supported models. Each
+// dtypes, head dims, GQA ratios, mask kinds and topology roles of the supported models (and
+// one tensor-core variant with atomic dq, compiled so that its kernel stays checked). Each
 // configuration is one NVRTC program holding all its kernels (forward, backward, delta,
 // merge, init, convert, and the fused forward for roles with peers); the test suite
 // compiles every one of them for sm_80 and sm_90 and checks that the cubin defines the

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -61,7 +62,7 @@ static_assert(sizeof(hsap_dev::FusedFwdParamsT<16>) < 4096, "kernel parameter li
 
 TEST(CudaDeviceHeaders, EmbeddedTextIsTheFilesText) {
   const auto& headers = CudaDeviceHeaders();
-  ASSERT_EQ(headers.size(), 7u);
+  ASSERT_EQ(headers.size(), 8u);
   for (const auto& [name, content] : headers) {
     const std::string on_disk = ReadFile(absl::StrCat(HSAP_SOURCE_DIR, "/jit/device/", name));
     ASSERT_FALSE(on_disk.empty()) << name;
@@ -204,6 +205,58 @@ TEST(CudaConfigStruct, IsTheGeneratedProgramsHsapCfg) {
   ASSERT_EQ(renamed.rfind("struct Cfg<float, 2> {\n", 0), 0u) << renamed;
   renamed.replace(0, std::string("struct Cfg<float, 2>").size(), "struct HsapCfg");
   EXPECT_EQ(renamed, hsap_cfg);
+}
+
+// The "bwd" role is the tensor-core backward where the math resolves to kTensorCore and its
+// tiles fit; the FMA backward otherwise.
+TEST(GenerateCudaKernels, TensorCoreBackwardWhereItApplies) {
+  auto bwd_of = [](const CudaKernelSource& s) {
+    for (const CudaKernelEntry& k : s.kernels) {
+      if (k.role == "bwd") return k;
+    }
+    return CudaKernelEntry{};
+  };
+  CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  absl::StatusOr<CudaKernelSource> tc = GenerateCudaKernels(c);
+  ASSERT_TRUE(tc.ok()) << tc.status();
+  EXPECT_TRUE(tc->tiles.bwd_tensor_core);
+  EXPECT_EQ(bwd_of(*tc).name_expression, "hsap_dev::attn_bwd_mma_kernel<HsapCfg>");
+  EXPECT_EQ(bwd_of(*tc).threads, 128);
+  EXPECT_EQ(bwd_of(*tc).dynamic_smem_bytes, tc->tiles.bwd_smem_bytes);
+  EXPECT_THAT(tc->source, HasSubstr("#include \"hsap_attention_mma_bwd.cuh\""));
+  EXPECT_THAT(tc->source, HasSubstr("kDeterministicDq = true;"));
+  EXPECT_THAT(c.Name(), Not(HasSubstr("_adq")));
+
+  // Atomic dq: its own variant, with room for dS^T in the key pass.
+  c.deterministic_dq = false;
+  absl::StatusOr<CudaKernelSource> atomic = GenerateCudaKernels(c);
+  ASSERT_TRUE(atomic.ok()) << atomic.status();
+  EXPECT_THAT(c.Name(), HasSubstr("_tc_adq"));
+  EXPECT_THAT(atomic->source, HasSubstr("kDeterministicDq = false;"));
+  EXPECT_EQ(bwd_of(*atomic).name_expression, "hsap_dev::attn_bwd_mma_kernel<HsapCfg>");
+
+  // The FMA kernel: asked for, fp32, or tiles that do not fit (head dim 256 on sm_86).
+  for (auto change : std::vector<std::function<void(CudaKernelConfig&)>>{
+           [](CudaKernelConfig& k) { k.math = CudaMath::kFma; },
+           [](CudaKernelConfig& k) { k.dtype = DType::kF32; },
+           [](CudaKernelConfig& k) {
+             k.arch = "sm_86";
+             k.head_dim = 256;
+           }}) {
+    CudaKernelConfig f;
+    f.arch = "sm_90";
+    f.dtype = DType::kBF16;
+    f.head_dim = 128;
+    change(f);
+    absl::StatusOr<CudaKernelSource> fma = GenerateCudaKernels(f);
+    ASSERT_TRUE(fma.ok()) << fma.status();
+    EXPECT_FALSE(fma->tiles.bwd_tensor_core) << f.Name();
+    EXPECT_EQ(bwd_of(*fma).name_expression, "hsap_dev::attn_bwd_kernel<HsapCfg>") << f.Name();
+    EXPECT_THAT(fma->source, Not(HasSubstr("hsap_attention_mma_bwd.cuh"))) << f.Name();
+  }
 }
 
 TEST(GenerateCudaKernels, RejectsUnsupportedConfigurations) {

@@ -587,6 +587,7 @@ TEST(CudaEmulation, ConfigurationsAreTheGenerators) {
     found |= k.Name() == shipped.Name();
   }
   EXPECT_TRUE(found) << shipped.Name();
+  shipped.math = jit::CudaMath::kFma;  // ChosenTileCfg: the FMA kernels of that variant
   absl::StatusOr<jit::CudaTiles> tiles = jit::ChooseCudaTiles(shipped);
   ASSERT_TRUE(tiles.ok()) << tiles.status();
   EXPECT_EQ(tiles->block_m, Gpu::kBlockM);

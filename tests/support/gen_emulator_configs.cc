@@ -85,6 +85,8 @@ Instance ChosenTile(DType dtype, int head_dim, int gqa, bool band) {
   c.head_dim = head_dim;
   c.gqa = gqa;
   c.has_band = band;
+  // The FMA kernels (the tensor-core ones: MmaBwdCfg below).
+  c.math = jit::CudaMath::kFma;
   i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
                                  band ? "true" : "false");
   return i;
@@ -100,6 +102,23 @@ Instance MmaTile(DType dtype, int head_dim, int gqa, bool band, int steps) {
   return i;
 }
 
+// The tensor-core backward with the tiles ChooseCudaTiles picks (4 warps, 64- or 32-key tiles),
+// deterministic or atomic dq.
+Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) {
+  Instance i;
+  jit::CudaKernelConfig& c = i.config;
+  c.arch = kArch;
+  c.dtype = dtype;
+  c.head_dim = head_dim;
+  c.gqa = gqa;
+  c.has_band = true;
+  c.math = jit::CudaMath::kTensorCore;
+  c.deterministic_dq = deterministic_dq;
+  i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
+                                 deterministic_dq ? "true" : "false");
+  return i;
+}
+
 std::vector<Family> Families() {
   constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
   return {
@@ -111,8 +130,8 @@ std::vector<Family> Families() {
        {SmallTile(kF32, 2, true, 0), SmallTile(kBF16, 2, true, 0), SmallTile(kF16, 2, true, 0),
         SmallTile(kF32, 2, false, 0), SmallTile(kF32, 1, true, 0), SmallTile(kF32, 2, true, 2),
         SmallTile(kBF16, 2, true, 2), SmallTile(kBF16, 2, true, 3), SmallTile(kBF16, 2, true, 5)}},
-      {"// The tiles ChooseCudaTiles picks on sm_90 (e.g. 64x64 forward tiles at head dim 128),\n"
-       "// as the GPU runs them.\n",
+      {"// The tiles ChooseCudaTiles picks on sm_90 for the FMA kernels (e.g. 64x64 forward\n"
+       "// tiles at head dim 128), as the GPU runs them.\n",
        "typename StorageT, int kHeadDim, int kG, bool kBand",
        "ChosenTileCfg",
        {ChosenTile(kBF16, 128, 1, true)}},
@@ -123,6 +142,12 @@ std::vector<Family> Families() {
        {MmaTile(kBF16, 64, 2, true, 0), MmaTile(kF16, 64, 2, true, 0),
         MmaTile(kBF16, 128, 2, true, 0), MmaTile(kF16, 128, 2, true, 0),
         MmaTile(kBF16, 64, 2, false, 0), MmaTile(kBF16, 64, 2, true, 3)}},
+      {"// The tensor-core backward (hsap_attention_mma_bwd.cuh) with the tiles ChooseCudaTiles\n"
+       "// picks on sm_90; kDeterministicDq: dq in a fixed order, else fp32 atomics.\n",
+       "typename StorageT, int kHeadDim, int kG, bool kDeterministicDq",
+       "MmaBwdCfg",
+       {MmaBackward(kBF16, 64, 2, true), MmaBackward(kF16, 64, 2, true),
+        MmaBackward(kF16, 128, 2, true), MmaBackward(kBF16, 128, 2, false)}},
   };
 }
 
