@@ -436,8 +436,10 @@ typedef struct {
 /* Collective over comm: every rank passes the same model and a description of its own
  * device; the descriptions are gathered over comm and every rank plans the same cluster
  * (as hsapPlanCreateForCluster) and gets the same plan. self == NULL takes what the
- * communicator knows: a rank of a host communicator is a "cpu" device in node 0 with
- * nominal figures (1 TFLOP/s, 16 GiB; every host rank alike, so only the shares matter);
+ * communicator knows: a rank of a host communicator is a "cpu" device with nominal figures
+ * (1 TFLOP/s, 16 GiB, 10 GB/s inside a node; every host rank alike, so only the shares
+ * matter) in its node of the communicator's topology (hsapCommConfig_t.rankNodes; node 0
+ * without), each node with one nominal 1 GB/s NIC (self, when given, says its own node);
  * a CUDA communicator does not describe its devices yet (hsapUnsupported: pass self). */
 hsapResult_t hsapPlanCreateForComm(hsapPlan_t* plan, hsapComm_t comm, const hsapPlanDevice_t* self,
                                    const hsapPlanModel_t* model);

@@ -95,13 +95,18 @@ absl::StatusOr<DeviceWire> Describe(const hsapComm_st& comm, const hsapPlanDevic
       return absl::UnimplementedError(
           "a CUDA communicator does not describe its devices yet: pass self (hsapPlanDevice_t)");
     }
-    // A host rank: nominal figures, every rank alike (only the shares matter).
+    // A host rank: nominal figures, every rank alike (only the shares matter), in its node
+    // of the communicator's described topology (rankNodes), each node with one nominal NIC
+    // slower than the intra-node links.
     std::strncpy(w.kind, "cpu", sizeof(w.kind));
     w.peak_tflops = 1;
     w.memory_gib = 16;
     w.hbm_gbps = 100;
     w.attention_efficiency = 1;
     w.intra_node_gbps = 10;
+    w.node = comm.comm->topology().node_of(comm.comm->rank());
+    w.nics = 1;
+    w.nic_gbps = 1;
     return w;
   }
   HSAP_RETURN_IF_ERROR(

@@ -110,10 +110,10 @@ class RunPricer {
     }
   }
 
-  // Index of every rank's stage at each step (-1: none).
+  // Index of every rank's stage at each step (-1: none); steps R.. are relay fan-outs.
   void IndexSteps(bool backward) {
     const int n = static_cast<int>(programs_.size());
-    stage_at_.assign(n, std::vector<int>(n, -1));
+    stage_at_.assign(n, std::vector<int>(2 * n, -1));
     for (int r = 0; r < n; ++r) {
       const std::vector<ProgramStage>& stages = PassOf(r, backward).stages;
       for (size_t i = 0; i < stages.size(); ++i) stage_at_[r][stages[i].step] = static_cast<int>(i);
@@ -165,30 +165,54 @@ class RunPricer {
     Exchanges(backward, /*after=*/true);
   }
 
-  // RunStaged: post 0, local, then post i + 1, wait i, compute i.
+  // Index of rank r's first fan-out stage (the stage count when there is none).
+  int FirstFanOut(int r, bool backward) const {
+    const std::vector<ProgramStage>& stages = PassOf(r, backward).stages;
+    int i = 0;
+    while (i < static_cast<int>(stages.size()) && !stages[i].fan_out) ++i;
+    return i;
+  }
+
+  // RunStaged: post 0, local, then post i + 1, wait i, compute i; then (relays) the
+  // fan-outs as a second RunStaged with no local work, once the direct stages are done.
   void Forward(std::vector<std::vector<double>>& post, std::vector<std::vector<double>>& done) {
     const int n = static_cast<int>(programs_.size());
     std::vector<double> start = clock_, local_end(n);
+    std::vector<int> fan(n);
     std::vector<std::vector<double>> compute_end(n);
     for (int r = 0; r < n; ++r) {
       local_end[r] = start[r] + ComputeSeconds(r, programs_[r].forward.local_pairs, false);
       compute_end[r].assign(programs_[r].forward.stages.size(), 0.0);
+      fan[r] = FirstFanOut(r, false);
       clock_[r] = local_end[r];
     }
-    for (int step = 1; step < n; ++step) {
+    // When stage i may be posted and computed: in its phase, after the phase's start and
+    // the stages before it as RunStaged orders them.
+    auto phase_start = [&](int r, int i) {
+      if (i < fan[r]) return start[r];
+      return fan[r] == 0 ? local_end[r] : compute_end[r][fan[r] - 1];
+    };
+    auto phase_local_end = [&](int r, int i) {
+      return i < fan[r] ? local_end[r] : phase_start(r, i);
+    };
+    for (int step = 1; step < 2 * n; ++step) {
       bool any = false;
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
         any = true;
-        post[r][i] = i == 0 ? start[r] : i == 1 ? local_end[r] : compute_end[r][i - 2];
+        const int k = i < fan[r] ? i : i - fan[r];  // index within the phase
+        post[r][i] = k == 0   ? phase_start(r, i)
+                     : k == 1 ? phase_local_end(r, i)
+                              : compute_end[r][i - 2];
       }
       if (!any) continue;
       PriceStep(step, false, false, post, done);
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
-        const double previous = i == 0 ? local_end[r] : compute_end[r][i - 1];
+        const int k = i < fan[r] ? i : i - fan[r];
+        const double previous = k == 0 ? phase_local_end(r, i) : compute_end[r][i - 1];
         const double begin = std::max(previous, done[r][i]);
         compute_end[r][i] = begin + ComputeSeconds(r, programs_[r].forward.stages[i].pairs, false);
         clock_[r] = compute_end[r][i];
@@ -198,22 +222,35 @@ class RunPricer {
 
   // RunBackwardStages over protocol::BackwardPostingOrder: kv(t) sorts as 2t, grad(t) as
   // 2t + 3; every rank's groups of one key are posted before that key's messages are priced.
+  // Fan-out steps (>= R) sort after every direct one: their run starts once the direct
+  // run completed its last gradient group. Then the relays' return group.
   void Backward(std::vector<std::vector<double>>& kv_post,
                 std::vector<std::vector<double>>& kv_done,
                 std::vector<std::vector<double>>& grad_post,
                 std::vector<std::vector<double>>& grad_done) {
     const int n = static_cast<int>(programs_.size());
     std::vector<bool> local_done(n, false);
-    for (int key = 2; key <= 2 * (n - 1) + 3; ++key) {
+    std::vector<int> fan(n);
+    for (int r = 0; r < n; ++r) fan[r] = FirstFanOut(r, true);
+    auto run_local = [&](int r) {
+      if (local_done[r]) return;
+      local_done[r] = true;
+      clock_[r] += ComputeSeconds(r, programs_[r].backward.local_pairs, true);
+    };
+    for (int key = 2; key <= 2 * (2 * n - 1) + 3; ++key) {
       const bool grad = key % 2 == 1;
       const int step = grad ? (key - 3) / 2 : key / 2;
-      if (step < 1 || step >= n) continue;
+      if (step < 1 || step >= 2 * n) continue;
       bool any = false;
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
         any = true;
         if (!grad) {
+          if (i == fan[r]) {  // the direct run is over: its local work, its last group
+            run_local(r);
+            if (i > 0) clock_[r] = std::max(clock_[r], grad_done[r][i - 1]);
+          }
           kv_post[r][i] = clock_[r];
         } else {
           const double begin = std::max(clock_[r], kv_done[r][i]);
@@ -221,17 +258,26 @@ class RunPricer {
           grad_post[r][i] = clock_[r];
           if (i > 0) clock_[r] = std::max(clock_[r], grad_done[r][i - 1]);
         }
-        if (!local_done[r]) {
-          local_done[r] = true;
-          clock_[r] += ComputeSeconds(r, programs_[r].backward.local_pairs, true);
-        }
+        run_local(r);
       }
       if (any) PriceStep(step, true, grad, grad ? grad_post : kv_post, grad ? grad_done : kv_done);
     }
     for (int r = 0; r < n; ++r) {
-      if (!local_done[r]) clock_[r] += ComputeSeconds(r, programs_[r].backward.local_pairs, true);
+      run_local(r);
       if (!grad_done[r].empty()) clock_[r] = std::max(clock_[r], grad_done[r].back());
     }
+    // The return group: posted by every rank once its stages are done.
+    const std::vector<double> posted = clock_;
+    std::vector<Message> messages;
+    for (int r = 0; r < n; ++r) {
+      for (const Transfer& t : programs_[r].backward.returns) {
+        if (t.send) messages.push_back({std::max(posted[r], posted[t.peer]), r, t.peer, t.bytes});
+      }
+    }
+    Price(messages, [&](int src, int dst, double arrival) {
+      clock_[src] = std::max(clock_[src], arrival);
+      clock_[dst] = std::max(clock_[dst], arrival);
+    });
   }
 
   const Cluster& cluster_;
@@ -311,18 +357,38 @@ absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, cons
   return programs;
 }
 
-absl::StatusOr<std::vector<RankProgram>> FlatPrograms(const Layout& layout, int num_ranks,
-                                                      absl::Span<const double> weights,
-                                                      const LayerShape& shape) {
+namespace {
+
+absl::StatusOr<std::vector<RankProgram>> FlatProgramsOn(const Layout& layout, int num_ranks,
+                                                        absl::Span<const int> node_of_rank,
+                                                        absl::Span<const double> weights,
+                                                        const LayerShape& shape) {
   HSAP_ASSIGN_OR_RETURN(Partition partition, Partition::Create(layout, num_ranks, weights));
   std::vector<RankProgram> programs;
   programs.reserve(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
-    HSAP_ASSIGN_OR_RETURN(Schedule sched, BuildSchedule(layout, partition, r, kKernelBlockQ));
+    HSAP_ASSIGN_OR_RETURN(Schedule sched,
+                          BuildSchedule(layout, partition, r, kKernelBlockQ, node_of_rank));
     programs.push_back(
-        ProgramOf(sched, shape.heads_q, shape.heads_kv, shape.head_dim, shape.dtype));
+        ProgramOf(sched, shape.heads_q, shape.heads_kv, shape.head_dim, shape.dtype, node_of_rank));
   }
   return programs;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RankProgram>> FlatPrograms(const Layout& layout, int num_ranks,
+                                                      absl::Span<const double> weights,
+                                                      const LayerShape& shape) {
+  return FlatProgramsOn(layout, num_ranks, {}, weights, shape);
+}
+
+absl::StatusOr<std::vector<RankProgram>> FlatPrograms(const Layout& layout, const Cluster& cluster,
+                                                      absl::Span<const double> weights,
+                                                      const LayerShape& shape) {
+  std::vector<int> node_of_rank;
+  for (const Device& d : cluster.devices) node_of_rank.push_back(d.node);
+  return FlatProgramsOn(layout, cluster.size(), node_of_rank, weights, shape);
 }
 
 absl::StatusOr<Layout> SampleRow(int64_t num_tokens, double mean_doc_tokens, uint64_t seed) {

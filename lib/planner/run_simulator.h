@@ -76,9 +76,15 @@ absl::StatusOr<RunSimulation> SimulatePrograms(const Cluster& cluster,
 // The programs of a plan's batch on `layout` (what hsapBatchCreateWithPlan builds).
 absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
                                                       const LayerShape& shape);
-// The programs of a flat batch (what hsapBatchCreate builds): one rank per device, the
-// sequence-aware partition with `weights` (empty: equal).
+// The programs of a flat batch (what hsapBatchCreate builds): `num_ranks` ranks on one
+// node, the sequence-aware partition with `weights` (empty: equal).
 absl::StatusOr<std::vector<RankProgram>> FlatPrograms(const Layout& layout, int num_ranks,
+                                                      absl::Span<const double> weights,
+                                                      const LayerShape& shape);
+// The same on `cluster`, one rank per device: the schedules know each rank's node, as on a
+// host communicator whose rankNodes are the cluster's nodes, so rows needed by several ranks
+// of another node are relayed (lib/sched/schedule.h) and priced as such.
+absl::StatusOr<std::vector<RankProgram>> FlatPrograms(const Layout& layout, const Cluster& cluster,
                                                       absl::Span<const double> weights,
                                                       const LayerShape& shape);
 

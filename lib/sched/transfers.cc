@@ -51,7 +51,30 @@ HierTraffic PassProgram::Traffic() const {
     for (const Transfer& m : s.kv) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
     for (const Transfer& m : s.grad) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
   }
+  for (const Transfer& m : returns) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
   return t;
+}
+
+LinkBytes PassProgram::Links() const {
+  LinkBytes b;
+  auto add = [&](const Transfer& m) {
+    if (m.inter_node) {
+      (m.send ? b.inter_sent : b.inter_received) += m.bytes;
+    } else {
+      (m.send ? b.intra_sent : b.intra_received) += m.bytes;
+    }
+  };
+  for (const std::vector<Exchange>* xs : {&before, &after}) {
+    for (const Exchange& x : *xs) {
+      for (const Transfer& m : x.transfers) add(m);
+    }
+  }
+  for (const ProgramStage& s : stages) {
+    for (const Transfer& m : s.kv) add(m);
+    for (const Transfer& m : s.grad) add(m);
+  }
+  for (const Transfer& m : returns) add(m);
+  return b;
 }
 
 int64_t PassProgram::pairs() const {
@@ -61,39 +84,46 @@ int64_t PassProgram::pairs() const {
 }
 
 RankProgram ProgramOf(const Schedule& schedule, int heads_q, int heads_kv, int head_dim,
-                      DType dtype) {
+                      DType dtype, absl::Span<const int> node_of_rank) {
   RankProgram p;
   p.rank = schedule.rank;
   p.query_heads = heads_q;
   p.query_rows = schedule.local_rows;
   const uint64_t row = Elements(1, heads_kv, head_dim);  // elements of one K (or V) row
   const uint64_t es = DTypeSize(dtype);
+  const size_t fan = schedule.first_fan_out();
+  // K then V (dK then dV): two messages of `rows` rows each way, as executor.cc posts them.
+  auto two = [&](std::vector<Transfer>& to, int peer, bool send, TransferKind kind, int64_t rows,
+                 uint64_t element_bytes) {
+    const bool inter = !node_of_rank.empty() && node_of_rank[peer] != node_of_rank[p.rank];
+    for (int m = 0; m < 2; ++m) {
+      to.push_back({peer, send, kind, static_cast<uint64_t>(rows) * row * element_bytes, inter});
+    }
+  };
   for (PassProgram* pass : {&p.forward, &p.backward}) {
     const bool backward = pass == &p.backward;
     pass->local_pairs = schedule.local_work.visible_pairs;
-    for (const Stage& st : schedule.stages) {
+    for (size_t i = 0; i < schedule.stages.size(); ++i) {
+      const Stage& st = schedule.stages[i];
       ProgramStage s;
       s.step = st.step;
+      s.fan_out = i >= fan;
       s.pairs = st.recv_from >= 0 ? st.recv_work.visible_pairs : 0;
-      // K then V: two messages each way (executor.cc's KvPipeline).
-      if (st.send_to >= 0) {
-        for (int m = 0; m < 2; ++m)
-          s.kv.push_back(Send(st.send_to, TransferKind::kKv, st.send_rows * row * es));
-      }
-      if (st.recv_from >= 0) {
-        for (int m = 0; m < 2; ++m)
-          s.kv.push_back(Recv(st.recv_from, TransferKind::kKv, st.recv_rows * row * es));
-      }
+      if (st.send_to >= 0) two(s.kv, st.send_to, true, TransferKind::kKv, st.send_rows, es);
+      if (st.recv_from >= 0) two(s.kv, st.recv_from, false, TransferKind::kKv, st.recv_rows, es);
       if (backward) {
-        // dK then dV partials (fp32) of the received rows back to their owner; of this
-        // rank's rows from the stage's destination.
+        // fp32 partials of the received rows back to their sender, of this rank's (or its
+        // relay store's) rows from the stage's destination; a kept buffer's sums and the
+        // partials of rows its receiver relays travel in the return group instead.
         if (st.recv_from >= 0) {
-          for (int m = 0; m < 2; ++m)
-            s.grad.push_back(Send(st.recv_from, TransferKind::kKvGrad, st.recv_rows * row * kF32));
+          two(st.store_begin < 0 ? s.grad : pass->returns, st.recv_from, true,
+              st.store_begin < 0 ? TransferKind::kKvGrad : TransferKind::kKvGradReturn,
+              st.recv_rows, kF32);
         }
         if (st.send_to >= 0) {
-          for (int m = 0; m < 2; ++m)
-            s.grad.push_back(Recv(st.send_to, TransferKind::kKvGrad, st.send_rows * row * kF32));
+          two(st.send_grads_deferred ? pass->returns : s.grad, st.send_to, false,
+              st.send_grads_deferred ? TransferKind::kKvGradReturn : TransferKind::kKvGrad,
+              st.send_rows, kF32);
         }
       }
       pass->stages.push_back(std::move(s));

@@ -17,6 +17,11 @@
 //     the fp32 dK/dV partials of the rows it received go back to their sender; partials of
 //     its own rows come back from their users) and then completes stage i - 1's gradient
 //     group, so a stage's gradients return one step later (protocol::BackwardPostingOrder).
+//     Flat batches on several nodes (relays, lib/sched/schedule.h): the direct stages run
+//     as above, then the fan-out stages (`fan_out`: forwarded from the relay store) as a
+//     second staged run with no local work, once every direct stage is done. A relayed
+//     buffer's gradients do not travel at its stage: after the last stage the gateway
+//     returns their sums to the owner in one final group (`returns`).
 //  3. `after`: the all-to-alls back to the token layout (forward out, lse; backward dq, dk,
 //     dv).
 // Work is counted in visible (query, key) pairs per query head; the rank's kernels run
@@ -27,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "attention/dtype.h"
 #include "lib/sched/hierarchy.h"
 #include "lib/sched/schedule.h"
@@ -34,9 +40,16 @@
 namespace hsap {
 
 enum class TransferKind {
-  kKv,        // K and V rows of a stage (two messages on the flat ring, one per peer in plans)
-  kKvGrad,    // backward: fp32 dK/dV partials returned to the rows' sender
-  kAllToAll,  // a group all-to-all (plans)
+  kKv,            // K and V rows of a stage (two messages on the flat ring, one per peer in plans)
+  kKvGrad,        // backward: fp32 dK/dV partials returned to the rows' sender
+  kKvGradReturn,  // backward, relays: a gateway's summed fp32 dK/dV partials to the owner
+  kAllToAll,      // a group all-to-all (plans)
+};
+
+// Bytes of a pass by link class.
+struct LinkBytes {
+  uint64_t intra_sent = 0, intra_received = 0, inter_sent = 0, inter_received = 0;
+  friend bool operator==(const LinkBytes&, const LinkBytes&) = default;
 };
 
 // One message as seen by this rank.
@@ -45,6 +58,7 @@ struct Transfer {
   bool send = false;
   TransferKind kind = TransferKind::kKv;
   uint64_t bytes = 0;
+  bool inter_node = false;  // crosses a node boundary (flat programs built with a topology)
   friend bool operator==(const Transfer&, const Transfer&) = default;
 };
 
@@ -56,6 +70,7 @@ struct Exchange {
 
 struct ProgramStage {
   int step = 0;                // the schedule's step t (ring distance), >= 1
+  bool fan_out = false;        // forwards rows of the relay store (step >= R)
   std::vector<Transfer> kv;    // K/V sends and receives posted for this stage
   std::vector<Transfer> grad;  // backward only: the stage's gradient group
   int64_t pairs = 0;           // visible pairs against the rows received, per query head
@@ -65,11 +80,16 @@ struct PassProgram {
   std::vector<Exchange> before;
   int64_t local_pairs = 0;  // visible pairs against the rank's own keys, per query head
   std::vector<ProgramStage> stages;
+  // Backward of relayed flat batches: the final gradient return group, posted once every
+  // stage is done.
+  std::vector<Transfer> returns;
   std::vector<Exchange> after;
 
   // Byte totals split as the runtime reports them (hsapBatchGetTrafficDetail): all-to-all
   // messages, and K/V + gradient messages ("ring").
   HierTraffic Traffic() const;
+  // Bytes by link class as hsapBatchGetLinkTraffic reports them (Transfer::inter_node).
+  LinkBytes Links() const;
   int64_t pairs() const;  // local_pairs + every stage's pairs
 };
 
@@ -81,9 +101,10 @@ struct RankProgram {
 };
 
 // The program of a flat (sequence-aware ring) batch's rank: `schedule` from BuildSchedule,
-// heads and head_dim of the layer, the storage dtype.
+// heads and head_dim of the layer, the storage dtype. node_of_rank: the topology the
+// schedule was built with (empty: one node), which sets each message's link class.
 RankProgram ProgramOf(const Schedule& schedule, int heads_q, int heads_kv, int head_dim,
-                      DType dtype);
+                      DType dtype, absl::Span<const int> node_of_rank = {});
 
 // The program of a rank of a plan's batch: `rank` from Hierarchy::BuildRank.
 RankProgram ProgramOf(const RankHierarchy& rank, int head_dim, DType dtype);

@@ -33,10 +33,14 @@ std::string Json(hsapPlan_t plan) {
 
 // Every rank of a host world of `devices.size()` ranks plans from its own description
 // (null: none); returns each rank's plan as JSON, or its error prefixed by "error: ".
-std::vector<std::string> PlanOverComm(const std::vector<const hsapPlanDevice_t*>& devices) {
+// rank_nodes: the communicator's described topology (empty: one node).
+std::vector<std::string> PlanOverComm(const std::vector<const hsapPlanDevice_t*>& devices,
+                                      const std::vector<int>& rank_nodes = {}) {
   const int n = static_cast<int>(devices.size());
   std::vector<hsapComm_t> comms(n);
-  EXPECT_EQ(hsapCommInitAll(comms.data(), n, nullptr), hsapSuccess);
+  hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
+  if (!rank_nodes.empty()) cc.rankNodes = rank_nodes.data();
+  EXPECT_EQ(hsapCommInitAll(comms.data(), n, &cc), hsapSuccess);
   std::vector<std::string> out(n);
   std::vector<std::thread> threads;
   const hsapPlanModel_t model = SmallModel();
@@ -71,6 +75,51 @@ TEST(ApiPlanningTest, HostRanksAgreeOnOnePlanOfEveryRank) {
     EXPECT_EQ(p, plans[0]);
   }
   EXPECT_THAT(plans[0], HasSubstr("\"num_ranks\": 4"));
+}
+
+// The cluster file of host ranks as hsapPlanCreateForComm describes them (nominal "cpu"
+// devices, one 1 GB/s NIC per node), nodes of `per_node` ranks.
+std::string HostClusterJson(int nodes, int per_node) {
+  return R"({"device_kinds": {"cpu": {"peak_tflops": 1, "memory_gib": 16, "hbm_gbps": 100,
+                                      "attention_efficiency": 1, "intra_node_gbps": 10}},
+             "nodes": [{"kind": "cpu", "devices": )" +
+         std::to_string(per_node) + R"(, "nics": 1, "nic_gbps": 1, "count": )" +
+         std::to_string(nodes) + "}]}";
+}
+
+TEST(ApiPlanningTest, HostRanksTakeTheirNodeFromTheCommunicatorsTopology) {
+  const hsapPlanModel_t model = SmallModel();
+  hsapPlan_t two_nodes = nullptr, one_node = nullptr;
+  ASSERT_EQ(hsapPlanCreateForCluster(&two_nodes, HostClusterJson(2, 2).c_str(), &model),
+            hsapSuccess)
+      << hsapGetLastError();
+  ASSERT_EQ(hsapPlanCreateForCluster(&one_node, HostClusterJson(1, 4).c_str(), &model), hsapSuccess)
+      << hsapGetLastError();
+  const std::string want = Json(two_nodes);
+  ASSERT_NE(want, Json(one_node)) << "the node split must show in the plan for this to test it";
+  for (const std::string& p : PlanOverComm({nullptr, nullptr, nullptr, nullptr}, {3, 3, 8, 8})) {
+    EXPECT_EQ(p, want);
+  }
+  // Without a topology: one node.
+  for (const std::string& p : PlanOverComm({nullptr, nullptr, nullptr, nullptr})) {
+    EXPECT_EQ(p, Json(one_node));
+  }
+  // A rank that describes itself says its own node; the others take the communicator's.
+  const hsapPlanDevice_t cpu1 = [] {
+    hsapPlanDevice_t d = Device("cpu", 8, 1);
+    d.peakTflops = 1;
+    d.memoryGib = 16;
+    d.hbmGbps = 100;
+    d.attentionEfficiency = 1;
+    d.intraNodeGbps = 10;
+    d.nics = 1;
+    return d;
+  }();
+  for (const std::string& p : PlanOverComm({nullptr, nullptr, &cpu1, nullptr}, {3, 3, 8, 8})) {
+    EXPECT_EQ(p, want);
+  }
+  hsapPlanDestroy(two_nodes);
+  hsapPlanDestroy(one_node);
 }
 
 TEST(ApiPlanningTest, DescribedTopologyGivesTheClusterFilesPlan) {

@@ -34,9 +34,13 @@ Cluster TestCluster(int nodes, int per_node, double intra_gbps = 100, double nic
 }
 
 // Runs one forward and one backward of `layout` on R host ranks (a plan's batch when `plan`
-// is given, else a flat batch) and returns every rank's traffic detail.
+// is given, else a flat batch) and returns every rank's traffic detail. rank_nodes: the
+// communicator's topology (empty: one node); links: when given, every rank's bytes by link
+// class (flat batches).
 std::vector<hsapTrafficDetail_t> RunOnHost(const std::vector<int64_t>& cu, int R, int heads_q,
-                                           int heads_kv, const Plan* plan) {
+                                           int heads_kv, const Plan* plan,
+                                           const std::vector<int>& rank_nodes = {},
+                                           std::vector<hsapLinkTraffic_t>* links = nullptr) {
   hsapLayout_t layout = nullptr;
   EXPECT_EQ(
       hsapLayoutCreate(&layout, cu.data(), static_cast<int64_t>(cu.size()) - 1, nullptr, nullptr),
@@ -50,6 +54,8 @@ std::vector<hsapTrafficDetail_t> RunOnHost(const std::vector<int64_t>& cu, int R
   hsapCommConfig_t cc = HSAP_COMM_CONFIG_INITIALIZER;
   cc.timeoutMs = 60000;
   cc.numThreads = 1;
+  if (!rank_nodes.empty()) cc.rankNodes = rank_nodes.data();
+  if (links != nullptr) links->assign(R, hsapLinkTraffic_t{});
   EXPECT_EQ(hsapCommInitAll(comms.data(), R, &cc), hsapSuccess);
   std::vector<hsapTrafficDetail_t> detail(R);
   std::vector<std::string> errors(R);
@@ -88,6 +94,9 @@ std::vector<hsapTrafficDetail_t> RunOnHost(const std::vector<int64_t>& cu, int R
         errors[r] = hsapGetLastError();
       }
       hsapBatchGetTrafficDetail(batch, &detail[r]);
+      if (links != nullptr && hsapBatchGetLinkTraffic(batch, &(*links)[r]) != hsapSuccess) {
+        errors[r] = hsapGetLastError();
+      }
       hsapBatchDestroy(batch);
     });
   }
@@ -173,6 +182,71 @@ TEST(RunSimulatorTest, FlatBytesAreTheRuntimes) {
     }
   }
   EXPECT_GT(ring, 0u) << "no K/V crossed ranks: the comparison would prove little";
+}
+
+// Flat batches over several nodes: the schedules relay (lib/sched/schedule.h) and the
+// simulator's bytes per rank per link class are what the runtime counts.
+TEST(RunSimulatorTest, FlatBytesPerLinkClassAreTheRuntimesOnSeveralNodes) {
+  uint64_t inter = 0, relayed = 0;
+  for (auto [nodes, per_node] : {std::pair{2, 2}, std::pair{2, 3}, std::pair{3, 2}}) {
+    for (double mean : {0.0, 150.0}) {
+      const int R = nodes * per_node;
+      SCOPED_TRACE(
+          absl::StrFormat("%d nodes of %d ranks, mean document %g", nodes, per_node, mean));
+      absl::StatusOr<Layout> layout = SampleRow(600, mean, 5);
+      ASSERT_TRUE(layout.ok()) << layout.status();
+      const Cluster cluster = TestCluster(nodes, per_node);
+      absl::StatusOr<std::vector<RankProgram>> programs =
+          FlatPrograms(*layout, cluster, {}, {4, 2, kHeadDim, DType::kBF16});
+      ASSERT_TRUE(programs.ok()) << programs.status();
+      absl::StatusOr<RunSimulation> sim = SimulatePrograms(cluster, *programs, kHeadDim);
+      ASSERT_TRUE(sim.ok()) << sim.status();
+      std::vector<int> rank_nodes;
+      for (int r = 0; r < R; ++r) rank_nodes.push_back(cluster.devices[r].node);
+      std::vector<hsapLinkTraffic_t> links;
+      ExpectSameBytes(*sim, RunOnHost(CuSeqlens(*layout), R, 4, 2, nullptr, rank_nodes, &links));
+      ASSERT_EQ(links.size(), static_cast<size_t>(R));
+      for (int r = 0; r < R; ++r) {
+        SCOPED_TRACE(absl::StrFormat("rank %d", r));
+        const LinkBytes f = (*programs)[r].forward.Links(), b = (*programs)[r].backward.Links();
+        const hsapLinkTraffic_t& l = links[r];
+        EXPECT_EQ(f.intra_sent, l.forwardIntraNodeBytesSent);
+        EXPECT_EQ(f.intra_received, l.forwardIntraNodeBytesReceived);
+        EXPECT_EQ(f.inter_sent, l.forwardInterNodeBytesSent);
+        EXPECT_EQ(f.inter_received, l.forwardInterNodeBytesReceived);
+        EXPECT_EQ(b.intra_sent, l.backwardIntraNodeBytesSent);
+        EXPECT_EQ(b.intra_received, l.backwardIntraNodeBytesReceived);
+        EXPECT_EQ(b.inter_sent, l.backwardInterNodeBytesSent);
+        EXPECT_EQ(b.inter_received, l.backwardInterNodeBytesReceived);
+        // The simulator priced each message on the link class the runtime counted it on.
+        EXPECT_EQ(sim->ranks[r].intra_node_bytes_sent,
+                  l.forwardIntraNodeBytesSent + l.backwardIntraNodeBytesSent);
+        EXPECT_EQ(sim->ranks[r].inter_node_bytes_sent,
+                  l.forwardInterNodeBytesSent + l.backwardInterNodeBytesSent);
+        relayed += (*programs)[r].backward.returns.size();
+      }
+      inter += sim->InterNodeBytes();
+    }
+  }
+  EXPECT_GT(inter, 0u) << "nothing crossed a node: the comparison would prove little";
+  EXPECT_GT(relayed, 0u) << "no row was relayed: the comparison would prove little";
+}
+
+TEST(RunSimulatorTest, RelaysCrossTheNicOnceAndArePricedAsSuch) {
+  // One causal document on two nodes of four: the later node's ranks all need the first
+  // node's rows; relayed, each crosses the slow NIC once instead of once per rank.
+  const Layout layout = *SampleRow(4096, 0, 1);
+  const LayerShape shape{4, 2, 64, DType::kBF16};
+  const Cluster cluster = TestCluster(2, 4, 100, /*nic_gbps=*/1);
+  auto relayed = FlatPrograms(layout, cluster, {}, shape);
+  auto direct = FlatPrograms(layout, cluster.size(), {}, shape);
+  ASSERT_TRUE(relayed.ok() && direct.ok());
+  auto relayed_sim = SimulatePrograms(cluster, *relayed, 64);
+  auto direct_sim = SimulatePrograms(cluster, *direct, 64);
+  ASSERT_TRUE(relayed_sim.ok() && direct_sim.ok());
+  EXPECT_LT(relayed_sim->InterNodeBytes(), direct_sim->InterNodeBytes());
+  EXPECT_LT(relayed_sim->Seconds(), direct_sim->Seconds());
+  EXPECT_NEAR(relayed_sim->MaxComputeSeconds(), direct_sim->MaxComputeSeconds(), 1e-15);
 }
 
 TEST(RunSimulatorTest, OneDeviceComputesEveryPairAtItsRate) {

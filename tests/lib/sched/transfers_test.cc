@@ -47,6 +47,7 @@ void CollectMessages(const PassProgram& pass, int rank, std::multimap<MessageKey
     for (const Transfer& t : s.kv) add(t, s.step, -1);
     for (const Transfer& t : s.grad) add(t, s.step, -1);
   }
+  for (const Transfer& t : pass.returns) add(t, -2, -1);
 }
 
 void ExpectSendsMeetReceives(const std::vector<RankProgram>& programs) {
@@ -99,6 +100,99 @@ INSTANTIATE_TEST_SUITE_P(Ranks, FlatPrograms,
                          ::testing::Combine(::testing::Values(1, 2, 5, 8),
                                             ::testing::Values(DocMix::kLongTail, DocMix::kSingle,
                                                               DocMix::kTiny)));
+
+// node_of_rank of `ranks` ranks in nodes of `per_node` consecutive ranks (the last may be
+// smaller).
+std::vector<int> Nodes(int ranks, int per_node) {
+  std::vector<int> nodes;
+  for (int r = 0; r < ranks; ++r) nodes.push_back(r / per_node);
+  return nodes;
+}
+
+class RelayedPrograms : public ::testing::TestWithParam<std::tuple<int, int, DocMix>> {};
+
+TEST_P(RelayedPrograms, BytesAreTheExecutorsByLinkClass) {
+  const auto [ranks, per_node, mix] = GetParam();
+  const std::vector<int> nodes = Nodes(ranks, per_node);
+  // kSingle: one causal document (RandomLayout may draw a narrow window for it).
+  const Layout layout = mix == DocMix::kSingle ? *Layout::FromDocuments({0, 900})
+                                               : testing::RandomLayout(900, mix, 5 + ranks, false);
+  absl::StatusOr<Partition> partition = Partition::Create(layout, ranks);
+  ASSERT_TRUE(partition.ok()) << partition.status();
+  const int heads_q = 4, heads_kv = 2;
+  AttentionDims dims;
+  dims.heads_q = heads_q;
+  dims.heads_kv = heads_kv;
+  dims.head_dim = kHeadDim;
+  std::vector<RankProgram> programs;
+  int64_t pairs = 0;
+  uint64_t relayed_inter = 0, direct_inter = 0;
+  size_t fan_outs = 0, returns = 0;
+  for (int r = 0; r < ranks; ++r) {
+    absl::StatusOr<Schedule> sched = BuildSchedule(layout, *partition, r, kBlockQ, nodes);
+    ASSERT_TRUE(sched.ok()) << sched.status();
+    const RankProgram p = ProgramOf(*sched, heads_q, heads_kv, kHeadDim, DType::kBF16, nodes);
+    ASSERT_EQ(p.forward.stages.size(), sched->stages.size());
+    // Totals: what the executor counts (ForwardTraffic / BackwardTraffic).
+    const ExecTraffic fwd = ForwardTraffic(*sched, dims, DType::kBF16);
+    const ExecTraffic bwd = BackwardTraffic(*sched, dims, DType::kBF16);
+    EXPECT_EQ(p.forward.Traffic(), (HierTraffic{0, 0, fwd.bytes_sent, fwd.bytes_received}));
+    EXPECT_EQ(p.backward.Traffic(), (HierTraffic{0, 0, bwd.bytes_sent, bwd.bytes_received}));
+    EXPECT_TRUE(p.forward.returns.empty());
+    for (const PassProgram* pass : {&p.forward, &p.backward}) {
+      const LinkBytes links = pass->Links();
+      const HierTraffic t = pass->Traffic();
+      EXPECT_EQ(links.intra_sent + links.inter_sent, t.sent());
+      EXPECT_EQ(links.intra_received + links.inter_received, t.received());
+    }
+    // Link classes follow the nodes; fan-outs stay inside a node and come last.
+    auto check_class = [&](const Transfer& t) {
+      EXPECT_EQ(t.inter_node, nodes[t.peer] != nodes[r]) << "rank " << r << " peer " << t.peer;
+    };
+    bool seen_fan_out = false;
+    for (const ProgramStage& s : p.backward.stages) {
+      EXPECT_TRUE(!seen_fan_out || s.fan_out) << "a direct stage after a fan-out";
+      seen_fan_out = seen_fan_out || s.fan_out;
+      EXPECT_EQ(s.fan_out, s.step >= ranks);
+      for (const Transfer& t : s.kv) {
+        check_class(t);
+        if (s.fan_out) {
+          EXPECT_FALSE(t.inter_node);
+        }
+      }
+      for (const Transfer& t : s.grad) check_class(t);
+      fan_outs += s.fan_out;
+    }
+    for (const Transfer& t : p.backward.returns) {
+      check_class(t);
+      EXPECT_EQ(t.kind, TransferKind::kKvGradReturn);
+    }
+    returns += p.backward.returns.size();
+    relayed_inter += p.forward.Links().inter_sent;
+    // Direct delivery on the same topology, for comparison.
+    absl::StatusOr<Schedule> direct = BuildSchedule(layout, *partition, r, kBlockQ);
+    ASSERT_TRUE(direct.ok()) << direct.status();
+    direct_inter += ProgramOf(*direct, heads_q, heads_kv, kHeadDim, DType::kBF16, nodes)
+                        .forward.Links()
+                        .inter_sent;
+    pairs += p.forward.pairs();
+    programs.push_back(p);
+  }
+  EXPECT_EQ(pairs, layout.VisiblePairs());
+  ExpectSendsMeetReceives(programs);
+  // Relays never add inter-node bytes; with one long document every later node needs rows
+  // of earlier ones on several of its ranks, so relays happen and save some.
+  EXPECT_LE(relayed_inter, direct_inter);
+  if (mix == DocMix::kSingle) {
+    EXPECT_GT(fan_outs, 0u);
+    EXPECT_GT(returns, 0u);
+    EXPECT_LT(relayed_inter, direct_inter);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Topologies, RelayedPrograms,
+                         ::testing::Combine(::testing::Values(4, 8), ::testing::Values(2, 3),
+                                            ::testing::Values(DocMix::kLongTail, DocMix::kSingle)));
 
 class PlanPrograms : public ::testing::TestWithParam<std::tuple<PlanSpec, DocMix>> {};
 
