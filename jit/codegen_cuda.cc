@@ -98,18 +98,21 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
 }
 
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
-// behind them): 4 warps; up to head dim 128 each warp owns 16 keys x all of D of dK/dV
-// (64-key tiles), next to S^T and dP^T of the query tile: 64 queries at D <= 64, 16 above
-// (at D = 128, 32 queries left ptxas 24 bytes of spills on sm_90); above 128 two warps split
-// D (32-key tiles, dK/dV at most 128 floats per thread, 32-query tiles).
+// behind them): 4 warps, each owning 16 keys x all of D of dK/dV (64-key tiles), next to S^T
+// and dP^T of a 16-query tile. What ptxas (CUDA 13) made of the others: 32-query tiles at
+// D = 128 spilled 24 bytes on sm_90; at D = 64 both 64x64 (sm_90) and 16x64 (sm_80) tiles
+// spilled 16-44 bytes, and the 32x32 tiles of D > 128 (two warps splitting D) 16-36 bytes.
+// So the shipped tensor-core backward covers 64 < D <= 128; other head dims keep the FMA
+// backward until a spill-free tiling exists (the variant compile test holds every shipped
+// kernel to zero spills). Explicit bwd tiles still select the tensor-core kernel (tests).
 struct MmaBwdTile {
-  int bm, bn, threads;
+  int bm = 0, bn = 0, threads = 0;  // bm == 0: no tensor-core backward
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
-  if (head_dim <= 64) return {64, 64, 128};
-  if (head_dim <= 128) return {16, 64, 128};
-  return {32, 32, 128};
+  if (head_dim > 64 && head_dim <= 128) return {16, 64, 128};
+  return {};
 }
+
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with
 // lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, two stages of
 // 32-key K, V tiles), rows padded by 8 elements, after 256 bytes of shared walk state.
@@ -277,15 +280,15 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_threads = c.bwd_threads;
     t.bwd_tensor_core = ResolveCudaMath(c) == CudaMath::kTensorCore;
   } else if (const MmaBwdTile m = MmaBwdTileFor(c.head_dim);
-             ResolveCudaMath(c) == CudaMath::kTensorCore &&
+             ResolveCudaMath(c) == CudaMath::kTensorCore && m.bm > 0 &&
              MmaBwdSmemBytes(c.head_dim, m.bm, m.bn, m.threads, c.deterministic_dq) <= limit) {
     t.bwd_block_m = m.bm;
     t.bwd_block_n = m.bn;
     t.bwd_threads = m.threads;
     t.bwd_tensor_core = true;
   } else {
-    // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit (head
-    // dims above 128 on the 99 KB of sm_86/89).
+    // The FMA backward: fp32, other head dims, head dims above 128 (see MmaBwdTileFor), or
+    // tensor-core tiles that do not fit the shared memory.
     for (const auto& [bm, bn] : kBwdCandidates) {
       if (BwdSmemBytes(c.head_dim, bm, bn) <= limit) {
         t.bwd_block_m = bm;

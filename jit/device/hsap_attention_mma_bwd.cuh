@@ -84,25 +84,6 @@ struct MmaLargestDivisor<n, 1> {
   static constexpr int value = 1;
 };
 
-template <typename T>
-struct MmaOps;
-template <>
-struct MmaOps<bf16> {
-  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    const float c[4] = {d[0], d[1], d[2], d[3]};
-    mma_m16n8k16_bf16(d, a, b, c);
-  }
-  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
-};
-template <>
-struct MmaOps<f16> {
-  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    const float c[4] = {d[0], d[1], d[2], d[3]};
-    mma_m16n8k16_f16(d, a, b, c);
-  }
-  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_f16x2(lo, hi); }
-};
-
 template <class Cfg>
 struct MmaBwdShape {
   using T = typename Cfg::T;

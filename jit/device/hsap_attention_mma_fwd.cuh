@@ -64,24 +64,6 @@ template <class Cfg>
 using MmaFwdShapeOf = MmaFwdShape<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
                                   Cfg::kFwdStages, Cfg::kQInRegisters>;
 
-// The mma and the packing of two fp32 values for storage type T.
-template <typename T>
-struct MmaOps;
-template <>
-struct MmaOps<bf16> {
-  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    mma_m16n8k16_bf16(d, a, b, d);
-  }
-  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
-};
-template <>
-struct MmaOps<f16> {
-  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
-    mma_m16n8k16_f16(d, a, b, d);
-  }
-  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_f16x2(lo, hi); }
-};
-
 // Rows [0, kRows) of head `head` of a [rows, heads, kD] 16-bit tensor, starting at row
 // `row0`, into dst (kLdh-strided) by 16-byte cp.async; rows [valid, kRows) are zero-filled
 // without reading global memory. The caller commits the group.

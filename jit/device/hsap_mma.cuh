@@ -210,6 +210,25 @@ HSAP_DEV unsigned pack_f16x2(float lo, float hi) {
 #endif
 }
 
+// The mma (accumulating in place: d = a * b + d) and the packing of two fp32 values, for
+// storage type T (the kernels are templates over bf16 and f16).
+template <typename T>
+struct MmaOps;
+template <>
+struct MmaOps<bf16> {
+  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    mma_m16n8k16_bf16(d, a, b, d);
+  }
+  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+};
+template <>
+struct MmaOps<f16> {
+  static HSAP_DEV void mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    mma_m16n8k16_f16(d, a, b, d);
+  }
+  static HSAP_DEV unsigned pack(float lo, float hi) { return pack_f16x2(lo, hi); }
+};
+
 }  // namespace hsap_dev
 
 #endif  // defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)

@@ -151,13 +151,15 @@ TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
   EXPECT_THAT(s->source, HasSubstr("kTensorCore = true;"));
   EXPECT_THAT(s->source, HasSubstr("kFwdStages = 2;"));
   EXPECT_THAT(s->source, HasSubstr("kQInRegisters = false;"));  // D = 128
-  // The forward and the fused forward run on tensor cores, sized for two CTAs per SM on
-  // sm_90 (2 x 87040 B of shared memory); the other roles are FMA kernels.
+  // The forward, the fused forward and the backward run on tensor cores, the forwards sized
+  // for two CTAs per SM on sm_90 (2 x 87040 B of shared memory), the backward's 16x64 tiles
+  // too; the other roles are FMA kernels.
   for (const CudaKernelEntry& k : s->kernels) {
-    const bool mma = k.role == "fwd" || k.role == "fused_fwd";
+    const bool forward = k.role == "fwd" || k.role == "fused_fwd";
+    const bool mma = forward || k.role == "bwd";
     EXPECT_EQ(k.tensor_core, mma) << k.role;
     EXPECT_EQ(k.min_ctas_per_sm, mma ? 2 : 1) << k.role;
-    if (mma) {
+    if (forward) {
       EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8)) << k.role;
     }
   }

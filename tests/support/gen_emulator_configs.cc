@@ -102,8 +102,7 @@ Instance MmaTile(DType dtype, int head_dim, int gqa, bool band, int steps) {
   return i;
 }
 
-// The tensor-core backward with the tiles ChooseCudaTiles picks (4 warps, 64- or 32-key tiles),
-// deterministic or atomic dq.
+// The tensor-core backward at its shipped tiles, deterministic or atomic dq.
 Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) {
   Instance i;
   jit::CudaKernelConfig& c = i.config;
@@ -114,6 +113,11 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   c.has_band = true;
   c.math = jit::CudaMath::kTensorCore;
   c.deterministic_dq = deterministic_dq;
+  // The shipped tiles (16 queries x 64 keys on 4 warps), explicit so that head dim 64, which
+  // ships the FMA backward (see MmaBwdTileFor), still runs the tensor-core kernel here.
+  c.bwd_block_m = 16;
+  c.bwd_block_n = 64;
+  c.bwd_threads = 128;
   i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
                                  deterministic_dq ? "true" : "false");
   return i;
