@@ -335,15 +335,7 @@ class HostPending final : public Transport::Pending {
       if (op.state == OpState::kFailed) errors.push_back(&op.error);
     }
     if (errors.empty()) return absl::OkStatus();
-    constexpr size_t kMaxShown = 4;
-    std::string message;
-    for (size_t i = 0; i < errors.size() && i < kMaxShown; ++i) {
-      absl::StrAppend(&message, i > 0 ? "; " : "", errors[i]->message());
-    }
-    if (errors.size() > kMaxShown) {
-      absl::StrAppend(&message, "; and ", errors.size() - kMaxShown, " more failed operations");
-    }
-    return absl::Status(errors.front()->code(), message);
+    return CombineStageFailures(errors);
   }
 
   std::string TimeoutMessage() const {
@@ -352,18 +344,7 @@ class HostPending final : public Transport::Pending {
       if (IsTerminal(op)) continue;
       missing[op.peer].push_back(absl::StrCat(KindName(op.kind), " ", TagName(op.tag)));
     }
-    constexpr size_t kMaxPeersShown = 8;
-    std::vector<std::string> parts;
-    for (const auto& [peer, ops] : missing) {
-      if (parts.size() == kMaxPeersShown) {
-        parts.push_back(absl::StrCat("and ", missing.size() - kMaxPeersShown, " more ranks"));
-        break;
-      }
-      parts.push_back(absl::StrCat("rank ", peer, " (", absl::StrJoin(ops, ", "), ")"));
-    }
-    return absl::StrCat("rank ", rank_, ": timed out after ",
-                        absl::ToInt64Milliseconds(world_->timeout), " ms in stage '", stage_,
-                        "' waiting for ", absl::StrJoin(parts, ", "));
+    return StageTimeoutMessage(rank_, world_->timeout, stage_, missing);
   }
 
   std::shared_ptr<World> world_;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 
 namespace hsap {
@@ -150,6 +151,33 @@ absl::Status Transport::AllGather(const void* in, void* out, size_t bytes, std::
   // which the local copy only reads too.
   if (bytes > 0 && in_bytes != own_slot) std::memcpy(own_slot, in_bytes, bytes);
   return pending->Wait();
+}
+
+absl::Status CombineStageFailures(const std::vector<const absl::Status*>& failed) {
+  constexpr size_t kMaxShown = 4;
+  std::string message;
+  for (size_t i = 0; i < failed.size() && i < kMaxShown; ++i) {
+    absl::StrAppend(&message, i > 0 ? "; " : "", failed[i]->message());
+  }
+  if (failed.size() > kMaxShown) {
+    absl::StrAppend(&message, "; and ", failed.size() - kMaxShown, " more failed operations");
+  }
+  return absl::Status(failed.front()->code(), message);
+}
+
+std::string StageTimeoutMessage(int rank, absl::Duration timeout, absl::string_view stage,
+                                const std::map<int, std::vector<std::string>>& missing) {
+  constexpr size_t kMaxPeersShown = 8;
+  std::vector<std::string> parts;
+  for (const auto& [peer, ops] : missing) {
+    if (parts.size() == kMaxPeersShown) {
+      parts.push_back(absl::StrCat("and ", missing.size() - kMaxPeersShown, " more ranks"));
+      break;
+    }
+    parts.push_back(absl::StrCat("rank ", peer, " (", absl::StrJoin(ops, ", "), ")"));
+  }
+  return absl::StrCat("rank ", rank, ": timed out after ", absl::ToInt64Milliseconds(timeout),
+                      " ms in stage '", stage, "' waiting for ", absl::StrJoin(parts, ", "));
 }
 
 }  // namespace hsap

@@ -24,11 +24,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 
 namespace hsap {
@@ -70,6 +74,16 @@ struct TrafficCounters {
   uint64_t messages_sent = 0;
   uint64_t messages_received = 0;
 };
+
+// The error of a stage whose operations `failed` (non-empty, in posting order): the first
+// one's code and the messages of the first four. Shared by the transports so that a failed
+// stage reads the same whichever transport ran it.
+absl::Status CombineStageFailures(const std::vector<const absl::Status*>& failed);
+
+// "rank R: timed out after T ms in stage 'S' waiting for rank P (recv tag 17, ...), ..." for
+// the operations still `missing` per peer (at most eight peers named).
+std::string StageTimeoutMessage(int rank, absl::Duration timeout, absl::string_view stage,
+                                const std::map<int, std::vector<std::string>>& missing);
 
 // Checks the operations of one stage of rank `rank` in a world of `size` ranks before a
 // transport posts them: every peer in [0, size), no null buffer with bytes > 0, and no
