@@ -93,6 +93,361 @@ double ForwardFlops(absl::Span<const int64_t> doc_lengths, int heads_q, int head
   return 4.0 * head_dim * heads_q * VisiblePairs(doc_lengths, causal);
 }
 
+double BackwardFlops(absl::Span<const int64_t> doc_lengths, int heads_q, int head_dim,
+                     bool causal) {
+  return 2.5 * ForwardFlops(doc_lengths, heads_q, head_dim, causal);
+}
+
+const CudnnTensorNode* CudnnGraphPlan::Find(int64_t uid) const {
+  for (const CudnnTensorNode& t : tensors) {
+    if (t.uid == uid) return &t;
+  }
+  return nullptr;
+}
+
+std::vector<int64_t> CudnnGraphPlan::BoundUids() const {
+  std::vector<int64_t> uids;
+  for (const CudnnTensorNode& t : tensors) {
+    if (!t.is_virtual) uids.push_back(t.uid);
+  }
+  std::sort(uids.begin(), uids.end());
+  return uids;
+}
+
+namespace {
+
+// Builds a plan: tensors by uid, ops in order.
+class PlanWriter {
+ public:
+  explicit PlanWriter(CudnnGraphPlan* plan) : plan_(plan) {}
+
+  int64_t Bound(std::string name, int64_t uid, CudnnDataKind dtype, const Dims4& dims,
+                const Dims4& strides, int64_t ragged_offset_uid = 0) {
+    plan_->tensors.push_back(
+        {std::move(name), uid, dtype, dims, strides, false, false, ragged_offset_uid});
+    return uid;
+  }
+  int64_t Scalar(std::string name, int64_t uid) {
+    const Dims4 one = {1, 1, 1, 1};
+    plan_->tensors.push_back({std::move(name), uid, CudnnDataKind::kFloat, one, one, false, true});
+    return uid;
+  }
+  int64_t Scratch(std::string name, int64_t uid, CudnnDataKind dtype, const Dims4& dims,
+                  const Dims4& strides, int64_t ragged_offset_uid, size_t bytes) {
+    plan_->tensors.push_back(
+        {std::move(name), uid, dtype, dims, strides, false, false, ragged_offset_uid, bytes});
+    return uid;
+  }
+  int64_t Virtual(std::string name, CudnnDataKind dtype, const Dims4& dims, const Dims4& strides,
+                  int64_t ragged_offset_uid = 0) {
+    const int64_t uid = next_virtual_++;
+    plan_->tensors.push_back(
+        {std::move(name), uid, dtype, dims, strides, true, false, ragged_offset_uid});
+    return uid;
+  }
+
+  void Pointwise(std::string name, CudnnPointwiseMode mode, CudnnDataKind math,
+                 std::vector<int64_t> inputs, int64_t output, int64_t axis = -1) {
+    CudnnOpNode op;
+    op.kind = CudnnOpKind::kPointwise;
+    op.name = std::move(name);
+    op.mode = mode;
+    op.math = math;
+    op.axis = axis;
+    op.inputs = std::move(inputs);
+    op.output = output;
+    plan_->ops.push_back(std::move(op));
+  }
+  void Unary(std::string name, CudnnOpKind kind, int64_t x, int64_t output) {
+    CudnnOpNode op;
+    op.kind = kind;
+    op.name = std::move(name);
+    op.inputs = {x};
+    op.output = output;
+    plan_->ops.push_back(std::move(op));
+  }
+  void Matmul(std::string name, int64_t a, int64_t b, int64_t c, int64_t m_override,
+              int64_t n_override, int64_t k_override) {
+    CudnnOpNode op;
+    op.kind = CudnnOpKind::kMatmul;
+    op.name = std::move(name);
+    op.inputs = {a, b};
+    op.output = c;
+    op.m_override = m_override;
+    op.n_override = n_override;
+    op.k_override = k_override;
+    plan_->ops.push_back(std::move(op));
+  }
+
+  // Padding mask of `s`: keep (row < seq_len_q) && (col < seq_len_kv), else `lowest`.
+  int64_t PaddingMask(const std::string& tag, int64_t s, int64_t lowest, const Dims4& sd,
+                      const Dims4& ss) {
+    using M = CudnnPointwiseMode;
+    using D = CudnnDataKind;
+    const int64_t row = Virtual(tag + "_row_index", D::kInt32, sd, ss);
+    const int64_t col = Virtual(tag + "_col_index", D::kInt32, sd, ss);
+    const int64_t row_ok = Virtual(tag + "_row_lt_seq_q", D::kBool, sd, ss);
+    const int64_t col_ok = Virtual(tag + "_col_lt_seq_kv", D::kBool, sd, ss);
+    const int64_t keep = Virtual(tag + "_keep", D::kBool, sd, ss);
+    const int64_t out = Virtual("S_" + tag, D::kFloat, sd, ss);
+    Pointwise(tag + "_row_index", M::kGenIndex, D::kInt32, {s}, row, /*axis=*/2);
+    Pointwise(tag + "_col_index", M::kGenIndex, D::kInt32, {s}, col, /*axis=*/3);
+    Pointwise(tag + "_row_lt_seq_q", M::kCmpLt, D::kBool, {row, kUidSeqLenQ}, row_ok);
+    Pointwise(tag + "_col_lt_seq_kv", M::kCmpLt, D::kBool, {col, kUidSeqLenKv}, col_ok);
+    Pointwise(tag + "_and", M::kLogicalAnd, D::kBool, {row_ok, col_ok}, keep);
+    Pointwise(tag + "_select", M::kBinarySelect, D::kFloat, {s, lowest, keep}, out);
+    return out;
+  }
+
+ private:
+  CudnnGraphPlan* plan_;
+  int64_t next_virtual_ = kUidFirstVirtual;
+};
+
+}  // namespace
+
+absl::StatusOr<CudnnGraphPlan> BackwardGraphPlan(const CudnnAttentionShape& shape, int version) {
+  HSAP_ASSIGN_OR_RETURN(const CudnnRaggedGeometry g, MakeRaggedGeometry(shape));
+  using M = CudnnPointwiseMode;
+  using D = CudnnDataKind;
+  CudnnGraphPlan plan;
+  PlanWriter w(&plan);
+  const int64_t b = g.batch, s = g.max_seq_len, hq = shape.heads_q, hkv = shape.heads_kv;
+  const int64_t d = shape.head_dim, t = g.total_tokens;
+  const Dims4 one = {1, 1, 1, 1};
+  const Dims4 seq_dims = {b, 1, 1, 1}, off_dims = {b + 1, 1, 1, 1};
+
+  // Bound tensors: index tensors, the forward's inputs and outputs, the gradients.
+  w.Bound("seq_len_q", kUidSeqLenQ, D::kInt32, seq_dims, one);
+  w.Bound("seq_len_kv", kUidSeqLenKv, D::kInt32, seq_dims, one);
+  w.Bound("ragged_offset_qo", kUidOffsetQo, D::kInt32, off_dims, one);
+  w.Bound("ragged_offset_kv", kUidOffsetKv, D::kInt32, off_dims, one);
+  const int64_t q = w.Bound("Q", kUidQ, D::kIo, g.q_dims, g.q_strides, kUidOffsetQo);
+  const int64_t kt = w.Bound("K^T", kUidK, D::kIo, g.kt_dims, g.kt_strides, kUidOffsetKv);
+  const int64_t vt = w.Bound("V^T", kUidV, D::kIo, g.kt_dims, g.kt_strides, kUidOffsetKv);
+  const int64_t o = w.Bound("O", kUidO, D::kIo, g.q_dims, g.q_strides, kUidOffsetQo);
+  const int64_t dout = w.Bound("dO", kUidDO, D::kIo, g.q_dims, g.q_strides, kUidOffsetQo);
+  const int64_t stats = w.Bound("Stats", kUidStats, D::kFloat, g.stats_dims, g.stats_strides);
+  const int64_t dq = w.Bound("dQ", kUidDQ, D::kIo, g.q_dims, g.q_strides, kUidOffsetQo);
+  const int64_t dk = w.Bound("dK", kUidDK, D::kIo, g.v_dims, g.v_strides, kUidOffsetKv);
+  const int64_t dv = w.Bound("dV", kUidDV, D::kIo, g.v_dims, g.v_strides, kUidOffsetKv);
+  const int64_t scale = w.Scalar("attn_scale", kUidScale);
+  const int64_t unit = w.Scalar("one", kUidOne);
+
+  const Dims4& sd = g.score_dims;
+  const Dims4& ss = g.score_strides;
+  // Transposed scores [B, Hq, S_kv, S_q] over the same memory: the A operand of dV and dK.
+  const Dims4 st_strides = {hq * s * s, s * s, 1, s};
+  // fp32 [T, Hq, D] scratch in our packed layout (dQ accumulator, GQA full heads).
+  const size_t q_scratch_bytes = static_cast<size_t>(t * hq * d) * sizeof(float);
+
+  // softmax_sum = sum_row(dO * O) * 1: the row term of dS (fp32 scratch [B, Hq, S, 1]).
+  const int64_t do_o = w.Virtual("dO_times_O", D::kFloat, g.q_dims, {hq * s * d, s * d, hq * d, 1});
+  const int64_t do_o_sum = w.Virtual("sum_dO_times_O", D::kFloat, g.stats_dims, g.stats_strides);
+  const int64_t softmax_sum =
+      w.Scratch("softmax_sum", kUidSoftmaxSum, D::kFloat, g.stats_dims, g.stats_strides, 0,
+                static_cast<size_t>(g.stats_elements) * sizeof(float));
+  w.Pointwise("mul_dO_O", M::kMul, D::kFloat, {dout, o}, do_o);
+  w.Unary("reduce_dO_O", CudnnOpKind::kReduction, do_o, do_o_sum);
+  w.Pointwise("scale_one", M::kMul, D::kFloat, {do_o_sum, unit}, softmax_sum);
+
+  // S = Q K^T * scale, masked as in the forward, E = exp(S - Stats).
+  const int64_t s_raw = w.Virtual("S", D::kFloat, sd, ss);
+  const int64_t s_scaled = w.Virtual("S_scaled", D::kFloat, sd, ss);
+  w.Matmul("matmul_Q_KT", q, kt, s_raw, kUidSeqLenQ, kUidSeqLenKv, 0);
+  w.Pointwise("mul_S_scale", M::kMul, D::kFloat, {s_raw, scale}, s_scaled);
+  int64_t s_masked =
+      w.PaddingMask("padding", s_scaled, w.Scalar("lowest (padding)", kUidLowestPadding), sd, ss);
+  if (shape.causal) {
+    // Keep row >= col inside each document (equal q and kv lengths: top-left = bottom-right).
+    const int64_t row = w.Virtual("causal_row_index", D::kInt32, sd, ss);
+    const int64_t col = w.Virtual("causal_col_index", D::kInt32, sd, ss);
+    const int64_t keep = w.Virtual("causal_keep", D::kBool, sd, ss);
+    const int64_t out = w.Virtual("S_causal", D::kFloat, sd, ss);
+    const int64_t lowest = w.Scalar("lowest (causal)", kUidLowestCausal);
+    w.Pointwise("causal_row_index", M::kGenIndex, D::kInt32, {s_masked}, row, /*axis=*/2);
+    w.Pointwise("causal_col_index", M::kGenIndex, D::kInt32, {s_masked}, col, /*axis=*/3);
+    w.Pointwise("row_ge_col", M::kCmpGe, D::kBool, {row, col}, keep);
+    w.Pointwise("causal_select", M::kBinarySelect, D::kFloat, {s_masked, lowest, keep}, out);
+    s_masked = out;
+  }
+  int64_t s_sub = w.Virtual("S_minus_stats", D::kFloat, sd, ss);
+  w.Pointwise("sub_S_stats", M::kSub, D::kFloat, {s_masked, stats}, s_sub);
+  if (version >= 90000 && version < 91000) {
+    // cuDNN 9.0 - 9.9 lose the padding through the Stats subtraction (cudnn-frontend
+    // applies it again there for those versions).
+    s_sub = w.PaddingMask("padding2", s_sub, w.Scalar("lowest (padding 2)", kUidLowestPadding2), sd,
+                          ss);
+  }
+  const int64_t e = w.Virtual("E", D::kFloat, sd, ss);
+  w.Pointwise("exp_S", M::kExp, D::kFloat, {s_sub}, e);
+
+  // dV = E^T dO (per query head, then summed over each GQA group).
+  const int64_t et = w.Virtual("E^T", D::kIo, sd, st_strides);
+  w.Unary("reshape_E", CudnnOpKind::kReshape, e, et);
+  const Dims4 full_dims = {b, hq, s, d};
+  const Dims4 full_strides = {s * hq * d, d, hq * d, 1};
+  if (hq == hkv) {
+    w.Matmul("matmul_ET_dO", et, dout, dv, kUidSeqLenKv, 0, kUidSeqLenQ);
+  } else {
+    const int64_t dv_full = w.Scratch("dV_full_heads", kUidDVFullHeads, D::kIo, full_dims,
+                                      full_strides, kUidOffsetKv, q_scratch_bytes);
+    w.Matmul("matmul_ET_dO", et, dout, dv_full, kUidSeqLenKv, 0, kUidSeqLenQ);
+    w.Unary("reduce_dV_heads", CudnnOpKind::kReduction, dv_full, dv);
+  }
+
+  // dS = (dO V^T - softmax_sum) * E * scale.
+  const int64_t dp = w.Virtual("dP", D::kFloat, sd, ss);
+  const int64_t dp_sub = w.Virtual("dP_minus_sum", D::kFloat, sd, ss);
+  const int64_t dp_e = w.Virtual("dP_times_E", D::kFloat, sd, ss);
+  const int64_t ds = w.Virtual("dS", D::kFloat, sd, ss);
+  w.Matmul("matmul_dO_VT", dout, vt, dp, kUidSeqLenQ, kUidSeqLenKv, 0);
+  w.Pointwise("sub_dP_softmax_sum", M::kSub, D::kFloat, {dp, softmax_sum}, dp_sub);
+  w.Pointwise("mul_dP_E", M::kMul, D::kFloat, {dp_sub, e}, dp_e);
+  w.Pointwise("mul_dS_scale", M::kMul, D::kFloat, {dp_e, scale}, ds);
+
+  // dK = dS^T Q (per query head, then summed over each GQA group).
+  const int64_t dst = w.Virtual("dS^T", D::kIo, sd, st_strides);
+  w.Unary("reshape_dS", CudnnOpKind::kReshape, ds, dst);
+  if (hq == hkv) {
+    w.Matmul("matmul_dST_Q", dst, q, dk, kUidSeqLenKv, 0, kUidSeqLenQ);
+  } else {
+    const int64_t dk_full = w.Scratch("dK_full_heads", kUidDKFullHeads, D::kIo, full_dims,
+                                      full_strides, kUidOffsetKv, q_scratch_bytes);
+    w.Matmul("matmul_dST_Q", dst, q, dk_full, kUidSeqLenKv, 0, kUidSeqLenQ);
+    w.Unary("reduce_dK_heads", CudnnOpKind::kReduction, dk_full, dk);
+  }
+
+  // dQ = dS K, accumulated in fp32 scratch, then cast into dQ.
+  const int64_t k = w.Virtual("K", D::kIo, g.v_dims, g.v_strides, kUidOffsetKv);
+  w.Unary("reshape_K", CudnnOpKind::kReshape, kt, k);
+  const int64_t dq_accum = w.Scratch("dQ_accum", kUidDQAccum, D::kFloat, g.q_dims, g.q_strides,
+                                     kUidOffsetQo, q_scratch_bytes);
+  w.Matmul("matmul_dS_K", ds, k, dq_accum, kUidSeqLenQ, 0, kUidSeqLenKv);
+  w.Pointwise("identity_dQ", M::kIdentity, D::kFloat, {dq_accum}, dq);
+  return plan;
+}
+
+absl::Status ValidateGraphPlan(const CudnnGraphPlan& plan) {
+  auto fail = [](auto&&... parts) {
+    return absl::FailedPreconditionError(absl::StrCat("cuDNN graph plan: ", parts...));
+  };
+  std::map<int64_t, const CudnnTensorNode*> by_uid;
+  std::map<int64_t, int> produced, consumed;
+  for (const CudnnTensorNode& t : plan.tensors) {
+    if (!by_uid.emplace(t.uid, &t).second) return fail("uid ", t.uid, " used twice");
+    if (t.is_virtual != (t.uid >= kUidFirstVirtual)) {
+      return fail("tensor ", t.name, ": uid ", t.uid, (t.is_virtual ? " is virtual" : " is bound"),
+                  " on the wrong side of ", static_cast<int64_t>(kUidFirstVirtual));
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (t.dims[i] <= 0 || t.strides[i] <= 0) return fail("tensor ", t.name, ": dims/strides");
+    }
+  }
+  for (const CudnnTensorNode& t : plan.tensors) {
+    if (t.ragged_offset_uid == 0) continue;
+    auto it = by_uid.find(t.ragged_offset_uid);
+    if (it == by_uid.end() || it->second->dtype != CudnnDataKind::kInt32 ||
+        it->second->is_virtual) {
+      return fail("tensor ", t.name, ": its ragged offset is not a bound int32 tensor");
+    }
+    ++consumed[t.ragged_offset_uid];
+  }
+  auto numel = [](const Dims4& d) { return d[0] * d[1] * d[2] * d[3]; };
+  for (const CudnnOpNode& op : plan.ops) {
+    std::vector<const CudnnTensorNode*> in;
+    for (int64_t uid : op.inputs) {
+      auto it = by_uid.find(uid);
+      if (it == by_uid.end()) return fail(op.name, ": input ", uid, " is not a tensor");
+      if (it->second->is_virtual && produced.count(uid) == 0) {
+        return fail(op.name, ": reads ", it->second->name, " before any op writes it");
+      }
+      ++consumed[uid];
+      in.push_back(it->second);
+    }
+    auto out_it = by_uid.find(op.output);
+    if (out_it == by_uid.end()) return fail(op.name, ": output ", op.output, " is not a tensor");
+    const CudnnTensorNode& out = *out_it->second;
+    if (out.by_value) return fail(op.name, ": writes the scalar ", out.name);
+    if (++produced[op.output] > 1) return fail(op.name, ": ", out.name, " written twice");
+    for (int64_t uid : {op.m_override, op.n_override, op.k_override}) {
+      if (uid == 0) continue;
+      auto it = by_uid.find(uid);
+      if (it == by_uid.end() || it->second->dtype != CudnnDataKind::kInt32) {
+        return fail(op.name, ": a GEMM override is not an int32 tensor");
+      }
+      ++consumed[uid];
+    }
+    switch (op.kind) {
+      case CudnnOpKind::kMatmul: {
+        if (in.size() != 2) return fail(op.name, ": a matmul takes two inputs");
+        const Dims4 &a = in[0]->dims, &bb = in[1]->dims, &c = out.dims;
+        const bool heads_ok =
+            c[1] % a[1] == 0 && c[1] % bb[1] == 0 && c[1] == std::max(a[1], bb[1]);
+        if (a[0] != bb[0] || a[0] != c[0] || !heads_ok || a[3] != bb[2] || c[2] != a[2] ||
+            c[3] != bb[3]) {
+          return fail(op.name, ": [", absl::StrJoin(a, ","), "] x [", absl::StrJoin(bb, ","),
+                      "] -> [", absl::StrJoin(c, ","), "] does not multiply");
+        }
+        break;
+      }
+      case CudnnOpKind::kPointwise: {
+        const size_t arity =
+            op.mode == CudnnPointwiseMode::kBinarySelect ? 3
+            : (op.mode == CudnnPointwiseMode::kExp || op.mode == CudnnPointwiseMode::kIdentity ||
+               op.mode == CudnnPointwiseMode::kGenIndex)
+                ? 1
+                : 2;
+        if (in.size() != arity) return fail(op.name, ": takes ", arity, " inputs");
+        for (const CudnnTensorNode* x : in) {
+          for (int i = 0; i < 4; ++i) {
+            if (x->dims[i] != out.dims[i] && x->dims[i] != 1) {
+              return fail(op.name, ": ", x->name, " does not broadcast to ", out.name);
+            }
+          }
+        }
+        const bool boolean_out = op.mode == CudnnPointwiseMode::kCmpLt ||
+                                 op.mode == CudnnPointwiseMode::kCmpGe ||
+                                 op.mode == CudnnPointwiseMode::kLogicalAnd;
+        if (op.mode == CudnnPointwiseMode::kGenIndex &&
+            (out.dtype != CudnnDataKind::kInt32 || op.axis < 0 || op.axis > 3)) {
+          return fail(op.name, ": GEN_INDEX needs an axis and an int32 output");
+        }
+        if (boolean_out && out.dtype != CudnnDataKind::kBool) {
+          return fail(op.name, ": a comparison writes booleans");
+        }
+        if (op.mode == CudnnPointwiseMode::kBinarySelect && in[2]->dtype != CudnnDataKind::kBool) {
+          return fail(op.name, ": BINARY_SELECT's mask is not boolean");
+        }
+        break;
+      }
+      case CudnnOpKind::kReduction:
+        if (in.size() != 1) return fail(op.name, ": a reduction takes one input");
+        for (int i = 0; i < 4; ++i) {
+          if (in[0]->dims[i] % out.dims[i] != 0) {
+            return fail(op.name, ": ", out.name, " is not a reduction of ", in[0]->name);
+          }
+        }
+        break;
+      case CudnnOpKind::kReshape:
+        if (in.size() != 1 || numel(in[0]->dims) != numel(out.dims)) {
+          return fail(op.name, ": a reshape keeps the element count");
+        }
+        break;
+    }
+  }
+  for (const CudnnTensorNode& t : plan.tensors) {
+    if (t.is_virtual && (produced.count(t.uid) == 0 || consumed.count(t.uid) == 0)) {
+      return fail("virtual tensor ", t.name,
+                  produced.count(t.uid) ? " is never read" : " is never written");
+    }
+    if (!t.is_virtual && produced.count(t.uid) == 0 && consumed.count(t.uid) == 0) {
+      return fail("bound tensor ", t.name, " is not used");
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::vector<std::string> CudnnLibrarySearchPath() {
   if (GetParam(Param::kCudaLibPath).has_value()) return cuda::CudaLibrarySearchPath();
   std::vector<std::string> dirs = cuda::CudaLibrarySearchPath();  // ends with "" (default)
@@ -456,30 +811,127 @@ class Builder {
     return op;
   }
 
+  // y = x seen through y's dims and strides (a transpose, or a cast of a virtual tensor).
+  absl::StatusOr<cudnnBackendDescriptor_t> Reshape(const char* name, cudnnBackendDescriptor_t x,
+                                                   cudnnBackendDescriptor_t y) {
+    const std::string what = absl::StrCat("operation reshape ", name);
+    HSAP_CUDNN_ASSIGN_OR_RETURN(cudnnBackendDescriptor_t op,
+                                Make(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, what));
+    HSAP_CUDNN_RETURN_IF_ERROR(SetDesc(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x, what));
+    HSAP_CUDNN_RETURN_IF_ERROR(SetDesc(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y, what));
+    HSAP_CUDNN_RETURN_IF_ERROR(Finalize(op, what));
+    return op;
+  }
+
  private:
   const CudnnApi* api_;
   std::vector<Desc>* keep_;
 };
 
-// Unique ids of the tensors the variant pack binds (virtual ones count from 100).
-enum Uid : int64_t {
-  kUidQ = 1,
-  kUidK = 2,
-  kUidV = 3,
-  kUidO = 4,
-  kUidStats = 5,
-  kUidSeqLenQ = 6,
-  kUidSeqLenKv = 7,
-  kUidOffsetQo = 8,
-  kUidOffsetKv = 9,
-  kUidScale = 10,
-  kUidLowestPadding = 11,
-  kUidLowestCausal = 12,
-  kUidFirstVirtual = 100,
-};
-
 // Bytes of `n` int32 values rounded up to 16.
 size_t Aligned16(size_t n) { return (n * sizeof(int32_t) + 15) / 16 * 16; }
+
+cudnnDataType_t CudnnDataType(CudnnDataKind kind, cudnnDataType_t io) {
+  switch (kind) {
+    case CudnnDataKind::kIo:
+      return io;
+    case CudnnDataKind::kFloat:
+      return CUDNN_DATA_FLOAT;
+    case CudnnDataKind::kInt32:
+      return CUDNN_DATA_INT32;
+    case CudnnDataKind::kBool:
+      return CUDNN_DATA_BOOLEAN;
+  }
+  return CUDNN_DATA_FLOAT;
+}
+
+cudnnPointwiseMode_t CudnnPointwise(CudnnPointwiseMode mode) {
+  switch (mode) {
+    case CudnnPointwiseMode::kMul:
+      return CUDNN_POINTWISE_MUL;
+    case CudnnPointwiseMode::kSub:
+      return CUDNN_POINTWISE_SUB;
+    case CudnnPointwiseMode::kExp:
+      return CUDNN_POINTWISE_EXP;
+    case CudnnPointwiseMode::kIdentity:
+      return CUDNN_POINTWISE_IDENTITY;
+    case CudnnPointwiseMode::kGenIndex:
+      return CUDNN_POINTWISE_GEN_INDEX;
+    case CudnnPointwiseMode::kCmpLt:
+      return CUDNN_POINTWISE_CMP_LT;
+    case CudnnPointwiseMode::kCmpGe:
+      return CUDNN_POINTWISE_CMP_GE;
+    case CudnnPointwiseMode::kLogicalAnd:
+      return CUDNN_POINTWISE_LOGICAL_AND;
+    case CudnnPointwiseMode::kBinarySelect:
+      return CUDNN_POINTWISE_BINARY_SELECT;
+  }
+  return CUDNN_POINTWISE_IDENTITY;
+}
+
+// Creates and finalizes the tensor and operation descriptors of `plan` (kept in `keep`); the
+// operations in plan order.
+absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> LowerPlan(const CudnnApi* api,
+                                                                const CudnnGraphPlan& plan,
+                                                                DType dtype,
+                                                                std::vector<Desc>* keep) {
+  Builder b(api, keep);
+  const cudnnDataType_t io = dtype == DType::kBF16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_HALF;
+  // Tensors: those without a ragged offset first (the others name their offset tensor).
+  std::map<int64_t, cudnnBackendDescriptor_t> made;
+  for (bool ragged : {false, true}) {
+    for (const CudnnTensorNode& t : plan.tensors) {
+      if ((t.ragged_offset_uid != 0) != ragged) continue;
+      HSAP_CUDNN_ASSIGN_OR_RETURN(
+          made[t.uid],
+          b.Tensor({t.name.c_str(), t.uid, CudnnDataType(t.dtype, io), t.dims, t.strides,
+                    t.is_virtual, t.by_value, ragged ? made.at(t.ragged_offset_uid) : nullptr}));
+    }
+  }
+  auto tensor = [&](int64_t uid) -> cudnnBackendDescriptor_t {
+    return uid == 0 ? nullptr : made.at(uid);
+  };
+  std::vector<cudnnBackendDescriptor_t> ops;
+  for (const CudnnOpNode& node : plan.ops) {
+    auto input = [&](size_t i) {
+      return i < node.inputs.size() ? tensor(node.inputs[i]) : nullptr;
+    };
+    const char* name = node.name.c_str();
+    absl::StatusOr<cudnnBackendDescriptor_t> op;
+    switch (node.kind) {
+      case CudnnOpKind::kMatmul:
+        op = b.Matmul(name, input(0), input(1), tensor(node.output), tensor(node.m_override),
+                      tensor(node.n_override), tensor(node.k_override));
+        break;
+      case CudnnOpKind::kPointwise:
+        op = b.Pointwise(name, CudnnPointwise(node.mode), CudnnDataType(node.math, io), input(0),
+                         input(1), input(2), tensor(node.output), node.axis);
+        break;
+      case CudnnOpKind::kReduction:
+        op = b.Reduction(name, CUDNN_REDUCE_TENSOR_ADD, input(0), tensor(node.output));
+        break;
+      case CudnnOpKind::kReshape:
+        op = b.Reshape(name, input(0), tensor(node.output));
+        break;
+    }
+    if (!op.ok()) return op.status();
+    ops.push_back(*op);
+  }
+  return ops;
+}
+
+// Offsets of the backward's scratch tensors inside one allocation (256-byte aligned).
+std::map<int64_t, size_t> ScratchLayout(const CudnnGraphPlan& plan, size_t* total) {
+  std::map<int64_t, size_t> offsets;
+  size_t at = 0;
+  for (const CudnnTensorNode& t : plan.tensors) {
+    if (t.scratch_bytes == 0) continue;
+    offsets[t.uid] = at;
+    at += (t.scratch_bytes + 255) / 256 * 256;
+  }
+  *total = at;
+  return offsets;
+}
 
 }  // namespace
 
@@ -497,6 +949,12 @@ struct CudnnAttention::Impl {
   // Host values of the by-value scalars (their addresses go into every variant pack).
   float scale = 1.0f;
   float lowest = std::numeric_limits<float>::lowest();
+  float one = 1.0f;
+  // The backward: its plan, its scratch tensors (uid -> device address) in one allocation.
+  CudnnGraphPlan backward_plan;
+  DeviceBuffer scratch;
+  std::map<int64_t, void*> scratch_dev;
+  bool zero_dq_accum = false;  // cuDNN < 9.6 expects the caller to zero the dQ accumulator
 
   ~Impl() {
     plan.clear();
@@ -506,7 +964,16 @@ struct CudnnAttention::Impl {
   }
 
   absl::Status Build(const CudnnAttentionShape& shape, const CudnnRaggedGeometry& g);
+  absl::Status BuildBackward(const CudnnAttentionShape& shape, const CudnnRaggedGeometry& g,
+                             int version);
+  // Finalizes the graph of `ops`, picks the plan, allocates the workspace, uploads the index
+  // tensors and sets the scale.
+  absl::Status FinishBuild(const CudnnAttentionShape& shape, const CudnnRaggedGeometry& g,
+                           const std::vector<cudnnBackendDescriptor_t>& ops);
   absl::Status PickPlan(cudnnBackendDescriptor_t graph, size_t* workspace_bytes);
+  // Binds `uids` to `ptrs` in a variant pack and executes the plan on `stream`.
+  absl::Status Execute(absl::Span<const int64_t> uids, absl::Span<void* const> ptrs,
+                       cuda::cudaStream stream, absl::string_view what);
 };
 
 absl::Status CudnnAttention::Impl::Build(const CudnnAttentionShape& shape,
@@ -658,7 +1125,33 @@ absl::Status CudnnAttention::Impl::Build(const CudnnAttentionShape& shape,
   // O = P V over each document.
   HSAP_CUDNN_ASSIGN_OR_RETURN(op, b.Matmul("bmm2 (P V)", p, v, o, seq_q, nullptr, seq_kv));
   ops.push_back(op);
+  return FinishBuild(shape, g, ops);
+}
 
+absl::Status CudnnAttention::Impl::BuildBackward(const CudnnAttentionShape& shape,
+                                                 const CudnnRaggedGeometry& g, int version) {
+  HSAP_CUDNN_ASSIGN_OR_RETURN(backward_plan, BackwardGraphPlan(shape, version));
+  HSAP_CUDNN_RETURN_IF_ERROR(ValidateGraphPlan(backward_plan));
+  HSAP_CUDNN_ASSIGN_OR_RETURN(const std::vector<cudnnBackendDescriptor_t> ops,
+                              LowerPlan(api, backward_plan, shape.dtype, &descs));
+  HSAP_CUDNN_RETURN_IF_ERROR(FinishBuild(shape, g, ops));
+
+  // Scratch tensors (softmax_sum, the dQ accumulator, GQA full heads): one allocation.
+  size_t scratch_bytes = 0;
+  const std::map<int64_t, size_t> offsets = ScratchLayout(backward_plan, &scratch_bytes);
+  HSAP_CUDNN_ASSIGN_OR_RETURN(
+      scratch, DeviceBuffer::Allocate(rt, scratch_bytes, "the cuDNN backward's scratch tensors"));
+  for (const auto& [uid, offset] : offsets) {
+    scratch_dev[uid] = static_cast<uint8_t*>(scratch.get()) + offset;
+  }
+  zero_dq_accum = version < 90600;
+  return absl::OkStatus();
+}
+
+absl::Status CudnnAttention::Impl::FinishBuild(const CudnnAttentionShape& shape,
+                                               const CudnnRaggedGeometry& g,
+                                               const std::vector<cudnnBackendDescriptor_t>& ops) {
+  Builder b(api, &descs);
   // The operation graph.
   HSAP_CUDNN_ASSIGN_OR_RETURN(auto graph,
                               b.Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph"));
@@ -760,8 +1253,47 @@ absl::Status CudnnAttention::Impl::PickPlan(cudnnBackendDescriptor_t graph,
                                           absl::StrJoin(rejected, "; ")));
 }
 
+absl::Status CudnnAttention::Impl::Execute(absl::Span<const int64_t> uids,
+                                           absl::Span<void* const> ptrs, cuda::cudaStream stream,
+                                           absl::string_view what) {
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->SetStream(handle, reinterpret_cast<cudaStream_t>(stream)), "cudnnSetStream"));
+  cudnnBackendDescriptor_t d = nullptr;
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &d),
+                 "cudnnBackendCreateDescriptor(variant pack)"));
+  Desc pack(api, d);
+  void* workspace_ptr = workspace.get();
+  const int64_t n = static_cast<int64_t>(uids.size());
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
+                                          n, uids.data()),
+                 "cudnnBackendSetAttribute(variant pack, unique ids)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+                                          CUDNN_TYPE_VOID_PTR, n, ptrs.data()),
+                 "cudnnBackendSetAttribute(variant pack, data pointers)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR,
+                                          1, &workspace_ptr),
+                 "cudnnBackendSetAttribute(variant pack, workspace)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendFinalize(d), "cudnnBackendFinalize(variant pack)"));
+  return api->Check(api->BackendExecute(handle, plan.front().get(), d),
+                    absl::StrCat("cudnnBackendExecute(", what, ")"));
+}
+
+absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType dtype) {
+  HSAP_RETURN_IF_ERROR(ValidateGraphPlan(plan));
+  HSAP_ASSIGN_OR_RETURN(const CudnnApi* api, LoadCudnn());
+  std::vector<Desc> keep;
+  absl::Status status = LowerPlan(api, plan, dtype, &keep).status();
+  while (!keep.empty()) keep.pop_back();  // newest first, as ~Impl does
+  return status;
+}
+
 absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
-    const CudnnAttentionShape& shape) {
+    const CudnnAttentionShape& shape, CudnnPass pass) {
   HSAP_CUDNN_ASSIGN_OR_RETURN(CudnnRaggedGeometry geometry, MakeRaggedGeometry(shape));
   HSAP_CUDNN_ASSIGN_OR_RETURN(const CudnnApi* api, LoadCudnn());
   if (absl::Status s = cuda::CheckCudaDevice(); !s.ok()) {
@@ -786,13 +1318,19 @@ absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
   self->version_ = static_cast<int>(api->GetVersion());
   self->library_path_ = api->path;
   self->causal_ = shape.causal;
+  self->pass_ = pass;
   self->impl_ = std::make_unique<Impl>();
   Impl& impl = *self->impl_;
   impl.api = api;
   impl.rt = rt;
   HSAP_CUDNN_RETURN_IF_ERROR(api->Check(api->Create(&impl.handle), "cudnnCreate"));
-  HSAP_CUDNN_RETURN_IF_ERROR(impl.Build(shape, self->geometry_));
+  if (pass == CudnnPass::kForward) {
+    HSAP_CUDNN_RETURN_IF_ERROR(impl.Build(shape, self->geometry_));
+  } else {
+    HSAP_CUDNN_RETURN_IF_ERROR(impl.BuildBackward(shape, self->geometry_, self->version_));
+  }
   self->workspace_bytes_ = impl.workspace.bytes();
+  self->scratch_bytes_ = impl.scratch.bytes();
   return self;
 }
 
@@ -803,10 +1341,10 @@ absl::Status CudnnAttention::Forward(const void* q, const void* k, const void* v
   if (q == nullptr || k == nullptr || v == nullptr || o == nullptr || stats == nullptr) {
     return absl::InvalidArgumentError("cuDNN attention forward: a null tensor");
   }
+  if (pass_ != CudnnPass::kForward) {
+    return absl::FailedPreconditionError("cuDNN attention: Forward on a backward instance");
+  }
   Impl& impl = *impl_;
-  const CudnnApi* api = impl.api;
-  HSAP_CUDNN_RETURN_IF_ERROR(api->Check(
-      api->SetStream(impl.handle, reinterpret_cast<cudaStream_t>(stream)), "cudnnSetStream"));
   const int64_t uids[] = {
       kUidQ,        kUidK,        kUidV,        kUidO,     kUidStats,         kUidSeqLenQ,
       kUidSeqLenKv, kUidOffsetQo, kUidOffsetKv, kUidScale, kUidLowestPadding, kUidLowestCausal};
@@ -823,28 +1361,91 @@ absl::Status CudnnAttention::Forward(const void* q, const void* k, const void* v
                   &impl.lowest,
                   &impl.lowest};
   // The causal select's scalar is not in a non-causal graph.
-  const int64_t n = causal_ ? 12 : 11;
-  cudnnBackendDescriptor_t d = nullptr;
-  HSAP_CUDNN_RETURN_IF_ERROR(
-      api->Check(api->BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &d),
-                 "cudnnBackendCreateDescriptor(variant pack)"));
-  Desc pack(api, d);
-  void* workspace = impl.workspace.get();
-  HSAP_CUDNN_RETURN_IF_ERROR(api->Check(
-      api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, n, uids),
-      "cudnnBackendSetAttribute(variant pack, unique ids)"));
-  HSAP_CUDNN_RETURN_IF_ERROR(
-      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
-                                          CUDNN_TYPE_VOID_PTR, n, ptrs),
-                 "cudnnBackendSetAttribute(variant pack, data pointers)"));
-  HSAP_CUDNN_RETURN_IF_ERROR(
-      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR,
-                                          1, &workspace),
-                 "cudnnBackendSetAttribute(variant pack, workspace)"));
-  HSAP_CUDNN_RETURN_IF_ERROR(
-      api->Check(api->BackendFinalize(d), "cudnnBackendFinalize(variant pack)"));
-  return api->Check(api->BackendExecute(impl.handle, impl.plan.front().get(), d),
-                    "cudnnBackendExecute(fused attention forward)");
+  const size_t n = causal_ ? 12 : 11;
+  return impl.Execute(absl::MakeConstSpan(uids, n), absl::MakeConstSpan(ptrs, n), stream,
+                      "fused attention forward");
+}
+
+absl::Status CudnnAttention::Backward(const void* q, const void* k, const void* v, const void* o,
+                                      const void* dout, const float* stats, void* dq, void* dk,
+                                      void* dv, cuda::cudaStream stream) {
+  if (q == nullptr || k == nullptr || v == nullptr || o == nullptr || dout == nullptr ||
+      stats == nullptr || dq == nullptr || dk == nullptr || dv == nullptr) {
+    return absl::InvalidArgumentError("cuDNN attention backward: a null tensor");
+  }
+  if (pass_ != CudnnPass::kBackward) {
+    return absl::FailedPreconditionError("cuDNN attention: Backward on a forward instance");
+  }
+  Impl& impl = *impl_;
+  const std::vector<int64_t> uids = impl.backward_plan.BoundUids();
+  std::vector<void*> ptrs;
+  for (int64_t uid : uids) {
+    void* p = nullptr;
+    switch (uid) {
+      case kUidQ:
+        p = const_cast<void*>(q);
+        break;
+      case kUidK:
+        p = const_cast<void*>(k);
+        break;
+      case kUidV:
+        p = const_cast<void*>(v);
+        break;
+      case kUidO:
+        p = const_cast<void*>(o);
+        break;
+      case kUidDO:
+        p = const_cast<void*>(dout);
+        break;
+      case kUidStats:
+        p = const_cast<float*>(stats);
+        break;
+      case kUidDQ:
+        p = dq;
+        break;
+      case kUidDK:
+        p = dk;
+        break;
+      case kUidDV:
+        p = dv;
+        break;
+      case kUidSeqLenQ:
+      case kUidSeqLenKv:
+        p = impl.seq_lens_dev;
+        break;
+      case kUidOffsetQo:
+        p = impl.qo_offsets_dev;
+        break;
+      case kUidOffsetKv:
+        p = impl.kv_offsets_dev;
+        break;
+      case kUidScale:
+        p = &impl.scale;
+        break;
+      case kUidOne:
+        p = &impl.one;
+        break;
+      case kUidLowestPadding:
+      case kUidLowestCausal:
+      case kUidLowestPadding2:
+        p = &impl.lowest;
+        break;
+      default:
+        if (auto it = impl.scratch_dev.find(uid); it != impl.scratch_dev.end()) p = it->second;
+    }
+    if (p == nullptr) {
+      return absl::InternalError(
+          absl::StrCat("cuDNN attention backward: tensor uid ", uid, " has no address"));
+    }
+    ptrs.push_back(p);
+  }
+  if (impl.zero_dq_accum) {
+    const CudnnTensorNode* accum = impl.backward_plan.Find(kUidDQAccum);
+    HSAP_CUDNN_RETURN_IF_ERROR(impl.rt->Check(
+        impl.rt->MemsetAsync(impl.scratch_dev.at(kUidDQAccum), 0, accum->scratch_bytes, stream),
+        "cudaMemsetAsync (cuDNN dQ accumulator)"));
+  }
+  return impl.Execute(uids, ptrs, stream, "fused attention backward");
 }
 
 #else  // !HSAP_HAVE_CUDNN_HEADERS
@@ -853,12 +1454,17 @@ class CudnnApi {};
 struct CudnnAttention::Impl {};
 
 absl::StatusOr<std::unique_ptr<CudnnAttention>> CudnnAttention::Create(
-    const CudnnAttentionShape& shape) {
+    const CudnnAttentionShape& shape, CudnnPass) {
   absl::StatusOr<CudnnRaggedGeometry> geometry = MakeRaggedGeometry(shape);
   if (!geometry.ok()) return geometry.status();
   return absl::UnimplementedError(
       "cuDNN attention: built without cudnn_graph.h (configure with the cuDNN 9 headers in the "
       "CUDA include directory or $CUDNN_HOME/include)");
+}
+
+absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType) {
+  HSAP_RETURN_IF_ERROR(ValidateGraphPlan(plan));
+  return absl::UnimplementedError("cuDNN attention: built without cudnn_graph.h");
 }
 
 CudnnAttention::~CudnnAttention() = default;
@@ -868,10 +1474,62 @@ absl::Status CudnnAttention::Forward(const void*, const void*, const void*, void
   return absl::UnimplementedError("cuDNN attention: built without cudnn_graph.h");
 }
 
+absl::Status CudnnAttention::Backward(const void*, const void*, const void*, const void*,
+                                      const void*, const float*, void*, void*, void*,
+                                      cuda::cudaStream) {
+  return absl::UnimplementedError("cuDNN attention: built without cudnn_graph.h");
+}
+
 #endif  // HSAP_HAVE_CUDNN_HEADERS
 
 // ---------------------------------------------------------------------------------------
 // The bench's timed run.
+
+namespace {
+
+// Device memory, streams and events of a timed run, released on every path.
+struct RunResources {
+  const cuda::CudaRuntimeApi* rt = nullptr;
+  std::vector<void*> buffers;
+  cuda::cudaStream stream = nullptr;
+  cuda::cudaEvent start = nullptr, stop = nullptr;
+  ~RunResources() {
+    if (stream != nullptr) rt->StreamSynchronize(stream);
+    if (start != nullptr) rt->EventDestroy(start);
+    if (stop != nullptr) rt->EventDestroy(stop);
+    if (stream != nullptr) rt->StreamDestroy(stream);
+    for (void* p : buffers) rt->Free(p);
+  }
+  absl::StatusOr<void*> Alloc(size_t bytes, absl::string_view what) {
+    void* p = nullptr;
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->Malloc(&p, std::max<size_t>(bytes, 16)),
+                                   absl::StrCat("cudaMalloc(", bytes, " bytes) for ", what)));
+    buffers.push_back(p);
+    return p;
+  }
+  // A stream of its own and the two timing events.
+  absl::Status StartTiming() {
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->StreamCreateWithFlags(&stream, cuda::kCudaStreamNonBlocking),
+                                   "cudaStreamCreateWithFlags"));
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->EventCreateWithFlags(&start, 0), "cudaEventCreate"));
+    return rt->Check(rt->EventCreateWithFlags(&stop, 0), "cudaEventCreate");
+  }
+  // Runs `call` warmup + iters times; the mean ms of the timed ones.
+  template <typename Call>
+  absl::StatusOr<double> Time(int warmup, int iters, Call call, absl::string_view what) {
+    for (int i = 0; i < warmup; ++i) HSAP_RETURN_IF_ERROR(call());
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->EventRecord(start, stream), "cudaEventRecord"));
+    for (int i = 0; i < iters; ++i) HSAP_RETURN_IF_ERROR(call());
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->EventRecord(stop, stream), "cudaEventRecord"));
+    HSAP_RETURN_IF_ERROR(
+        rt->Check(rt->EventSynchronize(stop), absl::StrCat("cudaEventSynchronize (", what, ")")));
+    float ms = 0;
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->EventElapsedTime(&ms, start, stop), "cudaEventElapsedTime"));
+    return static_cast<double>(ms) / iters;
+  }
+};
+
+}  // namespace
 
 absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape,
                                                 const void* q_host, const void* k_host,
@@ -889,27 +1547,7 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
   const size_t q_bytes = static_cast<size_t>(T) * shape.heads_q * shape.head_dim * es;
   const size_t kv_bytes = static_cast<size_t>(T) * shape.heads_kv * shape.head_dim * es;
 
-  // Device memory, streams and events, released on every path.
-  struct Resources {
-    const cuda::CudaRuntimeApi* rt = nullptr;
-    std::vector<void*> buffers;
-    cuda::cudaStream stream = nullptr;
-    cuda::cudaEvent start = nullptr, stop = nullptr;
-    ~Resources() {
-      if (stream != nullptr) rt->StreamSynchronize(stream);
-      if (start != nullptr) rt->EventDestroy(start);
-      if (stop != nullptr) rt->EventDestroy(stop);
-      if (stream != nullptr) rt->StreamDestroy(stream);
-      for (void* p : buffers) rt->Free(p);
-    }
-    absl::StatusOr<void*> Alloc(size_t bytes, absl::string_view what) {
-      void* p = nullptr;
-      HSAP_RETURN_IF_ERROR(rt->Check(rt->Malloc(&p, std::max<size_t>(bytes, 16)),
-                                     absl::StrCat("cudaMalloc(", bytes, " bytes) for ", what)));
-      buffers.push_back(p);
-      return p;
-    }
-  } res;
+  RunResources res;
   res.rt = rt;
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *stats = nullptr;
   {
@@ -957,6 +1595,65 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
   run.forward_ms = static_cast<double>(ms) / iters;
   run.version = attn.version();
   run.workspace_bytes = attn.WorkspaceBytes();
+  return run;
+}
+
+absl::StatusOr<CudnnBackwardRun> RunCudnnBackward(const CudnnAttentionShape& shape,
+                                                  const void* q_host, const void* k_host,
+                                                  const void* v_host, const void* dout_host,
+                                                  int warmup, int iters, void* dq_host,
+                                                  void* dk_host, void* dv_host) {
+  if (iters < 1) return absl::InvalidArgumentError("cuDNN attention: iters must be at least 1");
+  // The forward leaves O and the Stats the backward reads.
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<CudnnAttention> forward,
+                        CudnnAttention::Create(shape, CudnnPass::kForward));
+  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<CudnnAttention> backward,
+                        CudnnAttention::Create(shape, CudnnPass::kBackward));
+  HSAP_ASSIGN_OR_RETURN(const cuda::CudaRuntimeApi* rt, cuda::LoadCudaRuntime());
+  const int64_t T = backward->geometry().total_tokens;
+  const size_t es = DTypeSize(shape.dtype);
+  const size_t q_bytes = static_cast<size_t>(T) * shape.heads_q * shape.head_dim * es;
+  const size_t kv_bytes = static_cast<size_t>(T) * shape.heads_kv * shape.head_dim * es;
+
+  RunResources res;
+  res.rt = rt;
+  HSAP_ASSIGN_OR_RETURN(void* q, res.Alloc(q_bytes, "Q"));
+  HSAP_ASSIGN_OR_RETURN(void* k, res.Alloc(kv_bytes, "K"));
+  HSAP_ASSIGN_OR_RETURN(void* v, res.Alloc(kv_bytes, "V"));
+  HSAP_ASSIGN_OR_RETURN(void* o, res.Alloc(q_bytes, "O"));
+  HSAP_ASSIGN_OR_RETURN(void* dout, res.Alloc(q_bytes, "dO"));
+  HSAP_ASSIGN_OR_RETURN(void* stats, res.Alloc(forward->StatsBytes(), "the softmax stats"));
+  HSAP_ASSIGN_OR_RETURN(void* dq, res.Alloc(q_bytes, "dQ"));
+  HSAP_ASSIGN_OR_RETURN(void* dk, res.Alloc(kv_bytes, "dK"));
+  HSAP_ASSIGN_OR_RETURN(void* dv, res.Alloc(kv_bytes, "dV"));
+  for (auto [dst, src, bytes] : {std::tuple<void*, const void*, size_t>{q, q_host, q_bytes},
+                                 {k, k_host, kv_bytes},
+                                 {v, v_host, kv_bytes},
+                                 {dout, dout_host, q_bytes}}) {
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault),
+                                   "cudaMemcpy (cuDNN backward inputs)"));
+  }
+  HSAP_RETURN_IF_ERROR(res.StartTiming());
+  float* stats_f = static_cast<float*>(stats);
+  HSAP_RETURN_IF_ERROR(forward->Forward(q, k, v, o, stats_f, res.stream));
+  HSAP_ASSIGN_OR_RETURN(
+      const double ms,
+      res.Time(
+          warmup, iters,
+          [&] { return backward->Backward(q, k, v, o, dout, stats_f, dq, dk, dv, res.stream); },
+          "cuDNN attention backward"));
+  for (auto [dst, src, bytes] : {std::tuple<void*, const void*, size_t>{dq_host, dq, q_bytes},
+                                 {dk_host, dk, kv_bytes},
+                                 {dv_host, dv, kv_bytes}}) {
+    if (dst == nullptr) continue;
+    HSAP_RETURN_IF_ERROR(rt->Check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault),
+                                   "cudaMemcpy (cuDNN gradients)"));
+  }
+  CudnnBackwardRun run;
+  run.backward_ms = ms;
+  run.version = backward->version();
+  run.workspace_bytes = backward->WorkspaceBytes();
+  run.scratch_bytes = backward->ScratchBytes();
   return run;
 }
 

@@ -28,7 +28,20 @@
 // no causal attribute and its cumulative-sequence-length (packed) inputs only arrive in 9.24;
 // the composite pattern with ragged offsets and causal masking has been served on sm80/sm90
 // since cuDNN 8.9 and is what PyTorch and TransformerEngine run on H100/H200.
-// Only the forward is built (no backward graph yet).
+//
+// The backward (CudnnPass::kBackward) is the composite SDPA-backward pattern of the same
+// engines (what cudnn-frontend's SDPA backward node lowers to for cuDNN 9 with ragged
+// tensors), written down as data by BackwardGraphPlan below and lowered op by op:
+//   softmax_sum = sum_row(dO * O) * 1                   (fp32 [B,Hq,S,1], scratch)
+//   S = matmul(Q, K^T) * scale; padding mask; causal mask; E = exp(S - Stats)
+//   dV = matmul(reshape(E)^T, dO)                       (E cast to the I/O type)
+//   dS = (matmul(dO, V^T) - softmax_sum) * E * scale
+//   dK = matmul(reshape(dS)^T, Q); dQ = identity(matmul(dS, reshape(K^T)))  (fp32 dQ scratch)
+// With GQA (Hq > Hkv) dK and dV are first computed per query head into fp32 [T, Hq, D]
+// scratch and reduced over each group of Hq / Hkv heads (the frontend's "full head" path).
+// It reads the forward's O and Stats, so a backward run needs a forward first (RunCudnnBackward
+// runs cuDNN's own forward once for them). It has not run on a GPU yet: what is checked
+// without one is the plan (tests/bench/cudnn_attention_test.cc) and the clean failures.
 //
 // Loading. libcudnn.so.9 is dlopen()ed, only the functions used are resolved, so binaries
 // start on machines without cuDNN. Search: $HSAP_CUDA_LIB_PATH (only its directories, as in
@@ -101,19 +114,126 @@ double VisiblePairs(absl::Span<const int64_t> doc_lengths, bool causal);
 // Forward FLOPs by the bench's convention: 4 * D per visible pair per query head (QK^T, PV).
 double ForwardFlops(absl::Span<const int64_t> doc_lengths, int heads_q, int head_dim, bool causal);
 
+// Backward FLOPs by the bench's convention: 2.5x the forward (10 * D per visible pair per
+// query head: QK^T recomputed, dV, dP, dQ, dK), as hsap_attn_perf counts ours.
+double BackwardFlops(absl::Span<const int64_t> doc_lengths, int heads_q, int head_dim, bool causal);
+
 // The directories searched for libcudnn.so.9, in order ("" is the default loader path).
 std::vector<std::string> CudnnLibrarySearchPath();
 
+// Unique ids of the tensors a variant pack binds (virtual tensors count from kUidFirstVirtual).
+// The forward binds kUidQ..kUidLowestCausal; the backward also dO, dQ, dK, dV, the constant
+// one, and its fp32 scratch tensors (allocated by CudnnAttention, not by the caller).
+enum CudnnTensorUid : int64_t {
+  kUidQ = 1,
+  kUidK = 2,  // K^T in the graph
+  kUidV = 3,  // V (forward), V^T (backward)
+  kUidO = 4,
+  kUidStats = 5,
+  kUidSeqLenQ = 6,
+  kUidSeqLenKv = 7,
+  kUidOffsetQo = 8,
+  kUidOffsetKv = 9,
+  kUidScale = 10,
+  kUidLowestPadding = 11,
+  kUidLowestCausal = 12,
+  kUidDO = 13,
+  kUidDQ = 14,
+  kUidDK = 15,
+  kUidDV = 16,
+  kUidOne = 17,
+  kUidLowestPadding2 = 18,  // the second padding select of cuDNN 9.0 - 9.9
+  kUidSoftmaxSum = 19,      // scratch: fp32 sum_row(dO * O)
+  kUidDQAccum = 20,         // scratch: fp32 dQ accumulator
+  kUidDKFullHeads = 21,     // scratch (GQA): dK per query head
+  kUidDVFullHeads = 22,     // scratch (GQA): dV per query head
+  kUidFirstVirtual = 100,
+};
+
+// A cuDNN operation graph as data: what the backward builds, testable without cuDNN.
+enum class CudnnDataKind { kIo, kFloat, kInt32, kBool };  // kIo: the shape's bf16 / fp16
+enum class CudnnOpKind { kMatmul, kPointwise, kReduction, kReshape };
+enum class CudnnPointwiseMode {
+  kMul,
+  kSub,
+  kExp,
+  kIdentity,
+  kGenIndex,
+  kCmpLt,
+  kCmpGe,
+  kLogicalAnd,
+  kBinarySelect,  // y = t ? x : b
+};
+
+struct CudnnTensorNode {
+  std::string name;
+  int64_t uid = 0;
+  CudnnDataKind dtype = CudnnDataKind::kFloat;
+  Dims4 dims{}, strides{};
+  bool is_virtual = false;
+  bool by_value = false;          // a host scalar in the variant pack
+  int64_t ragged_offset_uid = 0;  // the int32 ragged-offset tensor, 0 for none
+  size_t scratch_bytes = 0;       // > 0: device scratch the runner allocates for this tensor
+};
+
+struct CudnnOpNode {
+  CudnnOpKind kind = CudnnOpKind::kPointwise;
+  std::string name;
+  CudnnPointwiseMode mode = CudnnPointwiseMode::kIdentity;  // kPointwise
+  CudnnDataKind math = CudnnDataKind::kFloat;               // kPointwise: compute type
+  int64_t axis = -1;                                        // kGenIndex
+  // Tensor uids: matmul (A, B), pointwise (x[, b[, t]]), reduction (sum) and reshape (x).
+  std::vector<int64_t> inputs;
+  int64_t output = 0;
+  int64_t m_override = 0, n_override = 0, k_override = 0;  // matmul: seq-len tensors, 0: none
+};
+
+struct CudnnGraphPlan {
+  std::vector<CudnnTensorNode> tensors;
+  std::vector<CudnnOpNode> ops;
+  const CudnnTensorNode* Find(int64_t uid) const;
+  // The non-virtual tensors: what a variant pack binds, in uid order.
+  std::vector<int64_t> BoundUids() const;
+};
+
+// The backward graph for `shape` (its geometry from MakeRaggedGeometry) as cuDNN `version`
+// (cudnnGetVersion(), e.g. 91900) takes it: 9.0 - 9.9 need the padding applied again after
+// the Stats subtraction, as cudnn-frontend does. InvalidArgument for what MakeRaggedGeometry
+// rejects.
+absl::StatusOr<CudnnGraphPlan> BackwardGraphPlan(const CudnnAttentionShape& shape, int version);
+
+// The plan is well formed: unique uids, virtual ids >= kUidFirstVirtual and bound ones below,
+// every op input bound or produced by an earlier op, every op output produced once (virtual
+// ones also consumed), matmul dims [B,H,M,K] x [B,H',K,N] -> [B,H'',M,N] with the heads of
+// the inputs dividing the output's, pointwise inputs broadcastable to the output, reductions
+// to a divisor of each dim, reshapes keeping the element count, GEN_INDEX giving int32, the
+// comparisons and LOGICAL_AND booleans, BINARY_SELECT's mask boolean, ragged offsets naming
+// int32 tensors. FailedPrecondition naming the first violation.
+absl::Status ValidateGraphPlan(const CudnnGraphPlan& plan);
+
+// Creates and finalizes every tensor and operation descriptor of `plan` (I/O type `dtype`)
+// with libcudnn, which needs no GPU: cuDNN checks that each descriptor has its required
+// attributes with the right attribute types. Shapes and data types across operations are
+// checked only by the operation graph and its engines, which need a handle, hence a GPU, and
+// are not built here. Unimplemented without
+// libcudnn.so.9 or cudnn_graph.h; cuDNN's status (naming the descriptor) when one is refused.
+absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType dtype);
+
+// Which graph a CudnnAttention runs.
+enum class CudnnPass { kForward, kBackward };
+
 class CudnnApi;  // the resolved functions (cudnn_attention.cc)
 
-// cuDNN's fused attention forward for one shape, built once and run many times. Not
-// thread-safe; one instance per thread. Bound to the GPU current at Create.
+// cuDNN's fused attention forward or backward for one shape, built once and run many times.
+// Not thread-safe; one instance per thread. Bound to the GPU current at Create.
 class CudnnAttention {
  public:
   // Loads cuDNN, checks for a CUDA device (sm80 or newer), creates a handle, builds and
-  // finalizes the graph, picks the first engine configuration that finalizes (heuristics mode
-  // A, then fallback), allocates the workspace and uploads seq_lens / ragged offsets.
-  static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(const CudnnAttentionShape& shape);
+  // finalizes the graph of `pass`, picks the first engine configuration that finalizes
+  // (heuristics mode A, then fallback), allocates the workspace (and the backward's scratch)
+  // and uploads seq_lens / ragged offsets.
+  static absl::StatusOr<std::unique_ptr<CudnnAttention>> Create(
+      const CudnnAttentionShape& shape, CudnnPass pass = CudnnPass::kForward);
   ~CudnnAttention();
   CudnnAttention(const CudnnAttention&) = delete;
   CudnnAttention& operator=(const CudnnAttention&) = delete;
@@ -124,10 +244,17 @@ class CudnnAttention {
   absl::Status Forward(const void* q, const void* k, const void* v, void* o, float* stats,
                        cuda::cudaStream stream);
 
+  // Enqueues one backward on `stream` (a kBackward instance): q, o, dout [T, Hq, D], k, v
+  // [T, Hkv, D] and stats as the forward left them; writes dq [T, Hq, D], dk, dv [T, Hkv, D].
+  absl::Status Backward(const void* q, const void* k, const void* v, const void* o,
+                        const void* dout, const float* stats, void* dq, void* dk, void* dv,
+                        cuda::cudaStream stream);
+
   const CudnnRaggedGeometry& geometry() const { return geometry_; }
   size_t StatsBytes() const { return static_cast<size_t>(geometry_.stats_elements) * 4; }
   size_t WorkspaceBytes() const { return workspace_bytes_; }
-  int version() const { return version_; }  // cudnnGetVersion(), e.g. 91900
+  size_t ScratchBytes() const { return scratch_bytes_; }  // the backward's fp32 scratch
+  int version() const { return version_; }                // cudnnGetVersion(), e.g. 91900
   const std::string& library_path() const { return library_path_; }
 
  private:
@@ -136,8 +263,10 @@ class CudnnAttention {
 
   CudnnRaggedGeometry geometry_;
   size_t workspace_bytes_ = 0;
+  size_t scratch_bytes_ = 0;
   int version_ = 0;
   bool causal_ = true;
+  CudnnPass pass_ = CudnnPass::kForward;
   std::string library_path_;
   std::unique_ptr<Impl> impl_;
 };
@@ -156,6 +285,24 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
                                                 const void* q_host, const void* k_host,
                                                 const void* v_host, int warmup, int iters,
                                                 void* out_host);
+
+// One timed run of cuDNN's backward on the whole row.
+struct CudnnBackwardRun {
+  double backward_ms = 0;  // per call, mean over iters after warmup (CUDA events)
+  int version = 0;
+  size_t workspace_bytes = 0;  // the backward plan's workspace
+  size_t scratch_bytes = 0;    // softmax_sum, the fp32 dQ accumulator (and GQA full heads)
+};
+
+// Uploads the row's host tensors (our layout, shape.dtype: q and dout T * Hq * D elements, k
+// and v T * Hkv * D), runs cuDNN's forward once for O and the Stats, then `warmup` untimed and
+// `iters` timed backwards on a stream of its own, and copies dQ, dK, dV back into the host
+// buffers that are not null. All device memory is freed on every path.
+absl::StatusOr<CudnnBackwardRun> RunCudnnBackward(const CudnnAttentionShape& shape,
+                                                  const void* q_host, const void* k_host,
+                                                  const void* v_host, const void* dout_host,
+                                                  int warmup, int iters, void* dq_host,
+                                                  void* dk_host, void* dv_host);
 
 }  // namespace hsap::bench
 
