@@ -7,22 +7,23 @@
 #   3. hsap_attn_perf on the GPU (4 loopback ranks) for bf16, head dim 128, one causal
 #      document and packed causal documents, then a plan of 2 groups of 2, checked against
 #      the fp64 reference, with the share of transfer time hidden behind compute (fwdHid%,
-#      bwdHid%). The two single-plan runs also time cuDNN's fused flash-attention forward on the
-#      whole row with the same inputs (bench/cudnn_attention.h: '# cuDNN' lines after each row,
-#      fwd ms, TFLOP/s, ours/cuDNN, its #wrong against the reference), or say why it was
-#      unavailable; the summary ends with those figures. Forward of batches without a plan
+#      bwdHid%). The two single-plan runs also time cuDNN's fused flash-attention forward and
+#      backward on the whole row with the same inputs (bench/cudnn_attention.h: '# cuDNN' lines
+#      after each row, fwd / bwd ms, TFLOP/s, ours/cuDNN, its #wrong against the reference),
+#      or say why it was unavailable; the summary ends with those figures. Forward of batches without a plan
 #      runs fused (peer windows, lib/cuda/runtime/peer_window.h); the packed rows run once more with
 #      --fused 0 (forward through loopback transfer stages) for comparison.
 #   4. the tensor-core kernels on one GPU (bf16, D = 128, 32K tokens: one causal document and
 #      a packed row): hsap_attn_perf with one loopback rank prints our forward and backward
-#      TFLOP/s over visible pairs and the errors against the fp64 reference, and cuDNN's
-#      forward on the same input with the ratio (cuDNN's backward: no graph yet, said so);
-#      then the ptxas resource report and roofline of the kernels those runs launch
-#      (hsap_roofline).
+#      TFLOP/s over visible pairs, cuDNN's forward and backward on the same input with the
+#      ratios, and (on 8192 tokens) the errors of both against the fp64 reference; then the
+#      ptxas resource report and roofline of the kernels those runs launch (hsap_roofline).
 # Results go to $OUT (when set) or ./device_check_out: build log, test logs, summary.txt.
 # Usage: bench/device_check.sh [build-dir]
 #   DEVICE_CHECK_DRY_RUN=1: print the steps' commands instead of running them (no build, no
 #   GPU; tests/bench/device_check_test.sh checks them).
+#   DEVICE_CHECK_TC_ONLY=1: only step 4, with the binaries already in build-dir (a rerun of
+#   the tensor-core comparison without the build and the other steps).
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,7 +48,7 @@ run() {
   "$@" > "$RESULTS/$log" 2>&1
 }
 
-# The tensor-core section (step 4): our forward/backward and cuDNN's forward, one GPU.
+# The tensor-core section (step 4): our forward/backward and cuDNN's, one GPU.
 tensor_core_section() {
   local perf=$1 roofline=$2
   local layout docs
@@ -56,20 +57,32 @@ tensor_core_section() {
       causal) docs=(--docs-dist single) ;;
       packed) docs=(--docs-dist longtail --tokens-per-doc 2048) ;;
     esac
-    say "## tensor cores, one GPU: bf16, d=128, 32768 tokens, $layout (fwd+bwd; cuDNN fwd)"
+    say "## tensor cores, one GPU: bf16, d=128, 32768 tokens, $layout (fwd+bwd; cuDNN fwd+bwd)"
     run "tc_$layout.txt" timeout 120 "$perf" --backend cuda-loopback --ranks 1 --dtype bf16 \
       --head-dim 128 --heads 16 --kv-heads 16 -b 32768 -e 32768 -n 10 -w 3 -c 0 \
       "${docs[@]}" || status=1
     [ "$DRY" = 1 ] || tee -a "$SUMMARY" < "$RESULTS/tc_$layout.txt"
-    # The errors against the fp64 reference on the same kernels: 8192 tokens, 4 heads (the
-    # reference of the 32K row would take the CPU longer than the whole check).
-    say "## tensor cores, errors against the fp64 reference: 8192 tokens, 4 heads, $layout"
+    # The errors against the fp64 reference on the same kernels and on cuDNN's: 8192 tokens,
+    # 4 heads (the reference of the 32K row would take the CPU longer than the whole check).
+    say "## tensor cores and cuDNN, errors against the fp64 reference: 8192 tokens, 4 heads, $layout"
     run "tc_${layout}_check.txt" timeout 120 "$perf" --backend cuda-loopback --ranks 1 \
       --dtype bf16 --head-dim 128 --heads 4 --kv-heads 4 -b 8192 -e 8192 -n 2 -w 1 -c 1 \
-      --ref-max-gflop 100 --cudnn 0 "${docs[@]}" || status=1
+      --ref-max-gflop 100 "${docs[@]}" || status=1
     [ "$DRY" = 1 ] || tee -a "$SUMMARY" < "$RESULTS/tc_${layout}_check.txt"
   done
-  say "  cuDNN backward: not compared (bench/cudnn_attention.h builds the forward graph only)"
+  # Ours against cuDNN, forward and backward, from the 32K runs ('# cuDNN' lines; the first
+  # says why when cuDNN was unavailable).
+  say "## tensor cores against cuDNN, 32768 tokens: fwd and bwd TFLOP/s, ours/cuDNN"
+  for layout in causal packed; do
+    [ "$DRY" = 1 ] && continue
+    if grep -qE '^# cuDNN +[0-9]+ (fwd|bwd)' "$RESULTS/tc_$layout.txt" 2>/dev/null; then
+      grep -E '^# (cuDNN +[0-9]+ (fwd|bwd)|cuDNN backward: unavailable)' "$RESULTS/tc_$layout.txt" \
+        | sed "s/^/  $layout: /" | tee -a "$SUMMARY"
+    else
+      reason=$(grep -m1 -h '^# cuDNN: unavailable' "$RESULTS/tc_$layout.txt" 2>/dev/null)
+      say "  $layout: ${reason:-no cuDNN figures (see tc_$layout.txt)}"
+    fi
+  done
   say "## resource report and roofline of the launched kernels (ptxas -v via NVRTC)"
   run roofline.txt "$roofline" sm_90 || status=1
   if [ "$DRY" != 1 ]; then
@@ -78,11 +91,22 @@ tensor_core_section() {
   fi
 }
 
+# bench binaries: at the top of the build tree or under bench/.
+bench_bin() {
+  if [ -x "$BUILD/$1" ] || [ "$DRY" = 1 ]; then echo "$BUILD/$1"; else echo "$BUILD/bench/$1"; fi
+}
+
 if [ "$DRY" = 1 ]; then
   status=0
-  BIN="$BUILD"
-  tensor_core_section "$BIN/hsap_attn_perf" "$BIN/hsap_roofline"
+  tensor_core_section "$(bench_bin hsap_attn_perf)" "$(bench_bin hsap_roofline)"
   exit 0
+fi
+if [ "${DEVICE_CHECK_TC_ONLY:-0}" = 1 ]; then
+  status=0
+  say "# hsap device check, tensor-core section only, $(date -u +%FT%TZ), $(uname -n)"
+  tensor_core_section "$(bench_bin hsap_attn_perf)" "$(bench_bin hsap_roofline)"
+  say "done in $(elapsed), status $status; results in $RESULTS"
+  exit $status
 fi
 
 say "# hsap device check, $(date -u +%FT%TZ), $(uname -n)"
@@ -117,8 +141,7 @@ ctest --test-dir "$BUILD" -R 'Nvrtc|CudaCodegen|CudaEmulation|ShippedCuda|GpuExe
 say "NVRTC / kernel tests: $(grep -E 'tests passed|tests failed' "$RESULTS/ctest_nvrtc.log" | tail -1) ($(elapsed))"
 
 # 3. Attention on the GPU.
-PERF="$BUILD/hsap_attn_perf"
-[ -x "$PERF" ] || PERF="$BUILD/bench/hsap_attn_perf"
+PERF=$(bench_bin hsap_attn_perf)
 for layout in causal packed; do
   case $layout in
     causal) docs=(--docs-dist single) ;;
@@ -142,8 +165,8 @@ timeout 120 "$PERF" --backend cuda-loopback --groups 2,2 --dtype bf16 --head-dim
   --kv-heads 4 -b 16384 -e 32768 -f 2 -n 5 -w 2 --ref-max-gflop 4 --docs-dist longtail \
   --tokens-per-doc 4096 > "$RESULTS/attn_perf_plan.txt" 2>&1 || status=1
 tee -a "$SUMMARY" < "$RESULTS/attn_perf_plan.txt"
-# cuDNN's figures, from the hsap_attn_perf runs above (forward only).
-say "## cuDNN fused attention forward (whole row, one call) next to ours"
+# cuDNN's figures, from the hsap_attn_perf runs above (forward and backward).
+say "## cuDNN fused attention forward and backward (whole row, one call) next to ours"
 for layout in causal packed; do
   f="$RESULTS/attn_perf_$layout.txt"
   if grep -q '^# cuDNN ' "$f" 2>/dev/null; then
@@ -155,8 +178,7 @@ for layout in causal packed; do
 done
 
 # 4. Tensor-core kernels against cuDNN on one GPU, and their resource report.
-ROOFLINE="$BUILD/hsap_roofline"
-[ -x "$ROOFLINE" ] || ROOFLINE="$BUILD/bench/hsap_roofline"
+ROOFLINE=$(bench_bin hsap_roofline)
 tensor_core_section "$PERF" "$ROOFLINE"
 
 say "done in $(elapsed), status $status; results in $RESULTS"

@@ -130,8 +130,8 @@ std::vector<double> ParseList(const std::string& value, const char* what, bool a
       "      --plan FILE.json   a plan written by hsap_plan --json (instead of --groups)\n"
       "      --backend B        host (default) | cuda-loopback (all ranks on GPU 0, one\n"
       "                         stream each, JIT CUDA kernels)\n"
-      "      --cudnn 0|1        cuda-loopback: also time cuDNN's fused attention forward on\n"
-      "                         the whole row (default 1)\n"
+      "      --cudnn 0|1        cuda-loopback: also time cuDNN's fused attention forward and\n"
+      "                         backward on the whole row (default 1)\n"
       "      --fused 0|1        cuda-loopback batches without a plan: forward reads the\n"
       "                         peers' K/V inside the fused kernel (1, default) or moves\n"
       "                         it with loopback transfer stages (0); sets\n"
@@ -408,6 +408,17 @@ int64_t CountWrong(hsap::DType dtype, const uint8_t* got, const std::vector<doub
   return wrong;
 }
 
+// max |got - ref| over the elements of `got` (stored in `dtype`); NaN when one is NaN.
+double MaxAbsError(hsap::DType dtype, const uint8_t* got, const std::vector<double>& ref) {
+  double max_err = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double e = std::abs(hsap::LoadAsFloat(dtype, got, i) - ref[i]);
+    if (std::isnan(e)) return e;
+    max_err = std::max(max_err, e);
+  }
+  return max_err;
+}
+
 std::string HumanBytes(double b) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB"};
   int u = 0;
@@ -595,11 +606,13 @@ int main(int argc, char** argv) {
   }
   if (use_cudnn) {
     std::printf(
-        "# cuDNN line after each row: cuDNN's fused flash-attention forward (backend graph API, "
-        "documents as ragged batch entries, causal inside each) in one call over the whole row on "
-        "GPU 0, same Q/K/V; fwd(ms) per call over the same iterations (CUDA events), fwdTF/s with "
-        "the same FLOP count, ours/cuDNN = our fwdTF/s / cuDNN's (> 1: ours faster), #wrong and "
-        "max|err| of its out under the rule below ('-' when not checked)\n");
+        "# cuDNN lines after each row: cuDNN's fused flash-attention forward and backward "
+        "(backend graph API, documents as ragged batch entries, causal inside each) in one call "
+        "over the whole row on GPU 0, same Q/K/V/dO; fwd(ms), bwd(ms) per call over the same "
+        "iterations (CUDA events; the backward reads O and the Stats of cuDNN's own forward), "
+        "fwdTF/s, bwdTF/s with the same FLOP counts, ours/cuDNN = our TF/s / cuDNN's (> 1: ours "
+        "faster), #wrong and max|err| of its out (fwd) and of dq, dk, dv together (bwd) under "
+        "the rule below ('-' when not checked)\n");
   }
   std::printf("# time: per call, the slowest rank's mean over %d iterations after %d warmup (ms)\n",
               o.iters, o.warmup);
@@ -637,7 +650,9 @@ int main(int argc, char** argv) {
   size_t max_pool = 0;  // device pool of a rank (CUDA backend)
   double sum_fwd_tflops = 0, sum_bwd_tflops = 0, sum_ratio = 0;
   double sum_cudnn_tflops = 0, sum_ours_vs_cudnn = 0;
-  int rows = 0, cudnn_rows = 0;
+  double sum_cudnn_bwd_tflops = 0, sum_ours_vs_cudnn_bwd = 0;
+  int rows = 0, cudnn_rows = 0, cudnn_bwd_rows = 0;
+  bool use_cudnn_bwd = true;  // off after the backward graph fails once
   const double* weights = o.weights.empty() ? nullptr : o.weights.data();
   for (double t = static_cast<double>(o.tokens_begin);
        t <= static_cast<double>(o.tokens_end) * 1.0000001; t *= o.factor) {
@@ -810,10 +825,16 @@ int main(int argc, char** argv) {
       }
     }
 
+    const double fwd_flop = 4.0 * o.head_dim * static_cast<double>(pairs) * o.heads;
+    const bool check_row = o.check != 0 && fwd_flop * 1e-9 <= o.ref_max_gflop;
+
     // cuDNN on the whole row (same inputs, one GPU), after our row.
     Bytes cudnn_out;
     hsap::bench::CudnnForwardRun cudnn_run;
     bool cudnn_ran = false;
+    Bytes cudnn_dq, cudnn_dk, cudnn_dv;
+    hsap::bench::CudnnBackwardRun cudnn_bwd_run;
+    bool cudnn_bwd_ran = false;
     if (use_cudnn) {
       hsap::bench::CudnnAttentionShape shape;
       shape.doc_lengths = lengths;
@@ -833,11 +854,37 @@ int main(int argc, char** argv) {
         use_cudnn = false;  // said once; the rows go on without it
       }
     }
+    if (use_cudnn && use_cudnn_bwd) {
+      hsap::bench::CudnnAttentionShape shape;
+      shape.doc_lengths = lengths;
+      shape.heads_q = o.heads;
+      shape.heads_kv = o.kv_heads;
+      shape.head_dim = o.head_dim;
+      shape.dtype = dtype;
+      shape.causal = true;
+      // The gradients come back only when the row is checked.
+      if (check_row) {
+        cudnn_dq = Bytes(T * q_row);
+        cudnn_dk = Bytes(T * kv_row);
+        cudnn_dv = Bytes(T * kv_row);
+      }
+      absl::StatusOr<hsap::bench::CudnnBackwardRun> run = hsap::bench::RunCudnnBackward(
+          shape, q.ptr(), k.ptr(), v.ptr(), dout.ptr(), o.warmup, o.iters,
+          check_row ? cudnn_dq.ptr() : nullptr, check_row ? cudnn_dk.ptr() : nullptr,
+          check_row ? cudnn_dv.ptr() : nullptr);
+      if (run.ok()) {
+        cudnn_bwd_run = *run;
+        cudnn_bwd_ran = true;
+      } else {
+        std::printf("# cuDNN backward: unavailable (%s)\n",
+                    std::string(run.status().message()).c_str());
+        use_cudnn_bwd = false;
+      }
+    }
 
     max_pool = std::max(max_pool, *std::max_element(pool_bytes.begin(), pool_bytes.end()));
     const double fwd = *std::max_element(fwd_s.begin(), fwd_s.end());
     const double bwd = *std::max_element(bwd_s.begin(), bwd_s.end());
-    const double fwd_flop = 4.0 * o.head_dim * static_cast<double>(pairs) * o.heads;
     const double fwd_tflops = fwd_flop / fwd * 1e-12, bwd_tflops = 2.5 * fwd_flop / bwd * 1e-12;
     double bytes_max = 0, bytes_sum = 0;
     for (const hsapTraffic_t& tr : traffic) {
@@ -874,7 +921,8 @@ int main(int argc, char** argv) {
 
     char wrong_col[32] = "-";
     char cudnn_wrong[32] = "-", cudnn_err[32] = "-";
-    if (o.check != 0 && fwd_flop * 1e-9 <= o.ref_max_gflop) {
+    char cudnn_bwd_wrong[32] = "-", cudnn_bwd_err[32] = "-";
+    if (check_row) {
       Bytes out(T * q_row), dq(T * q_row), dk(T * kv_row), dv(T * kv_row);
       std::vector<const void*> ptrs(R);
       auto gather = [&](Shards& s, size_t row, Bytes& into) {
@@ -908,15 +956,23 @@ int main(int argc, char** argv) {
       if (cudnn_ran) {
         // cuDNN's out under the same rule (not added to the table's #wrong).
         const int64_t cw = CountWrong(dtype, cudnn_out.data.data(), ref.out, naive.out);
-        double max_err = 0;
-        for (size_t i = 0; i < ref.out.size(); ++i) {
-          const double e =
-              std::abs(hsap::LoadAsFloat(dtype, cudnn_out.data.data(), i) - ref.out[i]);
-          max_err = std::isnan(e) ? e : std::max(max_err, e);
-          if (std::isnan(e)) break;
-        }
         std::snprintf(cudnn_wrong, sizeof(cudnn_wrong), "%lld", (long long)cw);
-        std::snprintf(cudnn_err, sizeof(cudnn_err), "%.3g", max_err);
+        std::snprintf(cudnn_err, sizeof(cudnn_err), "%.3g",
+                      MaxAbsError(dtype, cudnn_out.data.data(), ref.out));
+      }
+      if (cudnn_bwd_ran) {
+        // cuDNN's dq, dk, dv under the same rule (not added to the table's #wrong).
+        const int64_t cw = CountWrong(dtype, cudnn_dq.data.data(), gref.dq, gnaive.dq) +
+                           CountWrong(dtype, cudnn_dk.data.data(), gref.dk, gnaive.dk) +
+                           CountWrong(dtype, cudnn_dv.data.data(), gref.dv, gnaive.dv);
+        std::snprintf(cudnn_bwd_wrong, sizeof(cudnn_bwd_wrong), "%lld", (long long)cw);
+        double max_err = 0;  // NaN stays NaN
+        for (double e : {MaxAbsError(dtype, cudnn_dq.data.data(), gref.dq),
+                         MaxAbsError(dtype, cudnn_dk.data.data(), gref.dk),
+                         MaxAbsError(dtype, cudnn_dv.data.data(), gref.dv)}) {
+          max_err = std::isnan(e) ? e : std::max(max_err, e);
+        }
+        std::snprintf(cudnn_bwd_err, sizeof(cudnn_bwd_err), "%.3g", max_err);
       }
     }
     std::printf("  %9lld %6zu %6lld %10.3f %10.3f %9.4f %9.4f %10s %10s %10s %7.4f", (long long)T,
@@ -989,6 +1045,23 @@ int main(int argc, char** argv) {
       sum_ours_vs_cudnn += ours_vs;
       ++cudnn_rows;
     }
+    if (cudnn_bwd_ran) {
+      const double cudnn_s = cudnn_bwd_run.backward_ms * 1e-3;
+      const double cudnn_tflops = cudnn_s > 0 ? 2.5 * fwd_flop / cudnn_s * 1e-12 : 0.0;
+      const double ours_vs = cudnn_tflops > 0 ? bwd_tflops / cudnn_tflops : 0.0;
+      if (cudnn_bwd_rows == 0) {
+        std::printf("# cuDNN backward: workspace %s, scratch %s\n",
+                    HumanBytes(static_cast<double>(cudnn_bwd_run.workspace_bytes)).c_str(),
+                    HumanBytes(static_cast<double>(cudnn_bwd_run.scratch_bytes)).c_str());
+      }
+      std::printf(
+          "# cuDNN %9lld bwd(ms) %10.3f bwdTF/s %9.4f ours/cuDNN %7.3f #wrong %s max|err| %s\n",
+          (long long)T, cudnn_bwd_run.backward_ms, cudnn_tflops, ours_vs, cudnn_bwd_wrong,
+          cudnn_bwd_err);
+      sum_cudnn_bwd_tflops += cudnn_tflops;
+      sum_ours_vs_cudnn_bwd += ours_vs;
+      ++cudnn_bwd_rows;
+    }
     std::fflush(stdout);
     sum_fwd_tflops += fwd_tflops;
     sum_bwd_tflops += bwd_tflops;
@@ -1009,6 +1082,11 @@ int main(int argc, char** argv) {
   if (cudnn_rows > 0) {
     std::printf("# Avg cuDNN fwd TFLOP/s : %.4f (ours/cuDNN %.3f over %d rows)\n",
                 sum_cudnn_tflops / cudnn_rows, sum_ours_vs_cudnn / cudnn_rows, cudnn_rows);
+  }
+  if (cudnn_bwd_rows > 0) {
+    std::printf("# Avg cuDNN bwd TFLOP/s : %.4f (ours/cuDNN %.3f over %d rows)\n",
+                sum_cudnn_bwd_tflops / cudnn_bwd_rows, sum_ours_vs_cudnn_bwd / cudnn_bwd_rows,
+                cudnn_bwd_rows);
   }
   std::printf("#\n");
   return total_wrong == 0 ? 0 : 1;
