@@ -37,11 +37,13 @@
 //   dV = matmul(reshape(E)^T, dO)                       (E cast to the I/O type)
 //   dS = (matmul(dO, V^T) - softmax_sum) * E * scale
 //   dK = matmul(reshape(dS)^T, Q); dQ = identity(matmul(dS, reshape(K^T)))  (fp32 dQ scratch)
-// With GQA (Hq > Hkv) dK and dV are first computed per query head into fp32 [T, Hq, D]
-// scratch and reduced over each group of Hq / Hkv heads (the frontend's "full head" path).
-// It reads the forward's O and Stats, so a backward run needs a forward first (RunCudnnBackward
-// runs cuDNN's own forward once for them). It has not run on a GPU yet: what is checked
-// without one is the plan (tests/bench/cudnn_attention_test.cc) and the clean failures.
+// With GQA (Hq > Hkv) dK and dV are first computed per query head into [T, Hq, D] scratch
+// (declared in the I/O type, sized for fp32, as cudnn-frontend does) and reduced over each
+// group of Hq / Hkv heads (the frontend's "full head" path). It reads the forward's O and
+// Stats, so a backward run needs a forward first (RunCudnnBackward runs cuDNN's own forward
+// once for them). It has not run on a GPU yet: what is checked without one is the plan, its
+// descriptors as libcudnn finalizes them, and the clean failures
+// (tests/bench/cudnn_attention_test.cc).
 //
 // Loading. libcudnn.so.9 is dlopen()ed, only the functions used are resolved, so binaries
 // start on machines without cuDNN. Search: $HSAP_CUDA_LIB_PATH (only its directories, as in
@@ -123,7 +125,7 @@ std::vector<std::string> CudnnLibrarySearchPath();
 
 // Unique ids of the tensors a variant pack binds (virtual tensors count from kUidFirstVirtual).
 // The forward binds kUidQ..kUidLowestCausal; the backward also dO, dQ, dK, dV, the constant
-// one, and its fp32 scratch tensors (allocated by CudnnAttention, not by the caller).
+// one, and its scratch tensors (allocated by CudnnAttention, not by the caller).
 enum CudnnTensorUid : int64_t {
   kUidQ = 1,
   kUidK = 2,  // K^T in the graph
@@ -253,7 +255,7 @@ class CudnnAttention {
   const CudnnRaggedGeometry& geometry() const { return geometry_; }
   size_t StatsBytes() const { return static_cast<size_t>(geometry_.stats_elements) * 4; }
   size_t WorkspaceBytes() const { return workspace_bytes_; }
-  size_t ScratchBytes() const { return scratch_bytes_; }  // the backward's fp32 scratch
+  size_t ScratchBytes() const { return scratch_bytes_; }  // the backward's scratch tensors
   int version() const { return version_; }                // cudnnGetVersion(), e.g. 91900
   const std::string& library_path() const { return library_path_; }
 
