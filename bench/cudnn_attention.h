@@ -41,7 +41,8 @@
 // (declared in the I/O type, sized for fp32, as cudnn-frontend does) and reduced over each
 // group of Hq / Hkv heads (the frontend's "full head" path). It reads the forward's O and
 // Stats, so a backward run needs a forward first (RunCudnnBackward runs cuDNN's own forward
-// once for them). It has not run on a GPU yet: what is checked without one is the plan, its
+// once for them). It has not run on a GPU yet: what is checked without one is the plan (its
+// shape, and its gradients when a host interpreter runs it against the fp64 reference), its
 // descriptors as libcudnn finalizes them, and the clean failures
 // (tests/bench/cudnn_attention_test.cc).
 //

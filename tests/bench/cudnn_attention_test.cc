@@ -1,7 +1,8 @@
 // The cuDNN baseline of the bench: its host geometry (ragged offsets, seq lens, strides, FLOP
-// count) everywhere; the backward graph's plan (ops, tensors, overrides, scratch) and its
-// validation everywhere, and libcudnn's own finalization of every descriptor of it where
-// libcudnn is installed (no GPU needed); creation fails cleanly without a GPU or without
+// count) everywhere; the backward graph's plan (ops, tensors, overrides, scratch), its
+// validation, and its gradients when an fp64 host interpreter runs it, against the reference,
+// everywhere; libcudnn's own finalization of every descriptor of it where libcudnn is
+// installed (no GPU needed); creation fails cleanly without a GPU or without
 // libcudnn; on a GPU (ctest -R Cuda) cuDNN's forward output and backward gradients on a
 // packed row match the fp64 reference.
 #include "bench/cudnn_attention.h"
