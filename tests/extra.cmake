@@ -31,3 +31,10 @@ endif()
 add_test(NAME bench_device_check
          COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/bench/device_check_test.sh
                  ${PROJECT_SOURCE_DIR}/bench/device_check.sh)
+# hsap_attn_perf's cuda-loopback backend (and so its cuDNN comparison) without a CUDA driver:
+# a clear message and exit 1 before any row.
+if(TARGET hsap_attn_perf)
+  add_test(NAME bench_attn_perf_no_gpu
+           COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/bench/attn_perf_no_gpu_test.sh
+                   $<TARGET_FILE:hsap_attn_perf>)
+endif()
