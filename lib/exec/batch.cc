@@ -316,6 +316,8 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
 
 absl::StatusOr<LinkTraffic> Batch::Links(const CallTraffic& call) const {
   if (call.links_counted) return call.links;
+  // A pass not run yet (e.g. forward only) moved nothing, on any link.
+  if (call.sent() == 0 && call.received() == 0) return LinkTraffic{};
   if (!comm_->topology().single_node()) {
     return absl::UnimplementedError(
         "this batch's runner (a GPU batch) does not classify its messages by "
