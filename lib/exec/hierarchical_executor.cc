@@ -401,7 +401,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
   // The fan-out's partials (hierarchy.h, 5.): a fan-out receiver sends those of the heads
   // it got from its gateway (dK then dV, fp32); a gateway adds its receivers' to its own,
   // in fan-out order, before they go back to the holder with its other partials.
-  auto FanIn = [&](const SubRingStep& st, float* pk, float* pv) -> absl::Status {
+  auto fan_in = [&](const SubRingStep& st, float* pk, float* pv) -> absl::Status {
     if (st.fan_out_send.empty() && st.fan_out_recv.empty()) return absl::OkStatus();
     const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
     const TokenRange all{0, st.recv_rows};
@@ -487,7 +487,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
       args.dv = part_v[slot].data();
       HSAP_RETURN_IF_ERROR(ctx.kernels->Backward(args, st.recv_work, threads));
     }
-    return FanIn(st, part_k[slot].data(), part_v[slot].data());
+    return fan_in(st, part_k[slot].data(), part_v[slot].data());
   };
   hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
     const SubRingStep& st = r.steps[i];
