@@ -258,7 +258,7 @@ int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
               "compute_ms", "imbal_ms", "exposed_ms", "internode_GB", "nic_lb_ms", "build_ms");
   for (const auto& [name, plan] : plans) {
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*row, *plan, shape);
+    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*row, *plan, cluster, shape);
     absl::StatusOr<RunSimulation> sim = programs.ok()
                                             ? SimulatePrograms(cluster, *programs, model.head_dim)
                                             : absl::StatusOr<RunSimulation>(programs.status());

@@ -222,8 +222,13 @@ typedef struct {
    * (so multi-node behaviour runs on one machine); a batch then sends a K/V row needed by
    * several ranks of another node across the node boundary once, to one of them, which
    * forwards it inside its node, and its dK/dV partials come back the same way
-   * (hsapBatchGetLinkTraffic reports the bytes per link class). CUDA backend: not supported
-   * yet (must be NULL; the CUDA batches deliver directly, rank to rank). */
+   * (hsapBatchGetLinkTraffic reports the bytes per link class). Plan batches
+   * (hsapBatchCreateWithPlan) do the same on their sub-rings: at each step, rows of a KV
+   * head needed by several members of the receiving group on one node cross once, to one
+   * of them, which fans them out inside the node (a holder of that head on the node itself
+   * is used when the source group has one); rows that DIFFERENT groups need cross once per
+   * group. CUDA backend: not supported yet (must be NULL; the CUDA batches, plan batches
+   * included, deliver directly, rank to rank). */
   const int* rankNodes;
 } hsapCommConfig_t;
 
@@ -478,9 +483,10 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
 
 /* Bytes this rank moved in the last forward and backward, split by link class: messages to
  * and from ranks of its own node (intra) and of other nodes (inter), per the communicator's
- * rankNodes. Counted from the messages sent and received. With every rank on one node all
- * bytes are intra-node. hsapUnsupported for batches whose runner does not classify
- * messages on a communicator spanning several nodes (plan batches, CUDA batches). */
+ * rankNodes. Counted from the messages sent and received (plan batches: the group
+ * all-to-alls, the sub-ring K/V with their node fan-outs and the gradients). With every
+ * rank on one node all bytes are intra-node. hsapUnsupported for batches whose runner does
+ * not classify messages on a communicator spanning several nodes (CUDA batches). */
 typedef struct {
   uint64_t forwardIntraNodeBytesSent, forwardIntraNodeBytesReceived;
   uint64_t forwardInterNodeBytesSent, forwardInterNodeBytesReceived;

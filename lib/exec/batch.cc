@@ -224,7 +224,12 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
   // part.
   std::optional<Hierarchy> hierarchy;
   if (local.ok()) {
-    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+    // The communicator's nodes when the runners fan out (a plan for another rank count is
+    // reported below).
+    const bool fan_out = runners.RunsRelays() && plan.num_ranks == comm.size();
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(
+        layout, plan,
+        fan_out ? absl::Span<const int>(comm.topology().node_of_rank()) : absl::Span<const int>());
     if (h.ok()) {
       hierarchy = *std::move(h);
     } else {
@@ -311,9 +316,11 @@ absl::Status Batch::Backward(const void* dout, const void* q, const void* k, con
 
 absl::StatusOr<LinkTraffic> Batch::Links(const CallTraffic& call) const {
   if (call.links_counted) return call.links;
+  // A pass not run yet (e.g. forward only) moved nothing, on any link.
+  if (call.sent() == 0 && call.received() == 0) return LinkTraffic{};
   if (!comm_->topology().single_node()) {
     return absl::UnimplementedError(
-        "this batch's runner (a plan batch or a GPU batch) does not classify its messages by "
+        "this batch's runner (a GPU batch) does not classify its messages by "
         "link, and the communicator's ranks span several nodes");
   }
   LinkTraffic links;

@@ -39,7 +39,8 @@ class RowSource {
   }
 };
 
-// Adds a message of `bytes` between this rank and `peer` to `t`, by link class.
+}  // namespace
+
 void Tally(ExecTraffic& t, const Communicator& comm, int peer, uint64_t bytes, bool sent) {
   const bool intra = comm.topology().SameNode(comm.rank(), peer);
   if (sent) {
@@ -59,6 +60,8 @@ void AddTraffic(ExecTraffic& to, const ExecTraffic& from) {
   to.inter_node_sent += from.inter_node_sent;
   to.inter_node_received += from.inter_node_received;
 }
+
+namespace {
 
 // Double-buffered K/V movement along the stages of a schedule. Kept buffers (relays) are
 // received into the relay store, and fan-outs send from it.

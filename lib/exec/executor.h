@@ -45,6 +45,12 @@ struct ExecTraffic {
   uint64_t inter_node_sent = 0, inter_node_received = 0;
 };
 
+// Adds a message of `bytes` between this rank and `peer` to `t`, by link class (every
+// host executor counts its messages this way).
+void Tally(ExecTraffic& t, const Communicator& comm, int peer, uint64_t bytes, bool sent);
+// to += from, field by field.
+void AddTraffic(ExecTraffic& to, const ExecTraffic& from);
+
 // Bytes a forward / backward of `schedule` moves, predicted from the schedule alone.
 ExecTraffic ForwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype);
 ExecTraffic BackwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype);

@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "lib/comm/alltoallv.h"
 #include "lib/comm/transport.h"
+#include "lib/exec/executor.h"
 #include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
@@ -105,6 +106,8 @@ class GroupExchange {
 
   uint64_t bytes_sent() const { return sent_; }
   uint64_t bytes_received() const { return received_; }
+  // The same bytes by link class.
+  const ExecTraffic& links() const { return links_; }
 
  private:
   absl::Status Run(const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
@@ -115,28 +118,44 @@ class GroupExchange {
                                     absl::StrCat(pass_, " all-to-all ", what)));
     sent_ += stats.bytes_sent;
     received_ += stats.bytes_received;
+    // One message each way per other member, of its chunks' bytes.
+    auto total = [](const std::vector<ByteChunk>& chunks) {
+      uint64_t n = 0;
+      for (const ByteChunk& c : chunks) n += c.bytes;
+      return n;
+    };
+    for (size_t m = 0; m < plan.group.size(); ++m) {
+      if (plan.group[m] == ctx_.rank->rank) continue;
+      Tally(links_, *ctx_.comm, plan.group[m], total(plan.send_chunks[m]), true);
+      Tally(links_, *ctx_.comm, plan.group[m], total(plan.recv_chunks[m]), false);
+    }
     return absl::OkStatus();
   }
 
   const HierExecContext& ctx_;
   const char* pass_;
   uint64_t sent_ = 0, received_ = 0;
+  ExecTraffic links_;
 };
 
-std::string StepName(const char* pass, const SubRingStep& s, const char* what) {
-  std::string name = absl::StrCat(pass, " step ", s.step, " (", what);
+std::string StepName(const char* pass, int step, const char* what,
+                     const std::vector<KvTransfer>& from, const std::vector<KvTransfer>& to) {
+  std::string name = absl::StrCat(pass, " step ", step, " (", what);
   const char* sep = " from rank";
-  for (const KvTransfer& x : s.recv) {
+  for (const KvTransfer& x : from) {
     absl::StrAppend(&name, sep, " ", x.peer);
     sep = ",";
   }
-  sep = s.recv.empty() ? " to rank" : "; to rank";
-  for (const KvTransfer& x : s.send) {
+  sep = from.empty() ? " to rank" : "; to rank";
+  for (const KvTransfer& x : to) {
     absl::StrAppend(&name, sep, " ", x.peer);
     sep = ",";
   }
   absl::StrAppend(&name, ")");
   return name;
+}
+std::string StepName(const char* pass, const SubRingStep& s, const char* what) {
+  return StepName(pass, s.step, what, s.recv, s.send);
 }
 
 // The rows of a sub-ring send, as token ranges of the group buffer.
@@ -178,11 +197,12 @@ class SubRingKv {
       sends.push_back({t.peer, slot.send[x].data(), 2 * half,
                        protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(tag_, s.step))});
       sent_ += 2 * half;
+      Tally(links_, *ctx_.comm, t.peer, 2 * half, true);
     }
     const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
     slot.kv.resize(2 * half_all);
     // One sender of every head, in our order: its message is the K/V buffer itself.
-    slot.direct = s.recv.size() == 1;
+    slot.direct = s.recv.size() == 1 && s.fan_out_recv.empty();
     slot.recv.resize(slot.direct ? 0 : s.recv.size());
     for (size_t x = 0; x < s.recv.size(); ++x) {
       const KvTransfer& t = s.recv[x];
@@ -195,11 +215,14 @@ class SubRingKv {
       recvs.push_back({t.peer, into, bytes,
                        protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(tag_, s.step))});
       received_ += bytes;
+      Tally(links_, *ctx_.comm, t.peer, bytes, false);
     }
     return ctx_.comm->transport().Start(sends, recvs, StepName(pass_, s, "kv"));
   }
 
-  // After step i completed: the K and V buffers [recv_rows, kv_heads, D] of its rows.
+  // After step i's direct receives completed (every rank with a receive at step i calls
+  // this): runs the step's fan-out inside the node (hierarchy.h, 5.), then sets the K and
+  // V buffers [recv_rows, kv_heads, D] of its rows.
   absl::Status Assemble(size_t i, const void** k, const void** v) {
     const RankHierarchy& r = *ctx_.rank;
     const SubRingStep& s = r.steps[i];
@@ -222,6 +245,7 @@ class SubRingKv {
                                        slot.kv.data() + half_all));
       }
     }
+    HSAP_RETURN_IF_ERROR(FanOut(s, slot.kv.data(), half_all));
     *k = slot.kv.data();
     *v = slot.kv.data() + half_all;
     return absl::OkStatus();
@@ -229,6 +253,7 @@ class SubRingKv {
 
   uint64_t sent() const { return sent_; }
   uint64_t received() const { return received_; }
+  const ExecTraffic& links() const { return links_; }
 
  private:
   struct Slot {
@@ -236,6 +261,52 @@ class SubRingKv {
     std::vector<char> kv;
     bool direct = false;
   };
+  // The gateway forwards heads of its receive buffer `kv` (K then V, half_all bytes each)
+  // to the node's other receivers of step s; they unpack theirs into `kv`. One exchange,
+  // completed here (its data arrived with the step's direct receives).
+  absl::Status FanOut(const SubRingStep& s, char* kv, size_t half_all) {
+    if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
+    const int D = ctx_.dims.head_dim;
+    const size_t es = DTypeSize(ctx_.dtype);
+    const ThdShape shape{s.recv_rows, static_cast<int>(ctx_.rank->kv_heads.size()), D, es};
+    const TokenRange all{0, s.recv_rows};
+    const uint64_t tag =
+        protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(PlanPayload::kKvFanOut, s.step));
+    std::vector<std::vector<char>> out(s.fan_out_send.size()), in(s.fan_out_recv.size());
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t x = 0; x < s.fan_out_send.size(); ++x) {
+      const KvTransfer& t = s.fan_out_send[x];
+      const size_t half = Bytes(s.recv_rows, t.heads.size(), D, es);
+      out[x].resize(2 * half);
+      HSAP_RETURN_IF_ERROR(
+          PackThd(kv, shape, absl::MakeConstSpan(&all, 1), t.local_heads, out[x].data(), half));
+      HSAP_RETURN_IF_ERROR(PackThd(kv + half_all, shape, absl::MakeConstSpan(&all, 1),
+                                   t.local_heads, out[x].data() + half, half));
+      sends.push_back({t.peer, out[x].data(), 2 * half, tag});
+      sent_ += 2 * half;
+      Tally(links_, *ctx_.comm, t.peer, 2 * half, true);
+    }
+    for (size_t x = 0; x < s.fan_out_recv.size(); ++x) {
+      const KvTransfer& t = s.fan_out_recv[x];
+      in[x].resize(2 * Bytes(s.recv_rows, t.heads.size(), D, es));
+      recvs.push_back({t.peer, in[x].data(), in[x].size(), tag});
+      received_ += in[x].size();
+      Tally(links_, *ctx_.comm, t.peer, in[x].size(), false);
+    }
+    HSAP_RETURN_IF_ERROR(ctx_.comm->transport().Exchange(
+        sends, recvs, StepName(pass_, s.step, "kv fan-out", s.fan_out_recv, s.fan_out_send)));
+    for (size_t x = 0; x < s.fan_out_recv.size(); ++x) {
+      const KvTransfer& t = s.fan_out_recv[x];
+      const size_t half = in[x].size() / 2;
+      HSAP_RETURN_IF_ERROR(
+          UnpackThd(in[x].data(), half, shape, absl::MakeConstSpan(&all, 1), t.local_heads, kv));
+      HSAP_RETURN_IF_ERROR(UnpackThd(in[x].data() + half, half, shape, absl::MakeConstSpan(&all, 1),
+                                     t.local_heads, kv + half_all));
+    }
+    return absl::OkStatus();
+  }
+
   const HierExecContext& ctx_;
   const void* k_;
   const void* v_;
@@ -243,6 +314,7 @@ class SubRingKv {
   PlanPayload tag_;
   Slot slots_[2];
   uint64_t sent_ = 0, received_ = 0;
+  ExecTraffic links_;
 };
 
 // The kernels' view of this rank's heads.
@@ -301,7 +373,7 @@ struct GroupBackward {
 // one step later (RunBackwardStages), and those of this rank's rows are added into
 // dk32/dv32 in step order. Adds the gradient bytes to `grad_sent` / `grad_received`.
 absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g, SubRingKv& ring,
-                             uint64_t& grad_sent, uint64_t& grad_received) {
+                             uint64_t& grad_sent, uint64_t& grad_received, ExecTraffic& links) {
   const RankHierarchy& r = *ctx.rank;
   const int D = ctx.dims.head_dim;
   const int64_t N = r.group_tokens;
@@ -325,6 +397,54 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
     args.dk = g.dk32;
     args.dv = g.dv32;
     return ctx.kernels->Backward(args, r.local_work, threads);
+  };
+  // The fan-out's partials (hierarchy.h, 5.): a fan-out receiver sends those of the heads
+  // it got from its gateway (dK then dV, fp32); a gateway adds its receivers' to its own,
+  // in fan-out order, before they go back to the holder with its other partials.
+  auto fan_in = [&](const SubRingStep& st, float* pk, float* pv) -> absl::Status {
+    if (st.fan_out_send.empty() && st.fan_out_recv.empty()) return absl::OkStatus();
+    const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
+    const TokenRange all{0, st.recv_rows};
+    const uint64_t tag =
+        protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvGradFanIn, st.step));
+    std::vector<std::vector<char>> out(st.fan_out_recv.size()), in(st.fan_out_send.size());
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t x = 0; x < st.fan_out_recv.size(); ++x) {
+      const KvTransfer& t = st.fan_out_recv[x];
+      const size_t half = Bytes(st.recv_rows, t.heads.size(), D, sizeof(float));
+      out[x].resize(2 * half);
+      HSAP_RETURN_IF_ERROR(
+          PackThd(pk, shape, absl::MakeConstSpan(&all, 1), t.local_heads, out[x].data(), half));
+      HSAP_RETURN_IF_ERROR(PackThd(pv, shape, absl::MakeConstSpan(&all, 1), t.local_heads,
+                                   out[x].data() + half, half));
+      sends.push_back({t.peer, out[x].data(), 2 * half, tag});
+      grad_sent += 2 * half;
+      Tally(links, *ctx.comm, t.peer, 2 * half, true);
+    }
+    for (size_t x = 0; x < st.fan_out_send.size(); ++x) {
+      in[x].resize(2 * Bytes(st.recv_rows, st.fan_out_send[x].heads.size(), D, sizeof(float)));
+      recvs.push_back({st.fan_out_send[x].peer, in[x].data(), in[x].size(), tag});
+      grad_received += in[x].size();
+      Tally(links, *ctx.comm, st.fan_out_send[x].peer, in[x].size(), false);
+    }
+    HSAP_RETURN_IF_ERROR(ctx.comm->transport().Exchange(
+        sends, recvs,
+        StepName("hier backward", st.step, "dk/dv fan-in", st.fan_out_send, st.fan_out_recv)));
+    // Fixed order (receiver, dK then dV, row, head): bitwise reproducible.
+    for (size_t x = 0; x < st.fan_out_send.size(); ++x) {
+      const float* part = reinterpret_cast<const float*>(in[x].data());
+      for (float* acc : {pk, pv}) {
+        for (int64_t row = 0; row < st.recv_rows; ++row) {
+          for (int l : st.fan_out_send[x].local_heads) {
+            float* to = acc + (row * hkv + l) * D;
+            for (int d = 0; d < D; ++d) to[d] += part[d];
+            part += D;
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
   };
   // Partials of the rows received at step i go back to their senders (dK then dV of the
   // sender's heads, fp32); those of our rows come back from the receivers of step i.
@@ -360,12 +480,14 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
     if (st.recv_group < 0) return absl::OkStatus();
     part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
     part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
-    if (st.recv_work.empty()) return absl::OkStatus();
     HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
-    args.k_rows = st.recv_rows;
-    args.dk = part_k[slot].data();
-    args.dv = part_v[slot].data();
-    return ctx.kernels->Backward(args, st.recv_work, threads);
+    if (!st.recv_work.empty()) {
+      args.k_rows = st.recv_rows;
+      args.dk = part_k[slot].data();
+      args.dv = part_v[slot].data();
+      HSAP_RETURN_IF_ERROR(ctx.kernels->Backward(args, st.recv_work, threads));
+    }
+    return fan_in(st, part_k[slot].data(), part_v[slot].data());
   };
   hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
     const SubRingStep& st = r.steps[i];
@@ -388,6 +510,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
                                      t.local_heads, out_msg[slot][x].data() + half, half));
         sends.push_back({t.peer, out_msg[slot][x].data(), 2 * half, tag});
         grad_sent += 2 * half;
+        Tally(links, *ctx.comm, t.peer, 2 * half, true);
       }
     }
     in_msg[slot].assign(st.send.size(), {});
@@ -396,6 +519,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
       in_msg[slot][x].resize(bytes);
       recvs.push_back({st.send[x].peer, in_msg[slot][x].data(), bytes, tag});
       grad_received += bytes;
+      Tally(links, *ctx.comm, st.send[x].peer, bytes, false);
     }
     return ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
   };
@@ -409,7 +533,8 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
 }  // namespace
 
 absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, const void* k,
-                                 const void* v, void* out, float* lse, HierTraffic* traffic) {
+                                 const void* v, void* out, float* lse, HierTraffic* traffic,
+                                 ExecTraffic* links) {
   HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const RankHierarchy& r = *ctx.rank;
   const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
@@ -446,8 +571,9 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
         },
         [&](size_t i) -> absl::Status {
           const SubRingStep& st = r.steps[i];
-          if (st.recv_group < 0 || st.recv_work.empty()) return absl::OkStatus();
+          if (st.recv_group < 0) return absl::OkStatus();
           HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
+          if (st.recv_work.empty()) return absl::OkStatus();
           args.k_rows = st.recv_rows;
           return ctx.kernels->Forward(args, st.recv_work, threads);
         });
@@ -467,12 +593,17 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
   if (traffic != nullptr) {
     *traffic = HierTraffic{a2a.bytes_sent(), a2a.bytes_received(), ring.sent(), ring.received()};
   }
+  if (links != nullptr) {
+    *links = a2a.links();
+    AddTraffic(*links, ring.links());
+  }
   return absl::OkStatus();
 }
 
 absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, const void* q,
                                   const void* k, const void* v, const void* out, const float* lse,
-                                  void* dq, void* dk, void* dv, HierTraffic* traffic) {
+                                  void* dq, void* dk, void* dv, HierTraffic* traffic,
+                                  ExecTraffic* links) {
   HSAP_RETURN_IF_ERROR(CheckContext(ctx));
   const RankHierarchy& r = *ctx.rank;
   const int D = ctx.dims.head_dim, HQ = ctx.dims.heads_q, HKV = ctx.dims.heads_kv;
@@ -509,10 +640,11 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
       dv32(N * kv_row, 0.0f);
   SubRingKv ring(ctx, gk.data(), gv.data(), "hier backward", PlanPayload::kKv);
   uint64_t grad_sent = 0, grad_received = 0;
+  ExecTraffic grad_links;
   if (hq > 0) {
     const GroupBackward g{gq.data(), gdout.data(), glse.data(), gdelta.data(), gk.data(),
                           gv.data(), dq32.data(),  dk32.data(), dv32.data()};
-    HSAP_RETURN_IF_ERROR(SubRingBackward(ctx, g, ring, grad_sent, grad_received));
+    HSAP_RETURN_IF_ERROR(SubRingBackward(ctx, g, ring, grad_sent, grad_received, grad_links));
   }
 
   // Back to the owners: dQ rounded here; dK/dV rounded here when this rank holds the only
@@ -539,6 +671,11 @@ absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, 
   if (traffic != nullptr) {
     *traffic = HierTraffic{a2a.bytes_sent(), a2a.bytes_received(), ring.sent() + grad_sent,
                            ring.received() + grad_received};
+  }
+  if (links != nullptr) {
+    *links = a2a.links();
+    AddTraffic(*links, ring.links());
+    AddTraffic(*links, grad_links);
   }
   return absl::OkStatus();
 }

@@ -17,6 +17,14 @@
 // member order and rounds once), else in the storage dtype. The result is bitwise the same
 // from run to run.
 //
+// Topology (the hierarchy built with the communicator's nodes, hierarchy.h 5.): at a step
+// with a fan-out, the rank first completes the step's direct receives, then runs the
+// fan-out exchange with its node's members (the gateway forwards), then its kernels; in
+// the backward the fan-out receivers' fp32 partials go to the gateway right after the
+// step's kernels (one exchange), and the gateway adds them to its own, in fan-out order,
+// before its partials return to the holder. These two exchanges complete inside the step
+// (no look-ahead), which keeps the stage loops of staged.h unchanged.
+//
 // Every transport stage is named ("hier forward step 2 (kv from rank 3, 5; to rank 6)", "hier
 // forward all-to-all q"), so a timeout says where it happened.
 #ifndef HSAP_LIB_EXEC_HIERARCHICAL_EXECUTOR_H_
@@ -28,6 +36,7 @@
 #include "attention/dtype.h"
 #include "attention/kernel.h"
 #include "lib/comm/communicator.h"
+#include "lib/exec/executor.h"
 #include "lib/sched/hierarchy.h"
 
 namespace hsap {
@@ -44,15 +53,18 @@ struct HierExecContext {
 };
 
 // q/out: [shard_tokens, heads_q, head_dim]; k/v: [shard_tokens, heads_kv, head_dim], in
-// ctx.dtype; lse: fp32 [heads_q, shard_tokens]. traffic may be null.
+// ctx.dtype; lse: fp32 [heads_q, shard_tokens]. traffic may be null; links (may be null)
+// receives the same bytes by link class (the communicator's topology), counted per message.
 absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, const void* k,
-                                 const void* v, void* out, float* lse, HierTraffic* traffic);
+                                 const void* v, void* out, float* lse, HierTraffic* traffic,
+                                 ExecTraffic* links = nullptr);
 
 // dout, q, out, dq: [shard_tokens, heads_q, head_dim]; k, v, dk, dv: [shard_tokens,
 // heads_kv, head_dim]; lse as produced by HierarchicalForward.
 absl::Status HierarchicalBackward(const HierExecContext& ctx, const void* dout, const void* q,
                                   const void* k, const void* v, const void* out, const float* lse,
-                                  void* dq, void* dk, void* dv, HierTraffic* traffic);
+                                  void* dq, void* dk, void* dv, HierTraffic* traffic,
+                                  ExecTraffic* links = nullptr);
 
 }  // namespace hsap
 

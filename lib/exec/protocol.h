@@ -69,8 +69,12 @@ enum class PlanPayload : uint64_t {
   kOutDq = 10,
   kOutDk = 11,
   kOutDv = 12,
+  // A sub-ring step's fan-out inside a node (lib/sched/hierarchy.h, topology): K/V from the
+  // gateway, and the fp32 dK/dV partials back to it.
+  kKvFanOut = 13,
+  kKvGradFanIn = 14,
 };
-static_assert(static_cast<uint64_t>(PlanPayload::kOutDv) < (uint64_t{1} << kPayloadBits),
+static_assert(static_cast<uint64_t>(PlanPayload::kKvGradFanIn) < (uint64_t{1} << kPayloadBits),
               "payloads must fit their bits");
 
 constexpr uint64_t CallBits(uint64_t call_id) { return (call_id & kCallMask) << kCallShift; }

@@ -8,12 +8,16 @@
 namespace hsap {
 namespace {
 
+void CountLinks(const ExecTraffic& t, CallTraffic& c) {
+  c.links_counted = true;
+  c.links = {t.intra_node_sent, t.intra_node_received, t.inter_node_sent, t.inter_node_received};
+}
+
 CallTraffic ToCallTraffic(const ExecTraffic& t) {
   CallTraffic c;
   c.ring_sent = t.bytes_sent;
   c.ring_received = t.bytes_received;
-  c.links_counted = true;
-  c.links = {t.intra_node_sent, t.intra_node_received, t.inter_node_sent, t.inter_node_received};
+  CountLinks(t, c);
   return c;
 }
 
@@ -50,13 +54,20 @@ class HostPlanRunner : public BatchRunner {
   absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
                        float* lse, CallTraffic& traffic) override {
     ctx_.call_id = call_id;
-    return HierarchicalForward(ctx_, q, k, v, out, lse, &traffic);
+    ExecTraffic links;
+    absl::Status s = HierarchicalForward(ctx_, q, k, v, out, lse, &traffic, &links);
+    CountLinks(links, traffic);
+    return s;
   }
   absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
                         const void* v, const void* out, const float* lse, void* dq, void* dk,
                         void* dv, CallTraffic& traffic) override {
     ctx_.call_id = call_id;
-    return HierarchicalBackward(ctx_, dout, q, k, v, out, lse, dq, dk, dv, &traffic);
+    ExecTraffic links;
+    absl::Status s =
+        HierarchicalBackward(ctx_, dout, q, k, v, out, lse, dq, dk, dv, &traffic, &links);
+    CountLinks(links, traffic);
+    return s;
   }
 
  private:

@@ -32,7 +32,7 @@ struct LinkTraffic {
 
 // Payload bytes of one call: inside the head-parallel group (all-to-all) and along the
 // rings. A batch without a plan moves everything along its ring. `links` holds the same
-// bytes by link class when the runner counted them (links_counted: the host ring runner).
+// bytes by link class when the runner counted them (links_counted: the host runners).
 struct CallTraffic : HierTraffic {
   bool links_counted = false;
   LinkTraffic links;
@@ -54,8 +54,9 @@ class BatchRunner {
 class RunnerFactory {
  public:
   virtual ~RunnerFactory() = default;
-  // Whether the runners made run relayed K/V delivery (schedule.h) on a communicator whose
-  // ranks span several nodes; when false, batches get the direct schedule.
+  // Whether the runners made run relayed K/V delivery (schedule.h, and the fan-outs of
+  // hierarchy.h for plans) on a communicator whose ranks span several nodes; when false,
+  // batches get the direct schedule / hierarchy.
   virtual bool RunsRelays() const { return false; }
   // Called once on every rank of `comm` after the ranks agreed on the batch; `schedule` /
   // `rank` outlive the runner. May run collectives on the communicator (every rank's

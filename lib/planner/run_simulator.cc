@@ -145,6 +145,29 @@ class RunPricer {
     });
   }
 
+  // A plan step's fan-out inside nodes (`grad` false: forwarded K/V) or fan-in (`grad`:
+  // partials back to the gateway): one exchange per rank at `step`, completed before the
+  // rank goes on. ready[r]: when rank r reaches it; becomes when r's messages arrived.
+  void PriceFan(int step, bool backward, bool grad, std::vector<double>& ready) {
+    const int n = static_cast<int>(programs_.size());
+    std::vector<Message> messages;
+    for (int r = 0; r < n; ++r) {
+      const int i = stage_at_[r][step];
+      if (i < 0) continue;
+      const ProgramStage& s = PassOf(r, backward).stages[i];
+      for (const Transfer& t : grad ? s.fan_in_grad : s.fan_out_kv) {
+        if (t.send) messages.push_back({std::max(ready[r], ready[t.peer]), r, t.peer, t.bytes});
+      }
+    }
+    if (messages.empty()) return;
+    std::vector<double> arrived = ready;
+    Price(messages, [&](int src, int dst, double arrival) {
+      arrived[src] = std::max(arrived[src], arrival);
+      arrived[dst] = std::max(arrived[dst], arrival);
+    });
+    ready = std::move(arrived);
+  }
+
   void Pass(bool backward) {
     const int n = static_cast<int>(programs_.size());
     Exchanges(backward, /*after=*/false);
@@ -208,13 +231,20 @@ class RunPricer {
       }
       if (!any) continue;
       PriceStep(step, false, false, post, done);
+      std::vector<double> begin(n, 0.0);
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
         const int k = i < fan[r] ? i : i - fan[r];
         const double previous = k == 0 ? phase_local_end(r, i) : compute_end[r][i - 1];
-        const double begin = std::max(previous, done[r][i]);
-        compute_end[r][i] = begin + ComputeSeconds(r, programs_[r].forward.stages[i].pairs, false);
+        begin[r] = std::max(previous, done[r][i]);
+      }
+      PriceFan(step, false, false, begin);
+      for (int r = 0; r < n; ++r) {
+        const int i = stage_at_[r][step];
+        if (i < 0) continue;
+        compute_end[r][i] =
+            begin[r] + ComputeSeconds(r, programs_[r].forward.stages[i].pairs, false);
         clock_[r] = compute_end[r][i];
       }
     }
@@ -242,6 +272,21 @@ class RunPricer {
       const int step = grad ? (key - 3) / 2 : key / 2;
       if (step < 1 || step >= 2 * n) continue;
       bool any = false;
+      // Gradient groups: the step's K/V arrived, its fan-out, kernels and fan-in (plans on
+      // several nodes) run before the group is posted.
+      std::vector<double> at = clock_;
+      if (grad) {
+        for (int r = 0; r < n; ++r) {
+          const int i = stage_at_[r][step];
+          if (i >= 0) at[r] = std::max(clock_[r], kv_done[r][i]);
+        }
+        PriceFan(step, true, false, at);
+        for (int r = 0; r < n; ++r) {
+          const int i = stage_at_[r][step];
+          if (i >= 0) at[r] += ComputeSeconds(r, programs_[r].backward.stages[i].pairs, true);
+        }
+        PriceFan(step, true, true, at);
+      }
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
@@ -253,8 +298,7 @@ class RunPricer {
           }
           kv_post[r][i] = clock_[r];
         } else {
-          const double begin = std::max(clock_[r], kv_done[r][i]);
-          clock_[r] = begin + ComputeSeconds(r, programs_[r].backward.stages[i].pairs, true);
+          clock_[r] = at[r];
           grad_post[r][i] = clock_[r];
           if (i > 0) clock_[r] = std::max(clock_[r], grad_done[r][i - 1]);
         }
@@ -342,17 +386,36 @@ absl::StatusOr<RunSimulation> SimulatePrograms(const Cluster& cluster,
 
 absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
                                                       const LayerShape& shape) {
+  return PlanPrograms(layout, plan, absl::Span<const int>(), shape);
+}
+
+absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
+                                                      const Cluster& cluster,
+                                                      const LayerShape& shape) {
+  std::vector<int> node_of_rank;
+  for (const Device& d : cluster.devices) node_of_rank.push_back(d.node);
+  if (static_cast<int>(node_of_rank.size()) != plan.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("the plan is for ", plan.num_ranks,
+                                                   " ranks but the cluster has ",
+                                                   node_of_rank.size(), " devices"));
+  }
+  return PlanPrograms(layout, plan, node_of_rank, shape);
+}
+
+absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
+                                                      absl::Span<const int> node_of_rank,
+                                                      const LayerShape& shape) {
   if (plan.heads_q != shape.heads_q || plan.heads_kv != shape.heads_kv) {
     return absl::InvalidArgumentError(
         absl::StrCat("the plan is for ", plan.heads_q, "/", plan.heads_kv,
                      " query/KV heads but the layer has ", shape.heads_q, "/", shape.heads_kv));
   }
-  HSAP_ASSIGN_OR_RETURN(Hierarchy h, Hierarchy::Create(layout, plan));
+  HSAP_ASSIGN_OR_RETURN(Hierarchy h, Hierarchy::Create(layout, plan, node_of_rank));
   std::vector<RankProgram> programs;
   programs.reserve(plan.num_ranks);
   for (int r = 0; r < plan.num_ranks; ++r) {
     HSAP_ASSIGN_OR_RETURN(RankHierarchy rank, h.BuildRank(layout, r, kKernelBlockQ));
-    programs.push_back(ProgramOf(rank, shape.head_dim, shape.dtype));
+    programs.push_back(ProgramOf(rank, shape.head_dim, shape.dtype, node_of_rank));
   }
   return programs;
 }

@@ -73,8 +73,20 @@ absl::StatusOr<RunSimulation> SimulatePrograms(const Cluster& cluster,
                                                absl::Span<const RankProgram> programs,
                                                int head_dim);
 
-// The programs of a plan's batch on `layout` (what hsapBatchCreateWithPlan builds).
+// The programs of a plan's batch on `layout` (what hsapBatchCreateWithPlan builds), all
+// ranks on one node.
 absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
+                                                      const LayerShape& shape);
+// The same on `cluster`, one rank per device (plan.num_ranks devices): the hierarchy knows
+// each rank's node, as on a host communicator whose rankNodes are the cluster's nodes, so
+// a step's rows needed by several members of another node cross once and are fanned out
+// inside it (lib/sched/hierarchy.h, 5.), and are priced as such.
+absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
+                                                      const Cluster& cluster,
+                                                      const LayerShape& shape);
+// The same with the node of every rank given (empty: one node).
+absl::StatusOr<std::vector<RankProgram>> PlanPrograms(const Layout& layout, const Plan& plan,
+                                                      absl::Span<const int> node_of_rank,
                                                       const LayerShape& shape);
 // The programs of a flat batch (what hsapBatchCreate builds): `num_ranks` ranks on one
 // node, the sequence-aware partition with `weights` (empty: equal).

@@ -34,6 +34,18 @@ std::vector<TokenRange> RowsToRanges(const std::vector<TokenRun>& runs, int64_t 
   return out;
 }
 
+// Adds KV head `head` (index `local` in this rank's kv_heads) to the transfer with `peer`.
+void AddHead(std::vector<KvTransfer>& transfers, int peer, int head, int local) {
+  auto it = std::find_if(transfers.begin(), transfers.end(),
+                         [&](const KvTransfer& t) { return t.peer == peer; });
+  if (it == transfers.end()) {
+    transfers.push_back({peer, {}, {}});
+    it = transfers.end() - 1;
+  }
+  it->heads.push_back(head);
+  it->local_heads.push_back(local);
+}
+
 }  // namespace
 
 std::vector<int64_t> SplitByWeights(int64_t total, const std::vector<double>& weights) {
@@ -59,10 +71,16 @@ std::vector<int64_t> SplitByWeights(int64_t total, const std::vector<double>& we
   return counts;
 }
 
-absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& plan) {
+absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& plan,
+                                            absl::Span<const int> node_of_rank) {
   HSAP_RETURN_IF_ERROR(plan.Validate());
+  if (!node_of_rank.empty() && static_cast<int>(node_of_rank.size()) != plan.num_ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("the topology has ", node_of_rank.size(),
+                                                   " ranks but the plan ", plan.num_ranks));
+  }
   Hierarchy h;
   h.plan_ = plan;
+  h.node_of_rank_.assign(node_of_rank.begin(), node_of_rank.end());
   const int G = static_cast<int>(plan.groups.size());
   h.ring_ = plan.RingOrder();
   h.position_of_.assign(G, 0);
@@ -111,8 +129,36 @@ int Hierarchy::SenderOf(int source_group, int kv_head, int receiver) const {
     if (Contains(kv[i], kv_head)) holders.push_back(static_cast<int>(i));
   }
   // Every KV head has at least one query head, owned by some member of every group.
-  const int pick = holders[index_of_[receiver] % holders.size()];
-  return plan_.groups[source_group].ranks[pick];
+  const std::vector<int>& ranks = plan_.groups[source_group].ranks;
+  if (!node_of_rank_.empty()) {
+    std::vector<int> near;  // holders on the receiver's node
+    for (int i : holders) {
+      if (node_of_rank_[ranks[i]] == node_of_rank_[receiver]) near.push_back(i);
+    }
+    if (!near.empty()) holders = std::move(near);
+  }
+  return ranks[holders[index_of_[receiver] % holders.size()]];
+}
+
+std::vector<int> Hierarchy::NodeReceivers(int group, int kv_head, int node) const {
+  std::vector<int> out;
+  const std::vector<int>& ranks = plan_.groups[group].ranks;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (node_of_rank_[ranks[i]] == node && Contains(kv_heads_[group][i], kv_head)) {
+      out.push_back(ranks[i]);
+    }
+  }
+  return out;
+}
+
+int Hierarchy::GatewayOf(int step, int source_group, int kv_head, int receiver) const {
+  if (node_of_rank_.empty()) return -1;
+  const int node = node_of_rank_[receiver];
+  if (node_of_rank_[SenderOf(source_group, kv_head, receiver)] == node) return -1;
+  // No holder is on this node, so every node receiver's holder is on another one.
+  const std::vector<int> receivers = NodeReceivers(group_of_[receiver], kv_head, node);
+  if (receivers.size() < 2) return -1;
+  return receivers[(kv_head + step) % receivers.size()];
 }
 
 absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int rank,
@@ -162,20 +208,23 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
       step.recv_group = ring_[st.recv_from];
       for (size_t l = 0; l < r.kv_heads.size(); ++l) {
         const int h = r.kv_heads[l];
-        const int sender = SenderOf(step.recv_group, h, rank);
-        auto it = std::find_if(step.recv.begin(), step.recv.end(),
-                               [&](const KvTransfer& t) { return t.peer == sender; });
-        if (it == step.recv.end()) {
-          step.recv.push_back({sender, {}, {}});
-          it = step.recv.end() - 1;
+        const int gateway = GatewayOf(st.step, step.recv_group, h, rank);
+        if (gateway >= 0 && gateway != rank) {
+          AddHead(step.fan_out_recv, gateway, h, static_cast<int>(l));
+          continue;
         }
-        it->heads.push_back(h);
-        it->local_heads.push_back(static_cast<int>(l));
+        AddHead(step.recv, SenderOf(step.recv_group, h, rank), h, static_cast<int>(l));
+        if (gateway != rank) continue;
+        for (int peer : NodeReceivers(r.group, h, node_of_rank_[rank])) {
+          if (peer != rank) AddHead(step.fan_out_send, peer, h, static_cast<int>(l));
+        }
       }
-      // Senders in group order, so that both sides list transfers alike.
-      std::sort(step.recv.begin(), step.recv.end(), [&](const KvTransfer& a, const KvTransfer& b) {
-        return index_of_[a.peer] < index_of_[b.peer];
-      });
+      // Peers in group order, so that both sides list transfers alike.
+      for (std::vector<KvTransfer>* list : {&step.recv, &step.fan_out_recv, &step.fan_out_send}) {
+        std::sort(list->begin(), list->end(), [&](const KvTransfer& a, const KvTransfer& b) {
+          return index_of_[a.peer] < index_of_[b.peer];
+        });
+      }
       step.recv_runs = std::move(st.recv_runs);
       step.recv_rows = st.recv_rows;
       step.recv_work = std::move(st.recv_work);
@@ -187,7 +236,8 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
         KvTransfer t;
         t.peer = dst.ranks[j];
         for (int h : kv_heads_[gd][j]) {
-          if (SenderOf(r.group, h, t.peer) == rank) {
+          const int gateway = GatewayOf(st.step, r.group, h, t.peer);
+          if (SenderOf(r.group, h, t.peer) == rank && (gateway < 0 || gateway == t.peer)) {
             t.heads.push_back(h);
             t.local_heads.push_back(IndexOf(r.kv_heads, h));
           }
@@ -222,6 +272,12 @@ HierTraffic PredictForwardTraffic(const RankHierarchy& r, int head_dim, DType dt
   }
   for (const SubRingStep& s : r.steps) {
     for (const KvTransfer& x : s.recv) t.ring_received += 2 * s.recv_rows * x.heads.size() * D * es;
+    for (const KvTransfer& x : s.fan_out_recv) {
+      t.ring_received += 2 * s.recv_rows * x.heads.size() * D * es;
+    }
+    for (const KvTransfer& x : s.fan_out_send) {
+      t.ring_sent += 2 * s.recv_rows * x.heads.size() * D * es;
+    }
     for (const KvTransfer& x : s.send) t.ring_sent += 2 * s.send_rows * x.heads.size() * D * es;
   }
   return t;
@@ -253,6 +309,15 @@ HierTraffic PredictBackwardTraffic(const RankHierarchy& r, int head_dim, DType d
     for (const KvTransfer& x : s.send) {
       t.ring_sent += 2 * s.send_rows * x.heads.size() * D * es;
       t.ring_received += 2 * s.send_rows * x.heads.size() * D * 4;
+    }
+    // Fan-out: K/V from the gateway, fp32 partials back to it.
+    for (const KvTransfer& x : s.fan_out_recv) {
+      t.ring_received += 2 * s.recv_rows * x.heads.size() * D * es;
+      t.ring_sent += 2 * s.recv_rows * x.heads.size() * D * 4;
+    }
+    for (const KvTransfer& x : s.fan_out_send) {
+      t.ring_sent += 2 * s.recv_rows * x.heads.size() * D * es;
+      t.ring_received += 2 * s.recv_rows * x.heads.size() * D * 4;
     }
   }
   return t;

@@ -28,13 +28,32 @@
 //    it does not use; ranks that exchange nothing at a step skip it. Backward sends the
 //    fp32 dK/dV partials of those rows back to the chosen holder, which adds them in step
 //    order.
+// 5. Topology (Create with the node of every world rank; empty: one node, and then every
+//    table is exactly the direct one above). The holder of head h for receiver r is chosen
+//    among the holders on r's node when gs has any (same rule, index mod their count), else
+//    among all holders as above. When r's holder is on another node and k >= 2 members of
+//    r's group on r's node hold h (the "node receivers" of (step, h, node), group order),
+//    the rows of h cross once: the holder sends them to one of them, the GATEWAY, at index
+//    (h + step) mod k (so gateway duty rotates over heads, steps and the node's members),
+//    and the gateway forwards them to the others over the node (the step's FAN-OUT: after
+//    the step's direct receives complete, one exchange among the group's members of each
+//    node; every receive buffer is then whole before the step's kernels run). Backward:
+//    the fan-out's receivers return their fp32 dK/dV partials of those rows to the gateway
+//    (right after computing the step), which adds them to its own in fan-out order (group
+//    order) and returns the one sum to the holder with its other partials, so gradients
+//    cross the node boundary once and the result stays bitwise reproducible.
+//    Deduplicated: per step and receiving group, each (row, KV head) needed on a node from
+//    a holder on another node enters that node once. Not deduplicated: rows that two
+//    DIFFERENT groups with members on one node receive (at the same or different steps)
+//    cross once per group, and rows a node receives at different steps (a group receives
+//    different rows at every step anyway).
 //
 // Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
 // heads are the issue-3 sequence-aware ring (identical partition and schedule when the
 // ring order is the identity); equal groups with equal heads are USP / a2a+p2p.
 //
-// Everything here is a pure function of (layout, plan, rank): every rank computes the same
-// tables, so sends and receives always match.
+// Everything here is a pure function of (layout, plan, topology, rank): every rank computes
+// the same tables, so sends and receives always match.
 #ifndef HSAP_LIB_SCHED_HIERARCHY_H_
 #define HSAP_LIB_SCHED_HIERARCHY_H_
 
@@ -42,6 +61,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "attention/dtype.h"
 #include "attention/layout.h"
 #include "attention/worklist.h"
@@ -76,8 +96,13 @@ struct SubRingStep {
   int recv_group = -1;
   std::vector<TokenRun> recv_runs;
   int64_t recv_rows = 0;
-  std::vector<KvTransfer> recv;  // heads partition kv_heads (when recv_group >= 0)
-  WorkList recv_work;            // group-buffer queries x the receive buffer
+  std::vector<KvTransfer> recv;  // from holders; with fan_out_recv they partition kv_heads
+  // Topology: heads of the buffer that come from a gateway of this group on this node
+  // (peer: the gateway), after the direct receives; and, when this rank is a gateway, the
+  // heads it forwards from its receive buffer to other members on its node. Group order.
+  std::vector<KvTransfer> fan_out_recv;
+  std::vector<KvTransfer> fan_out_send;
+  WorkList recv_work;  // group-buffer queries x the receive buffer
   // Send: rows send_runs (global positions -> rows of this rank's group buffer) to members
   // of send_group, each transfer carrying the heads this rank is the chosen holder for.
   int send_group = -1;
@@ -120,7 +145,9 @@ struct HierTraffic {
 class Hierarchy {
  public:
   // Validates the plan (Plan::Validate) and partitions the row over groups and members.
-  static absl::StatusOr<Hierarchy> Create(const Layout& layout, const Plan& plan);
+  // node_of_rank: the node of every world rank (empty: all on one node), see 5. above.
+  static absl::StatusOr<Hierarchy> Create(const Layout& layout, const Plan& plan,
+                                          absl::Span<const int> node_of_rank = {});
 
   const Plan& plan() const { return plan_; }
   // The partition over ring positions (rank p = group RingOrder()[p]).
@@ -135,6 +162,12 @@ class Hierarchy {
   // The chosen holder in `source_group` of KV head `kv_head` for receiving rank `receiver`
   // (a world rank of another group).
   int SenderOf(int source_group, int kv_head, int receiver) const;
+  // The gateway through which `receiver` gets head `kv_head` from `source_group` at `step`
+  // (5. above): -1 when it receives directly from SenderOf, `receiver` itself when it is
+  // the gateway, else the member of its group on its node that forwards the rows to it.
+  int GatewayOf(int step, int source_group, int kv_head, int receiver) const;
+  // The node of every world rank as given to Create (empty: one node).
+  const std::vector<int>& node_of_rank() const { return node_of_rank_; }
 
   // The schedule of one world rank. block_q: query rows per kernel block.
   absl::StatusOr<RankHierarchy> BuildRank(const Layout& layout, int rank,
@@ -147,10 +180,15 @@ class Hierarchy {
   std::vector<std::vector<TokenRange>> shards_;
   std::vector<std::vector<int64_t>> member_rows_;        // [group][i]: row_begin of member i
   std::vector<std::vector<std::vector<int>>> kv_heads_;  // [group][i]
+  std::vector<int> node_of_rank_;                        // empty: one node
+
+  // Members of `group` on `node` holding `kv_head` (world ranks, group order).
+  std::vector<int> NodeReceivers(int group, int kv_head, int node) const;
 };
 
 // Bytes a forward / backward of `r` moves, predicted from its tables. Forward: Q, K, V in,
-// out (storage dtype) and lse (fp32) back, K/V along the sub-rings. Backward: Q, K, V,
+// out (storage dtype) and lse (fp32) back, K/V along the sub-rings and their fan-outs
+// (counted as sub-ring bytes). Backward: Q, K, V,
 // dout in and lse + delta (fp32, 2 per query row and head), K/V again along the sub-rings
 // with fp32 dK/dV partials back, dQ back in the storage dtype and dK/dV in the storage
 // dtype or, when kv_grad_partial, fp32.

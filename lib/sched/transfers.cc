@@ -10,6 +10,12 @@ constexpr uint64_t kF32 = sizeof(float);
 Transfer Send(int peer, TransferKind kind, uint64_t bytes) { return {peer, true, kind, bytes}; }
 Transfer Recv(int peer, TransferKind kind, uint64_t bytes) { return {peer, false, kind, bytes}; }
 
+// Sets each message's link class from the topology (empty: one node).
+void SetLinkClass(std::vector<Transfer>& transfers, int rank, absl::Span<const int> node_of_rank) {
+  if (node_of_rank.empty()) return;
+  for (Transfer& t : transfers) t.inter_node = node_of_rank[t.peer] != node_of_rank[rank];
+}
+
 // Elements of `rows` rows of `heads` heads of `width` elements.
 uint64_t Elements(int64_t rows, size_t heads, int width) {
   return static_cast<uint64_t>(rows) * heads * static_cast<uint64_t>(width);
@@ -48,8 +54,9 @@ HierTraffic PassProgram::Traffic() const {
   add_a2a(before);
   add_a2a(after);
   for (const ProgramStage& s : stages) {
-    for (const Transfer& m : s.kv) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
-    for (const Transfer& m : s.grad) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
+    for (const std::vector<Transfer>* list : {&s.kv, &s.fan_out_kv, &s.fan_in_grad, &s.grad}) {
+      for (const Transfer& m : *list) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
+    }
   }
   for (const Transfer& m : returns) (m.send ? t.ring_sent : t.ring_received) += m.bytes;
   return t;
@@ -70,8 +77,9 @@ LinkBytes PassProgram::Links() const {
     }
   }
   for (const ProgramStage& s : stages) {
-    for (const Transfer& m : s.kv) add(m);
-    for (const Transfer& m : s.grad) add(m);
+    for (const std::vector<Transfer>* list : {&s.kv, &s.fan_out_kv, &s.fan_in_grad, &s.grad}) {
+      for (const Transfer& m : *list) add(m);
+    }
   }
   for (const Transfer& m : returns) add(m);
   return b;
@@ -132,7 +140,8 @@ RankProgram ProgramOf(const Schedule& schedule, int heads_q, int heads_kv, int h
   return p;
 }
 
-RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype) {
+RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
+                      absl::Span<const int> node_of_rank) {
   RankProgram p;
   p.rank = r.rank;
   p.query_heads = static_cast<int>(r.q_heads.size());
@@ -168,7 +177,25 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype) {
         s.kv.push_back(
             Recv(x.peer, TransferKind::kKv, 2 * Elements(st.recv_rows, x.heads.size(), D) * es));
       }
+      // The step's fan-out inside the node, completed before its kernels: forwarded K/V,
+      // and in the backward the fp32 partials back to the gateway (hierarchy.h, 5.).
+      for (const KvTransfer& x : st.fan_out_send) {
+        s.fan_out_kv.push_back(Send(x.peer, TransferKind::kKvFanOut,
+                                    2 * Elements(st.recv_rows, x.heads.size(), D) * es));
+      }
+      for (const KvTransfer& x : st.fan_out_recv) {
+        s.fan_out_kv.push_back(Recv(x.peer, TransferKind::kKvFanOut,
+                                    2 * Elements(st.recv_rows, x.heads.size(), D) * es));
+      }
       if (backward) {
+        for (const KvTransfer& x : st.fan_out_recv) {
+          s.fan_in_grad.push_back(Send(x.peer, TransferKind::kKvGradFanIn,
+                                       2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
+        }
+        for (const KvTransfer& x : st.fan_out_send) {
+          s.fan_in_grad.push_back(Recv(x.peer, TransferKind::kKvGradFanIn,
+                                       2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
+        }
         for (const KvTransfer& x : st.recv) {
           s.grad.push_back(Send(x.peer, TransferKind::kKvGrad,
                                 2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
@@ -178,7 +205,13 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype) {
                                 2 * Elements(st.send_rows, x.heads.size(), D) * kF32));
         }
       }
+      for (std::vector<Transfer>* list : {&s.kv, &s.fan_out_kv, &s.fan_in_grad, &s.grad}) {
+        SetLinkClass(*list, r.rank, node_of_rank);
+      }
       pass->stages.push_back(std::move(s));
+    }
+    for (std::vector<Exchange>* xs : {&pass->before, &pass->after}) {
+      for (Exchange& x : *xs) SetLinkClass(x.transfers, r.rank, node_of_rank);
     }
   }
   return p;

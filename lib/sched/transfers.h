@@ -22,6 +22,8 @@
 //     second staged run with no local work, once every direct stage is done. A relayed
 //     buffer's gradients do not travel at its stage: after the last stage the gateway
 //     returns their sums to the owner in one final group (`returns`).
+//     Plans on several nodes (lib/sched/hierarchy.h, 5.): a stage's `fan_out_kv` exchange
+//     runs once its K/V arrived, before its kernels; backward, its `fan_in_grad` after them.
 //  3. `after`: the all-to-alls back to the token layout (forward out, lse; backward dq, dk,
 //     dv).
 // Work is counted in visible (query, key) pairs per query head; the rank's kernels run
@@ -44,6 +46,8 @@ enum class TransferKind {
   kKvGrad,        // backward: fp32 dK/dV partials returned to the rows' sender
   kKvGradReturn,  // backward, relays: a gateway's summed fp32 dK/dV partials to the owner
   kAllToAll,      // a group all-to-all (plans)
+  kKvFanOut,      // plans on several nodes: a gateway forwards a step's K/V inside its node
+  kKvGradFanIn,   // backward: the fan-out's fp32 dK/dV partials back to the gateway
 };
 
 // Bytes of a pass by link class.
@@ -58,7 +62,7 @@ struct Transfer {
   bool send = false;
   TransferKind kind = TransferKind::kKv;
   uint64_t bytes = 0;
-  bool inter_node = false;  // crosses a node boundary (flat programs built with a topology)
+  bool inter_node = false;  // crosses a node boundary (programs built with a topology)
   friend bool operator==(const Transfer&, const Transfer&) = default;
 };
 
@@ -73,7 +77,11 @@ struct ProgramStage {
   bool fan_out = false;        // forwards rows of the relay store (step >= R)
   std::vector<Transfer> kv;    // K/V sends and receives posted for this stage
   std::vector<Transfer> grad;  // backward only: the stage's gradient group
-  int64_t pairs = 0;           // visible pairs against the rows received, per query head
+  // Plans on several nodes: the step's fan-out (K/V from the gateway) and, backward, its
+  // fan-in (partials back to the gateway); each one exchange completed after the stage's
+  // K/V arrived (fan_out_kv before the stage's kernels, fan_in_grad after them, before `grad`).
+  std::vector<Transfer> fan_out_kv, fan_in_grad;
+  int64_t pairs = 0;  // visible pairs against the rows received, per query head
 };
 
 struct PassProgram {
@@ -106,8 +114,10 @@ struct RankProgram {
 RankProgram ProgramOf(const Schedule& schedule, int heads_q, int heads_kv, int head_dim,
                       DType dtype, absl::Span<const int> node_of_rank = {});
 
-// The program of a rank of a plan's batch: `rank` from Hierarchy::BuildRank.
-RankProgram ProgramOf(const RankHierarchy& rank, int head_dim, DType dtype);
+// The program of a rank of a plan's batch: `rank` from Hierarchy::BuildRank. node_of_rank:
+// the topology the hierarchy was built with (empty: one node), which sets link classes.
+RankProgram ProgramOf(const RankHierarchy& rank, int head_dim, DType dtype,
+                      absl::Span<const int> node_of_rank = {});
 
 }  // namespace hsap
 

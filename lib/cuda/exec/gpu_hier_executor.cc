@@ -220,6 +220,13 @@ BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
 absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     Device& device, const RankHierarchy& r, const AttentionDims& dims, DType dtype,
     cudaStream stream) {
+  for (const SubRingStep& st : r.steps) {
+    if (!st.fan_out_send.empty() || !st.fan_out_recv.empty()) {
+      return absl::UnimplementedError(
+          "the GPU plan executor delivers sub-ring K/V directly; build the hierarchy without a "
+          "topology (node fan-outs run on the host backend only)");
+    }
+  }
   auto p = std::unique_ptr<DeviceHierProgram>(new DeviceHierProgram());
   p->rank_ = &r;
   p->dims_ = dims;

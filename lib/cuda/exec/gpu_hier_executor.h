@@ -16,6 +16,10 @@
 //
 // Streams, memory and results: as lib/cuda/exec/gpu_executor.h (pool regions, no allocation in
 // a call, dK/dV not bitwise reproducible).
+//
+// Topology: not yet. Sub-ring K/V go directly from holder to receiver (the GPU runner
+// factory builds hierarchies without the communicator's nodes); a hierarchy with node
+// fan-outs (lib/sched/hierarchy.h, 5.) is rejected by Build.
 #ifndef HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 #define HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 

@@ -232,6 +232,66 @@ TEST(RunSimulatorTest, FlatBytesPerLinkClassAreTheRuntimesOnSeveralNodes) {
   EXPECT_GT(relayed, 0u) << "no row was relayed: the comparison would prove little";
 }
 
+// Plans on several nodes: sub-ring rows shared by members of a node are fanned out inside
+// it (lib/sched/hierarchy.h, 5.); the simulator's bytes per rank per link class are what
+// the runtime counts.
+TEST(RunSimulatorTest, PlanBytesPerLinkClassAreTheRuntimesOnSeveralNodes) {
+  const std::vector<std::pair<PlanSpec, std::pair<int, int>>> cases = {
+      {{{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 2}, {2, 4}},
+      {{{3, 3}, 6, 2, HeadSplit::kRoundRobin, true, 9}, {3, 2}},
+      {{{2, 3, 3}, 8, 2, HeadSplit::kRandom, true, 12}, {4, 2}},
+  };
+  uint64_t inter = 0, fanned = 0;
+  for (const auto& [spec, shape] : cases) {
+    const auto [nodes, per_node] = shape;
+    SCOPED_TRACE(absl::StrFormat("%s on %d nodes of %d", spec.Name(), nodes, per_node));
+    const Plan plan = MakePlan(spec);
+    ASSERT_EQ(plan.num_ranks, nodes * per_node);
+    absl::StatusOr<Layout> layout = SampleRow(600, 200, spec.seed);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const Cluster cluster = TestCluster(nodes, per_node);
+    const LayerShape layer{spec.heads_q, spec.heads_kv, kHeadDim, DType::kBF16};
+    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*layout, plan, cluster, layer);
+    ASSERT_TRUE(programs.ok()) << programs.status();
+    absl::StatusOr<RunSimulation> sim = SimulatePrograms(cluster, *programs, kHeadDim);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    const int R = plan.num_ranks;
+    std::vector<int> rank_nodes;
+    for (int r = 0; r < R; ++r) rank_nodes.push_back(cluster.devices[r].node);
+    std::vector<hsapLinkTraffic_t> links;
+    ExpectSameBytes(*sim, RunOnHost(CuSeqlens(*layout), R, spec.heads_q, spec.heads_kv, &plan,
+                                    rank_nodes, &links));
+    ASSERT_EQ(links.size(), static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) {
+      SCOPED_TRACE(absl::StrFormat("rank %d", r));
+      const LinkBytes f = (*programs)[r].forward.Links(), b = (*programs)[r].backward.Links();
+      const hsapLinkTraffic_t& l = links[r];
+      EXPECT_EQ(f.intra_sent, l.forwardIntraNodeBytesSent);
+      EXPECT_EQ(f.intra_received, l.forwardIntraNodeBytesReceived);
+      EXPECT_EQ(f.inter_sent, l.forwardInterNodeBytesSent);
+      EXPECT_EQ(f.inter_received, l.forwardInterNodeBytesReceived);
+      EXPECT_EQ(b.intra_sent, l.backwardIntraNodeBytesSent);
+      EXPECT_EQ(b.intra_received, l.backwardIntraNodeBytesReceived);
+      EXPECT_EQ(b.inter_sent, l.backwardInterNodeBytesSent);
+      EXPECT_EQ(b.inter_received, l.backwardInterNodeBytesReceived);
+      EXPECT_EQ(sim->ranks[r].intra_node_bytes_sent,
+                l.forwardIntraNodeBytesSent + l.backwardIntraNodeBytesSent);
+      EXPECT_EQ(sim->ranks[r].inter_node_bytes_sent,
+                l.forwardInterNodeBytesSent + l.backwardInterNodeBytesSent);
+      for (const ProgramStage& st : (*programs)[r].forward.stages) fanned += st.fan_out_kv.size();
+    }
+    inter += sim->InterNodeBytes();
+    // Fan-outs move fewer inter-node bytes than the direct hierarchy on the same cluster.
+    absl::StatusOr<std::vector<RankProgram>> direct = PlanPrograms(*layout, plan, layer);
+    ASSERT_TRUE(direct.ok());
+    absl::StatusOr<RunSimulation> direct_sim = SimulatePrograms(cluster, *direct, kHeadDim);
+    ASSERT_TRUE(direct_sim.ok());
+    EXPECT_LT(sim->InterNodeBytes(), direct_sim->InterNodeBytes());
+  }
+  EXPECT_GT(inter, 0u) << "nothing crossed a node: the comparison would prove little";
+  EXPECT_GT(fanned, 0u) << "no step fanned out: the comparison would prove little";
+}
+
 TEST(RunSimulatorTest, RelaysCrossTheNicOnceAndArePricedAsSuch) {
   // One causal document on two nodes of four: the later node's ranks all need the first
   // node's rows; relayed, each crosses the slow NIC once instead of once per rank.

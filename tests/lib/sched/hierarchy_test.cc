@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <random>
 #include <set>
 #include <tuple>
 #include <vector>
@@ -323,6 +324,89 @@ TEST(Hierarchy, MqaReceiversSpreadOverHolders) {
     EXPECT_EQ(rh->steps[0].send[0].peer, (r + 4) % 8);
     EXPECT_TRUE(rh->kv_grad_partial);
   }
+}
+
+// With a topology: every message a rank lists is listed by its peer with the same heads
+// (sub-ring sends and receives, fan-outs); a rank's heads of a step come once each, from
+// holders or its gateway; fan-outs stay inside a node; a head crosses into a node at most
+// once per step; gateway duty spreads over the node's members.
+TEST(Hierarchy, FanOutsMatchAndCrossEachNodeOncePerStep) {
+  const std::vector<PlanSpec> specs = {
+      {{4, 4}, 8, 1, HeadSplit::kContiguous, false, 1},
+      {{3, 2, 3}, 6, 2, HeadSplit::kRoundRobin, true, 5},
+      {{4, 3, 1}, 8, 2, HeadSplit::kRandom, true, 8},
+  };
+  std::mt19937_64 rng(77);
+  int fanned = 0;
+  for (const PlanSpec& spec : specs) {
+    const Plan plan = MakePlan(spec);
+    std::vector<int> nodes(plan.num_ranks);
+    for (int& n : nodes) n = static_cast<int>(rng() % 3);
+    SCOPED_TRACE(::testing::Message()
+                 << spec.Name() << " nodes " << ::testing::PrintToString(nodes));
+    const Layout layout = *Layout::FromDocuments({0, 240}, {MaskKind::kFull});
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, nodes);
+    ASSERT_TRUE(h.ok()) << h.status();
+    std::vector<RankHierarchy> ranks;
+    for (int r = 0; r < plan.num_ranks; ++r) ranks.push_back(*h->BuildRank(layout, r));
+    // (kind, step, from, to) -> heads; kind 0: sub-ring, 1: fan-out.
+    std::map<std::tuple<int, int, int, int>, std::vector<int>> sent, received;
+    std::map<std::tuple<int, int, int>, int> crossings;  // (step, node, head) -> count
+    std::map<int, std::set<int>> gateways;               // node -> ranks that forwarded
+    for (const RankHierarchy& r : ranks) {
+      for (const SubRingStep& st : r.steps) {
+        std::vector<int> heads;
+        for (const KvTransfer& x : st.send) sent[{0, st.step, r.rank, x.peer}] = x.heads;
+        for (const KvTransfer& x : st.fan_out_send) {
+          sent[{1, st.step, r.rank, x.peer}] = x.heads;
+          EXPECT_EQ(nodes[x.peer], nodes[r.rank]);
+          gateways[nodes[r.rank]].insert(r.rank);
+          ++fanned;
+        }
+        for (const KvTransfer& x : st.recv) {
+          received[{0, st.step, x.peer, r.rank}] = x.heads;
+          heads.insert(heads.end(), x.heads.begin(), x.heads.end());
+          if (nodes[x.peer] != nodes[r.rank]) {
+            for (int hd : x.heads) ++crossings[{st.step * 100 + r.group, nodes[r.rank], hd}];
+          }
+        }
+        for (const KvTransfer& x : st.fan_out_recv) {
+          received[{1, st.step, x.peer, r.rank}] = x.heads;
+          heads.insert(heads.end(), x.heads.begin(), x.heads.end());
+        }
+        if (st.recv_group >= 0) {
+          std::sort(heads.begin(), heads.end());
+          EXPECT_EQ(heads, r.kv_heads) << "rank " << r.rank << " step " << st.step;
+        }
+      }
+    }
+    EXPECT_EQ(sent, received);
+    for (const auto& [key, count] : crossings) EXPECT_EQ(count, 1);
+    for (const auto& [node, g] : gateways) EXPECT_GE(g.size(), 1u);
+  }
+  EXPECT_GT(fanned, 0) << "no fan-out: the test proves little";
+  // MQA, two groups of four, each group on its own node: all four members of a node need
+  // the one head; the gateway rotates with the step and the head ((0 + 1) mod 4 = 1).
+  const Plan plan = MakePlan({{4, 4}, 8, 1, HeadSplit::kContiguous, false, 1});
+  const Layout layout = *Layout::FromDocuments({0, 200}, {MaskKind::kFull});
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, {0, 0, 0, 0, 1, 1, 1, 1});
+  ASSERT_TRUE(h.ok());
+  for (int r = 0; r < 8; ++r) {
+    const RankHierarchy rh = *h->BuildRank(layout, r);
+    ASSERT_EQ(rh.steps.size(), 1u);
+    const SubRingStep& st = rh.steps[0];
+    const int gateway = r < 4 ? 1 : 5;
+    EXPECT_EQ(h->GatewayOf(st.step, 1 - rh.group, 0, r), gateway);
+    if (r == gateway) {
+      ASSERT_EQ(st.recv.size(), 1u);
+      EXPECT_EQ(st.fan_out_send.size(), 3u);
+    } else {
+      EXPECT_TRUE(st.recv.empty());
+      ASSERT_EQ(st.fan_out_recv.size(), 1u);
+      EXPECT_EQ(st.fan_out_recv[0].peer, gateway);
+    }
+  }
+  EXPECT_FALSE(Hierarchy::Create(layout, plan, {0, 0, 1}).ok());
 }
 
 TEST(Hierarchy, FewerTokensThanGroupsAndEmptyShards) {
