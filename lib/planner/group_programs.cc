@@ -6,7 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "lib/sched/hierarchy.h"
-#include "lib/sched/schedule.h"
+#include "lib/sched/partition.h"
 
 namespace hsap {
 namespace {
@@ -39,50 +39,143 @@ class Holders {
   std::vector<std::vector<std::vector<int>>> holders_;  // [group][kv head] -> member indices
 };
 
-// The sub-ring steps of member `self` of a group whose ring position runs `sched`
-// (Hierarchy::BuildRank's loop, without the runs and work lists the program does not use).
-std::vector<SubRingStep> StepsOf(const Schedule& sched, const RankHierarchy& self,
-                                 const std::vector<int>& ring,
-                                 const std::vector<std::vector<std::vector<int>>>& kv_heads,
-                                 const Plan& plan, const Holders& holders) {
-  std::vector<SubRingStep> steps;
-  for (const Stage& st : sched.stages) {
-    SubRingStep step;
-    step.step = st.step;
-    if (st.recv_from >= 0) {
-      step.recv_group = ring[st.recv_from];
-      for (int h : self.kv_heads) {
-        const int sender = holders.SenderOf(step.recv_group, h, self.rank);
-        auto it = std::find_if(step.recv.begin(), step.recv.end(),
-                               [&](const KvTransfer& t) { return t.peer == sender; });
-        if (it == step.recv.end()) it = step.recv.insert(step.recv.end(), {sender, {}, {}});
-        it->heads.push_back(h);
-      }
-      std::sort(step.recv.begin(), step.recv.end(), [&](const KvTransfer& a, const KvTransfer& b) {
-        return holders.IndexOf(a.peer) < holders.IndexOf(b.peer);
-      });
-      step.recv_rows = st.recv_rows;
-      step.recv_work.visible_pairs = st.recv_work.visible_pairs;
-    }
-    if (st.send_to >= 0) {
-      const int gd = ring[st.send_to];
-      const PlanGroup& dst = plan.groups[gd];
-      for (size_t j = 0; j < dst.ranks.size(); ++j) {
-        KvTransfer t;
-        t.peer = dst.ranks[j];
-        for (int h : kv_heads[gd][j]) {
-          if (holders.SenderOf(self.group, h, t.peer) == self.rank) t.heads.push_back(h);
+// What every ring position needs from every other, from one scan of the mask over the
+// partition's placements (lib/sched/schedule.cc's ScanNeeds, every pair at once): rows(q, k)
+// is the number of k's key rows that q's queries see (the union of the needed ranges, as
+// BuildSchedule merges them), pairs(q, k) the visible pairs between q's queries and k's keys
+// (what BuildWorkList counts over those rows). O(placements^2) in all, where a schedule per
+// position would scan them once per position.
+class PositionNeeds {
+ public:
+  PositionNeeds(const Layout& layout, const Partition& partition)
+      : num_(partition.num_ranks()),
+        rows_(static_cast<size_t>(num_) * num_, 0),
+        pairs_(static_cast<size_t>(num_) * num_, 0) {
+    const std::vector<Placement>& pls = partition.placements();
+    const std::vector<MaskSlice>& slices = layout.slices();
+    std::vector<std::vector<std::pair<int, TokenRange>>> needed(num_);  // [q] -> (k, keys)
+    size_t first_q = 0;
+    for (const MaskSlice& s : slices) {
+      if (s.q_begin >= s.q_end || s.k_begin >= s.k_end) continue;
+      const int64_t shift = s.k_begin - s.q_begin;
+      const bool no_lo = s.diag_lo <= -kNoDiagLimit, no_hi = s.diag_hi >= kNoDiagLimit;
+      while (pls[first_q].end <= s.q_begin) ++first_q;
+      for (size_t qi = first_q; qi < pls.size() && pls[qi].begin < s.q_end; ++qi) {
+        const Placement& qp = pls[qi];
+        const int64_t q0 = std::max(s.q_begin, qp.begin), q1 = std::min(s.q_end, qp.end);
+        const int64_t k0 = no_lo ? s.k_begin : std::max(s.k_begin, q0 + shift + s.diag_lo);
+        const int64_t k1 = no_hi ? s.k_end : std::min(s.k_end, q1 - 1 + shift + s.diag_hi + 1);
+        if (k0 >= k1) continue;
+        for (size_t ki = partition.PlacementIndexOf(k0, qi); ki < pls.size() && pls[ki].begin < k1;
+             ++ki) {
+          const Placement& kp = pls[ki];
+          const TokenRange keys{std::max(k0, kp.begin), std::min(k1, kp.end)};
+          needed[qp.rank].push_back({kp.rank, keys});
+          pairs_[Index(qp.rank, kp.rank)] += s.VisiblePairsIn(q0, q1, keys.begin, keys.end);
         }
-        if (!t.heads.empty()) step.send.push_back(std::move(t));
-      }
-      if (!step.send.empty()) {
-        step.send_group = gd;
-        step.send_rows = st.send_rows;
       }
     }
-    if (step.recv_group >= 0 || step.send_group >= 0) steps.push_back(std::move(step));
+    for (int q = 0; q < num_; ++q) {
+      std::vector<std::pair<int, TokenRange>>& list = needed[q];
+      std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first < b.first : a.second.begin < b.second.begin;
+      });
+      // The union's size, per key position.
+      for (size_t i = 0; i < list.size();) {
+        const int k = list[i].first;
+        int64_t end = list[i].second.begin, rows = 0;
+        for (; i < list.size() && list[i].first == k; ++i) {
+          const TokenRange& r = list[i].second;
+          rows += std::max<int64_t>(0, r.end - std::max(r.begin, end));
+          end = std::max(end, r.end);
+        }
+        rows_[Index(q, k)] = rows;
+      }
+    }
   }
-  return steps;
+
+  int64_t rows(int q, int k) const { return rows_[Index(q, k)]; }
+  int64_t pairs(int q, int k) const { return pairs_[Index(q, k)]; }
+
+ private:
+  size_t Index(int q, int k) const { return static_cast<size_t>(q) * num_ + k; }
+
+  int num_;
+  std::vector<int64_t> rows_, pairs_;  // [q * num + k]
+};
+
+// The K/V stages of member `self` of the group at ring position `position`, appended to
+// both passes of `program`: Hierarchy::BuildRank's sub-ring steps (at step t the position
+// receives from position - t the rows its queries see and sends to position + t the rows
+// that position's queries see; steps that move nothing are absent) written as ProgramOf
+// (lib/sched/transfers.cc) writes them: per stage the sends then the receives, one message
+// per peer with K and V of its heads; backward adds the fp32 dK/dV partials of the received
+// rows to their sender and of the sent rows from their receiver.
+void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
+                  const std::vector<int>& ring,
+                  const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
+                  const Holders& holders, int head_dim, uint64_t element_bytes,
+                  RankProgram* program) {
+  const int num_positions = static_cast<int>(ring.size());
+  constexpr uint64_t kF32 = sizeof(float);
+  std::vector<std::pair<int, int>> recv;  // (sender, heads), by the sender's group index
+  std::vector<std::pair<int, int>> send;  // (receiver, heads), in the receiving group's order
+  for (int t = 1; t < num_positions; ++t) {
+    const int src = (position - t + num_positions) % num_positions;
+    const int dst = (position + t) % num_positions;
+    const int64_t recv_rows = needs.rows(position, src), send_rows = needs.rows(dst, position);
+    recv.clear();
+    send.clear();
+    if (recv_rows > 0) {
+      for (int h : self.kv_heads) {
+        const int sender = holders.SenderOf(ring[src], h, self.rank);
+        auto it = std::find_if(recv.begin(), recv.end(),
+                               [&](const auto& x) { return x.first == sender; });
+        if (it == recv.end()) {
+          recv.push_back({sender, 1});
+        } else {
+          ++it->second;
+        }
+      }
+      std::sort(recv.begin(), recv.end(), [&](const auto& a, const auto& b) {
+        return holders.IndexOf(a.first) < holders.IndexOf(b.first);
+      });
+    }
+    if (send_rows > 0) {
+      const int gd = ring[dst];
+      const PlanGroup& to = plan.groups[gd];
+      for (size_t j = 0; j < to.ranks.size(); ++j) {
+        int heads = 0;
+        for (int h : kv_heads[gd][j])
+          heads += holders.SenderOf(self.group, h, to.ranks[j]) == self.rank;
+        if (heads > 0) send.push_back({to.ranks[j], heads});
+      }
+    }
+    if (recv.empty() && send.empty()) continue;
+    for (PassProgram* pass : {&program->forward, &program->backward}) {
+      ProgramStage& s = pass->stages.emplace_back();
+      s.step = t;
+      s.pairs = recv.empty() ? 0 : needs.pairs(position, src);
+      // K and V (dK and dV) of `rows` rows of `heads` heads.
+      const auto bytes = [&](int64_t rows, int heads, uint64_t bytes_per_element) {
+        return 2 * static_cast<uint64_t>(rows) * heads * head_dim * bytes_per_element;
+      };
+      for (auto [peer, heads] : send) {
+        s.kv.push_back({peer, true, TransferKind::kKv, bytes(send_rows, heads, element_bytes)});
+      }
+      for (auto [peer, heads] : recv) {
+        s.kv.push_back({peer, false, TransferKind::kKv, bytes(recv_rows, heads, element_bytes)});
+      }
+      if (pass == &program->backward) {
+        for (auto [peer, heads] : recv) {
+          s.grad.push_back({peer, true, TransferKind::kKvGrad, bytes(recv_rows, heads, kF32)});
+        }
+        for (auto [peer, heads] : send) {
+          s.grad.push_back({peer, false, TransferKind::kKvGrad, bytes(send_rows, heads, kF32)});
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -106,18 +199,16 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
     }
   }
   const Holders holders(plan);
-  // One block per run: the pair counts are those of any blocking.
-  const int64_t whole_row = std::max<int64_t>(1, layout.num_tokens());
+  const PositionNeeds needs(layout, h.positions());
 
   std::vector<RankProgram> programs(plan.num_ranks);
   for (int g = 0; g < num_groups; ++g) {
     const PlanGroup& group = plan.groups[g];
-    HSAP_ASSIGN_OR_RETURN(Schedule sched,
-                          BuildSchedule(layout, h.positions(), position_of[g], whole_row));
+    const int position = position_of[g];
     RankHierarchy r;
     r.group = g;
-    r.ring_position = position_of[g];
-    r.group_tokens = sched.local_rows;
+    r.ring_position = position;
+    r.group_tokens = h.positions().local_tokens(position);
     std::vector<int> holders_of_kv(plan.heads_kv, 0);
     int64_t row = 0;
     for (size_t i = 0; i < group.ranks.size(); ++i) {
@@ -140,16 +231,28 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
       r.shard_tokens = r.members[i].tokens;
       r.q_heads = r.members[i].q_heads;
       r.kv_heads = r.members[i].kv_heads;
-      r.local_work.visible_pairs = 0;
-      r.steps.clear();
+      // The all-to-alls from ProgramOf; the stages of a rank with heads appended here.
+      r.local_work.visible_pairs = r.q_heads.empty() ? 0 : needs.pairs(position, position);
+      RankProgram& program = programs[r.rank] = ProgramOf(r, shape.head_dim, shape.dtype);
       if (!r.q_heads.empty()) {
-        r.local_work.visible_pairs = sched.local_work.visible_pairs;
-        r.steps = StepsOf(sched, r, ring, kv_heads, plan, holders);
+        AppendStages(needs, position, r, ring, kv_heads, plan, holders, shape.head_dim,
+                     DTypeSize(shape.dtype), &program);
       }
-      programs[r.rank] = ProgramOf(r, shape.head_dim, shape.dtype);
     }
   }
   return programs;
+}
+
+absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
+                                          const Plan& plan) {
+  const int64_t cu[] = {0, workload.seq_len};
+  const MaskKind kind[] = {workload.causal ? MaskKind::kCausal : MaskKind::kFull};
+  HSAP_ASSIGN_OR_RETURN(Layout row, Layout::FromDocuments(cu, kind));
+  const ModelSpec& m = workload.model;
+  const LayerShape shape{m.heads_q, m.heads_kv, m.head_dim,
+                         m.dtype_bytes == 4 ? DType::kF32 : DType::kBF16};
+  HSAP_ASSIGN_OR_RETURN(std::vector<RankProgram> programs, PlanProgramsByGroup(row, plan, shape));
+  return SimulatePrograms(cluster, programs, m.head_dim);
 }
 
 }  // namespace hsap

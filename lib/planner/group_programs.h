@@ -16,6 +16,8 @@
 
 #include "absl/status/statusor.h"
 #include "attention/layout.h"
+#include "lib/planner/cluster.h"
+#include "lib/planner/cost_model.h"
 #include "lib/planner/run_simulator.h"
 #include "lib/sched/plan.h"
 #include "lib/sched/transfers.h"
@@ -25,6 +27,11 @@ namespace hsap {
 // Equal to PlanPrograms(layout, plan, shape) (the same errors for an invalid plan).
 absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
                                                              const LayerShape& shape);
+
+// What the planner prices: `plan` running the workload's row (one document of seq_len
+// tokens, causal or full as the workload says) on `cluster`, with the model's layer shape.
+absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
+                                          const Plan& plan);
 
 }  // namespace hsap
 

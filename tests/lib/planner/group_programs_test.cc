@@ -58,6 +58,27 @@ Cluster TestCluster(int devices) {
   return *c;
 }
 
+// The documents of `row` with every mask kind in turn: causal, full, prefix-LM (half the
+// document), sliding window (a quarter).
+absl::StatusOr<Layout> MixedMasks(const Layout& row) {
+  std::vector<int64_t> cu = {0};
+  for (const MaskSlice& s : row.slices()) {
+    if (s.q_end > cu.back()) cu.push_back(s.q_end);
+  }
+  std::vector<MaskKind> kinds;
+  std::vector<int64_t> params;
+  const MaskKind cycle[] = {MaskKind::kCausal, MaskKind::kFull, MaskKind::kPrefixLM,
+                            MaskKind::kSlidingWindow};
+  for (size_t d = 0; d + 1 < cu.size(); ++d) {
+    const int64_t length = cu[d + 1] - cu[d];
+    kinds.push_back(cycle[d % 4]);
+    params.push_back(kinds.back() == MaskKind::kPrefixLM        ? length / 2
+                     : kinds.back() == MaskKind::kSlidingWindow ? std::max<int64_t>(1, length / 4)
+                                                                : 0);
+  }
+  return Layout::FromDocuments(cu, kinds, params);
+}
+
 // Random plans (group sizes, head splits, uneven weights, scrambled ranks, shuffled ring
 // orders) on rows of one or many documents: every program equals PlanPrograms', and so
 // the priced times and bytes are equal too.
