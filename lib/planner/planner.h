@@ -35,7 +35,7 @@
 #include "lib/planner/baselines.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
-#include "lib/planner/simulator.h"
+#include "lib/planner/run_simulator.h"
 #include "lib/sched/plan.h"
 
 namespace hsap {
@@ -50,13 +50,13 @@ struct PlannerOptions {
   int screen_iterations = 4;      // stage II updates per grouping when screening
   int balance_iterations = 12;    // stage II updates per grouping when refining
   int refine_top = 12;            // groupings re-balanced with the pipelined ring model
-  int simulate_top = 3;           // hsap candidates run in the simulator at the end
+  int simulate_top = 3;           // hsap candidates priced by what runs at the end
 };
 
 struct PlannerResult {
-  Plan plan;                        // predictions filled from the simulator, reasons per rank
+  Plan plan;                        // predicted times from `run`, reasons per rank
   PlanCost cost;                    // cost model figures of the plan
-  SimResult sim;                    // simulator figures of the plan
+  RunSimulation run;                // what runs: the run simulator's figures of the plan
   std::string family;               // which candidate won, e.g. "hsap groups H100:8 A100:4"
   std::vector<Baseline> baselines;  // references, not candidates
   int candidates = 0;               // plans priced by the cost model
