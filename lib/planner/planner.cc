@@ -110,6 +110,64 @@ class GroupingSpace {
     return choice;
   }
 
+  // Pairs (a, b), a > b, of in-node sizes of `kind` (both options of the kind, a below the
+  // kind's largest node) for which some node of the kind cuts as a + b + ... + b: the
+  // groupings with differing sizes on offer for the kind.
+  std::vector<std::pair<int, int>> MixedSizes(int kind) const {
+    std::vector<std::pair<int, int>> out;
+    for (int a : options_[kind]) {
+      for (int b : options_[kind]) {
+        if (b >= a || a >= largest_[kind]) continue;
+        bool cuts = false;
+        for (const Node& node : cluster_.nodes) {
+          const int m = static_cast<int>(node.devices.size());
+          cuts |= node.kind == kind && m > a && (m - a) % b == 0;
+        }
+        if (cuts) out.push_back({a, b});
+      }
+    }
+    return out;
+  }
+
+  // Build(choice), but every node of `kind` that allows it cut into one group of `a`
+  // devices followed by groups of `b` (a node of 8 as 4 + 2 + 2); its other nodes as in
+  // Build. Labelled "H100:4+2 A100:8".
+  Grouping BuildMixed(const std::vector<int>& choice, int kind, int a, int b) const {
+    Grouping grouping = Build(choice);
+    std::vector<std::string> parts;
+    for (int k = 0; k < num_kinds(); ++k) {
+      parts.push_back(k == kind
+                          ? absl::StrCat(cluster_.kinds[k].name, ":", a, "+", b)
+                          : absl::StrCat(cluster_.kinds[k].name, ":", options_[k][choice[k]]));
+    }
+    grouping.label = absl::StrJoin(parts, " ");
+    std::vector<std::vector<int>> groups;
+    std::vector<bool> recut(cluster_.devices.size(), false);
+    for (const Node& node : cluster_.nodes) {
+      const int m = static_cast<int>(node.devices.size());
+      if (node.kind != kind || m <= a || (m - a) % b != 0) continue;
+      for (int d : node.devices) recut[d] = true;
+    }
+    // Groups in node order: a recut node's groups replace the groups of its devices.
+    for (const std::vector<int>& g : grouping.groups) {
+      if (!recut[g[0]]) {
+        groups.push_back(g);
+        continue;
+      }
+      // Each recut node once, at its first device (a multi-node group holds whole nodes).
+      for (int d : g) {
+        const Node& node = cluster_.nodes[cluster_.devices[d].node];
+        if (d != node.devices[0]) continue;
+        groups.emplace_back(node.devices.begin(), node.devices.begin() + a);
+        for (size_t start = a; start < node.devices.size(); start += b) {
+          groups.emplace_back(node.devices.begin() + start, node.devices.begin() + start + b);
+        }
+      }
+    }
+    grouping.groups = std::move(groups);
+    return grouping;
+  }
+
   Grouping Build(const std::vector<int>& choice) const {
     const int num_kinds = this->num_kinds();
     Grouping grouping;
@@ -505,6 +563,19 @@ class GroupingScreen {
     return t;
   }
 
+  // The per-kind choice screened fastest (ties: the smaller choice); empty when none fits.
+  std::vector<int> BestChoice() const {
+    std::vector<int> best;
+    double t = std::numeric_limits<double>::infinity();
+    for (const auto& [choice, time] : seen_) {
+      if (time < t) {
+        t = time;
+        best = choice;
+      }
+    }
+    return best;
+  }
+
   // The screened time of a grouping from outside the per-kind space (keyed by its label).
   double ScreenGrouping(Grouping grouping) {
     if (auto it = seen_labels_.find(grouping.label); it != seen_labels_.end()) return it->second;
@@ -615,6 +686,18 @@ void ScreenByCoordinateDescent(GroupingScreen* screen) {
       }
       choice[k] = best_option;
     }
+  }
+}
+
+// Stage I, differing group sizes: around the fastest per-kind choice, each kind's nodes cut
+// as a + b + ... + b for every pair of its in-node sizes on offer (GroupingSpace::
+// MixedSizes), one kind at a time: at most (sizes per node)^2 groupings per kind.
+void ScreenMixedSizes(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
+  const std::vector<int> best = screen->BestChoice();
+  if (best.empty()) return;
+  for (int k = 0; k < space.num_kinds(); ++k) {
+    for (auto [a, b] : space.MixedSizes(k)) screen->ScreenGrouping(space.BuildMixed(best, k, a, b));
   }
 }
 
@@ -758,6 +841,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   } else {
     ScreenByCoordinateDescent(&screen);
   }
+  ScreenMixedSizes(&screen);
   for (Grouping& g : SpanningGroupings(cluster, workload.model.heads_q)) {
     screen.ScreenGrouping(std::move(g));
   }
@@ -821,15 +905,17 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   }
   if (!best) return DoesNotFitError(cluster, workload);
   // The ring order of the fastest: the other orders on offer, priced by what runs.
+  const Candidate fastest = best->candidate;
+  const std::string fastest_family = best->family;
   for (auto& [order, name] :
-       RingOrderChoices(cluster, workload, best->candidate.plan, &result.candidates)) {
-    Candidate c = best->candidate;
+       RingOrderChoices(cluster, workload, fastest.plan, &result.candidates)) {
+    Candidate c = fastest;
     c.plan.ring_order = order;
     auto cost = EvaluatePlan(cluster, workload, c.plan, RingPricing::kPipelined);
     ++result.candidates;
     if (!cost.ok() || !cost->fits_memory) continue;
     c.cost = *cost;
-    HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(best->family, ", ring ", name)));
+    HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(fastest_family, ", ring ", name)));
   }
   result.plan = std::move(best->candidate.plan);
   result.cost = best->candidate.cost;
