@@ -726,6 +726,33 @@ std::vector<Candidate> RefineCandidates(const Builder& builder,
   return candidates;
 }
 
+// Whether two plans of one grouping assign the same: equal heads and ring order, and
+// proportional sequence and token weights (the weights are relative).
+bool SameAssignment(const Plan& a, const Plan& b) {
+  if (a.groups.size() != b.groups.size() || a.RingOrder() != b.RingOrder()) return false;
+  auto proportional = [](const std::vector<double>& x, const std::vector<double>& y) {
+    if (x.size() != y.size()) return false;
+    const double sx = std::accumulate(x.begin(), x.end(), 0.0);
+    const double sy = std::accumulate(y.begin(), y.end(), 0.0);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::abs(x[i] / sx - y[i] / sy) > 1e-12) return false;
+    }
+    return true;
+  };
+  std::vector<double> wa, wb;
+  for (size_t g = 0; g < a.groups.size(); ++g) {
+    const PlanGroup& ga = a.groups[g];
+    const PlanGroup& gb = b.groups[g];
+    if (ga.ranks != gb.ranks || ga.heads != gb.heads ||
+        !proportional(ga.token_weights, gb.token_weights)) {
+      return false;
+    }
+    wa.push_back(ga.sequence_weight);
+    wb.push_back(gb.sequence_weight);
+  }
+  return proportional(wa, wb);
+}
+
 // A candidate priced by what runs.
 struct Priced {
   Candidate candidate;
@@ -869,18 +896,25 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     }
     return absl::OkStatus();
   };
+  // A variant of a candidate: priced unless it assigns the same as one already priced.
+  auto price_variant = [&](Candidate v, const std::vector<const Plan*>& priced,
+                           const std::string& family) -> absl::Status {
+    for (const Plan* p : priced) {
+      if (SameAssignment(v.plan, *p)) return absl::OkStatus();
+    }
+    auto cost = EvaluatePlan(cluster, workload, v.plan, RingPricing::kPipelined);
+    ++result.candidates;
+    if (!cost.ok() || !cost->fits_memory) return absl::OkStatus();
+    v.cost = *cost;
+    v.capped.assign(v.plan.groups.size(), false);
+    return price(std::move(v), family);
+  };
   for (const Candidate& c : candidates) {
     const std::string family = absl::StrCat("hsap groups ", c.label);
     HSAP_RETURN_IF_ERROR(price(c, family));
     Candidate even = c;
     for (PlanGroup& g : even.plan.groups) g.sequence_weight = static_cast<double>(g.ranks.size());
-    if (even.plan == c.plan) continue;
-    auto cost = EvaluatePlan(cluster, workload, even.plan, RingPricing::kPipelined);
-    ++result.candidates;
-    if (!cost.ok() || !cost->fits_memory) continue;
-    even.cost = *cost;
-    even.capped.assign(even.plan.groups.size(), false);
-    HSAP_RETURN_IF_ERROR(price(even, absl::StrCat(family, ", even shares")));
+    HSAP_RETURN_IF_ERROR(price_variant(even, {&c.plan}, absl::StrCat(family, ", even shares")));
     // And the symmetric assignment of the grouping: inside each group too, equal tokens and
     // heads dealt as evenly as possible in order (where the all-to-all, not compute, sets a
     // mixed group's pace).
@@ -895,13 +929,8 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
         head += count;
       }
     }
-    if (symmetric.plan == even.plan) continue;
-    cost = EvaluatePlan(cluster, workload, symmetric.plan, RingPricing::kPipelined);
-    ++result.candidates;
-    if (!cost.ok() || !cost->fits_memory) continue;
-    symmetric.cost = *cost;
-    HSAP_RETURN_IF_ERROR(
-        price(std::move(symmetric), absl::StrCat(family, ", even shares and heads")));
+    HSAP_RETURN_IF_ERROR(price_variant(std::move(symmetric), {&c.plan, &even.plan},
+                                       absl::StrCat(family, ", even shares and heads")));
   }
   if (!best) return DoesNotFitError(cluster, workload);
   // The ring order of the fastest: the other orders on offer, priced by what runs.
