@@ -333,7 +333,7 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     rows.push_back(row);
   }
   const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
-  // End to end: attention (simulated) plus the token-parallel projections and MLP.
+  // End to end: attention (as it runs) plus the token-parallel projections and MLP.
   auto e2e_tokens_per_s = [&](const Plan& plan, const RunSimulation& run) {
     return static_cast<double>(workload.seq_len) /
            (model->layers * (run.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
@@ -445,13 +445,14 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
-      "attention (fwd + bwd), simulated\n",
+      "attention (fwd + bwd), priced by what runs (the run simulator: the runtime's own "
+      "programs)\n",
       args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
   std::printf(
       "# speedup: attention only; e2e_x: whole layer (attention + token-parallel projections "
       "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
       "model bound (cost-model efficiency); compute / exposed / imbal: shares of hsap's "
-      "simulated layer (busiest device's compute, transfer not hidden, busiest minus mean)\n");
+      "layer as it runs (busiest device's compute, transfer not hidden, busiest minus mean)\n");
   std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s\n", "cluster",
               "devices", "hsap_tok/s", "base_tok/s", "baseline", "speedup", "e2e_x", "of_hw",
               "of_model", "comp", "expos", "imbal", "plan_cpu_ms");
