@@ -2,13 +2,15 @@
 // PlanPrograms (lib/planner/run_simulator.h), byte for byte and pair for pair, at a fraction
 // of the cost, so that the search can price its final candidates with what runs.
 //
-// Every member of a group runs the schedule of the group's ring position (Hierarchy::
-// BuildRank builds it once per RANK): here it is built once per GROUP and every member's
-// sub-ring transfers are derived from it. The work lists are built with one query block per
-// run (block_q = the row's length): the program needs only their visible pair counts, which
-// do not depend on the blocking. The chosen holder of a KV head follows Hierarchy::SenderOf
-// from a per-group table. A test compares every program with PlanPrograms' on random plans;
-// a change to Hierarchy::BuildRank that this file does not follow fails it.
+// Every member of a group runs the schedule of the group's ring position, which
+// Hierarchy::BuildRank builds per RANK (a scan of the mask over every placement, and the
+// work lists). Here one scan of the mask over the partition's placements gives, for every
+// pair of ring positions, the key rows one needs from the other and their visible pairs
+// (all a program needs of the schedule and the work lists), and each member's sub-ring
+// messages follow from its group's position; the chosen holder of a KV head follows
+// Hierarchy::SenderOf from a per-group table. Bytes stay exact. A test compares every
+// program with PlanPrograms' on random plans, ring orders and mask kinds; a change to
+// Hierarchy::BuildRank or ProgramOf(RankHierarchy) that this file does not follow fails it.
 #ifndef HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
 #define HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
 
