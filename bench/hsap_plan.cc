@@ -1,5 +1,6 @@
 // hsap_plan: plans attention for a model on a (heterogeneous) cluster and compares the plan
-// with the symmetric baselines in the simulator.
+// with the symmetric baselines, both priced by what runs (the run simulator: the runtime's
+// own programs for one document of --seq tokens).
 //
 //   hsap_plan --cluster clusters/testbed_8h100_8a100.json [--model llama-7b | MODEL.json]
 //             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
@@ -12,7 +13,9 @@
 // The SVG draws the first 128 devices and says so in the picture when there are more.
 //
 // tokens/s counts the row's tokens through the attention of every layer, forward and
-// backward: seq / (layers x (t_fwd + t_bwd)) with the simulator's per-layer times.
+// backward: seq / (layers x (t_fwd + t_bwd)) with the run simulator's per-layer times. The
+// SVG's timeline comes from the event simulator (lib/planner/simulator.h), which records
+// events.
 //
 // --run: the plan and the strongest baseline as the runtime runs them (lib/planner/
 // run_simulator.h) on a row of --seq tokens: one causal document, or causal documents of
@@ -37,6 +40,7 @@
 #include "lib/planner/baselines.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
+#include "lib/planner/group_programs.h"
 #include "lib/planner/planner.h"
 #include "lib/planner/run_simulator.h"
 #include "lib/planner/simulator.h"
@@ -161,7 +165,8 @@ std::string PlanSvg(const Cluster& cluster, const Workload& workload, const Plan
       "fill='white'/>\n",
       left + width + 20, height);
   out << absl::StrFormat(
-      "<text x='10' y='16' font-size='13'>%s on %s: %s, %d tokens — simulated layer %.3f ms "
+      "<text x='10' y='16' font-size='13'>%s on %s: %s, %d tokens — event simulator's layer %.3f "
+      "ms "
       "(fwd %.3f + bwd %.3f)</text>\n",
       workload.model.name, cluster.Summary(), plan.description, workload.seq_len, total * 1e3,
       sim.forward_seconds * 1e3, sim.backward_seconds * 1e3);
@@ -213,19 +218,17 @@ std::string PlanSvg(const Cluster& cluster, const Workload& workload, const Plan
   return out.str();
 }
 
-// The breakdown of a simulated layer (fwd + bwd): the busiest device's compute, the
-// imbalance (that minus the mean device's compute), and the rest: transfer no compute hid.
+// The breakdown of a priced layer (fwd + bwd): the busiest device's compute, the imbalance
+// (that minus the mean device's compute), and the rest: transfer no compute hid.
 struct Breakdown {
   double compute = 0, imbalance = 0, exposed = 0;
 };
-Breakdown BreakdownOf(const SimResult& sim) {
-  double most = 0, sum = 0;
-  for (const SimDevice& d : sim.devices) {
-    most = std::max(most, d.busy_seconds);
-    sum += d.busy_seconds;
-  }
-  const double mean = sim.devices.empty() ? 0 : sum / sim.devices.size();
-  return {most, std::max(0.0, most - mean), sim.Seconds() - most};
+Breakdown BreakdownOf(const RunSimulation& run) {
+  return {run.MaxComputeSeconds(), run.ImbalanceSeconds(), run.ExposedTransferSeconds()};
+}
+
+double TokensPerSecond(const Workload& w, const RunSimulation& run) {
+  return static_cast<double>(w.seq_len) / (w.model.layers * run.Seconds());
 }
 
 struct Row {
@@ -312,16 +315,16 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
   const double ideal_tps =
       static_cast<double>(workload.seq_len) / (model->layers * IdealSeconds(*cluster, workload));
   std::vector<Row> rows;
-  rows.push_back({"hsap", result->family, true, result->sim.forward_seconds,
-                  result->sim.backward_seconds, result->sim.TokensPerSecond(workload)});
+  rows.push_back({"hsap", result->family, true, result->run.forward_seconds,
+                  result->run.backward_seconds, TokensPerSecond(workload, result->run)});
   double best_baseline = 0;
   std::string best_name = "none";
   for (const Baseline& b : result->baselines) {
     Row row{b.name, b.config, b.available, 0, 0, 0};
     if (b.available) {
-      row.fwd = b.sim.forward_seconds;
-      row.bwd = b.sim.backward_seconds;
-      row.tokens_per_s = b.sim.TokensPerSecond(workload);
+      row.fwd = b.run.forward_seconds;
+      row.bwd = b.run.backward_seconds;
+      row.tokens_per_s = TokensPerSecond(workload, b.run);
       if (row.tokens_per_s > best_baseline) {
         best_baseline = row.tokens_per_s;
         best_name = b.name;
@@ -330,20 +333,20 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     rows.push_back(row);
   }
   const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
-  // End to end: attention (simulated) plus the token-parallel projections and MLP.
-  auto e2e_tokens_per_s = [&](const Plan& plan, const SimResult& sim) {
+  // End to end: attention (as it runs) plus the token-parallel projections and MLP.
+  auto e2e_tokens_per_s = [&](const Plan& plan, const RunSimulation& run) {
     return static_cast<double>(workload.seq_len) /
-           (model->layers * (sim.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
+           (model->layers * (run.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
   };
-  const double e2e_hsap = e2e_tokens_per_s(result->plan, result->sim);
+  const double e2e_hsap = e2e_tokens_per_s(result->plan, result->run);
   double e2e_base = 0;
   for (const Baseline& b : result->baselines) {
-    if (b.available && b.name == best_name) e2e_base = e2e_tokens_per_s(b.plan, b.sim);
+    if (b.available && b.name == best_name) e2e_base = e2e_tokens_per_s(b.plan, b.run);
   }
   const double e2e_speedup = e2e_base > 0 ? e2e_hsap / e2e_base : 0;
   const double hardware_tps = static_cast<double>(workload.seq_len) /
                               (model->layers * HardwareBoundSeconds(*cluster, workload));
-  const Breakdown parts = BreakdownOf(result->sim);
+  const Breakdown parts = BreakdownOf(result->run);
   const double of_ideal = rows[0].tokens_per_s / ideal_tps;
   if (speedups && speedup > 0) speedups->push_back(speedup);
   if (ideal_fractions) ideal_fractions->push_back(of_ideal);
@@ -384,16 +387,16 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
         HardwareBoundSeconds(*cluster, workload) * 1e3, IdealSeconds(*cluster, workload) * 1e3,
         100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal);
     std::printf(
-        "# hsap's simulated layer: %.3f ms = compute %.3f (busiest device) + exposed transfer "
+        "# hsap's layer as it runs: %.3f ms = compute %.3f (busiest device) + exposed transfer "
         "%.3f; imbalance %.3f (busiest minus mean device compute)\n",
-        result->sim.Seconds() * 1e3, parts.compute * 1e3, parts.exposed * 1e3,
+        result->run.Seconds() * 1e3, parts.compute * 1e3, parts.exposed * 1e3,
         parts.imbalance * 1e3);
     std::printf(
         "# end to end (attention + token-parallel projections and MLP, token shares of the "
         "plan): hsap %.0f tokens/s, %s %.0f tokens/s: %.3fx (attention only %.3fx)\n",
         e2e_hsap, best_name.c_str(), e2e_base, e2e_speedup, speedup);
   } else {
-    const double step = result->sim.Seconds();
+    const double step = result->run.Seconds();
     std::printf(
         "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
         "%9.1f\n",
@@ -442,13 +445,14 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
-      "attention (fwd + bwd), simulated\n",
+      "attention (fwd + bwd), priced by what runs (the run simulator: the runtime's own "
+      "programs)\n",
       args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
   std::printf(
       "# speedup: attention only; e2e_x: whole layer (attention + token-parallel projections "
       "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
       "model bound (cost-model efficiency); compute / exposed / imbal: shares of hsap's "
-      "simulated layer (busiest device's compute, transfer not hidden, busiest minus mean)\n");
+      "layer as it runs (busiest device's compute, transfer not hidden, busiest minus mean)\n");
   std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s\n", "cluster",
               "devices", "hsap_tok/s", "base_tok/s", "baseline", "speedup", "e2e_x", "of_hw",
               "of_model", "comp", "expos", "imbal", "plan_cpu_ms");

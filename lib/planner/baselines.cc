@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "lib/planner/group_programs.h"
 
 namespace hsap {
 namespace {
@@ -48,17 +49,17 @@ Baseline BestOf(const Cluster& cluster, const Workload& workload, const std::str
     }
     priced.push_back({std::move(*plan), w, *std::move(cost), config});
   }
-  // The configurations the cost model ranks best are run in the simulator; the fastest
-  // simulated one is the baseline's best configuration.
+  // The configurations the cost model ranks best are priced by what runs; the fastest there
+  // is the baseline's best configuration.
   std::stable_sort(priced.begin(), priced.end(), [](const Priced& a, const Priced& b) {
     return a.cost.Seconds() < b.cost.Seconds();
   });
   for (size_t i = 0; i < priced.size() && i < kSimulated; ++i) {
-    auto sim = Simulate(cluster, priced[i].workload, priced[i].plan);
-    if (!sim.ok()) continue;
-    if (!best.available || sim->Seconds() < best.sim.Seconds()) {
+    auto run = SimulateRun(cluster, priced[i].workload, priced[i].plan);
+    if (!run.ok()) continue;
+    if (!best.available || run->Seconds() < best.run.Seconds()) {
       best.available = true;
-      best.sim = *std::move(sim);
+      best.run = *std::move(run);
       best.config = priced[i].config;
       best.plan = priced[i].plan;
       best.workload = priced[i].workload;

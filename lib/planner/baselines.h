@@ -6,8 +6,9 @@
 //   TE a2a+p2p — TransformerEngine's hierarchical scheme: all-to-all inside a node (HP =
 //              devices per node), p2p ring across nodes, every document padded to 2 x CP.
 // Each gets its best configuration: the legal configurations that fit in memory (cost
-// model account) are priced by the cost model, the best three are run in the simulator,
-// and the fastest simulated one is kept.
+// model account) are priced by the cost model, the best three are priced by the run
+// simulator (the runtime's own programs, lib/planner/run_simulator.h), as the planner's own
+// candidates are, and the fastest there is kept.
 #ifndef HSAP_LIB_PLANNER_BASELINES_H_
 #define HSAP_LIB_PLANNER_BASELINES_H_
 
@@ -17,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
-#include "lib/planner/simulator.h"
+#include "lib/planner/run_simulator.h"
 #include "lib/sched/plan.h"
 
 namespace hsap {
@@ -34,7 +35,7 @@ struct Baseline {
   Plan plan;
   Workload workload;  // the workload it runs (TE pads the sequence)
   PlanCost cost;      // cost model figures of its best configuration
-  SimResult sim;      // simulator figures of its best configuration
+  RunSimulation run;  // run simulator figures of its best configuration
 };
 
 // All four baselines for the workload on the cluster.

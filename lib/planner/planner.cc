@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "base/params.h"
 #include "base/status_macros.h"
+#include "lib/planner/group_programs.h"
 #include "lib/sched/plan_json.h"
 
 namespace hsap {
@@ -107,6 +108,64 @@ class GroupingSpace {
       }
     }
     return choice;
+  }
+
+  // Pairs (a, b), a > b, of in-node sizes of `kind` (both options of the kind, a below the
+  // kind's largest node) for which some node of the kind cuts as a + b + ... + b: the
+  // groupings with differing sizes on offer for the kind.
+  std::vector<std::pair<int, int>> MixedSizes(int kind) const {
+    std::vector<std::pair<int, int>> out;
+    for (int a : options_[kind]) {
+      for (int b : options_[kind]) {
+        if (b >= a || a >= largest_[kind]) continue;
+        bool cuts = false;
+        for (const Node& node : cluster_.nodes) {
+          const int m = static_cast<int>(node.devices.size());
+          cuts |= node.kind == kind && m > a && (m - a) % b == 0;
+        }
+        if (cuts) out.push_back({a, b});
+      }
+    }
+    return out;
+  }
+
+  // Build(choice), but every node of `kind` that allows it cut into one group of `a`
+  // devices followed by groups of `b` (a node of 8 as 4 + 2 + 2); its other nodes as in
+  // Build. Labelled "H100:4+2 A100:8".
+  Grouping BuildMixed(const std::vector<int>& choice, int kind, int a, int b) const {
+    Grouping grouping = Build(choice);
+    std::vector<std::string> parts;
+    for (int k = 0; k < num_kinds(); ++k) {
+      parts.push_back(k == kind
+                          ? absl::StrCat(cluster_.kinds[k].name, ":", a, "+", b)
+                          : absl::StrCat(cluster_.kinds[k].name, ":", options_[k][choice[k]]));
+    }
+    grouping.label = absl::StrJoin(parts, " ");
+    std::vector<std::vector<int>> groups;
+    std::vector<bool> recut(cluster_.devices.size(), false);
+    for (const Node& node : cluster_.nodes) {
+      const int m = static_cast<int>(node.devices.size());
+      if (node.kind != kind || m <= a || (m - a) % b != 0) continue;
+      for (int d : node.devices) recut[d] = true;
+    }
+    // Groups in node order: a recut node's groups replace the groups of its devices.
+    for (const std::vector<int>& g : grouping.groups) {
+      if (!recut[g[0]]) {
+        groups.push_back(g);
+        continue;
+      }
+      // Each recut node once, at its first device (a multi-node group holds whole nodes).
+      for (int d : g) {
+        const Node& node = cluster_.nodes[cluster_.devices[d].node];
+        if (d != node.devices[0]) continue;
+        groups.emplace_back(node.devices.begin(), node.devices.begin() + a);
+        for (size_t start = a; start < node.devices.size(); start += b) {
+          groups.emplace_back(node.devices.begin() + start, node.devices.begin() + start + b);
+        }
+      }
+    }
+    grouping.groups = std::move(groups);
+    return grouping;
   }
 
   Grouping Build(const std::vector<int>& choice) const {
@@ -370,6 +429,8 @@ class Builder {
     return best;
   }
 
+  int devices() const { return cluster_.size(); }
+
   void FillReasons(Plan* plan, const PlanCost& cost, const std::vector<bool>& capped,
                    const std::string& family) const {
     plan->ranks.assign(plan->num_ranks, {});
@@ -502,6 +563,19 @@ class GroupingScreen {
     return t;
   }
 
+  // The per-kind choice screened fastest (ties: the smaller choice); empty when none fits.
+  std::vector<int> BestChoice() const {
+    std::vector<int> best;
+    double t = std::numeric_limits<double>::infinity();
+    for (const auto& [choice, time] : seen_) {
+      if (time < t) {
+        t = time;
+        best = choice;
+      }
+    }
+    return best;
+  }
+
   // The screened time of a grouping from outside the per-kind space (keyed by its label).
   double ScreenGrouping(Grouping grouping) {
     if (auto it = seen_labels_.find(grouping.label); it != seen_labels_.end()) return it->second;
@@ -615,8 +689,23 @@ void ScreenByCoordinateDescent(GroupingScreen* screen) {
   }
 }
 
+// Stage I, differing group sizes: around the fastest per-kind choice, each kind's nodes cut
+// as a + b + ... + b for every pair of its in-node sizes on offer (GroupingSpace::
+// MixedSizes), one kind at a time: at most (sizes per node)^2 groupings per kind.
+void ScreenMixedSizes(GroupingScreen* screen) {
+  const GroupingSpace& space = screen->space();
+  const std::vector<int> best = screen->BestChoice();
+  if (best.empty()) return;
+  for (int k = 0; k < space.num_kinds(); ++k) {
+    for (auto [a, b] : space.MixedSizes(k)) screen->ScreenGrouping(space.BuildMixed(best, k, a, b));
+  }
+}
+
 // Stage II again for the screened groupings, with the pipelined ring (O(groups^2) per
-// price): the options.simulate_top fastest candidates, fastest first.
+// price): the fastest candidates, fastest first: options.simulate_top of them, or all of them
+// on clusters of at most kPriceAllDevices devices (where pricing what runs is cheap).
+constexpr int kPriceAllDevices = 64;
+
 std::vector<Candidate> RefineCandidates(const Builder& builder,
                                         const std::vector<Grouping>& groupings,
                                         const PlannerOptions& options, int* evaluations) {
@@ -629,10 +718,118 @@ std::vector<Candidate> RefineCandidates(const Builder& builder,
   std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
     return a.cost.Seconds() < b.cost.Seconds();
   });
-  if (static_cast<int>(candidates.size()) > options.simulate_top) {
-    candidates.resize(options.simulate_top);
+  const int keep = builder.devices() <= kPriceAllDevices ? static_cast<int>(candidates.size())
+                                                         : options.simulate_top;
+  if (static_cast<int>(candidates.size()) > keep) {
+    candidates.resize(keep);
   }
   return candidates;
+}
+
+// Whether two plans of one grouping assign the same: equal heads and ring order, and
+// proportional sequence and token weights (the weights are relative).
+bool SameAssignment(const Plan& a, const Plan& b) {
+  if (a.groups.size() != b.groups.size() || a.RingOrder() != b.RingOrder()) return false;
+  auto proportional = [](const std::vector<double>& x, const std::vector<double>& y) {
+    if (x.size() != y.size()) return false;
+    const double sx = std::accumulate(x.begin(), x.end(), 0.0);
+    const double sy = std::accumulate(y.begin(), y.end(), 0.0);
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::abs(x[i] / sx - y[i] / sy) > 1e-12) return false;
+    }
+    return true;
+  };
+  std::vector<double> wa, wb;
+  for (size_t g = 0; g < a.groups.size(); ++g) {
+    const PlanGroup& ga = a.groups[g];
+    const PlanGroup& gb = b.groups[g];
+    if (ga.ranks != gb.ranks || ga.heads != gb.heads ||
+        !proportional(ga.token_weights, gb.token_weights)) {
+      return false;
+    }
+    wa.push_back(ga.sequence_weight);
+    wb.push_back(gb.sequence_weight);
+  }
+  return proportional(wa, wb);
+}
+
+// A candidate priced by what runs.
+struct Priced {
+  Candidate candidate;
+  RunSimulation run;
+  std::string family;
+};
+
+// Each group's sustained attention FLOP/s.
+std::vector<double> GroupFlops(const Cluster& cluster, const Plan& plan) {
+  std::vector<double> flops(plan.groups.size(), 0.0);
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    for (int r : plan.groups[g].ranks) flops[g] += cluster.kind_of(r).AttentionFlops();
+  }
+  return flops;
+}
+
+// The ring order interleaving fast and slow groups: by capability (FLOP/s, ties to the lower
+// index), then the fastest, the slowest, the second fastest, the second slowest, ..., so
+// that each ring step pairs unlike groups.
+std::vector<int> InterleavedOrder(const Cluster& cluster, const Plan& plan) {
+  const std::vector<double> flops = GroupFlops(cluster, plan);
+  std::vector<int> by_flops(plan.groups.size());
+  std::iota(by_flops.begin(), by_flops.end(), 0);
+  std::stable_sort(by_flops.begin(), by_flops.end(),
+                   [&](int a, int b) { return flops[a] > flops[b]; });
+  std::vector<int> order;
+  for (size_t lo = 0, hi = by_flops.size(); lo < hi;) {
+    order.push_back(by_flops[lo++]);
+    if (lo < hi) order.push_back(by_flops[--hi]);
+  }
+  return order;
+}
+
+// Ring order: node order (the plan's), the interleaved order, and a local improvement of the
+// better of the two by the cost model: adjacent swaps, each kept when the pipelined ring
+// prices it faster, in position order, at most kMaxRingSwaps tries. Returns the orders that
+// differ from the plan's, with their names. Deterministic.
+constexpr int kMaxRingSwaps = 64;
+
+std::vector<std::pair<std::vector<int>, std::string>> RingOrderChoices(const Cluster& cluster,
+                                                                       const Workload& workload,
+                                                                       const Plan& plan,
+                                                                       int* evaluations) {
+  std::vector<std::pair<std::vector<int>, std::string>> out;
+  const int num_groups = static_cast<int>(plan.groups.size());
+  if (num_groups < 3) return out;  // two groups: every order is the same ring
+  const std::vector<int> node = plan.RingOrder();
+  auto price = [&](const std::vector<int>& order) {
+    Plan trial = plan;
+    trial.ring_order = order;
+    auto cost = EvaluatePlan(cluster, workload, trial, RingPricing::kPipelined);
+    ++*evaluations;
+    return cost.ok() && cost->fits_memory ? cost->Seconds()
+                                          : std::numeric_limits<double>::infinity();
+  };
+  const std::vector<int> interleaved = InterleavedOrder(cluster, plan);
+  if (interleaved != node) out.push_back({interleaved, "interleaved"});
+  const double node_time = price(node), interleaved_time = price(interleaved);
+  std::vector<int> order = interleaved_time < node_time ? interleaved : node;
+  double current = std::min(node_time, interleaved_time);
+  int tries = 0;
+  for (int pass = 0; pass < 2 && tries < kMaxRingSwaps; ++pass) {
+    bool improved = false;
+    for (int p = 0; p + 1 < num_groups && tries < kMaxRingSwaps; ++p, ++tries) {
+      std::swap(order[p], order[p + 1]);
+      const double t = price(order);
+      if (t < current) {
+        current = t;
+        improved = true;
+      } else {
+        std::swap(order[p], order[p + 1]);
+      }
+    }
+    if (!improved) break;
+  }
+  if (order != node && order != interleaved) out.push_back({order, "by swaps"});
+  return out;
 }
 
 // The error when no plan, hsap or baseline, fits in memory: the figures that explain why.
@@ -671,6 +868,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   } else {
     ScreenByCoordinateDescent(&screen);
   }
+  ScreenMixedSizes(&screen);
   for (Grouping& g : SpanningGroupings(cluster, workload.model.heads_q)) {
     screen.ScreenGrouping(std::move(g));
   }
@@ -679,48 +877,82 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
 
   // The symmetric baselines are references only: the plan comes from the search above.
   result.baselines = EvaluateBaselines(cluster, workload);
-  bool found = false;
-  auto consider = [&](const Plan& plan, const PlanCost& cost, const SimResult& sim,
-                      const std::string& family, const std::vector<bool>& capped) {
-    if (found && sim.Seconds() >= result.sim.Seconds()) return;
-    found = true;
-    result.plan = plan;
-    result.cost = cost;
-    result.sim = sim;
-    result.family = family;
-    builder.FillReasons(&result.plan, cost, capped, family);
-  };
   HSAP_ASSIGN_OR_RETURN(const bool debug, GetBoolParam(Param::kPlanDebug));
-  // Each candidate is simulated with its balanced shares and with per-device-equal group
-  // shares (Stage II's alternative where the ring, not compute, sets the pace: equal blocks
-  // pipeline better, which the cost model's ring prices only approximately).
-  auto simulate = [&](const Candidate& c, const std::string& label) -> absl::Status {
-    auto sim = Simulate(cluster, workload, c.plan);
-    if (!sim.ok()) return sim.status();
+  // The final candidates are priced by what runs (the runtime's own programs); the fastest
+  // there is the plan. Each is priced with its balanced shares and with per-device-equal
+  // group shares (Stage II's alternative where the ring, not compute, sets the pace: equal
+  // blocks pipeline better than the cost model's ring predicts).
+  std::optional<Priced> best;
+  auto price = [&](Candidate c, const std::string& family) -> absl::Status {
+    HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, c.plan));
     if (debug) {
-      std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, sim %.3f+%.3f ms\n%s\n",
-                   label.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
-                   sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
+      std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, what runs %.3f+%.3f ms\n%s\n",
+                   family.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
+                   run.forward_seconds * 1e3, run.backward_seconds * 1e3,
                    PlanToJsonText(c.plan, -1).c_str());
     }
-    consider(c.plan, c.cost, *sim, absl::StrCat("hsap groups ", label), c.capped);
+    if (!best || run.Seconds() < best->run.Seconds()) {
+      best = Priced{std::move(c), std::move(run), family};
+    }
     return absl::OkStatus();
   };
+  // A variant of a candidate: priced unless it assigns the same as one already priced.
+  auto price_variant = [&](Candidate v, const std::vector<const Plan*>& priced,
+                           const std::string& family) -> absl::Status {
+    for (const Plan* p : priced) {
+      if (SameAssignment(v.plan, *p)) return absl::OkStatus();
+    }
+    auto cost = EvaluatePlan(cluster, workload, v.plan, RingPricing::kPipelined);
+    ++result.candidates;
+    if (!cost.ok() || !cost->fits_memory) return absl::OkStatus();
+    v.cost = *cost;
+    v.capped.assign(v.plan.groups.size(), false);
+    return price(std::move(v), family);
+  };
   for (const Candidate& c : candidates) {
-    HSAP_RETURN_IF_ERROR(simulate(c, c.label));
+    const std::string family = absl::StrCat("hsap groups ", c.label);
+    HSAP_RETURN_IF_ERROR(price(c, family));
     Candidate even = c;
     for (PlanGroup& g : even.plan.groups) g.sequence_weight = static_cast<double>(g.ranks.size());
-    if (even.plan == c.plan) continue;
-    auto cost = EvaluatePlan(cluster, workload, even.plan, RingPricing::kPipelined);
+    HSAP_RETURN_IF_ERROR(price_variant(even, {&c.plan}, absl::StrCat(family, ", even shares")));
+    // And the symmetric assignment of the grouping: inside each group too, equal tokens and
+    // heads dealt as evenly as possible in order (where the all-to-all, not compute, sets a
+    // mixed group's pace).
+    Candidate symmetric = even;
+    for (PlanGroup& g : symmetric.plan.groups) {
+      const int size = static_cast<int>(g.ranks.size());
+      g.token_weights.assign(size, 1.0);
+      for (int i = 0, head = 0; i < size; ++i) {
+        const int count = workload.model.heads_q / size + (i < workload.model.heads_q % size);
+        g.heads[i].resize(count);
+        std::iota(g.heads[i].begin(), g.heads[i].end(), head);
+        head += count;
+      }
+    }
+    HSAP_RETURN_IF_ERROR(price_variant(std::move(symmetric), {&c.plan, &even.plan},
+                                       absl::StrCat(family, ", even shares and heads")));
+  }
+  if (!best) return DoesNotFitError(cluster, workload);
+  // The ring order of the fastest: the other orders on offer, priced by what runs.
+  const Candidate fastest = best->candidate;
+  const std::string fastest_family = best->family;
+  for (auto& [order, name] :
+       RingOrderChoices(cluster, workload, fastest.plan, &result.candidates)) {
+    Candidate c = fastest;
+    c.plan.ring_order = order;
+    auto cost = EvaluatePlan(cluster, workload, c.plan, RingPricing::kPipelined);
     ++result.candidates;
     if (!cost.ok() || !cost->fits_memory) continue;
-    even.cost = *cost;
-    even.capped.assign(even.plan.groups.size(), false);
-    HSAP_RETURN_IF_ERROR(simulate(even, absl::StrCat(c.label, ", even shares")));
+    c.cost = *cost;
+    HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(fastest_family, ", ring ", name)));
   }
-  if (!found) return DoesNotFitError(cluster, workload);
-  result.plan.predicted_forward_seconds = result.sim.forward_seconds;
-  result.plan.predicted_backward_seconds = result.sim.backward_seconds;
+  result.plan = std::move(best->candidate.plan);
+  result.cost = best->candidate.cost;
+  result.run = std::move(best->run);
+  result.family = best->family;
+  builder.FillReasons(&result.plan, result.cost, best->candidate.capped, result.family);
+  result.plan.predicted_forward_seconds = result.run.forward_seconds;
+  result.plan.predicted_backward_seconds = result.run.backward_seconds;
   result.plan.description = result.family;
   result.planning_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

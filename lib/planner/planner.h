@@ -17,13 +17,18 @@
 //   Stage I also screens groupings across kinds and nodes: groups of h consecutive ranks for
 //               every h dividing the query heads and the devices (mixed-kind groups, as
 //               symmetric USP forms, but with stages II and III giving them capability-
-//               following shares and heads).
-// Candidates are screened with the cost model; the best few are run in the simulator and
-// the fastest is returned. The symmetric baselines (Ring, Ulysses, USP, TE a2a+p2p) are
-// evaluated alongside as references only: they are never returned as the plan, so the
+//               following shares and heads), and groupings whose groups of one kind differ
+//               in size (a node of 8 as 4 + 2 + 2) around the fastest per-kind choice.
+// Candidates are screened with the cost model; the best few are priced by what runs (the
+// run simulator over the runtime's own programs, lib/planner/run_simulator.h), with their
+// balanced shares, equal group shares and the grouping's symmetric assignment; the ring order
+// of the fastest is searched (node order, fast and slow groups interleaved, adjacent swaps
+// by the cost model), and the fastest by what runs is returned, its predicted times the run
+// simulator's. The symmetric baselines (Ring, Ulysses, USP, TE a2a+p2p) are priced the same
+// way alongside, as references only: they are never returned as the plan, so the
 // comparison with them measures the search.
 // Deterministic: no randomness, ties broken by enumeration order.
-// HSAP_PLAN_DEBUG=1 in the environment prints the simulated candidates to stderr (a value
+// HSAP_PLAN_DEBUG=1 in the environment prints the priced candidates to stderr (a value
 // that is not a boolean is an InvalidArgument error).
 #ifndef HSAP_LIB_PLANNER_PLANNER_H_
 #define HSAP_LIB_PLANNER_PLANNER_H_
@@ -35,7 +40,7 @@
 #include "lib/planner/baselines.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
-#include "lib/planner/simulator.h"
+#include "lib/planner/run_simulator.h"
 #include "lib/sched/plan.h"
 
 namespace hsap {
@@ -50,13 +55,13 @@ struct PlannerOptions {
   int screen_iterations = 4;      // stage II updates per grouping when screening
   int balance_iterations = 12;    // stage II updates per grouping when refining
   int refine_top = 12;            // groupings re-balanced with the pipelined ring model
-  int simulate_top = 3;           // hsap candidates run in the simulator at the end
+  int simulate_top = 3;           // hsap candidates priced by what runs at the end
 };
 
 struct PlannerResult {
-  Plan plan;                        // predictions filled from the simulator, reasons per rank
+  Plan plan;                        // predicted times from `run`, reasons per rank
   PlanCost cost;                    // cost model figures of the plan
-  SimResult sim;                    // simulator figures of the plan
+  RunSimulation run;                // what runs: the run simulator's figures of the plan
   std::string family;               // which candidate won, e.g. "hsap groups H100:8 A100:4"
   std::vector<Baseline> baselines;  // references, not candidates
   int candidates = 0;               // plans priced by the cost model

@@ -110,10 +110,17 @@ class RunPricer {
     }
   }
 
-  // Index of every rank's stage at each step (-1: none); steps R.. are relay fan-outs.
+  // Index of every rank's stage at each step (-1: none); steps R.. are relay fan-outs. The
+  // passes visit steps 1 .. num_steps_ - 1 only (the last step any rank has a stage at).
   void IndexSteps(bool backward) {
     const int n = static_cast<int>(programs_.size());
-    stage_at_.assign(n, std::vector<int>(2 * n, -1));
+    num_steps_ = 1;
+    for (int r = 0; r < n; ++r) {
+      for (const ProgramStage& s : PassOf(r, backward).stages) {
+        num_steps_ = std::max(num_steps_, s.step + 1);
+      }
+    }
+    stage_at_.assign(n, std::vector<int>(num_steps_, -1));
     for (int r = 0; r < n; ++r) {
       const std::vector<ProgramStage>& stages = PassOf(r, backward).stages;
       for (size_t i = 0; i < stages.size(); ++i) stage_at_[r][stages[i].step] = static_cast<int>(i);
@@ -218,7 +225,7 @@ class RunPricer {
     auto phase_local_end = [&](int r, int i) {
       return i < fan[r] ? local_end[r] : phase_start(r, i);
     };
-    for (int step = 1; step < 2 * n; ++step) {
+    for (int step = 1; step < num_steps_; ++step) {
       bool any = false;
       for (int r = 0; r < n; ++r) {
         const int i = stage_at_[r][step];
@@ -267,10 +274,10 @@ class RunPricer {
       local_done[r] = true;
       clock_[r] += ComputeSeconds(r, programs_[r].backward.local_pairs, true);
     };
-    for (int key = 2; key <= 2 * (2 * n - 1) + 3; ++key) {
+    for (int key = 2; key <= 2 * (num_steps_ - 1) + 3; ++key) {
       const bool grad = key % 2 == 1;
       const int step = grad ? (key - 3) / 2 : key / 2;
-      if (step < 1 || step >= 2 * n) continue;
+      if (step < 1 || step >= num_steps_) continue;
       bool any = false;
       // Gradient groups: the step's K/V arrived, its fan-out, kernels and fan-in (plans on
       // several nodes) run before the group is posted.
@@ -331,6 +338,7 @@ class RunPricer {
   RunSimulation result_;
   std::vector<double> clock_;
   std::vector<std::vector<int>> stage_at_;  // [rank][step]
+  int num_steps_ = 1;                       // 1 + the last step of any rank's stages
 };
 
 }  // namespace

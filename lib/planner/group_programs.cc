@@ -1,0 +1,258 @@
+#include "lib/planner/group_programs.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "lib/sched/hierarchy.h"
+#include "lib/sched/partition.h"
+
+namespace hsap {
+namespace {
+
+// Hierarchy::SenderOf as a table: holders_[g][kv] lists the members of group g holding KV
+// head kv (group order); a receiver of index i in its own group reads from holder i mod count.
+class Holders {
+ public:
+  explicit Holders(const Plan& plan) : plan_(plan), index_of_(plan.IndexInGroup()) {
+    holders_.resize(plan.groups.size());
+    for (size_t g = 0; g < plan.groups.size(); ++g) {
+      holders_[g].assign(plan.heads_kv, {});
+      for (size_t i = 0; i < plan.groups[g].ranks.size(); ++i) {
+        for (int kv : plan.KvHeadsOf(static_cast<int>(g), static_cast<int>(i))) {
+          holders_[g][kv].push_back(static_cast<int>(i));
+        }
+      }
+    }
+  }
+
+  int SenderOf(int source_group, int kv_head, int receiver) const {
+    const std::vector<int>& h = holders_[source_group][kv_head];
+    return plan_.groups[source_group].ranks[h[index_of_[receiver] % h.size()]];
+  }
+  int IndexOf(int rank) const { return index_of_[rank]; }
+
+ private:
+  const Plan& plan_;
+  std::vector<int> index_of_;
+  std::vector<std::vector<std::vector<int>>> holders_;  // [group][kv head] -> member indices
+};
+
+// What every ring position needs from every other, from one scan of the mask over the
+// partition's placements (lib/sched/schedule.cc's ScanNeeds, every pair at once): rows(q, k)
+// is the number of k's key rows that q's queries see (the union of the needed ranges, as
+// BuildSchedule merges them), pairs(q, k) the visible pairs between q's queries and k's keys
+// (what BuildWorkList counts over those rows). O(placements^2) in all, where a schedule per
+// position would scan them once per position.
+class PositionNeeds {
+ public:
+  PositionNeeds(const Layout& layout, const Partition& partition)
+      : num_(partition.num_ranks()),
+        rows_(static_cast<size_t>(num_) * num_, 0),
+        pairs_(static_cast<size_t>(num_) * num_, 0) {
+    const std::vector<Placement>& pls = partition.placements();
+    const std::vector<MaskSlice>& slices = layout.slices();
+    std::vector<std::vector<std::pair<int, TokenRange>>> needed(num_);  // [q] -> (k, keys)
+    size_t first_q = 0;
+    for (const MaskSlice& s : slices) {
+      if (s.q_begin >= s.q_end || s.k_begin >= s.k_end) continue;
+      const int64_t shift = s.k_begin - s.q_begin;
+      const bool no_lo = s.diag_lo <= -kNoDiagLimit, no_hi = s.diag_hi >= kNoDiagLimit;
+      while (pls[first_q].end <= s.q_begin) ++first_q;
+      for (size_t qi = first_q; qi < pls.size() && pls[qi].begin < s.q_end; ++qi) {
+        const Placement& qp = pls[qi];
+        const int64_t q0 = std::max(s.q_begin, qp.begin), q1 = std::min(s.q_end, qp.end);
+        const int64_t k0 = no_lo ? s.k_begin : std::max(s.k_begin, q0 + shift + s.diag_lo);
+        const int64_t k1 = no_hi ? s.k_end : std::min(s.k_end, q1 - 1 + shift + s.diag_hi + 1);
+        if (k0 >= k1) continue;
+        for (size_t ki = partition.PlacementIndexOf(k0, qi); ki < pls.size() && pls[ki].begin < k1;
+             ++ki) {
+          const Placement& kp = pls[ki];
+          const TokenRange keys{std::max(k0, kp.begin), std::min(k1, kp.end)};
+          needed[qp.rank].push_back({kp.rank, keys});
+          pairs_[Index(qp.rank, kp.rank)] += s.VisiblePairsIn(q0, q1, keys.begin, keys.end);
+        }
+      }
+    }
+    for (int q = 0; q < num_; ++q) {
+      std::vector<std::pair<int, TokenRange>>& list = needed[q];
+      std::sort(list.begin(), list.end(), [](const auto& a, const auto& b) {
+        return a.first != b.first ? a.first < b.first : a.second.begin < b.second.begin;
+      });
+      // The union's size, per key position.
+      for (size_t i = 0; i < list.size();) {
+        const int k = list[i].first;
+        int64_t end = list[i].second.begin, rows = 0;
+        for (; i < list.size() && list[i].first == k; ++i) {
+          const TokenRange& r = list[i].second;
+          rows += std::max<int64_t>(0, r.end - std::max(r.begin, end));
+          end = std::max(end, r.end);
+        }
+        rows_[Index(q, k)] = rows;
+      }
+    }
+  }
+
+  int64_t rows(int q, int k) const { return rows_[Index(q, k)]; }
+  int64_t pairs(int q, int k) const { return pairs_[Index(q, k)]; }
+
+ private:
+  size_t Index(int q, int k) const { return static_cast<size_t>(q) * num_ + k; }
+
+  int num_;
+  std::vector<int64_t> rows_, pairs_;  // [q * num + k]
+};
+
+// The K/V stages of member `self` of the group at ring position `position`, appended to
+// both passes of `program`: Hierarchy::BuildRank's sub-ring steps (at step t the position
+// receives from position - t the rows its queries see and sends to position + t the rows
+// that position's queries see; steps that move nothing are absent) written as ProgramOf
+// (lib/sched/transfers.cc) writes them: per stage the sends then the receives, one message
+// per peer with K and V of its heads; backward adds the fp32 dK/dV partials of the received
+// rows to their sender and of the sent rows from their receiver.
+void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
+                  const std::vector<int>& ring,
+                  const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
+                  const Holders& holders, int head_dim, uint64_t element_bytes,
+                  RankProgram* program) {
+  const int num_positions = static_cast<int>(ring.size());
+  constexpr uint64_t kF32 = sizeof(float);
+  std::vector<std::pair<int, int>> recv;  // (sender, heads), by the sender's group index
+  std::vector<std::pair<int, int>> send;  // (receiver, heads), in the receiving group's order
+  for (int t = 1; t < num_positions; ++t) {
+    const int src = (position - t + num_positions) % num_positions;
+    const int dst = (position + t) % num_positions;
+    const int64_t recv_rows = needs.rows(position, src), send_rows = needs.rows(dst, position);
+    recv.clear();
+    send.clear();
+    if (recv_rows > 0) {
+      for (int h : self.kv_heads) {
+        const int sender = holders.SenderOf(ring[src], h, self.rank);
+        auto it = std::find_if(recv.begin(), recv.end(),
+                               [&](const auto& x) { return x.first == sender; });
+        if (it == recv.end()) {
+          recv.push_back({sender, 1});
+        } else {
+          ++it->second;
+        }
+      }
+      std::sort(recv.begin(), recv.end(), [&](const auto& a, const auto& b) {
+        return holders.IndexOf(a.first) < holders.IndexOf(b.first);
+      });
+    }
+    if (send_rows > 0) {
+      const int gd = ring[dst];
+      const PlanGroup& to = plan.groups[gd];
+      for (size_t j = 0; j < to.ranks.size(); ++j) {
+        int heads = 0;
+        for (int h : kv_heads[gd][j])
+          heads += holders.SenderOf(self.group, h, to.ranks[j]) == self.rank;
+        if (heads > 0) send.push_back({to.ranks[j], heads});
+      }
+    }
+    if (recv.empty() && send.empty()) continue;
+    for (PassProgram* pass : {&program->forward, &program->backward}) {
+      ProgramStage& s = pass->stages.emplace_back();
+      s.step = t;
+      s.pairs = recv.empty() ? 0 : needs.pairs(position, src);
+      // K and V (dK and dV) of `rows` rows of `heads` heads.
+      const auto bytes = [&](int64_t rows, int heads, uint64_t bytes_per_element) {
+        return 2 * static_cast<uint64_t>(rows) * heads * head_dim * bytes_per_element;
+      };
+      for (auto [peer, heads] : send) {
+        s.kv.push_back({peer, true, TransferKind::kKv, bytes(send_rows, heads, element_bytes)});
+      }
+      for (auto [peer, heads] : recv) {
+        s.kv.push_back({peer, false, TransferKind::kKv, bytes(recv_rows, heads, element_bytes)});
+      }
+      if (pass == &program->backward) {
+        for (auto [peer, heads] : recv) {
+          s.grad.push_back({peer, true, TransferKind::kKvGrad, bytes(recv_rows, heads, kF32)});
+        }
+        for (auto [peer, heads] : send) {
+          s.grad.push_back({peer, false, TransferKind::kKvGrad, bytes(send_rows, heads, kF32)});
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
+                                                             const LayerShape& shape) {
+  if (plan.heads_q != shape.heads_q || plan.heads_kv != shape.heads_kv) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the plan is for ", plan.heads_q, "/", plan.heads_kv,
+                     " query/KV heads but the layer has ", shape.heads_q, "/", shape.heads_kv));
+  }
+  HSAP_ASSIGN_OR_RETURN(Hierarchy h, Hierarchy::Create(layout, plan));
+  const int num_groups = static_cast<int>(plan.groups.size());
+  const std::vector<int> ring = plan.RingOrder();
+  std::vector<int> position_of(num_groups);
+  for (int p = 0; p < num_groups; ++p) position_of[ring[p]] = p;
+  std::vector<std::vector<std::vector<int>>> kv_heads(num_groups);
+  for (int g = 0; g < num_groups; ++g) {
+    for (size_t i = 0; i < plan.groups[g].ranks.size(); ++i) {
+      kv_heads[g].push_back(plan.KvHeadsOf(g, static_cast<int>(i)));
+    }
+  }
+  const Holders holders(plan);
+  const PositionNeeds needs(layout, h.positions());
+
+  std::vector<RankProgram> programs(plan.num_ranks);
+  for (int g = 0; g < num_groups; ++g) {
+    const PlanGroup& group = plan.groups[g];
+    const int position = position_of[g];
+    RankHierarchy r;
+    r.group = g;
+    r.ring_position = position;
+    r.group_tokens = h.positions().local_tokens(position);
+    std::vector<int> holders_of_kv(plan.heads_kv, 0);
+    int64_t row = 0;
+    for (size_t i = 0; i < group.ranks.size(); ++i) {
+      GroupMember m;
+      m.rank = group.ranks[i];
+      m.row_begin = row;
+      m.tokens = h.shard_tokens(m.rank);
+      row += m.tokens;
+      m.q_heads = group.heads[i];
+      std::sort(m.q_heads.begin(), m.q_heads.end());
+      m.kv_heads = kv_heads[g][i];
+      for (int kv : m.kv_heads) ++holders_of_kv[kv];
+      r.members.push_back(std::move(m));
+    }
+    r.kv_grad_partial =
+        std::any_of(holders_of_kv.begin(), holders_of_kv.end(), [](int n) { return n > 1; });
+    for (size_t i = 0; i < group.ranks.size(); ++i) {
+      r.rank = group.ranks[i];
+      r.index = static_cast<int>(i);
+      r.shard_tokens = r.members[i].tokens;
+      r.q_heads = r.members[i].q_heads;
+      r.kv_heads = r.members[i].kv_heads;
+      // The all-to-alls from ProgramOf; the stages of a rank with heads appended here.
+      r.local_work.visible_pairs = r.q_heads.empty() ? 0 : needs.pairs(position, position);
+      RankProgram& program = programs[r.rank] = ProgramOf(r, shape.head_dim, shape.dtype);
+      if (!r.q_heads.empty()) {
+        AppendStages(needs, position, r, ring, kv_heads, plan, holders, shape.head_dim,
+                     DTypeSize(shape.dtype), &program);
+      }
+    }
+  }
+  return programs;
+}
+
+absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
+                                          const Plan& plan) {
+  const int64_t cu[] = {0, workload.seq_len};
+  const MaskKind kind[] = {workload.causal ? MaskKind::kCausal : MaskKind::kFull};
+  HSAP_ASSIGN_OR_RETURN(Layout row, Layout::FromDocuments(cu, kind));
+  const ModelSpec& m = workload.model;
+  const LayerShape shape{m.heads_q, m.heads_kv, m.head_dim,
+                         m.dtype_bytes == 4 ? DType::kF32 : DType::kBF16};
+  HSAP_ASSIGN_OR_RETURN(std::vector<RankProgram> programs, PlanProgramsByGroup(row, plan, shape));
+  return SimulatePrograms(cluster, programs, m.head_dim);
+}
+
+}  // namespace hsap

@@ -1,0 +1,40 @@
+// The programs of a plan's batch built for the planner's search: the same RankPrograms as
+// PlanPrograms (lib/planner/run_simulator.h), byte for byte and pair for pair, at a fraction
+// of the cost, so that the search can price its final candidates with what runs.
+//
+// Every member of a group runs the schedule of the group's ring position, which
+// Hierarchy::BuildRank builds per RANK (a scan of the mask over every placement, and the
+// work lists). Here one scan of the mask over the partition's placements gives, for every
+// pair of ring positions, the key rows one needs from the other and their visible pairs
+// (all a program needs of the schedule and the work lists), and each member's sub-ring
+// messages follow from its group's position; the chosen holder of a KV head follows
+// Hierarchy::SenderOf from a per-group table. Bytes stay exact. A test compares every
+// program with PlanPrograms' on random plans, ring orders and mask kinds; a change to
+// Hierarchy::BuildRank or ProgramOf(RankHierarchy) that this file does not follow fails it.
+#ifndef HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
+#define HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "attention/layout.h"
+#include "lib/planner/cluster.h"
+#include "lib/planner/cost_model.h"
+#include "lib/planner/run_simulator.h"
+#include "lib/sched/plan.h"
+#include "lib/sched/transfers.h"
+
+namespace hsap {
+
+// Equal to PlanPrograms(layout, plan, shape) (the same errors for an invalid plan).
+absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
+                                                             const LayerShape& shape);
+
+// What the planner prices: `plan` running the workload's row (one document of seq_len
+// tokens, causal or full as the workload says) on `cluster`, with the model's layer shape.
+absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
+                                          const Plan& plan);
+
+}  // namespace hsap
+
+#endif  // HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
