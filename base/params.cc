@@ -42,6 +42,9 @@ constexpr ParamInfo kParams[] = {
     {Param::kHome, "HOME", "", "the JIT cache defaults to ~/.cache/hsap"},
     {Param::kXdgCacheHome, "XDG_CACHE_HOME", "", "the JIT cache defaults to $XDG_CACHE_HOME/hsap"},
     {Param::kTmpDir, "TMPDIR", "", "temporary files of JIT compiles (else /tmp)"},
+    {Param::kNcclHostId, "NCCL_HOSTID", "",
+     "replaces hostname + boot id as the host identity CUDA communicators find nodes by, as "
+     "it does for NCCL"},
 };
 constexpr size_t kNumParams = sizeof(kParams) / sizeof(kParams[0]);
 

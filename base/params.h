@@ -40,6 +40,7 @@ enum class Param {
   kHome,          // HOME
   kXdgCacheHome,  // XDG_CACHE_HOME
   kTmpDir,        // TMPDIR
+  kNcclHostId,    // NCCL_HOSTID
 };
 
 struct ParamInfo {

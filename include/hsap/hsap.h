@@ -227,8 +227,14 @@ typedef struct {
    * head needed by several members of the receiving group on one node cross once, to one
    * of them, which fans them out inside the node (a holder of that head on the node itself
    * is used when the source group has one); rows that DIFFERENT groups need cross once per
-   * group. CUDA backend: not supported yet (must be NULL; the CUDA batches, plan batches
-   * included, deliver directly, rank to rank). */
+   * group. CUDA backend: the nodes are discovered at initialisation the way NCCL finds them
+   * (each rank hashes its hostname and boot id -- or $NCCL_HOSTID, which replaces both as it
+   * does for NCCL -- the hashes are all-gathered over NCCL, and ranks with equal hashes share
+   * a node, numbered in order of first rank); rankNodes, when given, is a described topology
+   * that replaces discovery (every rank must pass the same one, or all NULL:
+   * hsapInvalidArgument otherwise), e.g. to run multi-node delivery on loopback ranks of one
+   * GPU. CUDA batches on several nodes relay as above and move forward's K/V in stages (not
+   * through peer windows); CUDA plan batches deliver their sub-rings directly. */
   const int* rankNodes;
 } hsapCommConfig_t;
 
@@ -483,10 +489,11 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
 
 /* Bytes this rank moved in the last forward and backward, split by link class: messages to
  * and from ranks of its own node (intra) and of other nodes (inter), per the communicator's
- * rankNodes. Counted from the messages sent and received (plan batches: the group
- * all-to-alls, the sub-ring K/V with their node fan-outs and the gradients). With every
- * rank on one node all bytes are intra-node. hsapUnsupported for batches whose runner does
- * not classify messages on a communicator spanning several nodes (CUDA batches). */
+ * topology (rankNodes, or for CUDA communicators the nodes discovered at initialisation).
+ * Counted from the messages sent and received (plan batches: the group all-to-alls, the
+ * sub-ring K/V with their node fan-outs and the gradients). With every rank on one node all
+ * bytes are intra-node. hsapUnsupported for batches whose runner does not classify messages
+ * on a communicator spanning several nodes (CUDA plan batches). */
 typedef struct {
   uint64_t forwardIntraNodeBytesSent, forwardIntraNodeBytesReceived;
   uint64_t forwardInterNodeBytesSent, forwardInterNodeBytesReceived;
@@ -539,12 +546,15 @@ hsapResult_t hsapGetUniqueId(hsapUniqueId_t* uniqueId);
 hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqueId, int rank,
                               const hsapCommConfig_t* config);
 /* Adopts a trainer's existing ncclComm_t (passed as void*); the ncclComm stays owned by the
- * caller and must outlive the hsap communicator. config may be NULL. */
+ * caller and must outlive the hsap communicator. config may be NULL. Collective over the
+ * ncclComm's ranks (node discovery all-gathers a host hash, see rankNodes). */
 hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
                                   const hsapCommConfig_t* config);
 /* Collective over comm: ranks with equal color form a new communicator (ordered by key, then
  * rank), through ncclCommSplit -- e.g. the head-parallel groups of a plan. color < 0: this
- * rank joins none and *newcomm is set to NULL. Only for CUDA communicators. */
+ * rank joins none and *newcomm is set to NULL. Only for CUDA communicators. The new
+ * communicator discovers its nodes like hsapCommInitRank (config->rankNodes, with its
+ * size's entries, replaces discovery). */
 hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newcomm,
                            const hsapCommConfig_t* config);
 /* 1 when comm is a CUDA communicator (NCCL or loopback), 0 for the host backend. */
@@ -553,7 +563,8 @@ hsapResult_t hsapCommIsCuda(hsapComm_t comm, int* isCuda);
  * like hsapCommInitAll: one thread per rank, each with its own stream, data moved by
  * device-to-device copies. For testing and benchmarking the CUDA backend on one GPU.
  * config may be NULL; config->cudaStream is ignored (every rank uses a stream of its own,
- * so calls return after their work finished). Needs a CUDA device, not NCCL. */
+ * so calls return after their work finished). Needs a CUDA device, not NCCL. The ranks are
+ * on one node unless config->rankNodes describes others (multi-node delivery on one GPU). */
 hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommConfig_t* config);
 /* Device memory held by comm's buffer pool, in bytes: the largest need of the batches
  * created on it so far (their double-buffered K/V slots, fp32 accumulators and gradient

@@ -83,16 +83,10 @@ struct CommSettings {
   const int* rank_nodes = nullptr;  // config->rankNodes (nranks entries) or null
 };
 
-// The host backend's described topology (config->rankNodes), or a refusal for the CUDA
-// backend, whose batches deliver K/V directly, rank to rank.
-absl::StatusOr<std::optional<hsap::Topology>> RankTopology(const CommSettings& settings, int nranks,
-                                                           bool cuda) {
+// The described topology (config->rankNodes, nranks entries), or nullopt without one.
+absl::StatusOr<std::optional<hsap::Topology>> RankTopology(const CommSettings& settings,
+                                                           int nranks) {
   if (settings.rank_nodes == nullptr) return std::optional<hsap::Topology>();
-  if (cuda) {
-    return absl::UnimplementedError(
-        "config->rankNodes is not supported by the CUDA backend yet (its batches deliver K/V "
-        "directly, rank to rank); pass NULL");
-  }
   for (int r = 0; r < nranks; ++r) {
     if (settings.rank_nodes[r] < 0) {
       return absl::InvalidArgumentError(
@@ -145,23 +139,37 @@ absl::StatusOr<CommSettings> ReadCommConfig(const hsapCommConfig_t* config) {
 }
 
 // Wraps a transport into a communicator handle with its GPU side (one compute thread:
-// kernels run on the GPU). `stream`: the caller's compute stream or null.
-absl::StatusOr<std::unique_ptr<hsapComm_st>> NewCudaComm(std::unique_ptr<hsap::Transport> transport,
-                                                         hsap::cuda::cudaStream stream,
-                                                         absl::Duration timeout) {
+// kernels run on the GPU). `stream`: the caller's compute stream or null; `topology`:
+// nullopt for every rank on one node.
+absl::StatusOr<std::unique_ptr<hsapComm_st>> NewCudaComm(
+    std::unique_ptr<hsap::Transport> transport, hsap::cuda::cudaStream stream,
+    absl::Duration timeout, std::optional<hsap::Topology> topology = std::nullopt) {
   HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::cuda::Device> device, hsap::cuda::CreateCudaDevice());
   HSAP_ASSIGN_OR_RETURN(std::shared_ptr<hsap::cuda::GpuComm> gpu,
                         hsap::cuda::GpuComm::Create(std::move(device), stream, timeout));
   auto handle = std::make_unique<hsapComm_st>();
-  handle->comm = std::make_unique<hsap::Communicator>(std::move(transport), timeout, 1);
+  handle->comm =
+      std::make_unique<hsap::Communicator>(std::move(transport), timeout, 1, std::move(topology));
   handle->gpu = std::move(gpu);
   return handle;
 }
 
+// Finds the nodes of an NCCL communicator's ranks (collective over it: hsap::DiscoverTopology
+// all-gathers each rank's host hash over NCCL, through the transport's device staging
+// buffer, with the communicator's deadline; config->rankNodes, when given on every rank,
+// is taken instead) and publishes the communicator.
 absl::Status Publish(std::unique_ptr<hsap::cuda::NcclTransport> transport,
-                     hsap::cuda::cudaStream stream, absl::Duration timeout, hsapComm_t* comm) {
-  HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsapComm_st> handle,
-                        NewCudaComm(std::move(transport), stream, timeout));
+                     const CommSettings& settings, hsapComm_t* comm) {
+  const absl::Span<const int> described =
+      settings.rank_nodes == nullptr
+          ? absl::Span<const int>()
+          : absl::MakeConstSpan(settings.rank_nodes, static_cast<size_t>(transport->size()));
+  HSAP_ASSIGN_OR_RETURN(hsap::Topology topology,
+                        hsap::DiscoverTopology(*transport, hsap::LocalHostHash(), described,
+                                               "communicator initialisation (node discovery)"));
+  HSAP_ASSIGN_OR_RETURN(
+      std::unique_ptr<hsapComm_st> handle,
+      NewCudaComm(std::move(transport), settings.stream, settings.timeout, std::move(topology)));
   *comm = handle.release();
   return absl::OkStatus();
 }
@@ -226,8 +234,7 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
                                                        hsap::kMaxShmRanks,
                                                        "] for the host backend across processes"));
       }
-      HSAP_ASSIGN_OR_RETURN(std::optional<hsap::Topology> topology,
-                            RankTopology(settings, nranks, /*cuda=*/false));
+      HSAP_ASSIGN_OR_RETURN(std::optional<hsap::Topology> topology, RankTopology(settings, nranks));
       HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::Transport> transport,
                             hsap::CreateShmTransport(id.shm, nranks, rank, settings.timeout));
       int num_threads = settings.num_threads;
@@ -240,7 +247,7 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
       *comm = handle.release();
       return absl::OkStatus();
     }
-    HSAP_RETURN_IF_ERROR(RankTopology(settings, nranks, /*cuda=*/true).status());
+    HSAP_RETURN_IF_ERROR(RankTopology(settings, nranks).status());
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     if (!id.nccl) {
       return absl::FailedPreconditionError(
@@ -259,7 +266,7 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
       nccl.CommDestroy(nc);
       return t.status();
     }
-    return Publish(*std::move(t), settings.stream, settings.timeout, comm);
+    return Publish(*std::move(t), settings, comm);
   });
 }
 
@@ -270,13 +277,12 @@ hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
     *comm = nullptr;
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(ncclComm, "ncclComm"));
     HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
-    HSAP_RETURN_IF_ERROR(RankTopology(settings, /*nranks=*/0, /*cuda=*/true).status());
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckNcclDevice());
     HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::cuda::NcclTransport> t,
                           hsap::cuda::NcclTransport::Create(
                               static_cast<hsap::cuda::ncclComm>(ncclComm), /*owns_comm=*/false,
                               /*stream=*/nullptr, settings.timeout));
-    return Publish(std::move(t), settings.stream, settings.timeout, comm);
+    return Publish(std::move(t), settings, comm);
   });
 }
 
@@ -295,7 +301,6 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
           "host communicators cannot be split");
     }
     HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
-    HSAP_RETURN_IF_ERROR(RankTopology(settings, /*nranks=*/0, /*cuda=*/true).status());
     if (config == nullptr || config->size < kCommConfigStreamSize) {
       settings.stream = nullptr;  // a stream of its own, not the parent's
     }
@@ -313,7 +318,7 @@ hsapResult_t hsapCommSplit(hsapComm_t comm, int color, int key, hsapComm_t* newc
       nccl.CommDestroy(child);
       return t.status();
     }
-    return Publish(*std::move(t), settings.stream, settings.timeout, newcomm);
+    return Publish(*std::move(t), settings, newcomm);
   });
 }
 
@@ -336,13 +341,15 @@ hsapResult_t hsapCommInitLoopback(hsapComm_t* comms, int nranks, const hsapCommC
     }
     for (int r = 0; r < nranks; ++r) comms[r] = nullptr;
     HSAP_ASSIGN_OR_RETURN(CommSettings settings, ReadCommConfig(config));
+    // One process, one host: one node, unless config->rankNodes describes others.
+    HSAP_ASSIGN_OR_RETURN(std::optional<hsap::Topology> topology, RankTopology(settings, nranks));
     HSAP_RETURN_IF_ERROR(hsap::cuda::CheckCudaDevice());
     HSAP_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<hsap::Transport>> transports,
                           hsap::cuda::CreateLoopbackTransports(nranks, settings.timeout));
     std::vector<std::unique_ptr<hsapComm_st>> handles;
     for (std::unique_ptr<hsap::Transport>& t : transports) {
       absl::StatusOr<std::unique_ptr<hsapComm_st>> h =
-          NewCudaComm(std::move(t), /*stream=*/nullptr, settings.timeout);
+          NewCudaComm(std::move(t), /*stream=*/nullptr, settings.timeout, topology);
       if (!h.ok()) return h.status();  // nothing published yet
       handles.push_back(*std::move(h));
     }

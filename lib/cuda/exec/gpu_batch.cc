@@ -41,8 +41,8 @@ class GpuRunner : public BatchRunner {
 class GpuRingRunner : public GpuRunner {
  public:
   GpuRingRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
-                Transport& transport, std::unique_ptr<DeviceRingProgram> program,
-                PeerWindow* window, FusedRoutes routes)
+                Transport& transport, const Topology& topology,
+                std::unique_ptr<DeviceRingProgram> program, PeerWindow* window, FusedRoutes routes)
       : GpuRunner(std::move(comm), std::move(kernels)),
         program_(std::move(program)),
         window_(window),
@@ -55,6 +55,7 @@ class GpuRingRunner : public GpuRunner {
     ctx_.window = window_;
     ctx_.routes = &routes_;
     ctx_.peer_timeout = comm_->timeout();
+    ctx_.topology = &topology;
   }
 
   absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
@@ -63,7 +64,7 @@ class GpuRingRunner : public GpuRunner {
     HSAP_RETURN_IF_ERROR(on.status());
     ExecTraffic t;
     HSAP_RETURN_IF_ERROR(GpuExecuteForward(Context(call_id), q, k, v, out, lse, &t));
-    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    traffic = Traffic(t);
     // A fused forward that finishes here also reads its window's error word back, in the
     // same wait as its kernels. (With a caller's stream the call returns before the kernels
     // ran, and the word is not read.)
@@ -85,13 +86,24 @@ class GpuRingRunner : public GpuRunner {
     ExecTraffic t;
     HSAP_RETURN_IF_ERROR(
         GpuExecuteBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &t));
-    traffic = {0, 0, t.bytes_sent, t.bytes_received};
+    traffic = Traffic(t);
     return Finish("backward");
   }
 
   bool fused() const { return window_ != nullptr; }
 
  private:
+  // Everything moves along the ring; the executor counted it by link class.
+  static CallTraffic Traffic(const ExecTraffic& t) {
+    CallTraffic out;
+    out.ring_sent = t.bytes_sent;
+    out.ring_received = t.bytes_received;
+    out.links_counted = true;
+    out.links = {t.intra_node_sent, t.intra_node_received, t.inter_node_sent,
+                 t.inter_node_received};
+    return out;
+  }
+
   GpuExecContext Context(uint64_t call_id) {
     ctx_.pool = comm_->pool().base();
     ctx_.pool_bytes = comm_->pool().size();
@@ -173,6 +185,8 @@ class GpuRunnerFactory : public RunnerFactory {
   GpuRunnerFactory(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
 
+  bool RunsRelays() const override { return true; }
+
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,
                                                            const AttentionDims& dims,
@@ -184,7 +198,8 @@ class GpuRunnerFactory : public RunnerFactory {
                                                     comm_->stream(), &comm_->pool())
                          : on.status();
     // Every rank of a transport that offers peer windows exchanges them, also after a local
-    // failure or without the fused kernel, so that the collectives stay in step.
+    // failure or without the fused kernel, so that the collectives stay in step. Ranks on
+    // several nodes relay K/V (schedule.h), which the fused forward does not: stages.
     PeerWindow* window = nullptr;
     FusedRoutes routes;
     if (OffersPeerWindows(transport)) {
@@ -195,15 +210,16 @@ class GpuRunnerFactory : public RunnerFactory {
           std::optional<FusedRoutes> reached,
           w.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
                      kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
-                     /*willing=*/kernels_->max_fused_steps() > 0, program.status()));
+                     /*willing=*/kernels_->max_fused_steps() > 0 && comm.topology().single_node(),
+                     program.status()));
       if (reached.has_value()) {  // else out of reach: stages, on every rank
         routes = *std::move(reached);
         window = &w;
       }
     }
     HSAP_RETURN_IF_ERROR(program.status());
-    return std::make_unique<GpuRingRunner>(comm_, kernels_, transport, *std::move(program), window,
-                                           std::move(routes));
+    return std::make_unique<GpuRingRunner>(comm_, kernels_, transport, comm.topology(),
+                                           *std::move(program), window, std::move(routes));
   }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForHierarchy(Communicator& comm,

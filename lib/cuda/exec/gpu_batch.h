@@ -11,7 +11,12 @@
 // Fused forward. On a transport that offers peer windows (loopback, NCCL), with kernels
 // that have the fused forward (JitKernelsForBatch(..., fused = true)), batches without a
 // plan move forward's K/V through the communicator's peer window (peer_window.h) instead of
-// stages when every rank reaches every other's window (else stages, on every rank alike).
+// stages when every rank reaches every other's window (else stages, on every rank alike)
+// and the communicator's ranks are on one node (on several, K/V are relayed, which takes
+// stages).
+//
+// Topology. Batches without a plan get the communicator's topology in their schedules
+// (relayed delivery, lib/sched/schedule.h) and count their bytes by link class.
 //
 // Memory. The communicator's pool grows at batch creation to the largest PoolLayout of its
 // batches (the size is reported by GpuComm::pool_bytes); forward and backward allocate

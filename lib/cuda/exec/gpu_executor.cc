@@ -58,8 +58,24 @@ class GpuCall {
       send_k_[s] = cursor.Take(send);
       send_v_[s] = cursor.Take(send);
     }
+    store_k_ = cursor.Take(layout.relay_kv / 2);
+    store_v_ = cursor.Take(layout.relay_kv / 2);
     pool_cursor_ = cursor.used();
     return absl::OkStatus();
+  }
+
+  // Adds a message of `bytes` between this rank and `peer` to `t`, by link class.
+  void Tally(ExecTraffic& t, int peer, uint64_t bytes, bool sent) const {
+    const Topology* topo = ctx_.topology;
+    const int me = ctx_.program->schedule().rank;
+    const bool intra = topo == nullptr || topo->SameNode(me, peer);
+    if (sent) {
+      t.bytes_sent += bytes;
+      (intra ? t.intra_node_sent : t.inter_node_sent) += bytes;
+    } else {
+      t.bytes_received += bytes;
+      (intra ? t.intra_node_received : t.inter_node_received) += bytes;
+    }
   }
 
   // Makes the transfer stream wait for the work enqueued on the compute stream so far
@@ -79,19 +95,22 @@ class GpuCall {
     std::vector<RecvOp> recvs;
     if (st.send_to >= 0) {
       const size_t bytes = static_cast<size_t>(st.send_rows) * kv_row_bytes_;
-      HSAP_ASSIGN_OR_RETURN(const void* kp, Rows(k, st.send_runs, send_k_[slot]));
-      HSAP_ASSIGN_OR_RETURN(const void* vp, Rows(v, st.send_runs, send_v_[slot]));
-      moved_.bytes_sent += 2 * bytes;
+      // A fan-out sends rows of the relay store.
+      HSAP_ASSIGN_OR_RETURN(const void* kp,
+                            Rows(st.send_from_store ? store_k_ : k, st.send_runs, send_k_[slot]));
+      HSAP_ASSIGN_OR_RETURN(const void* vp,
+                            Rows(st.send_from_store ? store_v_ : v, st.send_runs, send_v_[slot]));
+      Tally(moved_, st.send_to, 2 * bytes, /*sent=*/true);
       sends.push_back({st.send_to, kp, bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
       sends.push_back({st.send_to, vp, bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
     if (st.recv_from >= 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * kv_row_bytes_;
-      moved_.bytes_received += 2 * bytes;
+      Tally(moved_, st.recv_from, 2 * bytes, /*sent=*/false);
       recvs.push_back(
-          {st.recv_from, recv_k_[slot], bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
+          {st.recv_from, recv_k(i), bytes, RingTag(ctx_.call_id, Payload::kKey, st.step)});
       recvs.push_back(
-          {st.recv_from, recv_v_[slot], bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
+          {st.recv_from, recv_v(i), bytes, RingTag(ctx_.call_id, Payload::kValue, st.step)});
     }
     HSAP_RETURN_IF_ERROR(FenceTransfers(posted_[slot]));
     return ctx_.transport->Start(sends, recvs, StageName(pass_, st, "kv"));
@@ -101,8 +120,12 @@ class GpuCall {
   ExecTraffic& moved() { return moved_; }
   CallEvents& events() { return events_; }
   size_t pool_cursor() const { return pool_cursor_; }
-  void* recv_k(size_t i) const { return recv_k_[i % 2]; }
-  void* recv_v(size_t i) const { return recv_v_[i % 2]; }
+  // Where stage i's K/V land: its slot, or the relay store for a kept buffer.
+  void* recv_k(size_t i) const { return Received(i, store_k_, recv_k_); }
+  void* recv_v(size_t i) const { return Received(i, store_v_, recv_v_); }
+  // The receive slots themselves (the fused forward stages through them).
+  void* slot_k(int s) const { return recv_k_[s]; }
+  void* slot_v(int s) const { return recv_v_[s]; }
   size_t kv_row32() const { return kv_row32_; }
 
  private:
@@ -122,6 +145,11 @@ class GpuCall {
     return static_cast<const void*>(scratch);
   }
 
+  void* Received(size_t i, char* store, char* const (&slots)[2]) const {
+    const int64_t at = ctx_.program->schedule().stages[i].store_begin;
+    return at >= 0 ? store + static_cast<size_t>(at) * kv_row_bytes_ : slots[i % 2];
+  }
+
   const GpuExecContext& ctx_;
   CallEvents events_;
   const char* pass_;
@@ -132,6 +160,8 @@ class GpuCall {
   char* recv_v_[2] = {nullptr, nullptr};
   char* send_k_[2] = {nullptr, nullptr};
   char* send_v_[2] = {nullptr, nullptr};
+  char* store_k_ = nullptr;  // the relay store (schedule.h), empty without relays
+  char* store_v_ = nullptr;
   size_t pool_cursor_ = 0;
   ExecTraffic moved_;
 };
@@ -194,7 +224,8 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
       dst_k += bytes;
       dst_v += bytes;
     }
-    call.moved().bytes_sent += 2 * static_cast<uint64_t>(st.send_rows) * row_bytes;
+    call.Tally(call.moved(), st.send_to, 2 * static_cast<uint64_t>(st.send_rows) * row_bytes,
+               /*sent=*/true);
     w.copies_by(st.send_to) += static_cast<uint32_t>(routes.copy_ctas);
   }
   HSAP_RETURN_IF_ERROR(device.WriteValueAsync(w.ready(me), call_number, ctx.stream));
@@ -209,8 +240,8 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
   h.kv_head_of_q = nullptr;
   h.error_flag = w.error_word();
   for (int b = 0; b < 2; ++b) {
-    h.stage_k[b] = call.recv_k(b);
-    h.stage_v[b] = call.recv_v(b);
+    h.stage_k[b] = call.slot_k(b);
+    h.stage_v[b] = call.slot_v(b);
   }
   h.counters = w.counters();
   h.q_rows = fwd.q_rows;
@@ -242,7 +273,8 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
     step.k_rows = st.recv_rows;
     step.num_blocks = list.num_blocks;
     launch.steps.push_back(step);
-    call.moved().bytes_received += 2 * static_cast<uint64_t>(st.recv_rows) * row_bytes;
+    call.Tally(call.moved(), st.recv_from, 2 * static_cast<uint64_t>(st.recv_rows) * row_bytes,
+               /*sent=*/false);
     if (static_cast<int>(launch.steps.size()) == ctx.kernels->max_fused_steps()) {
       HSAP_RETURN_IF_ERROR(flush());
     }
@@ -278,18 +310,30 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
     return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 
-  const absl::Status staged =
+  const size_t fan = sched.first_fan_out();
+  const bool relays = fan < sched.stages.size() || sched.store_rows > 0;
+  if (ctx.window != nullptr && relays) {
+    return absl::InternalError(
+        "the fused forward cannot run a schedule with relays (batches on several nodes run "
+        "stages)");
+  }
+  auto on_stage = [&](size_t i) {
+    const Stage& st = sched.stages[i];
+    if (st.recv_from < 0) return absl::OkStatus();
+    return attend(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
+  };
+  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+  absl::Status staged =
       ctx.window != nullptr && ctx.mode == GpuExecMode::kFull
           ? FusedForwardStages(ctx, call, k, v, p)
           : RunStaged(
-                sched.stages.size(), [&](size_t i) { return call.PostKv(i, k, v); },
-                [&] { return attend(ctx.program->lists().local(), k, v, rows); },
-                [&](size_t i) {
-                  const Stage& st = sched.stages[i];
-                  if (st.recv_from < 0) return absl::OkStatus();
-                  return attend(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i),
-                                st.recv_rows);
-                });
+                fan, [&](size_t i) { return call.PostKv(i, k, v); },
+                [&] { return attend(ctx.program->lists().local(), k, v, rows); }, on_stage);
+  if (staged.ok() && fan < sched.stages.size()) {
+    staged = RunStaged(
+        sched.stages.size() - fan, [&](size_t i) { return call.PostKv(fan + i, k, v); },
+        [] { return absl::OkStatus(); }, [&](size_t i) { return on_stage(fan + i); });
+  }
   if (!staged.ok()) return staged;
   HSAP_RETURN_IF_ERROR(Store(ctx, out32, out, out_elems));
   HSAP_RETURN_IF_ERROR(ctx.device->CopyAsync(lse, lse32, lse_elems * sizeof(float), ctx.stream));
@@ -329,13 +373,30 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     back_k[s] = reinterpret_cast<float*>(cursor.Take(returned));
     back_v[s] = reinterpret_cast<float*>(cursor.Take(returned));
   }
-  cudaEvent grads_ready[2];
-  for (cudaEvent& e : grads_ready) {
+  // Relays: the store's summed partials, and the partials that come back in the return
+  // phase (one region per deferred stage, in stage order).
+  const size_t store_elems = static_cast<size_t>(sched.store_rows) * call.kv_row32();
+  float* store_gk = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
+  float* store_gv = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
+  std::vector<float*> deferred_k(sched.stages.size()), deferred_v(sched.stages.size());
+  for (size_t i = 0; i < sched.stages.size(); ++i) {
+    const Stage& st = sched.stages[i];
+    if (st.send_to < 0 || !st.send_grads_deferred) continue;
+    const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
+    deferred_k[i] = reinterpret_cast<float*>(cursor.Take(bytes));
+    deferred_v[i] = reinterpret_cast<float*>(cursor.Take(bytes));
+  }
+  cudaEvent grads_ready[2], store_ready;
+  for (cudaEvent* e : {&grads_ready[0], &grads_ready[1], &store_ready}) {
     HSAP_ASSIGN_OR_RETURN(cudaEvent ev, call.events().New());
-    e = ev;
+    *e = ev;
   }
 
-  for (auto [ptr, count] : {std::pair{dq32, q_elems}, {dk32, kv_elems}, {dv32, kv_elems}}) {
+  for (auto [ptr, count] : {std::pair{dq32, q_elems},
+                            {dk32, kv_elems},
+                            {dv32, kv_elems},
+                            {store_gk, store_elems},
+                            {store_gv, store_elems}}) {
     HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(ptr, count * sizeof(float), ctx.stream));
   }
   if (rows > 0) {
@@ -359,6 +420,11 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     const Stage& st = sched.stages[i];
     const int slot = static_cast<int>(i % 2);
     if (st.recv_from < 0) return absl::OkStatus();
+    if (st.store_begin >= 0) {  // a kept buffer: its partials are summed in the store
+      const size_t at = static_cast<size_t>(st.store_begin) * call.kv_row32();
+      return backward(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows,
+                      store_gk + at, store_gv + at);
+    }
     const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
     for (float* g : {part_k[slot], part_v[slot]}) {
       HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(g, bytes, ctx.stream));
@@ -371,17 +437,17 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     const int slot = static_cast<int>(i % 2);
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
-    if (st.recv_from >= 0) {
+    if (st.recv_from >= 0 && st.store_begin < 0) {
       const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
-      grad_moved.bytes_sent += 2 * bytes;
+      call.Tally(grad_moved, st.recv_from, 2 * bytes, /*sent=*/true);
       sends.push_back(
           {st.recv_from, part_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
       sends.push_back(
           {st.recv_from, part_v[slot], bytes, RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
     }
-    if (st.send_to >= 0) {
+    if (st.send_to >= 0 && !st.send_grads_deferred) {
       const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
-      grad_moved.bytes_received += 2 * bytes;
+      call.Tally(grad_moved, st.send_to, 2 * bytes, /*sent=*/false);
       recvs.push_back(
           {st.send_to, back_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
       recvs.push_back(
@@ -390,28 +456,89 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
     HSAP_RETURN_IF_ERROR(call.FenceTransfers(grads_ready[slot]));
     return ctx.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
   };
-  // The partials returned for stage j, added in step order.
-  hooks.add_returned = [&](size_t j) -> absl::Status {
-    const Stage& st = sched.stages[j];
-    if (st.send_to < 0) return absl::OkStatus();
+  // Adds the partials `gk`, `gv` of stage j's sent rows into their rows: of dk/dv, or of the
+  // relay store's sums for a fan-out.
+  auto add_rows = [&](const Stage& st, const float* gk, const float* gv) -> absl::Status {
+    float* to_k = st.send_from_store ? store_gk : dk32;
+    float* to_v = st.send_from_store ? store_gv : dv32;
     size_t offset = 0;
     for (const TokenRun& run : st.send_runs) {
       const long long count = static_cast<long long>(run.length * call.kv_row32());
       const size_t at = static_cast<size_t>(run.local_begin) * call.kv_row32();
-      for (auto [to, from] : {std::pair{dk32, back_k[j % 2]}, {dv32, back_v[j % 2]}}) {
+      for (auto [to, from] : {std::pair{to_k, gk}, {to_v, gv}}) {
         HSAP_RETURN_IF_ERROR(ctx.kernels->Accumulate({to + at, from + offset, count}, ctx.stream));
       }
       offset += static_cast<size_t>(count);
     }
     return absl::OkStatus();
   };
-  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
+  // The partials returned for stage j, added in step order.
+  hooks.add_returned = [&](size_t j) -> absl::Status {
+    const Stage& st = sched.stages[j];
+    if (st.send_to < 0 || st.send_grads_deferred) return absl::OkStatus();
+    return add_rows(st, back_k[j % 2], back_v[j % 2]);
+  };
+  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+  const size_t fan = sched.first_fan_out();
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).first(fan), hooks));
+  if (fan < sched.stages.size()) {
+    BackwardStages fan_out;
+    fan_out.post_kv = [&](size_t i) { return hooks.post_kv(fan + i); };
+    fan_out.local = [] { return absl::OkStatus(); };
+    fan_out.compute = [&](size_t i) { return hooks.compute(fan + i); };
+    fan_out.post_grad = [&](size_t i) { return hooks.post_grad(fan + i); };
+    fan_out.add_returned = [&](size_t i) { return hooks.add_returned(fan + i); };
+    HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).subspan(fan), fan_out));
+  }
+  // The return phase: each kept buffer's summed partials go back to its owner, which adds
+  // them in stage order after all its other partials.
+  {
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched.stages[i];
+      if (st.recv_from >= 0 && st.store_begin >= 0) {
+        const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
+        const size_t at = static_cast<size_t>(st.store_begin) * call.kv_row32();
+        call.Tally(grad_moved, st.recv_from, 2 * bytes, /*sent=*/true);
+        sends.push_back({st.recv_from, store_gk + at, bytes,
+                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
+        sends.push_back({st.recv_from, store_gv + at, bytes,
+                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
+        call.Tally(grad_moved, st.send_to, 2 * bytes, /*sent=*/false);
+        recvs.push_back({st.send_to, deferred_k[i], bytes,
+                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
+        recvs.push_back({st.send_to, deferred_v[i], bytes,
+                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+    }
+    if (!sends.empty() || !recvs.empty()) {
+      HSAP_RETURN_IF_ERROR(call.FenceTransfers(store_ready));
+      HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> pending,
+                            ctx.transport->Start(sends, recvs, "backward relay dk/dv return"));
+      HSAP_RETURN_IF_ERROR(pending->Wait());
+      for (size_t i = 0; i < fan; ++i) {
+        const Stage& st = sched.stages[i];
+        if (st.send_to >= 0 && st.send_grads_deferred) {
+          HSAP_RETURN_IF_ERROR(add_rows(st, deferred_k[i], deferred_v[i]));
+        }
+      }
+    }
+  }
   HSAP_RETURN_IF_ERROR(Store(ctx, dq32, dq, q_elems));
   HSAP_RETURN_IF_ERROR(Store(ctx, dk32, dk, kv_elems));
   HSAP_RETURN_IF_ERROR(Store(ctx, dv32, dv, kv_elems));
   if (traffic != nullptr) {
-    traffic->bytes_sent = call.moved().bytes_sent + grad_moved.bytes_sent;
-    traffic->bytes_received = call.moved().bytes_received + grad_moved.bytes_received;
+    const ExecTraffic& kv = call.moved();
+    traffic->bytes_sent = kv.bytes_sent + grad_moved.bytes_sent;
+    traffic->bytes_received = kv.bytes_received + grad_moved.bytes_received;
+    traffic->intra_node_sent = kv.intra_node_sent + grad_moved.intra_node_sent;
+    traffic->intra_node_received = kv.intra_node_received + grad_moved.intra_node_received;
+    traffic->inter_node_sent = kv.inter_node_sent + grad_moved.inter_node_sent;
+    traffic->inter_node_received = kv.inter_node_received + grad_moved.inter_node_received;
   }
   return absl::OkStatus();
 }

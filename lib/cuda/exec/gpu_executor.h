@@ -11,14 +11,22 @@
 // conversion to the storage dtype) enqueued on the compute stream, like a CUDA call.
 //
 // Memory. Every buffer is a region of the communicator's pool (buffer_pool.h's PoolLayout
-// of the schedule): double-buffered K/V receive and send slots, fp32 accumulators, and for
-// backward the dK/dV partials sent back and received. The work lists are uploaded once per
-// batch (DeviceWorkLists). Nothing is allocated in forward or backward.
+// of the schedule): double-buffered K/V receive and send slots, the relay store, fp32
+// accumulators, and for backward the dK/dV partials sent back and received. The work lists are
+// uploaded once per batch (DeviceWorkLists). Nothing is allocated in forward or backward.
 //
 // Order. The stages are posted in the global order of nccl_lowering.h (forward kv(1),
 // kv(2), ...; backward kv(1), kv(2), grad(1), kv(3), grad(2), ...), because NCCL matches
 // messages by posting order; the tests check the posted stages against LowerForward /
 // LowerBackward.
+//
+// Relays (a schedule on several nodes, lib/sched/schedule.h), as the host executor runs
+// them (lib/exec/executor.h): the direct stages first, then the fan-out stages, which send
+// from the relay store (kept receive buffers land straight in it). In the backward a
+// gateway computes a kept buffer's partials into the store's sums, adds the fan-out's
+// returned partials there in stage order, and after the last stage returns each kept
+// buffer's sums to its owner (the return phase, one transport group), which adds them in
+// stage order after all its other partials. The store and its sums are pool regions too.
 //
 // Fused forward. With ctx.window set, forward posts no stage: the rank packs the rows its
 // peers need into its peer window and publishes them with a flag; fused_fwd_kernel copies
@@ -42,6 +50,7 @@
 #include "absl/time/time.h"
 #include "attention/dtype.h"
 #include "attention/kernel.h"
+#include "lib/comm/topology.h"
 #include "lib/comm/transport.h"
 #include "lib/cuda/exec/exec_util.h"
 #include "lib/cuda/runtime/buffer_pool.h"
@@ -103,6 +112,9 @@ struct GpuExecContext {
   PeerWindow* window = nullptr;
   const FusedRoutes* routes = nullptr;
   absl::Duration peer_timeout = absl::Minutes(5);
+  // The communicator's topology: the traffic is counted by link class with it (null: every
+  // rank on one node). The fused forward runs only schedules without relays.
+  const Topology* topology = nullptr;
 };
 
 // Tensors as in lib/exec/executor.h, in device memory, ordered on ctx.stream.

@@ -35,19 +35,24 @@ P2pGroup KvGroup(const Stage& st, size_t row_bytes, uint64_t call_id, std::strin
   return GroupOfStage(sends, recvs, std::move(label));
 }
 
+size_t GradRowBytes(const AttentionDims& dims) {
+  return static_cast<size_t>(dims.heads_kv) * dims.head_dim * sizeof(float);
+}
+
 // The gradient group of stage `st`: fp32 dK/dV of the received rows go back to recv_from,
-// those of this rank's rows come from send_to.
+// those of this rank's rows come from send_to (except a relay's, which wait for the return
+// phase).
 P2pGroup GradGroup(const Stage& st, const AttentionDims& dims, uint64_t call_id,
                    std::string label) {
-  const size_t row = static_cast<size_t>(dims.heads_kv) * dims.head_dim * sizeof(float);
+  const size_t row = GradRowBytes(dims);
   std::vector<SendOp> sends;
   std::vector<RecvOp> recvs;
-  if (st.recv_from >= 0) {
+  if (st.recv_from >= 0 && st.store_begin < 0) {
     const size_t bytes = static_cast<size_t>(st.recv_rows) * row;
     sends.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kKeyGrad, st.step)});
     sends.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, Payload::kValueGrad, st.step)});
   }
-  if (st.send_to >= 0) {
+  if (st.send_to >= 0 && !st.send_grads_deferred) {
     const size_t bytes = static_cast<size_t>(st.send_rows) * row;
     recvs.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kKeyGrad, st.step)});
     recvs.push_back({st.send_to, nullptr, bytes, RingTag(call_id, Payload::kValueGrad, st.step)});
@@ -70,24 +75,43 @@ P2pProgram LowerForward(const Schedule& schedule, const AttentionDims& dims, DTy
 P2pProgram LowerBackward(const Schedule& schedule, const AttentionDims& dims, DType dtype,
                          uint64_t call_id) {
   const size_t row = KvRowBytes(dims, dtype);
-  // Global order over steps 1..R-1: kv(1), then for each t: kv(t+1), grad(t). A rank emits
-  // the labels of its own stages only; the order of labels is the same everywhere.
-  std::map<int, const Stage*> by_step;
-  for (const Stage& st : schedule.stages) by_step[st.step] = &st;
+  const std::vector<Stage>& stages = schedule.stages;
+  std::vector<int> steps;
+  for (const Stage& st : stages) steps.push_back(st.step);
   P2pProgram program;
-  auto kv = [&](int t) {
-    auto it = by_step.find(t);
-    if (it != by_step.end()) {
-      program.push_back(KvGroup(*it->second, row, call_id, absl::StrCat("bwd kv ", t)));
+  // The global order of labels (protocol::BackwardPostingOrder) over a run of stages
+  // starting at `first`: a rank emits the labels of its own stages only.
+  auto lower = [&](size_t first, absl::Span<const int> run) {
+    for (const protocol::BackwardGroup& g : protocol::BackwardPostingOrder(run)) {
+      const Stage& st = stages[first + g.index];
+      program.push_back(g.is_grad ? GradGroup(st, dims, call_id, absl::StrCat("bwd grad ", st.step))
+                                  : KvGroup(st, row, call_id, absl::StrCat("bwd kv ", st.step)));
     }
   };
-  kv(1);
-  for (int t = 1; t < schedule.num_ranks; ++t) {
-    if (t + 1 < schedule.num_ranks) kv(t + 1);
-    auto it = by_step.find(t);
-    if (it != by_step.end()) {
-      program.push_back(GradGroup(*it->second, dims, call_id, absl::StrCat("bwd grad ", t)));
+  // The direct stages, then the fan-outs (relays), then the return phase.
+  const size_t fan = schedule.first_fan_out();
+  lower(0, absl::MakeConstSpan(steps).first(fan));
+  lower(fan, absl::MakeConstSpan(steps).subspan(fan));
+  const size_t grad_row = GradRowBytes(dims);
+  std::vector<SendOp> sends;
+  std::vector<RecvOp> recvs;
+  for (size_t i = 0; i < fan; ++i) {
+    const Stage& st = stages[i];
+    if (st.recv_from >= 0 && st.store_begin >= 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * grad_row;
+      for (Payload p : {Payload::kRelayKeyGrad, Payload::kRelayValueGrad}) {
+        sends.push_back({st.recv_from, nullptr, bytes, RingTag(call_id, p, st.step)});
+      }
     }
+    if (st.send_to >= 0 && st.send_grads_deferred) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * grad_row;
+      for (Payload p : {Payload::kRelayKeyGrad, Payload::kRelayValueGrad}) {
+        recvs.push_back({st.send_to, nullptr, bytes, RingTag(call_id, p, st.step)});
+      }
+    }
+  }
+  if (!sends.empty() || !recvs.empty()) {
+    program.push_back(GroupOfStage(sends, recvs, "bwd relay return"));
   }
   return program;
 }

@@ -13,8 +13,13 @@
 // backward kv(1), kv(2), grad(1), kv(3), grad(2), ..., grad(R-1) (the K/V of step t+1 is in
 // flight while step t's gradients go back, as in the host executor). A group with label L
 // only meets groups with label L on its peers, so every group is self-contained and the
-// whole sequence is deadlock free. Inside a group operations are sorted by (peer, tag), so
-// the two sides of a pair list their K and V messages in the same order.
+// whole sequence is deadlock free. Relays (ranks on several nodes, lib/sched/schedule.h):
+// the fan-out stages (steps R + d) follow the direct stages in the same label order, and
+// the backward ends with one group returning the relays' summed partials ("bwd relay
+// return": each gateway sends, each owner receives, tags kRelayKeyGrad/ValueGrad); a
+// relayed buffer's partials are absent from its stage's gradient group. Inside a group operations
+// are sorted by (peer, tag), so the two sides of a pair list their K and V messages in the same
+// order.
 //
 // CheckNcclPrograms simulates the NCCL semantics above for all ranks and names any
 // mismatch or deadlock; the tests run it on the lowering and on the host executor's own

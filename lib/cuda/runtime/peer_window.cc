@@ -35,7 +35,8 @@ FusedExportLayout ExportLayoutOf(const Schedule& schedule, size_t kv_row_bytes) 
   FusedExportLayout out;
   out.offset_of_step.assign(static_cast<size_t>(schedule.num_ranks), kNoExport);
   for (const Stage& st : schedule.stages) {
-    if (st.send_to < 0) continue;
+    // Fan-out stages of relays (steps >= num_ranks) never run through windows.
+    if (st.send_to < 0 || st.step >= schedule.num_ranks) continue;
     out.offset_of_step[st.step] = out.bytes;
     // K rows then V rows, each run 16-byte aligned for the copy CTAs' vector loads.
     out.bytes += (2 * static_cast<size_t>(st.send_rows) * kv_row_bytes + 255) / 256 * 256;
@@ -231,6 +232,10 @@ absl::StatusOr<std::optional<FusedRoutes>> PeerWindow::Exchange(
   routes.copy_ctas = copy_ctas;
   routes.share = std::max(1, share);
   for (const Stage& st : schedule.stages) {
+    if (st.step >= size_) {
+      return absl::InternalError(
+          "a schedule with relays (ranks on several nodes) cannot move K/V through peer windows");
+    }
     routes.write_offset.push_back(st.send_to >= 0 ? layout.offset_of_step[st.step] : kNoExport);
     routes.read_offset.push_back(st.recv_from >= 0 ? offsets[st.recv_from][st.step] : kNoExport);
     if (st.recv_from >= 0 && routes.read_offset.back() == kNoExport) {

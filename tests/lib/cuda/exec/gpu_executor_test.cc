@@ -6,7 +6,10 @@
 //     (NCCL matches by posting order), and the NCCL simulator accepts them;
 //   - forward and backward allocate no device memory, and leave no event behind;
 //   - the traffic it reports equals the schedule's prediction;
-//   - a pool smaller than the layout is refused, naming the sizes.
+//   - a pool smaller than the layout is refused, naming the sizes;
+//   - on several nodes (relayed delivery, lib/sched/schedule.h) the same, plus: inter-node
+//     bytes, counted from the posted messages, equal a node-level lower bound recomputed
+//     here by brute force; one node gives exactly the direct schedules, programs and bytes.
 // clang-format off
 #include "tests/support/emulated_device.h"
 // clang-format on
@@ -15,6 +18,7 @@
 
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,7 +79,8 @@ struct RunResult {
 template <class Cfg>
 RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t pool_shortfall = 0,
                  std::vector<absl::Status>* statuses = nullptr, bool async = false,
-                 GpuExecMode mode = GpuExecMode::kFull, bool fused = false) {
+                 GpuExecMode mode = GpuExecMode::kFull, bool fused = false,
+                 const std::vector<int>& nodes = {}) {
   RunResult res;
   const int64_t T = layout.num_tokens();
   testing::DistCase c;
@@ -94,10 +99,12 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
   EXPECT_TRUE(partition.ok()) << partition.status();
   if (!partition.ok()) return res;
   for (int r = 0; r < R; ++r) {
-    absl::StatusOr<Schedule> s = BuildSchedule(layout, *partition, r, kKernelBlockQ);
+    absl::StatusOr<Schedule> s = BuildSchedule(layout, *partition, r, kKernelBlockQ, nodes);
     EXPECT_TRUE(s.ok()) << s.status();
     res.schedules.push_back(*std::move(s));
   }
+  std::optional<Topology> topology;
+  if (!nodes.empty()) topology = *Topology::FromRankNodes(nodes);
   auto transports = CreateHostTransports(R, absl::Seconds(120));
   EXPECT_TRUE(transports.ok()) << transports.status();
   std::vector<RecordingTransport*> recorders;
@@ -149,6 +156,7 @@ RunResult RunGpu(const Layout& layout, int R, DType dtype, uint64_t seed, size_t
     ctx.call_id = 7;
     ctx.stream = stream;
     ctx.mode = mode;
+    ctx.topology = topology.has_value() ? &*topology : nullptr;
     // Fused: the peer windows are set up as at batch creation (over the transport, whose
     // gather is not part of the calls' programs).
     PeerWindow window(device, r, R);
@@ -342,6 +350,159 @@ TEST(GpuExecutor, FusedForwardThroughPeerWindows) {
       layout, 4, DType::kBF16, 95, 0, nullptr, /*async=*/false, GpuExecMode::kFull, true);
 }
 
+// ---- Ranks on several nodes: relayed delivery ------------------------------------------------
+
+// A random node of each rank: 2..ranks nodes with arbitrary, non-contiguous numbers.
+std::vector<int> RandomNodes(int ranks, std::mt19937_64& rng) {
+  const int nodes = 2 + static_cast<int>(rng() % (ranks - 1));
+  std::vector<int> out(ranks);
+  for (int r = 0; r < ranks; ++r) out[r] = 2 * static_cast<int>(rng() % nodes) + 3;
+  return out;
+}
+
+// K/V rows that must enter some node: for each node, the rows its ranks' queries see that a
+// rank of another node owns, each counted once per node (brute force over the mask).
+uint64_t ForeignRowsPerNode(const Layout& layout, const std::vector<Schedule>& schedules,
+                            const std::vector<int>& nodes) {
+  std::vector<int> owner(layout.num_tokens(), -1);
+  for (const Schedule& s : schedules) {
+    for (const TokenRun& run : s.local_runs) {
+      for (int64_t t = run.global_begin; t < run.global_begin + run.length; ++t) owner[t] = s.rank;
+    }
+  }
+  std::set<std::pair<int, int64_t>> entering;  // (node, row)
+  for (int64_t q = 0; q < layout.num_tokens(); ++q) {
+    const int node = nodes[owner[q]];
+    for (int64_t k = 0; k < layout.num_tokens(); ++k) {
+      if (nodes[owner[k]] != node && layout.Visible(q, k)) entering.insert({node, k});
+    }
+  }
+  return entering.size();
+}
+
+// Inter-node bytes (counted by the executor from its messages) are the node-level lower
+// bound, forward and backward; the link classes split the same bytes as the totals.
+void ExpectInterNodeIsTheLowerBound(const Layout& layout, const RunResult& res,
+                                    const std::vector<int>& nodes, DType dtype) {
+  const uint64_t rows = ForeignRowsPerNode(layout, res.schedules, nodes);
+  const uint64_t kv = 2ull * kHeadsKv * kDim * DTypeSize(dtype);
+  const uint64_t grad = 2ull * kHeadsKv * kDim * sizeof(float);
+  uint64_t fwd_sent = 0, fwd_recv = 0, bwd_sent = 0, bwd_recv = 0;
+  for (size_t r = 0; r < res.schedules.size(); ++r) {
+    SCOPED_TRACE(::testing::Message() << "rank " << r);
+    for (const ExecTraffic& t : {res.fwd_traffic[r], res.bwd_traffic[r]}) {
+      EXPECT_EQ(t.intra_node_sent + t.inter_node_sent, t.bytes_sent);
+      EXPECT_EQ(t.intra_node_received + t.inter_node_received, t.bytes_received);
+    }
+    fwd_sent += res.fwd_traffic[r].inter_node_sent;
+    fwd_recv += res.fwd_traffic[r].inter_node_received;
+    bwd_sent += res.bwd_traffic[r].inter_node_sent;
+    bwd_recv += res.bwd_traffic[r].inter_node_received;
+  }
+  EXPECT_EQ(fwd_sent, fwd_recv);
+  EXPECT_EQ(bwd_sent, bwd_recv);
+  EXPECT_EQ(fwd_recv, rows * kv);
+  // Backward: the K/V once more, and their fp32 partials back across once.
+  EXPECT_EQ(bwd_recv, rows * (kv + grad));
+}
+
+bool Relays(const RunResult& res) {
+  for (const Schedule& s : res.schedules) {
+    if (s.store_rows > 0) return true;
+  }
+  return false;
+}
+
+TEST(GpuExecutorOnNodes, RelayedDeliveryMatchesReferenceAndCrossesEachNodeOnce) {
+  std::mt19937_64 rng(1313);
+  const DocMix mixes[] = {DocMix::kLongTail, DocMix::kOneHuge, DocMix::kSingle, DocMix::kUniform};
+  int relayed = 0;
+  for (int i = 0; i < 8; ++i) {
+    const int R = 3 + static_cast<int>(rng() % 4);
+    const std::vector<int> nodes = RandomNodes(R, rng);
+    const bool async = i % 3 == 2;
+    SCOPED_TRACE(::testing::Message()
+                 << "case " << i << ": " << R << " ranks, nodes " << ::testing::PrintToString(nodes)
+                 << (async ? ", async" : ""));
+    const Layout layout = testing::RandomLayout(50 * R + 40, mixes[i % 4], 700 + i, i % 2 == 0);
+    const RunResult res = RunGpu<TestCfg<float, true>>(layout, R, DType::kF32, 700 + i, 0, nullptr,
+                                                       async, GpuExecMode::kFull,
+                                                       /*fused=*/false, nodes);
+    ExpectPostedAsLowered(res, DType::kF32);
+    ExpectPredictedTraffic(res, DType::kF32);
+    ExpectInterNodeIsTheLowerBound(layout, res, nodes, DType::kF32);
+    relayed += Relays(res) ? 1 : 0;
+  }
+  EXPECT_GE(relayed, 3) << "too few cases relayed anything for the test to mean much";
+}
+
+TEST(GpuExecutorOnNodes, TwoNodesBf16AndAFullDocument) {
+  // bf16 storage, relays through the store.
+  const Layout layout = testing::RandomLayout(260, DocMix::kLongTail, 717, false);
+  const std::vector<int> nodes = {0, 0, 1, 1, 1};
+  const RunResult res = RunGpu<TestCfg<hsap_dev::bf16, true>>(
+      layout, 5, DType::kBF16, 717, 0, nullptr, false, GpuExecMode::kFull, false, nodes);
+  ExpectPostedAsLowered(res, DType::kBF16);
+  ExpectInterNodeIsTheLowerBound(layout, res, nodes, DType::kBF16);
+  // One full document over 4 ranks on 2 nodes: every rank needs every row, so each row
+  // enters the other node once instead of twice.
+  absl::StatusOr<Layout> full = Layout::FromDocuments({0, 192}, {MaskKind::kFull});
+  ASSERT_TRUE(full.ok()) << full.status();
+  const std::vector<int> two = {0, 0, 1, 1};
+  const RunResult f = RunGpu<TestCfg<float, false>>(*full, 4, DType::kF32, 718, 0, nullptr, false,
+                                                    GpuExecMode::kFull, false, two);
+  ASSERT_TRUE(Relays(f));
+  ExpectPostedAsLowered(f, DType::kF32);
+  uint64_t inter = 0;
+  for (const ExecTraffic& t : f.fwd_traffic) inter += t.inter_node_received;
+  EXPECT_EQ(inter, 192u * 2 * kHeadsKv * kDim * sizeof(float));
+}
+
+// Every rank on one node (any node number): exactly today's schedules, programs and bytes.
+TEST(GpuExecutorOnNodes, OneNodeIsExactlyTheDirectDelivery) {
+  for (auto [R, mix, seed] : {std::tuple{4, DocMix::kLongTail, 731}, {5, DocMix::kOneHuge, 732}}) {
+    const Layout layout = testing::RandomLayout(50 * R + 30, mix, seed, false);
+    const RunResult direct = RunGpu<TestCfg<float, true>>(layout, R, DType::kF32, seed);
+    const RunResult one =
+        RunGpu<TestCfg<float, true>>(layout, R, DType::kF32, seed, 0, nullptr, false,
+                                     GpuExecMode::kFull, false, std::vector<int>(R, 9));
+    for (int r = 0; r < R; ++r) {
+      SCOPED_TRACE(::testing::Message() << "rank " << r);
+      EXPECT_EQ(one.schedules[r].store_rows, 0);
+      EXPECT_EQ(one.schedules[r].stages.size(), direct.schedules[r].stages.size());
+      ASSERT_EQ(one.forward[r].size(), direct.forward[r].size());
+      for (size_t g = 0; g < one.forward[r].size(); ++g) {
+        EXPECT_EQ(one.forward[r][g].ops, direct.forward[r][g].ops);
+      }
+      ASSERT_EQ(one.backward[r].size(), direct.backward[r].size());
+      for (size_t g = 0; g < one.backward[r].size(); ++g) {
+        EXPECT_EQ(one.backward[r][g].ops, direct.backward[r][g].ops);
+      }
+      EXPECT_EQ(one.fwd_traffic[r].bytes_received, direct.fwd_traffic[r].bytes_received);
+      EXPECT_EQ(one.bwd_traffic[r].bytes_sent, direct.bwd_traffic[r].bytes_sent);
+      EXPECT_EQ(one.fwd_traffic[r].intra_node_received, one.fwd_traffic[r].bytes_received);
+      EXPECT_EQ(one.bwd_traffic[r].inter_node_sent, 0u);
+      const absl::StatusOr<PoolLayout> a =
+          ComputePoolLayout(one.schedules[r], {kHeadsQ, kHeadsKv, kDim, 1.0f}, DType::kF32);
+      EXPECT_EQ(a->relay_kv + a->relay_grad + a->relay_returned, 0u);
+    }
+  }
+}
+
+// The relay regions are part of the pool: one byte less than the layout is refused.
+TEST(GpuExecutorOnNodes, SmallPoolIsRefused) {
+  const Layout layout = testing::RandomLayout(200, DocMix::kLongTail, 741, false);
+  std::vector<absl::Status> statuses;
+  const RunResult res =
+      RunGpu<TestCfg<float, true>>(layout, 4, DType::kF32, 741, /*pool_shortfall=*/1, &statuses,
+                                   false, GpuExecMode::kFull, false, {0, 0, 1, 1});
+  ASSERT_TRUE(Relays(res));
+  for (const absl::Status& s : statuses) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_THAT(s.message(), HasSubstr("relay_kv"));
+  }
+}
+
 TEST(GpuExecutor, Bf16AndFp16) {
   const Layout layout = testing::RandomLayout(180, DocMix::kLongTail, 21, false);
   RunGpu<TestCfg<hsap_dev::bf16, true>>(layout, 3, DType::kBF16, 21);
@@ -404,7 +565,8 @@ enum class Where {
 // share_memory: the transports offer peer windows (as loopback and NCCL ones do), so
 // batches use the fused forward when their kernels have it and the ranks reach each other.
 GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
-                      Where where = Where::kNowhere, absl::Duration timeout = absl::Seconds(120)) {
+                      Where where = Where::kNowhere, absl::Duration timeout = absl::Seconds(120),
+                      const std::vector<int>& nodes = {}) {
   GpuWorld w;
   auto transports = CreateHostTransports(R, timeout);
   EXPECT_TRUE(transports.ok()) << transports.status();
@@ -428,7 +590,9 @@ GpuWorld MakeGpuWorld(int R, int failing = -1, bool share_memory = false,
       t = std::make_unique<testing::EmulatedDeviceTransport>(
           std::move(t), *w.transport_devices.back(), /*share_memory=*/true);
     }
-    w.comms.push_back(std::make_unique<Communicator>(std::move(t), timeout, 1));
+    std::optional<Topology> topology;
+    if (!nodes.empty()) topology = *Topology::FromRankNodes(nodes);
+    w.comms.push_back(std::make_unique<Communicator>(std::move(t), timeout, 1, topology));
     auto gpu = GpuComm::Create(std::move(device), nullptr, timeout);
     EXPECT_TRUE(gpu.ok()) << gpu.status();
     w.gpus.push_back(*std::move(gpu));
@@ -588,6 +752,78 @@ TEST(GpuBatch, PeerWindowsOutOfReachFallBackToStages) {
   RunThroughBatchApi<testing::SmallTileCfg<float, 2, true, 2>>(/*fused=*/true, Where::kTwoHosts);
 }
 
+// Ranks on two nodes through the Batch API: relayed delivery (the runner runs relays), no
+// fused forward even where the windows would be reachable, results against the reference,
+// the pool sized with the relay store, and hsapBatchGetLinkTraffic's figures (Batch::Links)
+// counted from the messages: inter-node bytes are the node-level lower bound.
+TEST(GpuBatch, RanksOnSeveralNodesRelayThroughTheBatchApi) {
+  using Cfg = testing::SmallTileCfg<float, 2, true, 2>;  // with the fused forward
+  const int R = 4;
+  const std::vector<int> nodes = {0, 1, 0, 1};
+  GpuWorld w =
+      MakeGpuWorld(R, -1, /*share_memory=*/true, Where::kNowhere, absl::Seconds(120), nodes);
+  auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
+  const Layout layout = testing::RandomLayout(260, DocMix::kOneHuge, 751, false);
+  BatchOptions options;
+  options.dtype = DType::kF32;
+  options.heads_q = kHeadsQ;
+  options.heads_kv = kHeadsKv;
+  options.head_dim = kDim;
+  testing::DistCase c;
+  c.dtype = DType::kF32;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, layout.num_tokens(), 751);
+  testing::RowOutputs got;
+  got.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+  got.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+  got.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+  got.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+  got.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
+  std::vector<Schedule> schedules(R);
+  std::vector<LinkTraffic> fwd(R), bwd(R);
+  testing::OnEveryRank(R, [&](int r) {
+    std::unique_ptr<RunnerFactory> runners = NewGpuRunners(w.gpus[r], kernels);
+    auto batch = Batch::Create(*w.comms[r], layout, {}, options, *runners);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    EXPECT_FALSE(UsesFusedForward((*batch)->runner())) << "rank " << r;
+    const Schedule& sched = *(*batch)->schedule();
+    schedules[r] = sched;
+    EXPECT_EQ(w.gpus[r]->pool_bytes(),
+              ComputePoolLayout(sched, (*batch)->dims(), DType::kF32)->total_bytes());
+    testing::ShardTensors t(in, got, ShardOf(sched), kHeadsQ);
+    ASSERT_TRUE(
+        (*batch)->Forward(t.q.data(), t.k.data(), t.v.data(), t.out.data(), t.lse.data()).ok());
+    ASSERT_TRUE((*batch)
+                    ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                               t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
+                    .ok());
+    absl::StatusOr<LinkTraffic> f = (*batch)->Links((*batch)->traffic().forward);
+    absl::StatusOr<LinkTraffic> b = (*batch)->Links((*batch)->traffic().backward);
+    ASSERT_TRUE(f.ok() && b.ok()) << f.status() << b.status();
+    fwd[r] = *f;
+    bwd[r] = *b;
+    EXPECT_EQ(f->intra_node_sent + f->inter_node_sent, (*batch)->traffic().forward.sent());
+    t.Unslice(got);
+  });
+  const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
+  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
+                                  testing::kCudaKernelFloor);
+  bool relays = false;
+  for (const Schedule& s : schedules) relays |= s.store_rows > 0;
+  EXPECT_TRUE(relays) << "the layout must relay something for this test to mean anything";
+  const uint64_t rows = ForeignRowsPerNode(layout, schedules, nodes);
+  const uint64_t kv = 2ull * kHeadsKv * kDim * sizeof(float);
+  uint64_t fwd_inter = 0, bwd_inter = 0;
+  for (int r = 0; r < R; ++r) {
+    fwd_inter += fwd[r].inter_node_received;
+    bwd_inter += bwd[r].inter_node_received;
+  }
+  EXPECT_EQ(fwd_inter, rows * kv);
+  EXPECT_EQ(bwd_inter, rows * 2 * kv);  // K/V again, and fp32 partials (fp32 storage: same)
+}
+
 // Also on transports that share memory, where the ranks exchange peer windows after the
 // failure.
 TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
@@ -605,8 +841,9 @@ TEST(GpuBatch, ADeviceThatCannotPrepareFailsEveryRank) {
     options.head_dim = kDim;
     std::vector<absl::Status> status(R);
     testing::OnEveryRank(R, [&](int r) {
-      status[r] = Batch::Create(*w.comms[r], layout, {}, options, *NewGpuRunners(w.gpus[r], kernels))
-                      .status();
+      status[r] =
+          Batch::Create(*w.comms[r], layout, {}, options, *NewGpuRunners(w.gpus[r], kernels))
+              .status();
     });
     EXPECT_EQ(status[failing].code(), absl::StatusCode::kResourceExhausted) << status[failing];
     EXPECT_THAT(status[failing].message(), HasSubstr("device pool"));
