@@ -106,14 +106,14 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
 // Every one is spill-free under ptxas (CUDA 13) for bf16/f16, deterministic and atomic dq, on
 // sm_80 and sm_90 (the variant compile test holds the shipped ones to zero spills). Not
 // 16 x 64 at D = 64: ptxas caps that kernel at 168 registers (3 CTAs per SM) on sm_80 and
-// spills to get there. D = 240 keeps the FMA backward: its deterministic dq pass spills at
-// 255 registers (16-48 bytes; 16-key dq tiles would fix it, not built yet). Explicit bwd tiles
-// still select the tensor-core kernel (tests).
+// spills to get there. At D = 240 the deterministic dq pass takes 16-key tiles (with 32 it
+// spilled 16-48 bytes at 255 registers). Explicit bwd tiles still select the tensor-core
+// kernel (tests).
 struct MmaBwdTile {
   int bm = 0, bn = 0, threads = 0;  // bm == 0: no tensor-core backward
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
-  if (head_dim < 64 || head_dim == 240) return {};
+  if (head_dim < 64) return {};
   if (head_dim <= 64) return {32, 64, 128};
   if (head_dim <= 128) return {16, 64, 128};
   return {16, 32, 128};
@@ -121,13 +121,14 @@ MmaBwdTile MmaBwdTileFor(int head_dim) {
 
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with
 // lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, or per two
-// warps above head dim 128, two stages of 32-key K, V tiles), rows padded by 8 elements, after
-// 256 bytes of shared walk state.
+// warps above head dim 128, two stages of 32-key K, V tiles, 16-key at head dim 240), rows
+// padded by 8 elements, after 256 bytes of shared walk state.
 int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
   const int row = 2 * (d + 8), ctrl = 256, qm = 16 * (threads / 32) / (d > 128 ? 2 : 1);
   const int key_pass = ctrl + 2 * bn * row + 2 * 2 * bm * row + 2 * 2 * bm * 4 +
                        (deterministic_dq ? 0 : bn * (bm + 8) * 2);
-  const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * std::min(bn, 32) * row;
+  const int dq_bn = bn < 32 || d == 240 ? 16 : 32;
+  const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * dq_bn * row;
   return std::max(key_pass, dq_pass);
 }
 
@@ -294,8 +295,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_threads = m.threads;
     t.bwd_tensor_core = true;
   } else {
-    // The FMA backward: fp32, other head dims (240: see MmaBwdTileFor), or tensor-core tiles
-    // that do not fit the shared memory (head dim 256 on sm_86/89: 99 KB).
+    // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit the
+    // shared memory (head dim 256 on sm_86/89: 99 KB).
     for (const auto& [bm, bn] : kBwdCandidates) {
       if (BwdSmemBytes(c.head_dim, bm, bn) <= limit) {
         t.bwd_block_m = bm;

@@ -2,7 +2,7 @@
 // (tests/support/cuda_emulator.h with the warp-collective mma / ldmatrix / cp.async of
 // tests/support/emulated_ptx.h) at the tiles and CTA size a GPU runs (the shipped tiles of
 // MmaBwdTileFor, 4 warps: 32x64 at head dim 64, 16x64 at 128, 16x32 with two warps splitting
-// D at 144 and 256), every mask kind and arbitrary slices, GQA and a kv-head map, bf16 and
+// D at 144, 240 and 256), every mask kind and arbitrary slices, GQA and a kv-head map, bf16 and
 // f16: dq, dk, dv against the fp64 reference backward under the
 // project's rule (attention/tolerance.h), with lse and delta from the reference forward.
 // The deterministic dq mode run twice is bitwise equal; the atomic mode is within the rule.
@@ -221,6 +221,11 @@ TEST(CudaMmaBackward, Bf16HeadDim256Documents) {
 TEST(CudaMmaBackward, Bf16HeadDim144Slices) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::bf16, 144, 2, true>>(
       MakeProblem(SliceLayout(), DType::kBF16, 144, 2, 1, 27), 64);
+}
+// Head dim 240: the dq pass takes 16-key tiles there (MmaBwdShape::kDqBN); f16, slices.
+TEST(CudaMmaBackward, F16HeadDim240Slices) {
+  CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 240, 2, true>>(
+      MakeProblem(SliceLayout(), DType::kF16, 240, 2, 1, 31), 64);
 }
 // fp32 atomics for dq: within the rule (not bitwise reproducible by design), at head dims 64,
 // 128, 144 (dq columns in two parts: 144 / 8 does not divide by 4 warps) and 256.

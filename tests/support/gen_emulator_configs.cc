@@ -151,7 +151,7 @@ std::vector<Family> Families() {
         MmaBackward(kF16, 128, 2, true), MmaBackward(kBF16, 128, 2, false),
         MmaBackward(kBF16, 64, 2, false), MmaBackward(kBF16, 256, 2, true),
         MmaBackward(kF16, 256, 2, false), MmaBackward(kBF16, 144, 2, true),
-        MmaBackward(kBF16, 144, 2, false)}},
+        MmaBackward(kBF16, 144, 2, false), MmaBackward(kF16, 240, 2, true)}},
   };
 }
 
