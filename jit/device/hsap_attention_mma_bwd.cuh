@@ -41,8 +41,8 @@
 //                  warps of a key group compute the same S^T, dP^T (the price of keeping dK,
 //                  dV in registers); query items split D the same way (kDqSplit = 2, 64
 //                  floats of dQ at D = 256 instead of 128, which spilled).
-// ptxas (CUDA 13) gives 165-245 registers and no spills for these on sm_80 and sm_90
-// (docs/gpu_backend.md has the table).
+// ptxas (CUDA 13) gives 160-250 registers and no spills for these on sm_80 and sm_90, bf16 and
+// f16, deterministic and atomic dq (docs/gpu_backend.md has the table).
 //
 // Shared memory (storage type, rows padded by 8 elements = 16 bytes so that the 8 rows an
 // ldmatrix reads fall into distinct bank groups): key items K, V tiles [kBN][kLd], two stages
