@@ -18,6 +18,8 @@ int StorageBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 struct TileCosts {
   double flops = 0, global_bytes = 0, smem_bytes = 0, exps = 0, alu_ops = 0;
+  // Matrix products issued per useful one (the tensor-core backward recomputes some).
+  double issued_per_useful = 1;
 };
 
 Roofline Evaluate(bool tc, const TileCosts& k, int threads, int registers, int smem,
@@ -34,8 +36,9 @@ Roofline Evaluate(bool tc, const TileCosts& k, int threads, int registers, int s
   r.flops_per_smem_byte = k.smem_bytes > 0 ? k.flops / k.smem_bytes : 0;
   r.ctas_per_sm = jit::CudaCtasPerSm(gpu.arch, threads, registers, smem, &r.occupancy_limiter);
   r.peak_tflops = tc ? gpu.dense_16bit_tflops : gpu.fp32_tflops;
-  r.issue_tflops =
-      tc ? gpu.dense_16bit_tflops * (gpu.arch >= 90 ? kMmaSyncFractionSm90 : 1.0) : gpu.fp32_tflops;
+  r.issue_tflops = (tc ? gpu.dense_16bit_tflops * (gpu.arch >= 90 ? kMmaSyncFractionSm90 : 1.0)
+                       : gpu.fp32_tflops) /
+                   k.issued_per_useful;
   r.smem_tflops = tflops(k.smem_bytes / kSmemBytesPerClock);
   r.mufu_tflops = tflops(k.exps / kMufuPerClock);
   r.alu_tflops = tflops(k.alu_ops / fp32_ops_per_clock);
@@ -106,6 +109,13 @@ Roofline BackwardRoofline(const jit::CudaKernelConfig& c, const jit::CudaTiles& 
     // blocks: Q and dO in, dQ added in fp32 (read and write).
     k.global_bytes = bm * d * (2 * StorageBytes(c.dtype) + 8);
     k.smem_bytes = 0;  // depends on the backward's warp layout; not modelled
+    // Products issued of the 5 useful ones (hsap_attention_mma_bwd.cuh): S^T and dP^T once
+    // per warp sharing a key group (two above head dim 128, which split D), dV and dK once;
+    // dq either by atomics from dS^T (one product) or by query items that recompute S and dP
+    // (again per warp sharing query rows) before dQ.
+    const double split = d > 128 ? 2 : 1;
+    const double dq = c.deterministic_dq ? 2 * split + 1 : 1;
+    k.issued_per_useful = (2 * split + 2 + dq) / 5;
   } else {
     // Query block per CTA, key tiles streamed: K and V in, dK and dV added in fp32.
     k.global_bytes = bn * d * (2 * StorageBytes(c.dtype) + 16);

@@ -10,7 +10,9 @@
 //   - the shared-memory bytes the warps read (ldmatrix / fp32 loads), against 128 B/clk/SM;
 //   - the exponentials (MUFU, 16/clk/SM) and the tensor-core issue rate: an mma.sync
 //     m16n8k16 is 4096 FLOPs; on sm_90 mma.sync runs at an assumed fraction of the wgmma
-//     peak (kMmaSyncFractionSm90, to be measured by bench/device_check.sh);
+//     peak (kMmaSyncFractionSm90, to be measured by bench/device_check.sh); the tensor-core
+//     backward issues more products than the 5 useful ones (7 with deterministic dq, 11
+//     above head dim 128 where two warps recompute S and dP), which lowers its issue bound;
 // and the occupancy (CTAs per SM) from the registers of the resource report, the threads and
 // the shared memory. The prediction is the smallest on-chip bound (issue, shared memory,
 // MUFU, ALU): the grid runs the query blocks of one head next to each other, so their

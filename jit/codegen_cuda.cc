@@ -98,29 +98,37 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
 }
 
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
-// behind them): 4 warps, each owning 16 keys x all of D of dK/dV (64-key tiles), next to S^T
-// and dP^T of a 16-query tile. What ptxas (CUDA 13) made of the others: 32-query tiles at
-// D = 128 spilled 24 bytes on sm_90; at D = 64 both 64x64 (sm_90) and 16x64 (sm_80) tiles
-// spilled 16-44 bytes, and the 32x32 tiles of D > 128 (two warps splitting D) 16-36 bytes.
-// So the shipped tensor-core backward covers 64 < D <= 128; other head dims keep the FMA
-// backward until a spill-free tiling exists (the variant compile test holds every shipped
-// kernel to zero spills). Explicit bwd tiles still select the tensor-core kernel (tests).
+// behind them), 4 warps each:
+//   D = 64:        32 queries x 64 keys; a warp owns 16 keys x all of D of dK/dV.
+//   64 < D <= 128: 16 x 64 (dK/dV of 16 keys x all of D is 2 * 64 floats per thread at D = 128;
+//                  32-query tiles spilled on sm_90).
+//   D > 128:       16 x 32; two warps split D for dK/dV (and for dQ in the dq pass).
+// Every one is spill-free under ptxas (CUDA 13) for bf16/f16, deterministic and atomic dq, on
+// sm_80 and sm_90 (the variant compile test holds the shipped ones to zero spills). Not
+// 16 x 64 at D = 64: ptxas caps that kernel at 168 registers (3 CTAs per SM) on sm_80 and
+// spills to get there. At D = 240 the deterministic dq pass takes 16-key tiles (with 32 it
+// spilled 16-48 bytes at 255 registers). Explicit bwd tiles still select the tensor-core
+// kernel (tests).
 struct MmaBwdTile {
   int bm = 0, bn = 0, threads = 0;  // bm == 0: no tensor-core backward
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
-  if (head_dim > 64 && head_dim <= 128) return {16, 64, 128};
-  return {};
+  if (head_dim < 64) return {};
+  if (head_dim <= 64) return {32, 64, 128};
+  if (head_dim <= 128) return {16, 64, 128};
+  return {16, 32, 128};
 }
 
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with
-// lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, two stages of
-// 32-key K, V tiles), rows padded by 8 elements, after 256 bytes of shared walk state.
+// lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, or per two
+// warps above head dim 128, two stages of 32-key K, V tiles, 16-key at head dim 240), rows
+// padded by 8 elements, after 256 bytes of shared walk state.
 int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
-  const int row = 2 * (d + 8), ctrl = 256, qm = 16 * (threads / 32);
+  const int row = 2 * (d + 8), ctrl = 256, qm = 16 * (threads / 32) / (d > 128 ? 2 : 1);
   const int key_pass = ctrl + 2 * bn * row + 2 * 2 * bm * row + 2 * 2 * bm * 4 +
                        (deterministic_dq ? 0 : bn * (bm + 8) * 2);
-  const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * std::min(bn, 32) * row;
+  const int dq_bn = bn < 32 || d == 240 ? 16 : 32;
+  const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * dq_bn * row;
   return std::max(key_pass, dq_pass);
 }
 
@@ -287,8 +295,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_threads = m.threads;
     t.bwd_tensor_core = true;
   } else {
-    // The FMA backward: fp32, other head dims, head dims above 128 (see MmaBwdTileFor), or
-    // tensor-core tiles that do not fit the shared memory.
+    // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit the
+    // shared memory (head dim 256 on sm_86/89: 99 KB).
     for (const auto& [bm, bn] : kBwdCandidates) {
       if (BwdSmemBytes(c.head_dim, bm, bn) <= limit) {
         t.bwd_block_m = bm;

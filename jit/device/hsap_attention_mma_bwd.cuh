@@ -13,7 +13,7 @@
 //      then adds dK * scale and dV to dk/dv once: one CTA per (key rows, kv head), so dk/dv
 //      are bitwise deterministic (the plain kernel's are not).
 //   2. dq. kDeterministicDq (default): query items (query block, head), exactly the plain
-//      kernel's organisation: the CTA owns 16 * kWarps query rows, walks the block's segments
+//      kernel's organisation: the CTA owns kQM query rows, walks the block's segments
 //      and key tiles in order, recomputes S, P, dP, dS and accumulates dQ = dS K in registers,
 //      then adds dQ * scale to its rows: a fixed reduction order, bitwise reproducible, at the
 //      price of recomputing S and dP (7 instead of 5 tile products; see docs/gpu_backend.md).
@@ -27,25 +27,30 @@
 // dV += P^T dO and dK += dS^T Q: no shared-memory round trip for P or dS. Q and dO are the
 // B operand of S^T/dP^T (stored [query][d], i.e. "column-major" B: ldmatrix without .trans)
 // and of dV/dK (k = query: ldmatrix.trans).
-// Query items: warp w owns 16 query rows; S = Q K^T, dP = dO V^T (B = K, V rows: plain
-// ldmatrix), dQ += dS K (A = dS from the accumulators, B = K with ldmatrix.trans).
+// Query items: warp w owns 16 query rows w % kDqRowGroups and the dQ columns of its part
+// w / kDqRowGroups of the head dim; S = Q K^T, dP = dO V^T (B = K, V rows: plain ldmatrix),
+// dQ += dS K (A = dS from the accumulators, B = K with ldmatrix.trans).
 //
 // Registers (fp32 accumulators per thread; 255 is the hardware limit, the compile test asks
 // for zero spills): key items hold dK + dV = 2 * 16 * kDW / 32 = kDW and S^T, dP^T =
-// 2 * 16 * kBM / 32 = kBM. Head dims up to 128: 16 keys x all of D per warp (kDW = D),
-// kBN = 64, 4 warps, and kBM = 64 for D <= 64 (64 + 64 floats) but kBM = 16 above
-// (128 + 16: with 32, ptxas spilled 24 bytes on sm_90); head dims above 128 split D over two
-// warps (kDW = D / 2 <= 128, kBN = 32, kBM = 32):
-// both warps of a key group compute the same S^T, dP^T (the price of keeping dK, dV in
-// registers). Query items hold dQ = D / 2 floats plus S, dP of 32-key tiles (16 floats).
+// 2 * 16 * kBM / 32 = kBM; query items dQ = 16 * D / kDqSplit / 32 and S, dP of 32-key tiles
+// (32). The generator's tiles (MmaBwdTileFor), 4 warps:
+//   D = 64:        kBN = 64, kBM = 32: 16 keys x all of D per warp (64 + 32 floats);
+//   64 < D <= 128: kBN = 64, kBM = 16 (128 + 16 at D = 128; with 32, ptxas spilled);
+//   D > 128:       kBN = 32, kBM = 16, D split over two warps (kDW = D / 2 <= 128): both
+//                  warps of a key group compute the same S^T, dP^T (the price of keeping dK,
+//                  dV in registers); query items split D the same way (kDqSplit = 2, 64
+//                  floats of dQ at D = 256 instead of 128, which spilled).
+// ptxas (CUDA 13) gives 160-250 registers and no spills for these on sm_80 and sm_90, bf16 and
+// f16, deterministic and atomic dq (docs/gpu_backend.md has the table).
 //
 // Shared memory (storage type, rows padded by 8 elements = 16 bytes so that the 8 rows an
 // ldmatrix reads fall into distinct bank groups): key items K, V tiles [kBN][kLd], two stages
 // of Q, dO [kBM][kLd] with their lse and delta, and dS^T [kBN][kBM + 8] (atomic dq only);
-// query items Q, dO [16 kWarps][kLd] (lse, delta in registers) and two stages of K, V
-// [kDqBN = 32][kLd]. Both start after 256 bytes of walk state that thread 0 advances and shares
-// (a uniform walk in every thread's registers would cost ~20 of them in the compute loop);
-// they reuse the same memory (MmaBwdShape::kSmemBytes = the larger).
+// query items Q, dO [kQM = 16 kWarps / kDqSplit][kLd] (lse, delta in registers) and two
+// stages of K, V [kDqBN = 32 (16 at D = 240)][kLd]. Both start after 256 bytes of walk state that
+// thread 0 advances and shares (a uniform walk in every thread's registers would cost ~20 of them
+// in the compute loop); they reuse the same memory (MmaBwdShape::kSmemBytes = the larger).
 //
 // Masking is per element exactly as attn_bwd_kernel: a (query, key) pair counts for a
 // segment iff the key is in [k_begin, k_end), diag_lo <= key - query <= diag_hi and the
@@ -95,17 +100,29 @@ struct MmaBwdShape {
   static constexpr int kKeyGroups = kBN / 16;          // warps along the keys of a tile
   static constexpr int kDSplit = kWarps / kKeyGroups;  // warps sharing a key group
   static constexpr int kDW = kD / kDSplit;             // dK/dV columns per warp
-  static constexpr int kQM = 16 * kWarps;              // query rows of a query item's chunk
-  static constexpr int kLd = kD + 8;                   // padded tile row (elements)
-  static constexpr int kSLd = kBM + 8;                 // padded dS^T row (elements)
-  // Atomic dq: warp w adds the 16 query rows w % kRowGroups, columns of part w / kRowGroups.
+  // Query items: above head dim 128 two warps share 16 query rows, each accumulating dQ of
+  // half of D (dQ of all 256 columns would be 128 floats per thread next to S and dP).
+  static constexpr int kDqSplit = kD > 128 ? 2 : 1;
+  static constexpr int kDqRowGroups = kWarps / kDqSplit;
+  static constexpr int kDqW = kD / kDqSplit;     // dQ columns per warp
+  static constexpr int kQM = 16 * kDqRowGroups;  // query rows of a query item's chunk
+  static constexpr int kLd = kD + 8;             // padded tile row (elements)
+  static constexpr int kSLd = kBM + 8;           // padded dS^T row (elements)
+  // Atomic dq: warp w adds the 16 query rows w % kRowGroups, columns of part w / kRowGroups
+  // (kDqParts parts of whole 8-column tiles: the warps of a row group, or two of them when
+  // D / 8 does not divide by their number, e.g. D = 80 or 144 on 4 warps; the others idle).
   static constexpr int kRowGroups = kBM / 16;
-  static constexpr int kDQW = kD / (kWarps / kRowGroups > 0 ? kWarps / kRowGroups : 1);
+  static constexpr int kWarpsPerRowGroup = kWarps / kRowGroups > 0 ? kWarps / kRowGroups : 1;
+  static constexpr int kDqParts = (kD / 8) % kWarpsPerRowGroup == 0 ? kWarpsPerRowGroup
+                                  : (kD / 8) % 2 == 0 && kWarpsPerRowGroup % 2 == 0 ? 2
+                                                                                    : 1;
+  static constexpr int kDQW = kD / kDqParts;
   static constexpr int kDQChunkTiles = MmaLargestDivisor<kDQW / 8, 8>::value;
 
   // The dq pass's key tile: 32 keys (S and dP of 32 keys next to dQ; half the shared memory
-  // of 64-key stages, so that head dim 128 fits the 99 KB of sm_86/89).
-  static constexpr int kDqBN = kBN < 32 ? kBN : 32;
+  // of 64-key stages, so that head dim 128 fits the 99 KB of sm_86/89); 16 at head dim 240,
+  // where ptxas spilled the 32-key pass at 255 registers (144..224 and 256 do not).
+  static constexpr int kDqBN = kBN < 32 || kD == 240 ? 16 : 32;
   // The walk and tile descriptors that thread 0 shares (MmaKeyWalk / MmaQueryWalk, MmaTile).
   static constexpr int kCtrlBytes = 256;
   static constexpr int kRowBytes = kLd * 2;
@@ -125,6 +142,7 @@ struct MmaBwdShape {
                 "hsap: key tile must be 16 keys per warp group");
   static_assert(kD % kDSplit == 0 && kDW % 8 == 0, "hsap: head dim split over warps");
   static_assert(kBM % 16 == 0 && kBM >= 16, "hsap: query tile must be a multiple of 16 rows");
+  static_assert(kWarps % kDqSplit == 0 && kDqW % 8 == 0, "hsap: dQ columns split over warps");
   static_assert(Cfg::kDeterministicDq ||
                     (kWarps % kRowGroups == 0 && kDQW % 8 == 0 && kD % kDQW == 0),
                 "hsap: atomic dq needs the query tile's row groups to divide the warps");
@@ -466,8 +484,10 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
       __syncthreads();
       const int rg = warp % S::kRowGroups, part = warp / S::kRowGroups;
       constexpr int kCT = S::kDQChunkTiles;
+      const int c_end =
+          S::kDqParts == S::kWarpsPerRowGroup || part < S::kDqParts ? (part + 1) * S::kDQW : 0;
       HSAP_UNROLL_N(1)
-      for (int c0 = part * S::kDQW; c0 < (part + 1) * S::kDQW; c0 += 8 * kCT) {
+      for (int c0 = part * S::kDQW; c0 < c_end; c0 += 8 * kCT) {
         float acc[kCT][4];
         zero_acc(acc);
         HSAP_UNROLL
@@ -569,7 +589,7 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
   using T = typename Cfg::T;
   constexpr int kD = S::kD, kBN = S::kDqBN, kLd = S::kLd, kQM = S::kQM, kThreads = S::kThreads;
   constexpr int kKT = kBN / 8;           // n-tiles of S (key columns)
-  constexpr int kDT = kD / 8;            // n-tiles of dQ
+  constexpr int kDT = S::kDqW / 8;       // n-tiles of this warp's dQ columns
   constexpr int kStage = 2 * kBN * kLd;  // K then V of one stage (elements)
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
@@ -586,14 +606,16 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane >> 2, t4 = lane & 3;
+  // This warp's 16 query rows (row group) and dQ columns (part of D).
+  const int rg = warp % S::kDqRowGroups, col0 = (warp / S::kDqRowGroups) * S::kDqW;
 
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kQM) {
     const int rows = static_cast<int>(min64(kQM, qb.q_end - q0));
-    // The two query rows of this thread's accumulator fragments: 16 warp + g (+ 8).
+    // The two query rows of this thread's accumulator fragments: 16 rg + g (+ 8).
     float row_lse[2], row_delta[2];
     HSAP_UNROLL
     for (int i = 0; i < 2; ++i) {
-      const int r = 16 * warp + g + 8 * i;
+      const int r = 16 * rg + g + 8 * i;
       const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
       row_lse[i] = r < rows ? p.lse[stat] : neg_inf();
       row_delta[i] = r < rows ? p.delta[stat] : 0.0f;
@@ -636,16 +658,16 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
       HSAP_UNROLL_N(1)
       for (int kk = 0; kk < kD / 16; ++kk) {
         unsigned a[4];
-        load_a<T, kLd>(a, Qs, 16 * warp, 16 * kk, lane);
+        load_a<T, kLd>(a, Qs, 16 * rg, 16 * kk, lane);
         mma_b_rows<T, kKT, kLd>(s, a, Ks, 0, 16 * kk, lane);
-        load_a<T, kLd>(a, dOs, 16 * warp, 16 * kk, lane);
+        load_a<T, kLd>(a, dOs, 16 * rg, 16 * kk, lane);
         mma_b_rows<T, kKT, kLd>(dp, a, Vs, 0, 16 * kk, lane);
       }
       HSAP_UNROLL
       for (int j = 0; j < kKT; ++j) {
         HSAP_UNROLL
         for (int e = 0; e < 4; ++e) {
-          const int r = 16 * warp + g + 8 * (e >> 1);
+          const int r = 16 * rg + g + 8 * (e >> 1);
           const int c = 8 * j + 2 * t4 + (e & 1);
           const float lse_r = row_lse[e >> 1];
           const bool visible = r < rows && c < cur.key_hi && c - r >= cur.rel_lo &&
@@ -659,7 +681,7 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
       for (int kk = 0; kk < kBN / 16; ++kk) {
         unsigned a[4];
         accumulators_as_a<T, kKT>(a, dp, kk);
-        mma_b_cols<T, kDT, kLd>(dq, a, Ks, 16 * kk, 0, lane);
+        mma_b_cols<T, kDT, kLd>(dq, a, Ks, 16 * kk, col0, lane);
       }
       cur = nxt;
     }
@@ -668,9 +690,9 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
     for (int n = 0; n < kDT; ++n) {
       HSAP_UNROLL
       for (int e = 0; e < 4; ++e) {
-        const int r = 16 * warp + g + 8 * (e >> 1);
+        const int r = 16 * rg + g + 8 * (e >> 1);
         if (r < rows) {
-          float* out = p.dq + ((q0 + r) * p.heads_q + h) * static_cast<long long>(kD);
+          float* out = p.dq + ((q0 + r) * p.heads_q + h) * static_cast<long long>(kD) + col0;
           out[8 * n + 2 * t4 + (e & 1)] += dq[n][e] * p.scale;
         }
       }
@@ -702,17 +724,31 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_mma_kernel(const Bw
   const long long key_items = key_tiles * p.heads_kv;
   const long long query_items =
       Cfg::kDeterministicDq ? static_cast<long long>(p.num_blocks) * p.heads_q : 0;
-  const long long ctas = static_cast<long long>(gridDim.x) * gridDim.y;
-  for (long long item = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
-       item < key_items + query_items; item += ctas) {
+  // The walk's only register across the items is the 32-bit step count; item is rebuilt from
+  // blockIdx and gridDim (special and constant registers) each step.
+  for (unsigned int step = 0;; ++step) {
+    const long long item = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x +
+                           static_cast<long long>(step) * gridDim.x * gridDim.y;
+    if (item >= key_items + query_items) break;
+    // item = kvh * key_tiles + kt, then key_items + h * num_blocks + b: split by subtraction
+    // (at most heads_kv, heads_q steps), since a 64-bit division is a call to a division
+    // routine around which ptxas keeps live registers in local memory (reported as spills).
     if (item < key_items) {
-      const long long kt = item % key_tiles;
-      const int kvh = static_cast<int>(item / key_tiles);
+      long long kt = item;
+      int kvh = 0;
+      while (kt >= key_tiles) {
+        kt -= key_tiles;
+        ++kvh;
+      }
       mma_bwd_key_item<Cfg>(p, kvh, kt * S::kBN, min64((kt + 1) * S::kBN, p.k_rows), smem);
     } else {
-      const long long q = item - key_items;
-      mma_bwd_query_item<Cfg>(p, static_cast<int>(q % p.num_blocks),
-                              static_cast<int>(q / p.num_blocks), smem);
+      long long b = item - key_items;
+      int h = 0;
+      while (b >= p.num_blocks) {
+        b -= p.num_blocks;
+        ++h;
+      }
+      mma_bwd_query_item<Cfg>(p, static_cast<int>(b), h, smem);
     }
   }
 }

@@ -50,6 +50,27 @@ TEST(Roofline, TensorCoreForwardIsBoundBySharedMemory) {
                    4.0 * 64 * 64 * 128 / (4 * (4.0 * 64 * 128 + 32 * 128)));
 }
 
+// The tensor-core backward's issue bound counts the products it recomputes: 7 issued per 5
+// useful with deterministic dq, 11 above head dim 128 (two warps per key group and per query
+// rows recompute S and dP), 5 with atomic dq up to 128.
+TEST(Roofline, TensorCoreBackwardIssueCountsRecomputedProducts) {
+  const GpuSpec h200 = H200();
+  const double mma_sync = h200.dense_16bit_tflops * kMmaSyncFractionSm90;
+  auto issue = [&](int head_dim, bool deterministic_dq) {
+    jit::CudaKernelConfig c = Bf16D128();
+    c.head_dim = head_dim;
+    c.deterministic_dq = deterministic_dq;
+    absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
+    EXPECT_TRUE(t.ok() && t->bwd_tensor_core) << head_dim;
+    return BackwardRoofline(c, *t, 240, /*tensor_core=*/true, h200).issue_tflops;
+  };
+  EXPECT_DOUBLE_EQ(issue(128, false), mma_sync);
+  EXPECT_DOUBLE_EQ(issue(128, true), mma_sync * 5 / 7);
+  EXPECT_DOUBLE_EQ(issue(64, true), mma_sync * 5 / 7);
+  EXPECT_DOUBLE_EQ(issue(256, true), mma_sync * 5 / 11);
+  EXPECT_DOUBLE_EQ(issue(256, false), mma_sync * 5 / 7);
+}
+
 TEST(Roofline, FmaKernelsAreBoundFarBelowTheTensorCorePeak) {
   jit::CudaKernelConfig c = Bf16D128();
   c.math = jit::CudaMath::kFma;

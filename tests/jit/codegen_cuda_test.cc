@@ -261,6 +261,46 @@ TEST(GenerateCudaKernels, TensorCoreBackwardWhereItApplies) {
   }
 }
 
+// The tensor-core backward's tiles per head dim (MmaBwdTileFor): 32x64 at 64, 16x64 up to
+// 128, 16x32 above (two warps split D), on 4 warps; the FMA backward where the tiles exceed
+// the shared memory.
+TEST(ChooseCudaTiles, TensorCoreBackwardTilesPerHeadDim) {
+  struct Expected {
+    int head_dim, bm, bn;
+  };
+  for (const Expected& e : {Expected{64, 32, 64}, Expected{96, 16, 64}, Expected{128, 16, 64},
+                            Expected{144, 16, 32}, Expected{192, 16, 32}, Expected{224, 16, 32},
+                            Expected{240, 16, 32}, Expected{256, 16, 32}}) {
+    for (const char* arch : {"sm_80", "sm_90"}) {
+      for (bool deterministic_dq : {true, false}) {
+        CudaKernelConfig c;
+        c.arch = arch;
+        c.dtype = DType::kF16;
+        c.head_dim = e.head_dim;
+        c.deterministic_dq = deterministic_dq;
+        absl::StatusOr<CudaTiles> t = ChooseCudaTiles(c);
+        ASSERT_TRUE(t.ok()) << t.status();
+        EXPECT_TRUE(t->bwd_tensor_core) << c.Name();
+        EXPECT_EQ(t->bwd_block_m, e.bm) << c.Name();
+        EXPECT_EQ(t->bwd_block_n, e.bn) << c.Name();
+        EXPECT_EQ(t->bwd_threads, 128) << c.Name();
+      }
+    }
+  }
+  // 99 KB (sm_86): up to head dim 240 the tensor-core backward fits, 256 does not.
+  CudaKernelConfig c;
+  c.arch = "sm_86";
+  c.head_dim = 240;
+  absl::StatusOr<CudaTiles> t = ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(t->bwd_tensor_core);
+  EXPECT_LE(t->bwd_smem_bytes, CudaMaxSharedMemory(86));
+  c.head_dim = 256;
+  t = ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_FALSE(t->bwd_tensor_core);
+}
+
 TEST(GenerateCudaKernels, RejectsUnsupportedConfigurations) {
   auto expect_invalid = [](CudaKernelConfig c, const char* field) {
     absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);

@@ -1,8 +1,9 @@
 // The tensor-core backward (jit/device/hsap_attention_mma_bwd.cuh) run by the CPU emulator
 // (tests/support/cuda_emulator.h with the warp-collective mma / ldmatrix / cp.async of
-// tests/support/emulated_ptx.h) at the tiles and CTA size a GPU runs (4 warps, 64-key tiles,
-// 32- or 64-query tiles, head dims 64 and 128), every mask kind and arbitrary slices, GQA and
-// a kv-head map, bf16 and f16: dq, dk, dv against the fp64 reference backward under the
+// tests/support/emulated_ptx.h) at the tiles and CTA size a GPU runs (the shipped tiles of
+// MmaBwdTileFor, 4 warps: 32x64 at head dim 64, 16x64 at 128, 16x32 with two warps splitting
+// D at 144, 240 and 256), every mask kind and arbitrary slices, GQA and a kv-head map, bf16 and
+// f16: dq, dk, dv against the fp64 reference backward under the
 // project's rule (attention/tolerance.h), with lse and delta from the reference forward.
 // The deterministic dq mode run twice is bitwise equal; the atomic mode is within the rule.
 // The configurations are the generator's (tests/support/emulator_configs.h).
@@ -191,8 +192,8 @@ void CheckDeterministic(const Problem& p, int64_t block_rows) {
   EXPECT_TRUE(bits_equal(first.dv, second.dv)) << "dv differs between two runs";
 }
 
-// Head dim 64: 64x64 tiles, 4 warps; bf16, GQA 2, documents of every kind in blocks of 96
-// rows (two 64-row query chunks per block, one of them partial).
+// Head dim 64: 32-query x 64-key tiles, 4 warps; bf16, GQA 2, documents of every kind in
+// blocks of 96 rows (two 64-row query chunks per block, one of them partial).
 TEST(CudaMmaBackward, Bf16HeadDim64Documents) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::bf16, 64, 2, true>>(
       MakeProblem(DocumentLayout(), DType::kBF16, 64, 2, 1, 21), 96);
@@ -208,10 +209,35 @@ TEST(CudaMmaBackward, KvHeadMap) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 64, 2, true>>(
       MakeProblem(DocumentLayout(), DType::kF16, 64, 2, 2, 23, {1, 0}), 64);
 }
-// fp32 atomics for dq: within the rule (not bitwise reproducible by design).
+// Head dim 256: 16-query x 32-key tiles, two warps per 16 keys each holding dK/dV of half of
+// D, and two warps per 16 query rows each holding dQ of half of D (32-row dq chunks); bf16,
+// GQA 2, documents of every kind in blocks of 96 rows.
+TEST(CudaMmaBackward, Bf16HeadDim256Documents) {
+  CheckDeterministic<MmaBwdCfg<hsap_dev::bf16, 256, 2, true>>(
+      MakeProblem(DocumentLayout(), DType::kBF16, 256, 2, 1, 26), 96);
+}
+// Head dim 144: the same split, with 72 columns per warp (an odd number of 8-column n-tiles,
+// the ldmatrix .x2 tail of the fragment loads); arbitrary slices.
+TEST(CudaMmaBackward, Bf16HeadDim144Slices) {
+  CheckDeterministic<MmaBwdCfg<hsap_dev::bf16, 144, 2, true>>(
+      MakeProblem(SliceLayout(), DType::kBF16, 144, 2, 1, 27), 64);
+}
+// Head dim 240: the dq pass takes 16-key tiles there (MmaBwdShape::kDqBN); f16, slices.
+TEST(CudaMmaBackward, F16HeadDim240Slices) {
+  CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 240, 2, true>>(
+      MakeProblem(SliceLayout(), DType::kF16, 240, 2, 1, 31), 64);
+}
+// fp32 atomics for dq: within the rule (not bitwise reproducible by design), at head dims 64,
+// 128, 144 (dq columns in two parts: 144 / 8 does not divide by 4 warps) and 256.
 TEST(CudaMmaBackward, AtomicDqWithinTheRule) {
   const Problem p = MakeProblem(SliceLayout(), DType::kBF16, 128, 2, 1, 24);
   ExpectGradientsWithinRule(p, RunBackward<MmaBwdCfg<hsap_dev::bf16, 128, 2, false>>(p, 64));
+  const Problem p64 = MakeProblem(DocumentLayout(), DType::kBF16, 64, 2, 1, 28);
+  ExpectGradientsWithinRule(p64, RunBackward<MmaBwdCfg<hsap_dev::bf16, 64, 2, false>>(p64, 96));
+  const Problem p144 = MakeProblem(DocumentLayout(), DType::kBF16, 144, 2, 1, 30);
+  ExpectGradientsWithinRule(p144, RunBackward<MmaBwdCfg<hsap_dev::bf16, 144, 2, false>>(p144, 96));
+  const Problem p256 = MakeProblem(SliceLayout(), DType::kF16, 256, 2, 1, 29);
+  ExpectGradientsWithinRule(p256, RunBackward<MmaBwdCfg<hsap_dev::f16, 256, 2, false>>(p256, 64));
 }
 
 // Broken contracts are flagged and nothing is written: q not 16-byte aligned (cp.async),

@@ -113,11 +113,8 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   c.has_band = true;
   c.math = jit::CudaMath::kTensorCore;
   c.deterministic_dq = deterministic_dq;
-  // The shipped tiles (16 queries x 64 keys on 4 warps), explicit so that head dim 64, which
-  // ships the FMA backward (see MmaBwdTileFor), still runs the tensor-core kernel here.
-  c.bwd_block_m = 16;
-  c.bwd_block_n = 64;
-  c.bwd_threads = 128;
+  // The shipped tiles (MmaBwdTileFor): 32x64 at head dim 64, 16x64 up to 128, 16x32 above
+  // (two warps splitting D), 4 warps.
   i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
                                  deterministic_dq ? "true" : "false");
   return i;
@@ -151,7 +148,10 @@ std::vector<Family> Families() {
        "typename StorageT, int kHeadDim, int kG, bool kDeterministicDq",
        "MmaBwdCfg",
        {MmaBackward(kBF16, 64, 2, true), MmaBackward(kF16, 64, 2, true),
-        MmaBackward(kF16, 128, 2, true), MmaBackward(kBF16, 128, 2, false)}},
+        MmaBackward(kF16, 128, 2, true), MmaBackward(kBF16, 128, 2, false),
+        MmaBackward(kBF16, 64, 2, false), MmaBackward(kBF16, 256, 2, true),
+        MmaBackward(kF16, 256, 2, false), MmaBackward(kBF16, 144, 2, true),
+        MmaBackward(kBF16, 144, 2, false), MmaBackward(kF16, 240, 2, true)}},
   };
 }
 
