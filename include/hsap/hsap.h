@@ -227,8 +227,9 @@ typedef struct {
    * head needed by several members of the receiving group on one node cross once, to one
    * of them, which fans them out inside the node (a holder of that head on the node itself
    * is used when the source group has one); rows that DIFFERENT groups need cross once per
-   * group. CUDA backend: not supported yet (must be NULL; the CUDA batches, plan batches
-   * included, deliver directly, rank to rank). */
+   * group. CUDA backend: not supported yet (must be NULL; CUDA batches without a plan
+   * deliver directly, rank to rank; CUDA plan batches run the same node fan-outs as the
+   * host's whenever the communicator knows its ranks' nodes). */
   const int* rankNodes;
 } hsapCommConfig_t;
 
@@ -486,7 +487,8 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
  * rankNodes. Counted from the messages sent and received (plan batches: the group
  * all-to-alls, the sub-ring K/V with their node fan-outs and the gradients). With every
  * rank on one node all bytes are intra-node. hsapUnsupported for batches whose runner does
- * not classify messages on a communicator spanning several nodes (CUDA batches). */
+ * not classify messages on a communicator spanning several nodes (CUDA batches without a
+ * plan; CUDA plan batches count their posted messages by link class). */
 typedef struct {
   uint64_t forwardIntraNodeBytesSent, forwardIntraNodeBytesReceived;
   uint64_t forwardInterNodeBytesSent, forwardInterNodeBytesReceived;
