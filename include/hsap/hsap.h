@@ -234,7 +234,8 @@ typedef struct {
    * that replaces discovery (every rank must pass the same one, or all NULL:
    * hsapInvalidArgument otherwise), e.g. to run multi-node delivery on loopback ranks of one
    * GPU. CUDA batches on several nodes relay as above and move forward's K/V in stages (not
-   * through peer windows); CUDA plan batches deliver their sub-rings directly. */
+   * through peer windows); CUDA plan batches run the same sub-ring node fan-outs as the
+   * host's. */
   const int* rankNodes;
 } hsapCommConfig_t;
 
@@ -490,10 +491,11 @@ hsapResult_t hsapBatchGetTrafficDetail(hsapBatch_t batch, hsapTrafficDetail_t* t
 /* Bytes this rank moved in the last forward and backward, split by link class: messages to
  * and from ranks of its own node (intra) and of other nodes (inter), per the communicator's
  * topology (rankNodes, or for CUDA communicators the nodes discovered at initialisation).
- * Counted from the messages sent and received (plan batches: the group all-to-alls, the
- * sub-ring K/V with their node fan-outs and the gradients). With every rank on one node all
- * bytes are intra-node. hsapUnsupported for batches whose runner does not classify messages
- * on a communicator spanning several nodes (CUDA plan batches). */
+ * Counted from the messages sent and received, host and CUDA batches alike (plan batches:
+ * the group all-to-alls, the sub-ring K/V with their node fan-outs and the gradients). With
+ * every rank on one node all bytes are intra-node. hsapUnsupported for a batch whose runner
+ * does not classify messages on a communicator spanning several nodes (none in this
+ * version). */
 typedef struct {
   uint64_t forwardIntraNodeBytesSent, forwardIntraNodeBytesReceived;
   uint64_t forwardInterNodeBytesSent, forwardInterNodeBytesReceived;

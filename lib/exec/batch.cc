@@ -226,7 +226,7 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
   if (local.ok()) {
     // The communicator's nodes when the runners fan out (a plan for another rank count is
     // reported below).
-    const bool fan_out = runners.RunsRelays() && plan.num_ranks == comm.size();
+    const bool fan_out = runners.RunsPlanFanOuts() && plan.num_ranks == comm.size();
     absl::StatusOr<Hierarchy> h = Hierarchy::Create(
         layout, plan,
         fan_out ? absl::Span<const int>(comm.topology().node_of_rank()) : absl::Span<const int>());

@@ -100,7 +100,7 @@ class Batch {
   const BatchTraffic& traffic() const { return traffic_; }
   // A call's bytes (traffic().forward or .backward) by link class: as the runner counted
   // them, or, with every rank on one node, all intra-node. Unimplemented where the runner
-  // does not classify its messages and the ranks span several nodes (GPU batches).
+  // does not classify its messages and the ranks span several nodes (GPU ring batches).
   absl::StatusOr<LinkTraffic> Links(const CallTraffic& call) const;
   int rank() const { return comm_->rank(); }
 

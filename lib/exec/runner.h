@@ -32,7 +32,8 @@ struct LinkTraffic {
 
 // Payload bytes of one call: inside the head-parallel group (all-to-all) and along the
 // rings. A batch without a plan moves everything along its ring. `links` holds the same
-// bytes by link class when the runner counted them (links_counted: the host runners).
+// bytes by link class when the runner counted them (links_counted: the host runners and
+// the GPU plan runner).
 struct CallTraffic : HierTraffic {
   bool links_counted = false;
   LinkTraffic links;
@@ -58,6 +59,8 @@ class RunnerFactory {
   // hierarchy.h for plans) on a communicator whose ranks span several nodes; when false,
   // batches get the direct schedule / hierarchy.
   virtual bool RunsRelays() const { return false; }
+  // The same for plan batches alone (the fan-outs of hierarchy.h); by default RunsRelays().
+  virtual bool RunsPlanFanOuts() const { return RunsRelays(); }
   // Called once on every rank of `comm` after the ranks agreed on the batch; `schedule` /
   // `rank` outlive the runner. May run collectives on the communicator (every rank's
   // factory takes part, in the same order, whether or not its own preparation failed).

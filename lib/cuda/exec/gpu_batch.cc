@@ -140,8 +140,12 @@ class GpuRingRunner : public GpuRunner {
 class GpuPlanRunner : public GpuRunner {
  public:
   GpuPlanRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
-                Transport& transport, std::unique_ptr<DeviceHierProgram> program)
-      : GpuRunner(std::move(comm), std::move(kernels)), program_(std::move(program)) {
+                Transport& transport, std::unique_ptr<DeviceHierProgram> program,
+                std::vector<int> node_of_rank)
+      : GpuRunner(std::move(comm), std::move(kernels)),
+        program_(std::move(program)),
+        node_of_rank_(std::move(node_of_rank)) {
+    ctx_.node_of_rank = &node_of_rank_;
     ctx_.device = &comm_->device();
     ctx_.kernels = kernels_.get();
     ctx_.transport = &transport;
@@ -153,7 +157,9 @@ class GpuPlanRunner : public GpuRunner {
                        float* lse, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
-    HSAP_RETURN_IF_ERROR(GpuHierarchicalForward(Context(call_id), q, k, v, out, lse, &traffic));
+    HSAP_RETURN_IF_ERROR(
+        GpuHierarchicalForward(Context(call_id), q, k, v, out, lse, &traffic, &traffic.links));
+    traffic.links_counted = true;
     return Finish("forward");
   }
 
@@ -162,8 +168,9 @@ class GpuPlanRunner : public GpuRunner {
                         void* dv, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
-    HSAP_RETURN_IF_ERROR(
-        GpuHierarchicalBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &traffic));
+    HSAP_RETURN_IF_ERROR(GpuHierarchicalBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk,
+                                                 dv, &traffic, &traffic.links));
+    traffic.links_counted = true;
     return Finish("backward");
   }
 
@@ -177,7 +184,8 @@ class GpuPlanRunner : public GpuRunner {
   }
 
   std::unique_ptr<DeviceHierProgram> program_;
-  GpuHierContext ctx_;  // what does not change between calls
+  std::vector<int> node_of_rank_;  // the communicator's (empty: one node)
+  GpuHierContext ctx_;             // what does not change between calls
 };
 
 class GpuRunnerFactory : public RunnerFactory {
@@ -186,6 +194,8 @@ class GpuRunnerFactory : public RunnerFactory {
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
 
   bool RunsRelays() const override { return true; }
+  // The plan executor runs the hierarchy's node fan-outs (gpu_hier_executor.h).
+  bool RunsPlanFanOuts() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,
@@ -233,7 +243,8 @@ class GpuRunnerFactory : public RunnerFactory {
         DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream()));
     HSAP_RETURN_IF_ERROR(
         comm_->pool().Reserve(program->pool_bytes(), absl::StrCat(program->pool_bytes(), " B")));
-    return std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program));
+    return std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program),
+                                           comm.topology().node_of_rank());
   }
 
  private:

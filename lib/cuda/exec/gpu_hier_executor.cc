@@ -160,8 +160,61 @@ absl::StatusOr<ExchangeProgram> RingGradProgram(const RankHierarchy& r, const Su
   return std::move(b).Build();
 }
 
+// Node fan-out of a step's K/V (hierarchy.h, 5.): the gateway forwards heads of its receive
+// slot [k | v] to the node's other receivers, which place them in theirs.
+absl::StatusOr<ExchangeProgram> FanOutKvProgram(const RankHierarchy& r, const SubRingStep& s, int D,
+                                                size_t es) {
+  const size_t hkv = r.kv_heads.size();
+  const ThdShape slot{s.recv_rows, static_cast<int>(hkv), D, es};
+  const TokenRange all{0, s.recv_rows};
+  const uint64_t tag = Payload(PlanPayload::kKvFanOut, s.step);
+  ExchangeBuilder b;
+  for (const KvTransfer& t : s.fan_out_send) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    b.Send(t.peer, tag, KThenV(k, Bytes(s.recv_rows, hkv, D, es)));
+  }
+  for (const KvTransfer& t : s.fan_out_recv) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    b.Receive(t.peer, tag, KThenV(k, Bytes(s.recv_rows, hkv, D, es)));
+  }
+  return std::move(b).Build();
+}
+
+// The fan-in of a step's fp32 dK/dV partials (the fan-out backwards), as legs of one stage:
+// leg 0 sends this rank's partials [pk | pv] of the heads it got from gateways; leg 1 + x
+// adds those of fan-out receiver x into the gateway's partials. One leg per receiver, so
+// the gateway adds them one launch after another in fan-out order (bitwise reproducible).
+absl::StatusOr<std::vector<ExchangeProgram>> FanInGradPrograms(const RankHierarchy& r,
+                                                               const SubRingStep& s, int D) {
+  const size_t hkv = r.kv_heads.size(), f = sizeof(float);
+  const ThdShape slot{s.recv_rows, static_cast<int>(hkv), D, f};
+  const TokenRange all{0, s.recv_rows};
+  const uint64_t tag = Payload(PlanPayload::kKvGradFanIn, s.step);
+  std::vector<ExchangeProgram> legs;
+  ExchangeBuilder sends(/*add=*/true);
+  for (const KvTransfer& t : s.fan_out_recv) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    sends.Send(t.peer, tag, KThenV(k, Bytes(s.recv_rows, hkv, D, f)));
+  }
+  HSAP_ASSIGN_OR_RETURN(ExchangeProgram leg, std::move(sends).Build());
+  legs.push_back(std::move(leg));
+  for (const KvTransfer& t : s.fan_out_send) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k,
+                          ThdChunks(slot, absl::MakeConstSpan(&all, 1), t.local_heads));
+    ExchangeBuilder one(/*add=*/true);
+    one.Receive(t.peer, tag, KThenV(k, Bytes(s.recv_rows, hkv, D, f)));
+    HSAP_ASSIGN_OR_RETURN(ExchangeProgram in, std::move(one).Build());
+    legs.push_back(std::move(in));
+  }
+  return legs;
+}
+
 struct ForwardRegions {
-  char *gq, *gkv, *out32, *lse32, *gout, *kv[2], *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2];
+  char *gq, *gkv, *out32, *lse32, *gout, *kv[2], *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2],
+      *fan_send, *fan_recv;
   size_t used;
 };
 ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
@@ -179,13 +232,16 @@ ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
     f.ring_send[s] = c.Take(z.ring_send);
     f.ring_recv[s] = c.Take(z.ring_recv);
   }
+  f.fan_send = c.Take(z.fan_send);
+  f.fan_recv = c.Take(z.fan_recv);
   f.used = c.used();
   return f;
 }
 
 struct BackwardRegions {
   char *gq, *gdout, *gkv, *stats, *gstats, *dq32, *dkv32, *gdq, *gdkv, *sum32, *kv[2], *partial[2],
-      *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2], *grad_send[2], *grad_recv[2];
+      *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2], *grad_send[2], *grad_recv[2], *fan_send,
+      *fan_recv, *fan_grad_send, *fan_grad_recv;
   size_t used;
 };
 BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
@@ -211,6 +267,10 @@ BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
     b.grad_send[s] = c.Take(z.grad_send);
     b.grad_recv[s] = c.Take(z.grad_recv);
   }
+  b.fan_send = c.Take(z.fan_send);
+  b.fan_recv = c.Take(z.fan_recv);
+  b.fan_grad_send = c.Take(z.fan_grad_send);
+  b.fan_grad_recv = c.Take(z.fan_grad_recv);
   b.used = c.used();
   return b;
 }
@@ -220,13 +280,6 @@ BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
 absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     Device& device, const RankHierarchy& r, const AttentionDims& dims, DType dtype,
     cudaStream stream) {
-  for (const SubRingStep& st : r.steps) {
-    if (!st.fan_out_send.empty() || !st.fan_out_recv.empty()) {
-      return absl::UnimplementedError(
-          "the GPU plan executor delivers sub-ring K/V directly; build the hierarchy without a "
-          "topology (node fan-outs run on the host backend only)");
-    }
-  }
   auto p = std::unique_ptr<DeviceHierProgram>(new DeviceHierProgram());
   p->rank_ = &r;
   p->dims_ = dims;
@@ -256,6 +309,13 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
   for (size_t i = 0; i < r.steps.size(); ++i) {
     programs.push_back({&p->steps_[i].kv, RingKvProgram(r, r.steps[i], D, es)});
     programs.push_back({&p->steps_[i].grad, RingGradProgram(r, r.steps[i], D)});
+    programs.push_back({&p->steps_[i].fan_kv, FanOutKvProgram(r, r.steps[i], D, es)});
+    absl::StatusOr<std::vector<ExchangeProgram>> fan_in = FanInGradPrograms(r, r.steps[i], D);
+    if (!fan_in.ok()) return fan_in.status();
+    p->steps_[i].fan_grad.resize(fan_in->size());
+    for (size_t x = 0; x < fan_in->size(); ++x) {
+      programs.push_back({&p->steps_[i].fan_grad[x], std::move((*fan_in)[x])});
+    }
   }
   for (Named& n : programs) {
     if (!n.program.ok()) return n.program.status();
@@ -317,6 +377,15 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     z.ring_recv = std::max(z.ring_recv, s.kv.program.recv_staging);
     z.grad_send = std::max(z.grad_send, s.grad.program.send_staging);
     z.grad_recv = std::max(z.grad_recv, s.grad.program.recv_staging);
+    z.fan_send = std::max(z.fan_send, s.fan_kv.program.send_staging);
+    z.fan_recv = std::max(z.fan_recv, s.fan_kv.program.recv_staging);
+    size_t grad_send = 0, grad_recv = 0;
+    for (const Exchange& x : s.fan_grad) {
+      grad_send += x.program.send_staging;
+      grad_recv += x.program.recv_staging;
+    }
+    z.fan_grad_send = std::max(z.fan_grad_send, grad_send);
+    z.fan_grad_recv = std::max(z.fan_grad_recv, grad_recv);
   }
   // The all-to-all stages: forward in (q, k, v), back (out, lse); backward in (stats, q,
   // dout, k, v), back (dq, dk, dv). Each stage's exchanges sit side by side.
@@ -369,11 +438,13 @@ class HierCall {
         sends.push_back(
             {m.peer, send + send_at + m.offset, m.bytes, protocol::PlanTag(ctx_.call_id, m.tag)});
         (ring ? ring_sent_ : a2a_sent_) += m.bytes;
+        Tally(m.peer, m.bytes, /*sent=*/true);
       }
       for (const ExchangeMessage& m : e.recvs) {
         recvs.push_back(
             {m.peer, recv + recv_at + m.offset, m.bytes, protocol::PlanTag(ctx_.call_id, m.tag)});
         (ring ? ring_received_ : a2a_received_) += m.bytes;
+        Tally(m.peer, m.bytes, /*sent=*/false);
       }
       send_at += e.send_staging;
       recv_at += e.recv_staging;
@@ -397,9 +468,10 @@ class HierCall {
   }
 
   // Post + Wait + Unpack.
-  absl::Status Run(const std::vector<Leg>& legs, char* send, char* recv, const std::string& name) {
+  absl::Status Run(const std::vector<Leg>& legs, char* send, char* recv, const std::string& name,
+                   bool ring = false) {
     HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> p,
-                          Post(legs, send, recv, name, false));
+                          Post(legs, send, recv, name, ring));
     HSAP_RETURN_IF_ERROR(p->Wait());
     return Unpack(legs, recv);
   }
@@ -407,6 +479,7 @@ class HierCall {
   HierTraffic traffic() const {
     return HierTraffic{a2a_sent_, a2a_received_, ring_sent_, ring_received_};
   }
+  const LinkTraffic& links() const { return links_; }
 
  private:
   absl::Status Launch(hsap_dev::ChunksParams c, const void* src, void* dst, bool add) {
@@ -416,11 +489,24 @@ class HierCall {
     return add ? ctx_.kernels->AddChunks(c, ctx_.stream) : ctx_.kernels->CopyChunks(c, ctx_.stream);
   }
 
+  // A posted message by link class: inter-node when its peer is on another node.
+  void Tally(int peer, uint64_t bytes, bool sent) {
+    const std::vector<int>* nodes = ctx_.node_of_rank;
+    const int me = ctx_.program->rank().rank;
+    const bool inter = nodes != nullptr && !nodes->empty() && (*nodes)[peer] != (*nodes)[me];
+    if (inter) {
+      (sent ? links_.inter_node_sent : links_.inter_node_received) += bytes;
+    } else {
+      (sent ? links_.intra_node_sent : links_.intra_node_received) += bytes;
+    }
+  }
+
   const GpuHierContext& ctx_;
   const char* pass_;
   CallEvents events_;
   cudaStream transfer_;
   uint64_t a2a_sent_ = 0, a2a_received_ = 0, ring_sent_ = 0, ring_received_ = 0;
+  LinkTraffic links_;
 };
 
 // The context a mode runs with (the stand-ins live in the caller's `kernels`/`transport`).
@@ -452,10 +538,31 @@ std::string StepName(const SubRingStep& s, const char* what) {
   return absl::StrCat("step ", s.step, " (", what, ")");
 }
 
+// After step s's direct K/V are in `slot` [k | v]: the node fan-out (hierarchy.h, 5.), one
+// exchange completed here, so the slot is whole before the step's kernels run.
+absl::Status FanOut(HierCall& call, const DeviceHierProgram::Step& device_step,
+                    const SubRingStep& s, char* slot, char* send, char* recv) {
+  if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
+  return call.Run({{&device_step.fan_kv, slot, slot}}, send, recv, StepName(s, "kv fan-out"),
+                  /*ring=*/true);
+}
+
+// After step s's partials are in `partial` [pk | pv]: the fan-in, receivers' partials added
+// into the gateway's in fan-out order, before the step's return to the holders.
+absl::Status FanIn(HierCall& call, const DeviceHierProgram::Step& device_step, const SubRingStep& s,
+                   char* partial, char* send, char* recv) {
+  if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
+  std::vector<Leg> legs;
+  for (const DeviceHierProgram::Exchange& x : device_step.fan_grad)
+    legs.push_back({&x, partial, partial});
+  return call.Run(legs, send, recv, StepName(s, "dk/dv fan-in"), /*ring=*/true);
+}
+
 }  // namespace
 
 absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q, const void* k,
-                                    const void* v, void* out, float* lse, HierTraffic* traffic) {
+                                    const void* v, void* out, float* lse, HierTraffic* traffic,
+                                    LinkTraffic* links) {
   SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
@@ -500,6 +607,8 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
             HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[i % 2]));
             const SubRingStep& st = r.steps[i];
             if (st.recv_group < 0) return absl::OkStatus();
+            HSAP_RETURN_IF_ERROR(
+                FanOut(call, p.steps()[i], st, g.kv[i % 2], g.fan_send, g.fan_recv));
             return attend(p.steps()[i].work, g.kv[i % 2],
                           g.kv[i % 2] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows);
           });
@@ -516,13 +625,14 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
     return s;
   }
   if (traffic != nullptr) *traffic = call.traffic();
+  if (links != nullptr) *links = call.links();
   return absl::OkStatus();
 }
 
 absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* dout, const void* q,
                                      const void* k, const void* v, const void* out,
                                      const float* lse, void* dq, void* dk, void* dv,
-                                     HierTraffic* traffic) {
+                                     HierTraffic* traffic, LinkTraffic* links) {
   SkippedKernels skipped_kernels(ctx_in.kernels);
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuHierContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
@@ -587,12 +697,15 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     const int slot = static_cast<int>(i % 2);
     HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[slot]));
     if (st.recv_group < 0) return absl::OkStatus();
+    HSAP_RETURN_IF_ERROR(FanOut(call, p.steps()[i], st, g.kv[slot], g.fan_send, g.fan_recv));
     const size_t half = Bytes(st.recv_rows, hkv, D, f);
     float* pk = reinterpret_cast<float*>(g.partial[slot]);
     float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
     HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(pk, 2 * half, ctx.stream));
-    return backward(p.steps()[i].work, g.kv[slot], g.kv[slot] + Bytes(st.recv_rows, hkv, D, es),
-                    st.recv_rows, pk, pv);
+    HSAP_RETURN_IF_ERROR(backward(p.steps()[i].work, g.kv[slot],
+                                  g.kv[slot] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows, pk,
+                                  pv));
+    return FanIn(call, p.steps()[i], st, g.partial[slot], g.fan_grad_send, g.fan_grad_recv);
   };
   hooks.post_grad = [&](size_t i) {
     return call.Post(grad_leg(i), g.grad_send[i % 2], g.grad_recv[i % 2],
@@ -632,6 +745,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     HSAP_RETURN_IF_ERROR(convert(sum_v, dv, shard_kv));
   }
   if (traffic != nullptr) *traffic = call.traffic();
+  if (links != nullptr) *links = call.links();
   return absl::OkStatus();
 }
 

@@ -17,9 +17,14 @@
 // Streams, memory and results: as lib/cuda/exec/gpu_executor.h (pool regions, no allocation in
 // a call, dK/dV not bitwise reproducible).
 //
-// Topology: not yet. Sub-ring K/V go directly from holder to receiver (the GPU runner
-// factory builds hierarchies without the communicator's nodes); a hierarchy with node
-// fan-outs (lib/sched/hierarchy.h, 5.) is rejected by Build.
+// Topology (a hierarchy built with the communicator's nodes, lib/sched/hierarchy.h 5.): as
+// the host executor, right after a step's direct K/V arrived, one exchange among the group's
+// members of each node forwards the gateway's rows to the node's other receivers (tag
+// kKvFanOut), so a step's rows cross the inter-node link once per node; backward, right
+// after computing the step, the receivers return their fp32 dK/dV partials of those rows
+// to the gateway (kKvGradFanIn), which adds them to its own in fan-out order before its
+// one return to the holder. Fan-out buffers are pool regions sized by Build. Link classes
+// are counted per posted message from GpuHierContext::node_of_rank.
 #ifndef HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 #define HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 
@@ -36,6 +41,7 @@
 #include "lib/cuda/exec/exchange_program.h"
 #include "lib/cuda/exec/gpu_executor.h"
 #include "lib/cuda/runtime/device.h"
+#include "lib/exec/runner.h"
 #include "lib/sched/hierarchy.h"
 
 namespace hsap::cuda {
@@ -61,6 +67,11 @@ class DeviceHierProgram {
   };
   struct Step {
     Exchange kv, grad;  // grad: the fp32 dK/dV partials back (backward)
+    // The node fan-out of the step's K/V and, backward, the fan-in of its fp32 partials
+    // (leg 0: this rank's partials to its gateways; leg 1 + x: those of fan-out receiver x,
+    // added by the gateway in that order). Empty programs when the step has no fan-out.
+    Exchange fan_kv;
+    std::vector<Exchange> fan_grad;
     DeviceWorkLists::List work;
   };
 
@@ -88,6 +99,7 @@ class DeviceHierProgram {
            sum32 = 0, kv_slot = 0, partial_slot = 0;
     size_t a2a_in_send = 0, a2a_in_recv = 0, a2a_out_send = 0, a2a_out_recv = 0;
     size_t ring_send = 0, ring_recv = 0, grad_send = 0, grad_recv = 0;
+    size_t fan_send = 0, fan_recv = 0, fan_grad_send = 0, fan_grad_recv = 0;
   };
   const Sizes& sizes() const { return sizes_; }
 
@@ -115,15 +127,19 @@ struct GpuHierContext {
   uint64_t call_id = 0;
   cudaStream stream = nullptr;  // the compute stream
   GpuExecMode mode = GpuExecMode::kFull;
+  // The node of every world rank, to count link classes (null or empty: one node).
+  const std::vector<int>* node_of_rank = nullptr;
 };
 
 // Tensors as in lib/exec/hierarchical_executor.h, in device memory, ordered on ctx.stream.
+// `links`: the same bytes by link class (ctx.node_of_rank), counted per posted message.
 absl::Status GpuHierarchicalForward(const GpuHierContext& ctx, const void* q, const void* k,
-                                    const void* v, void* out, float* lse, HierTraffic* traffic);
+                                    const void* v, void* out, float* lse, HierTraffic* traffic,
+                                    LinkTraffic* links = nullptr);
 absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx, const void* dout, const void* q,
                                      const void* k, const void* v, const void* out,
                                      const float* lse, void* dq, void* dk, void* dv,
-                                     HierTraffic* traffic);
+                                     HierTraffic* traffic, LinkTraffic* links = nullptr);
 
 }  // namespace hsap::cuda
 

@@ -4,7 +4,9 @@
 // several sizes, uneven and non-contiguous heads, GQA with KV heads held by several members
 // (fp32 dK/dV sums), Ulysses and groups of one; plus the bytes (equal to the host runtime's
 // prediction), NCCL semantics of the posted stages, no allocation inside a call, and the
-// same on asynchronous emulated streams.
+// same on asynchronous emulated streams. On several nodes: the node fan-outs of
+// hierarchy.h 5., bytes by link class equal to the host plan executor's and fewer
+// inter-node bytes than direct delivery; one node is the direct hierarchy.
 // clang-format off
 #include "tests/support/emulated_device.h"
 // clang-format on
@@ -27,6 +29,7 @@
 #include "lib/cuda/exec/nccl_lowering.h"
 #include "lib/cuda/runtime/buffer_pool.h"
 #include "lib/exec/batch.h"
+#include "lib/exec/runner.h"
 #include "lib/sched/hierarchy.h"
 #include "tests/support/distributed_harness.h"
 #include "tests/support/hier_plans.h"
@@ -53,10 +56,16 @@ constexpr int kDim = 32;
 struct RunResult {
   testing::RowOutputs outputs;
   std::vector<HierTraffic> forward, backward, predicted_forward, predicted_backward;
+  std::vector<LinkTraffic> forward_links, backward_links;
   std::vector<P2pProgram> posted_forward, posted_backward;
+  int fan_outs = 0;  // steps with a node fan-out, all ranks
 };
 
-RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool async) {
+// Runs `plan` on emulated devices. `nodes` (empty: one node): the node of every rank, by
+// which the messages are classified; `fan_out`: the hierarchy is built with them (node
+// fan-outs), else it delivers directly.
+RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool async,
+                     const std::vector<int>& nodes = {}, bool fan_out = true) {
   RunResult res;
   const int R = plan.num_ranks;
   const int64_t T = layout.num_tokens();
@@ -77,8 +86,12 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
   res.predicted_backward.resize(R);
   res.posted_forward.resize(R);
   res.posted_backward.resize(R);
+  res.forward_links.resize(R);
+  res.backward_links.resize(R);
+  std::vector<int> fan_outs(R, 0);
 
-  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan);
+  absl::StatusOr<Hierarchy> h =
+      Hierarchy::Create(layout, plan, fan_out ? nodes : std::vector<int>());
   EXPECT_TRUE(h.ok()) << h.status();
   if (!h.ok()) return res;
   auto transports = CreateHostTransports(R, absl::Seconds(120));
@@ -116,16 +129,20 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     ctx.pool_bytes = pool.size();
     ctx.call_id = 1;
     ctx.stream = stream;
+    ctx.node_of_rank = &nodes;
+    for (const SubRingStep& st : rh->steps) {
+      fan_outs[r] += !st.fan_out_send.empty() || !st.fan_out_recv.empty();
+    }
     const int64_t allocations = device.allocations();
     absl::Status s = GpuHierarchicalForward(ctx, t.q.data(), t.k.data(), t.v.data(), t.out.data(),
-                                            t.lse.data(), &res.forward[r]);
+                                            t.lse.data(), &res.forward[r], &res.forward_links[r]);
     res.posted_forward[r] = recorders[r]->TakeRecorded();
     if (s.ok()) s = device.Synchronize(stream, absl::InfiniteFuture(), "forward");
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
     ctx.call_id = 2;
     s = GpuHierarchicalBackward(ctx, t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
                                 t.out.data(), t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data(),
-                                &res.backward[r]);
+                                &res.backward[r], &res.backward_links[r]);
     res.posted_backward[r] = recorders[r]->TakeRecorded();
     if (s.ok()) s = device.Synchronize(stream, absl::InfiniteFuture(), "backward");
     ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
@@ -143,6 +160,14 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
   for (int r = 0; r < R; ++r) {
     EXPECT_EQ(res.forward[r], res.predicted_forward[r]) << "forward bytes of rank " << r;
     EXPECT_EQ(res.backward[r], res.predicted_backward[r]) << "backward bytes of rank " << r;
+    // The link classes split the same messages.
+    for (auto [links, all] : {std::pair{res.forward_links[r], res.forward[r]},
+                              std::pair{res.backward_links[r], res.backward[r]}}) {
+      EXPECT_EQ(links.intra_node_sent + links.inter_node_sent, all.sent()) << "rank " << r;
+      EXPECT_EQ(links.intra_node_received + links.inter_node_received, all.received())
+          << "rank " << r;
+    }
+    res.fan_outs += fan_outs[r];
   }
   uint64_t ring = 0;
   for (const HierTraffic& t : res.forward) ring += t.ring_received;
@@ -242,6 +267,205 @@ TEST(GpuHier, BatchUnderAPlan) {
   const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
   testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), o, /*backward=*/true,
                                   testing::kCudaKernelFloor);
+}
+
+// A batch under `plan` through Batch::CreateWithPlan on a host world whose ranks sit on
+// `nodes`, run by the GPU runners on emulated devices (`gpu`) or by the host's; checked
+// against the fp64 reference. Returns each rank's bytes by link class (Batch::Links).
+struct BatchRun {
+  testing::RowOutputs outputs;
+  std::vector<LinkTraffic> forward, backward;
+};
+BatchRun RunPlanBatch(const Layout& layout, const Plan& plan, const std::vector<int>& nodes,
+                      uint64_t seed, bool gpu) {
+  BatchRun res;
+  const int R = plan.num_ranks;
+  const int64_t T = layout.num_tokens();
+  CommOptions comm_options;
+  comm_options.timeout = absl::Seconds(120);
+  comm_options.num_threads = 1;
+  comm_options.rank_nodes = nodes;
+  auto comms = Communicator::CreateHostWorld(R, comm_options);
+  EXPECT_TRUE(comms.ok()) << comms.status();
+  if (!comms.ok()) return res;
+  auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
+  BatchOptions options;
+  options.dtype = DType::kF32;
+  options.heads_q = plan.heads_q;
+  options.heads_kv = plan.heads_kv;
+  options.head_dim = kDim;
+  testing::DistCase c;
+  c.heads_q = plan.heads_q;
+  c.heads_kv = plan.heads_kv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, T, seed);
+  testing::RowOutputs& o = res.outputs;
+  o.out = HostTensor(DType::kF32, T, plan.heads_q, kDim);
+  o.dq = HostTensor(DType::kF32, T, plan.heads_q, kDim);
+  o.dk = HostTensor(DType::kF32, T, plan.heads_kv, kDim);
+  o.dv = HostTensor(DType::kF32, T, plan.heads_kv, kDim);
+  o.lse.assign(static_cast<size_t>(T) * plan.heads_q, 0.0f);
+  res.forward.resize(R);
+  res.backward.resize(R);
+  testing::OnEveryRank(R, [&](int r) {
+    std::shared_ptr<GpuComm> device;
+    std::unique_ptr<RunnerFactory> runners;
+    if (gpu) {
+      auto made = GpuComm::Create(std::make_unique<EmulatedDevice>(), nullptr, absl::Seconds(120));
+      ASSERT_TRUE(made.ok()) << made.status();
+      device = *made;
+      runners = NewGpuRunners(device, kernels);
+    } else {
+      runners = HostRunners(HandWrittenKernels());
+    }
+    auto batch = Batch::CreateWithPlan(*(*comms)[r], layout, plan, options, *runners);
+    ASSERT_TRUE(batch.ok()) << batch.status();
+    const std::vector<TokenRange> shard = (*batch)->partition()->ranges(r);
+    testing::ShardTensors t(in, o, shard, plan.heads_q);
+    ASSERT_TRUE(
+        (*batch)->Forward(t.q.data(), t.k.data(), t.v.data(), t.out.data(), t.lse.data()).ok());
+    ASSERT_TRUE((*batch)
+                    ->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                               t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data())
+                    .ok());
+    absl::StatusOr<LinkTraffic> fwd = (*batch)->Links((*batch)->traffic().forward);
+    absl::StatusOr<LinkTraffic> bwd = (*batch)->Links((*batch)->traffic().backward);
+    ASSERT_TRUE(fwd.ok() && bwd.ok()) << fwd.status() << bwd.status();
+    res.forward[r] = *fwd;
+    res.backward[r] = *bwd;
+    t.Unslice(o);
+  });
+  const ReferenceInputs ri = in.Reference(*DimsFromOptions(options), DType::kF32);
+  testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), o, /*backward=*/true,
+                                  testing::kCudaKernelFloor);
+  return res;
+}
+
+uint64_t InterNodeReceived(const std::vector<LinkTraffic>& links) {
+  uint64_t n = 0;
+  for (const LinkTraffic& l : links) n += l.inter_node_received;
+  return n;
+}
+
+struct NodeCase {
+  PlanSpec spec;
+  std::vector<int> nodes;
+  int64_t tokens;
+  DocMix mix;
+};
+
+// Plans on several nodes with KV heads shared by several members of a node (GQA / MQA with
+// more members than KV heads, groups spanning nodes): the GPU plan executor runs the node
+// fan-outs of hierarchy.h 5. Results against the fp64 reference (RunGpuHier, RunPlanBatch),
+// NCCL semantics of the posted stages, and the bytes by
+// link class equal to the host plan executor's, with fewer inter-node bytes than direct.
+TEST(GpuHier, NodeFanOutsCrossAsTheHostPlanExecutor) {
+  const std::vector<NodeCase> cases = {
+      // MQA, two groups of four: group 0 spans nodes 0 and 1, group 1 is node 2.
+      {{{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 3},
+       {0, 0, 1, 1, 2, 2, 2, 2},
+       192,
+       DocMix::kOneHuge},
+      // Uneven groups, GQA, every group across nodes, non-contiguous node numbers.
+      {{{3, 2, 3}, 6, 2, HeadSplit::kRoundRobin, true, 5},
+       {7, 2, 7, 2, 2, 9, 9, 7},
+       200,
+       DocMix::kOneHuge},
+  };
+  for (const NodeCase& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
+    const Plan plan = MakePlan(c.spec);
+    const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
+    const RunResult fan = RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes);
+    EXPECT_GT(fan.fan_outs, 0) << "no node fan-out: the case tests nothing";
+    const RunResult direct =
+        RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes, /*fan_out=*/false);
+    EXPECT_LT(InterNodeReceived(fan.forward_links), InterNodeReceived(direct.forward_links));
+    EXPECT_LT(InterNodeReceived(fan.backward_links), InterNodeReceived(direct.backward_links));
+
+    // Through Batch::CreateWithPlan: the GPU factory builds the hierarchy with the
+    // communicator's nodes, and every rank moves the host plan executor's bytes per link.
+    const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
+    const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
+    ASSERT_EQ(gpu.forward.size(), c.nodes.size());
+    ASSERT_EQ(host.forward.size(), c.nodes.size());
+    for (size_t r = 0; r < c.nodes.size(); ++r) {
+      EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
+      EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
+      EXPECT_EQ(gpu.forward[r], fan.forward_links[r]) << "forward links of rank " << r;
+      EXPECT_EQ(gpu.backward[r], fan.backward_links[r]) << "backward links of rank " << r;
+    }
+  }
+}
+
+TEST(GpuHier, NodeFanOutsOnAsynchronousStreams) {
+  const Plan plan = MakePlan({{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 13});
+  const Layout layout = testing::RandomLayout(170, DocMix::kOneHuge, 131, false);
+  const RunResult res =
+      RunGpuHier(layout, plan, 13, /*async=*/true, std::vector<int>{0, 0, 1, 1, 2, 2, 2, 2});
+  EXPECT_GT(res.fan_outs, 0);
+}
+
+// The fan-out buffers are pool regions of a gateway's batch, and a pool short of the batch's
+// size by a byte is refused before anything moves.
+TEST(GpuHier, FanOutBuffersComeFromThePool) {
+  const Plan plan = MakePlan({{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 3});
+  const Layout layout = testing::RandomLayout(192, DocMix::kOneHuge, 24, false);
+  const std::vector<int> nodes = {0, 0, 1, 1, 2, 2, 2, 2};
+  absl::StatusOr<Hierarchy> fan = Hierarchy::Create(layout, plan, nodes);
+  ASSERT_TRUE(fan.ok());
+  AttentionDims dims{plan.heads_q, plan.heads_kv, kDim, 1.0f / std::sqrt(float{kDim}), {}};
+  EmulatedDevice device(/*async=*/false);
+  EmulatedKernels<Cfg> kernels(&device);
+  const cudaStream stream = *device.CreateStream();
+  int gateways = 0;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    absl::StatusOr<RankHierarchy> a = fan->BuildRank(layout, r);
+    ASSERT_TRUE(a.ok());
+    bool gateway = false;
+    for (const SubRingStep& st : a->steps) gateway |= !st.fan_out_send.empty();
+    if (!gateway) continue;
+    ++gateways;
+    auto with = DeviceHierProgram::Build(device, *a, dims, DType::kF32, stream);
+    ASSERT_TRUE(with.ok()) << with.status();
+    EXPECT_GT((*with)->sizes().fan_send, 0u) << "rank " << r;
+    EXPECT_GT((*with)->sizes().fan_grad_recv, 0u) << "rank " << r;
+    DeviceBufferPool pool(device);
+    ASSERT_TRUE(pool.Reserve((*with)->pool_bytes()).ok());
+    auto transports = CreateHostTransports(plan.num_ranks, absl::Seconds(5));
+    ASSERT_TRUE(transports.ok());
+    GpuHierContext ctx;
+    ctx.device = &device;
+    ctx.kernels = &kernels;
+    ctx.transport = (*transports)[r].get();
+    ctx.program = with->get();
+    ctx.pool = pool.base();
+    ctx.pool_bytes = (*with)->pool_bytes() - 1;
+    ctx.stream = stream;
+    std::vector<char> none(1 << 16);
+    const absl::Status s = GpuHierarchicalForward(ctx, none.data(), none.data(), none.data(),
+                                                  none.data(), nullptr, nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
+  }
+  EXPECT_GT(gateways, 0);
+}
+
+// Every rank on one node: the direct hierarchy, the same bytes and forward results as
+// without nodes, all of them intra-node (the GPU's dK/dV are not bitwise reproducible).
+TEST(GpuHier, OneNodeIsTheDirectHierarchy) {
+  const Plan plan = MakePlan({{3, 2, 3}, 6, 2, HeadSplit::kRoundRobin, true, 5});
+  const Layout layout = testing::RandomLayout(200, DocMix::kOneHuge, 38, false);
+  const RunResult one = RunGpuHier(layout, plan, 5, /*async=*/false, std::vector<int>(8, 4));
+  const RunResult none = RunGpuHier(layout, plan, 5, /*async=*/false);
+  EXPECT_EQ(one.fan_outs, 0);
+  EXPECT_EQ(InterNodeReceived(one.forward_links) + InterNodeReceived(one.backward_links), 0u);
+  EXPECT_EQ(one.forward, none.forward);
+  EXPECT_EQ(one.backward, none.backward);
+  EXPECT_EQ(one.forward_links, none.forward_links);
+  EXPECT_EQ(one.backward_links, none.backward_links);
+  EXPECT_EQ(one.outputs.out.bytes, none.outputs.out.bytes);
 }
 
 }  // namespace
