@@ -19,11 +19,26 @@ class Holders {
   Holders(const Plan& plan, absl::Span<const int> node_of_rank)
       : plan_(plan), index_of_(plan.IndexInGroup()), node_of_rank_(node_of_rank) {
     holders_.resize(plan.groups.size());
+    shared_on_a_node_.resize(plan.groups.size());
     for (size_t g = 0; g < plan.groups.size(); ++g) {
+      const std::vector<int>& ranks = plan.groups[g].ranks;
       holders_[g].assign(plan.heads_kv, {});
-      for (size_t i = 0; i < plan.groups[g].ranks.size(); ++i) {
+      for (size_t i = 0; i < ranks.size(); ++i) {
         for (int kv : plan.KvHeadsOf(static_cast<int>(g), static_cast<int>(i))) {
           holders_[g][kv].push_back(static_cast<int>(i));
+        }
+      }
+      shared_on_a_node_[g].assign(plan.heads_kv, false);
+      if (node_of_rank.empty()) continue;
+      for (int kv = 0; kv < plan.heads_kv; ++kv) {
+        const std::vector<int>& h = holders_[g][kv];
+        for (size_t a = 0; a < h.size() && !shared_on_a_node_[g][kv]; ++a) {
+          for (size_t b = a + 1; b < h.size(); ++b) {
+            if (node_of_rank[ranks[h[a]]] == node_of_rank[ranks[h[b]]]) {
+              shared_on_a_node_[g][kv] = true;
+              break;
+            }
+          }
         }
       }
     }
@@ -49,7 +64,7 @@ class Holders {
 
   // Hierarchy::GatewayOf: -1 (direct), `receiver` (it is the gateway) or the gateway.
   int GatewayOf(int step, int source_group, int receiving_group, int kv_head, int receiver) const {
-    if (node_of_rank_.empty()) return -1;
+    if (!shared_on_a_node_[receiving_group][kv_head]) return -1;  // no node has two receivers
     const int node = node_of_rank_[receiver];
     if (node_of_rank_[SenderOf(source_group, kv_head, receiver)] == node) return -1;
     const int count = NodeReceivers(receiving_group, kv_head, node, nullptr);
@@ -86,6 +101,9 @@ class Holders {
   std::vector<int> index_of_;
   absl::Span<const int> node_of_rank_;
   std::vector<std::vector<std::vector<int>>> holders_;  // [group][kv head] -> member indices
+  // [group][kv head]: some node holds two members of the group holding the head (the
+  // precondition of a fan-out; always false on one node).
+  std::vector<std::vector<bool>> shared_on_a_node_;
 };
 
 // What every ring position needs from every other, from one scan of the mask over the
