@@ -844,6 +844,12 @@ constexpr size_t kSymmetricTop = 3;
 // The margin against the cost model's error (it has priced plans at half of what runs, not
 // yet at twice) beyond which a symmetric candidate is not priced by what runs.
 constexpr double kFarSlower = 2.0;
+// Where exposed transfer and imbalance exceed this share of the fastest plan's time, blends
+// of its grouping's balanced shares with equal ones (this much of the equal shares) are
+// priced by what runs.
+constexpr double kExposedShare = 0.1;
+constexpr double kEvenBlends[] = {0.25, 0.5, 0.75};
+constexpr int kBlendDevices = 128;
 
 std::vector<Candidate> SymmetricCandidates(const Cluster& cluster, const Workload& workload,
                                            int* evaluations) {
@@ -996,6 +1002,47 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     if (!cost.ok() || !cost->fits_memory) continue;
     c.cost = *cost;
     HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(fastest_family, ", ring ", name)));
+  }
+  // Shares between the balanced ones of the fastest's grouping and per-device-equal ones,
+  // priced by what runs, where transfer it does not hide or imbalance set the fastest's
+  // pace. The partition gives each group the work its share asks for, but every rank
+  // receives the K/V of all the keys it sees whatever its share, so a rank given little
+  // work hides less of that behind compute (and single-rank groups of one node receive it
+  // over the node's NICs once per group); the cost model takes transfers as hidden once
+  // compute is balanced and can favour shares too uneven (mix32_h100_l40s at 512K: compute
+  // balanced to 0.1 %, half the time exposed transfer), equal shares leave the fast devices
+  // idle, and between the two lies the fastest.
+  // Up to kBlendDevices devices: on 1024, each costs about a second to price.
+  if (cluster.size() <= kBlendDevices &&
+      best->run.ExposedTransferSeconds() + best->run.ImbalanceSeconds() >
+          kExposedShare * best->run.Seconds()) {
+    const std::string family = best->family;
+    const std::vector<int> ring_order = best->candidate.plan.ring_order;
+    const size_t ring_at = family.find(", ring ");  // the fastest's ring order, if searched
+    const std::string ring_name = ring_at == std::string::npos ? "" : family.substr(ring_at);
+    for (const Candidate& balanced : candidates) {
+      const std::string base = absl::StrCat("hsap groups ", balanced.label);
+      if (family != base && family.rfind(base + ",", 0) != 0) continue;
+      double weights = 0, ranks = 0;
+      for (const PlanGroup& g : balanced.plan.groups) {
+        weights += g.sequence_weight;
+        ranks += static_cast<double>(g.ranks.size());
+      }
+      for (double even : kEvenBlends) {
+        Candidate c = balanced;
+        c.plan.ring_order = ring_order;
+        for (PlanGroup& g : c.plan.groups) {
+          g.sequence_weight = (1 - even) * g.sequence_weight / weights +
+                              even * static_cast<double>(g.ranks.size()) / ranks;
+        }
+        std::vector<const Plan*> priced;
+        for (const Plan& p : priced_plans) priced.push_back(&p);
+        HSAP_RETURN_IF_ERROR(price_variant(
+            std::move(c), priced,
+            absl::StrCat(base, ", shares ", std::lround(100 * even), "% even", ring_name)));
+      }
+      break;
+    }
   }
   result.plan = std::move(best->candidate.plan);
   result.cost = best->candidate.cost;
