@@ -1004,14 +1004,13 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(fastest_family, ", ring ", name)));
   }
   // Shares between the balanced ones of the fastest's grouping and per-device-equal ones,
-  // priced by what runs, where transfer it does not hide or imbalance set the fastest's
-  // pace. The partition gives each group the work its share asks for, but every rank
-  // receives the K/V of all the keys it sees whatever its share, so a rank given little
-  // work hides less of that behind compute (and single-rank groups of one node receive it
-  // over the node's NICs once per group); the cost model takes transfers as hidden once
-  // compute is balanced and can favour shares too uneven (mix32_h100_l40s at 512K: compute
-  // balanced to 0.1 %, half the time exposed transfer), equal shares leave the fast devices
-  // idle, and between the two lies the fastest.
+  // priced by what runs, where time no compute covers (exposed transfer and waiting) or
+  // imbalance set the fastest's pace. The partition gives each group exactly the work its
+  // share asks for, but with uneven shares the ring's steps are uneven too (a slow rank's
+  // step with a fast group's block is larger than with a slow one's) and ranks wait on each
+  // other's posts, which the cost model (transfers hidden once compute is balanced) does not
+  // see (mix32_h100_l40s at 512K: compute balanced to 0.1 %, yet the run takes 1.9x it),
+  // while equal shares leave the fast devices idle; between the two may lie the fastest.
   // Up to kBlendDevices devices: on 1024, each costs about a second to price.
   if (cluster.size() <= kBlendDevices &&
       best->run.ExposedTransferSeconds() + best->run.ImbalanceSeconds() >
