@@ -378,9 +378,11 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     }
     std::printf(
         "# strongest baseline: %s; hsap speedup %.3fx; %.1f%% of the ideal bound; "
-        "planning %.1f ms wall, %.1f ms CPU (%d cost-model evaluations)\n",
+        "planning %.1f ms wall, %.1f ms CPU: search %.1f ms (%d cost-model evaluations), "
+        "baselines %.1f ms\n",
         best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
-        result->planning_cpu_seconds * 1e3, result->candidates);
+        result->planning_cpu_seconds * 1e3, result->search_cpu_seconds * 1e3, result->candidates,
+        result->baselines_cpu_seconds * 1e3);
     std::printf(
         "# yardsticks per layer (fwd + bwd): hardware bound %.3f ms (datasheet peak, efficiency "
         "1), model bound %.3f ms (cost-model efficiency); hsap at %.1f%% / %.1f%% of them\n",
@@ -399,12 +401,12 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     const double step = result->run.Seconds();
     std::printf(
         "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
-        "%9.1f\n",
+        "%9.1f %9.1f\n",
         cluster->name.c_str(), cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s,
         best_baseline, best_name.c_str(), speedup, e2e_speedup,
         100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal, 100 * parts.compute / step,
-        100 * parts.exposed / step, 100 * parts.imbalance / step,
-        result->planning_cpu_seconds * 1e3);
+        100 * parts.exposed / step, 100 * parts.imbalance / step, result->search_cpu_seconds * 1e3,
+        result->baselines_cpu_seconds * 1e3);
   }
   if (args.run && print_plan) {
     if (int rc = ReportRun(args, *cluster, *model, *result, best_name); rc != 0) return rc;
@@ -453,9 +455,9 @@ int main(int argc, char** argv) {
       "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
       "model bound (cost-model efficiency); compute / exposed / imbal: shares of hsap's "
       "layer as it runs (busiest device's compute, transfer not hidden, busiest minus mean)\n");
-  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s\n", "cluster",
+  std::printf("# %-28s %-30s %12s %12s %-10s %8s %8s %8s %8s %6s %6s %6s %9s %9s\n", "cluster",
               "devices", "hsap_tok/s", "base_tok/s", "baseline", "speedup", "e2e_x", "of_hw",
-              "of_model", "comp", "expos", "imbal", "plan_cpu_ms");
+              "of_model", "comp", "expos", "imbal", "search_ms", "base_ms");
   std::vector<double> speedups, ideal;
   int rc = 0;
   for (const std::string& path : args.clusters) {

@@ -76,7 +76,9 @@ absl::StatusOr<Workload> WorkloadFromModel(const hsapPlanModel_t* model) {
 
 absl::Status PlanFor(const Cluster& cluster, const hsapPlanModel_t* model, hsapPlan_t* plan) {
   HSAP_ASSIGN_OR_RETURN(Workload workload, WorkloadFromModel(model));
-  HSAP_ASSIGN_OR_RETURN(PlannerResult result, PlanAttention(cluster, workload));
+  PlannerOptions options;
+  options.with_baselines = false;  // the plan alone: the baselines are references
+  HSAP_ASSIGN_OR_RETURN(PlannerResult result, PlanAttention(cluster, workload, options));
   *plan = new hsapPlan_st{std::move(result.plan)};
   return absl::OkStatus();
 }

@@ -11,17 +11,34 @@
 namespace hsap {
 namespace {
 
-// Hierarchy::SenderOf as a table: holders_[g][kv] lists the members of group g holding KV
-// head kv (group order); a receiver of index i in its own group reads from holder i mod count.
+// Hierarchy::SenderOf and GatewayOf as tables: holders_[g][kv] lists the members of group g
+// holding KV head kv (group order). A receiver of index i in its own group reads from holder
+// i mod count, among the holders on its node when there are any (hierarchy.h, 4. and 5.).
 class Holders {
  public:
-  explicit Holders(const Plan& plan) : plan_(plan), index_of_(plan.IndexInGroup()) {
+  Holders(const Plan& plan, absl::Span<const int> node_of_rank)
+      : plan_(plan), index_of_(plan.IndexInGroup()), node_of_rank_(node_of_rank) {
     holders_.resize(plan.groups.size());
+    shared_on_a_node_.resize(plan.groups.size());
     for (size_t g = 0; g < plan.groups.size(); ++g) {
+      const std::vector<int>& ranks = plan.groups[g].ranks;
       holders_[g].assign(plan.heads_kv, {});
-      for (size_t i = 0; i < plan.groups[g].ranks.size(); ++i) {
+      for (size_t i = 0; i < ranks.size(); ++i) {
         for (int kv : plan.KvHeadsOf(static_cast<int>(g), static_cast<int>(i))) {
           holders_[g][kv].push_back(static_cast<int>(i));
+        }
+      }
+      shared_on_a_node_[g].assign(plan.heads_kv, false);
+      if (node_of_rank.empty()) continue;
+      for (int kv = 0; kv < plan.heads_kv; ++kv) {
+        const std::vector<int>& h = holders_[g][kv];
+        for (size_t a = 0; a < h.size() && !shared_on_a_node_[g][kv]; ++a) {
+          for (size_t b = a + 1; b < h.size(); ++b) {
+            if (node_of_rank[ranks[h[a]]] == node_of_rank[ranks[h[b]]]) {
+              shared_on_a_node_[g][kv] = true;
+              break;
+            }
+          }
         }
       }
     }
@@ -29,14 +46,64 @@ class Holders {
 
   int SenderOf(int source_group, int kv_head, int receiver) const {
     const std::vector<int>& h = holders_[source_group][kv_head];
-    return plan_.groups[source_group].ranks[h[index_of_[receiver] % h.size()]];
+    const std::vector<int>& ranks = plan_.groups[source_group].ranks;
+    const int index = index_of_[receiver];
+    if (!node_of_rank_.empty() && h.size() > 1) {
+      const int node = node_of_rank_[receiver];
+      int near = 0;
+      for (int i : h) near += node_of_rank_[ranks[i]] == node;
+      if (near > 0) {
+        int wanted = index % near;
+        for (int i : h) {
+          if (node_of_rank_[ranks[i]] == node && wanted-- == 0) return ranks[i];
+        }
+      }
+    }
+    return ranks[h[index % h.size()]];
   }
+
+  // Hierarchy::GatewayOf: -1 (direct), `receiver` (it is the gateway) or the gateway.
+  int GatewayOf(int step, int source_group, int receiving_group, int kv_head, int receiver) const {
+    if (!shared_on_a_node_[receiving_group][kv_head]) return -1;  // no node has two receivers
+    const int node = node_of_rank_[receiver];
+    if (node_of_rank_[SenderOf(source_group, kv_head, receiver)] == node) return -1;
+    const int count = NodeReceivers(receiving_group, kv_head, node, nullptr);
+    if (count < 2) return -1;
+    int wanted = (kv_head + step) % count;
+    const std::vector<int>& ranks = plan_.groups[receiving_group].ranks;
+    for (int i : holders_[receiving_group][kv_head]) {
+      if (node_of_rank_[ranks[i]] == node && wanted-- == 0) return ranks[i];
+    }
+    return -1;  // not reached
+  }
+
+  // The members of `group` on `node` holding `kv_head` (world ranks, group order), appended
+  // to `out` when given; returns their number.
+  int NodeReceivers(int group, int kv_head, int node, std::vector<int>* out) const {
+    const std::vector<int>& ranks = plan_.groups[group].ranks;
+    int count = 0;
+    for (int i : holders_[group][kv_head]) {
+      if (node_of_rank_[ranks[i]] != node) continue;
+      ++count;
+      if (out != nullptr) out->push_back(ranks[i]);
+    }
+    return count;
+  }
+
   int IndexOf(int rank) const { return index_of_[rank]; }
+  bool InterNode(int a, int b) const {
+    return !node_of_rank_.empty() && node_of_rank_[a] != node_of_rank_[b];
+  }
+  int NodeOf(int rank) const { return node_of_rank_.empty() ? 0 : node_of_rank_[rank]; }
 
  private:
   const Plan& plan_;
   std::vector<int> index_of_;
+  absl::Span<const int> node_of_rank_;
   std::vector<std::vector<std::vector<int>>> holders_;  // [group][kv head] -> member indices
+  // [group][kv head]: some node holds two members of the group holding the head (the
+  // precondition of a fan-out; always false on one node).
+  std::vector<std::vector<bool>> shared_on_a_node_;
 };
 
 // What every ring position needs from every other, from one scan of the mask over the
@@ -104,13 +171,26 @@ class PositionNeeds {
   std::vector<int64_t> rows_, pairs_;  // [q * num + k]
 };
 
+// Adds `heads` heads for `peer` to a (peer, heads) list.
+void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
+  auto it = std::find_if(list.begin(), list.end(), [&](const auto& x) { return x.first == peer; });
+  if (it == list.end()) {
+    list.push_back({peer, heads});
+  } else {
+    it->second += heads;
+  }
+}
+
 // The K/V stages of member `self` of the group at ring position `position`, appended to
 // both passes of `program`: Hierarchy::BuildRank's sub-ring steps (at step t the position
 // receives from position - t the rows its queries see and sends to position + t the rows
-// that position's queries see; steps that move nothing are absent) written as ProgramOf
-// (lib/sched/transfers.cc) writes them: per stage the sends then the receives, one message
-// per peer with K and V of its heads; backward adds the fp32 dK/dV partials of the received
-// rows to their sender and of the sent rows from their receiver.
+// that position's queries see; a head whose holder is on another node comes through the
+// node's gateway, which forwards it to the other receivers on its node; steps that move
+// nothing are absent) written as ProgramOf (lib/sched/transfers.cc) writes them: per stage
+// the sends then the receives, one message per peer with K and V of its heads, then the
+// fan-out (forwarded, then received); backward adds the fp32 dK/dV partials of the fan-out
+// back to the gateway, then those of the received rows to their sender and of the sent
+// rows from their receiver.
 void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
                   const std::vector<int>& ring,
                   const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
@@ -118,60 +198,95 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
                   RankProgram* program) {
   const int num_positions = static_cast<int>(ring.size());
   constexpr uint64_t kF32 = sizeof(float);
-  std::vector<std::pair<int, int>> recv;  // (sender, heads), by the sender's group index
-  std::vector<std::pair<int, int>> send;  // (receiver, heads), in the receiving group's order
+  const auto by_index = [&](const auto& a, const auto& b) {
+    return holders.IndexOf(a.first) < holders.IndexOf(b.first);
+  };
+  // (peer, heads), in the peer's group order: receives from holders, the fan-out received
+  // from a gateway and forwarded by this rank as a gateway, and sends to the next group.
+  std::vector<std::pair<int, int>> recv, fan_recv, fan_send, send;
+  std::vector<int> node_receivers;
   for (int t = 1; t < num_positions; ++t) {
     const int src = (position - t + num_positions) % num_positions;
     const int dst = (position + t) % num_positions;
     const int64_t recv_rows = needs.rows(position, src), send_rows = needs.rows(dst, position);
     recv.clear();
+    fan_recv.clear();
+    fan_send.clear();
     send.clear();
     if (recv_rows > 0) {
       for (int h : self.kv_heads) {
-        const int sender = holders.SenderOf(ring[src], h, self.rank);
-        auto it = std::find_if(recv.begin(), recv.end(),
-                               [&](const auto& x) { return x.first == sender; });
-        if (it == recv.end()) {
-          recv.push_back({sender, 1});
-        } else {
-          ++it->second;
+        const int gateway = holders.GatewayOf(t, ring[src], self.group, h, self.rank);
+        if (gateway >= 0 && gateway != self.rank) {
+          AddHeads(fan_recv, gateway, 1);
+          continue;
+        }
+        AddHeads(recv, holders.SenderOf(ring[src], h, self.rank), 1);
+        if (gateway != self.rank) continue;
+        node_receivers.clear();
+        holders.NodeReceivers(self.group, h, holders.NodeOf(self.rank), &node_receivers);
+        for (int peer : node_receivers) {
+          if (peer != self.rank) AddHeads(fan_send, peer, 1);
         }
       }
-      std::sort(recv.begin(), recv.end(), [&](const auto& a, const auto& b) {
-        return holders.IndexOf(a.first) < holders.IndexOf(b.first);
-      });
+      for (auto* list : {&recv, &fan_recv, &fan_send}) {
+        std::sort(list->begin(), list->end(), by_index);
+      }
     }
     if (send_rows > 0) {
       const int gd = ring[dst];
       const PlanGroup& to = plan.groups[gd];
       for (size_t j = 0; j < to.ranks.size(); ++j) {
+        const int peer = to.ranks[j];
         int heads = 0;
-        for (int h : kv_heads[gd][j])
-          heads += holders.SenderOf(self.group, h, to.ranks[j]) == self.rank;
-        if (heads > 0) send.push_back({to.ranks[j], heads});
+        for (int h : kv_heads[gd][j]) {
+          if (holders.SenderOf(self.group, h, peer) != self.rank) continue;
+          const int gateway = holders.GatewayOf(t, self.group, gd, h, peer);
+          heads += gateway < 0 || gateway == peer;
+        }
+        if (heads > 0) send.push_back({peer, heads});
       }
     }
-    if (recv.empty() && send.empty()) continue;
+    if (recv_rows == 0 && send.empty()) continue;
     for (PassProgram* pass : {&program->forward, &program->backward}) {
       ProgramStage& s = pass->stages.emplace_back();
       s.step = t;
-      s.pairs = recv.empty() ? 0 : needs.pairs(position, src);
+      s.pairs = recv_rows == 0 ? 0 : needs.pairs(position, src);
       // K and V (dK and dV) of `rows` rows of `heads` heads.
-      const auto bytes = [&](int64_t rows, int heads, uint64_t bytes_per_element) {
-        return 2 * static_cast<uint64_t>(rows) * heads * head_dim * bytes_per_element;
+      const auto message = [&](int peer, bool out, TransferKind kind, int64_t rows, int heads,
+                               uint64_t bytes_per_element) {
+        Transfer m{peer, out, kind,
+                   2 * static_cast<uint64_t>(rows) * heads * head_dim * bytes_per_element};
+        m.inter_node = holders.InterNode(self.rank, peer);
+        return m;
       };
       for (auto [peer, heads] : send) {
-        s.kv.push_back({peer, true, TransferKind::kKv, bytes(send_rows, heads, element_bytes)});
+        s.kv.push_back(message(peer, true, TransferKind::kKv, send_rows, heads, element_bytes));
       }
       for (auto [peer, heads] : recv) {
-        s.kv.push_back({peer, false, TransferKind::kKv, bytes(recv_rows, heads, element_bytes)});
+        s.kv.push_back(message(peer, false, TransferKind::kKv, recv_rows, heads, element_bytes));
+      }
+      for (auto [peer, heads] : fan_send) {
+        s.fan_out_kv.push_back(
+            message(peer, true, TransferKind::kKvFanOut, recv_rows, heads, element_bytes));
+      }
+      for (auto [peer, heads] : fan_recv) {
+        s.fan_out_kv.push_back(
+            message(peer, false, TransferKind::kKvFanOut, recv_rows, heads, element_bytes));
       }
       if (pass == &program->backward) {
+        for (auto [peer, heads] : fan_recv) {
+          s.fan_in_grad.push_back(
+              message(peer, true, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
+        }
+        for (auto [peer, heads] : fan_send) {
+          s.fan_in_grad.push_back(
+              message(peer, false, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
+        }
         for (auto [peer, heads] : recv) {
-          s.grad.push_back({peer, true, TransferKind::kKvGrad, bytes(recv_rows, heads, kF32)});
+          s.grad.push_back(message(peer, true, TransferKind::kKvGrad, recv_rows, heads, kF32));
         }
         for (auto [peer, heads] : send) {
-          s.grad.push_back({peer, false, TransferKind::kKvGrad, bytes(send_rows, heads, kF32)});
+          s.grad.push_back(message(peer, false, TransferKind::kKvGrad, send_rows, heads, kF32));
         }
       }
     }
@@ -182,12 +297,18 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
 
 absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
                                                              const LayerShape& shape) {
+  return PlanProgramsByGroup(layout, plan, absl::Span<const int>(), shape);
+}
+
+absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
+                                                             absl::Span<const int> node_of_rank,
+                                                             const LayerShape& shape) {
   if (plan.heads_q != shape.heads_q || plan.heads_kv != shape.heads_kv) {
     return absl::InvalidArgumentError(
         absl::StrCat("the plan is for ", plan.heads_q, "/", plan.heads_kv,
                      " query/KV heads but the layer has ", shape.heads_q, "/", shape.heads_kv));
   }
-  HSAP_ASSIGN_OR_RETURN(Hierarchy h, Hierarchy::Create(layout, plan));
+  HSAP_ASSIGN_OR_RETURN(Hierarchy h, Hierarchy::Create(layout, plan, node_of_rank));
   const int num_groups = static_cast<int>(plan.groups.size());
   const std::vector<int> ring = plan.RingOrder();
   std::vector<int> position_of(num_groups);
@@ -198,7 +319,7 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
       kv_heads[g].push_back(plan.KvHeadsOf(g, static_cast<int>(i)));
     }
   }
-  const Holders holders(plan);
+  const Holders holders(plan, node_of_rank);
   const PositionNeeds needs(layout, h.positions());
 
   std::vector<RankProgram> programs(plan.num_ranks);
@@ -233,7 +354,8 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
       r.kv_heads = r.members[i].kv_heads;
       // The all-to-alls from ProgramOf; the stages of a rank with heads appended here.
       r.local_work.visible_pairs = r.q_heads.empty() ? 0 : needs.pairs(position, position);
-      RankProgram& program = programs[r.rank] = ProgramOf(r, shape.head_dim, shape.dtype);
+      RankProgram& program = programs[r.rank] =
+          ProgramOf(r, shape.head_dim, shape.dtype, node_of_rank);
       if (!r.q_heads.empty()) {
         AppendStages(needs, position, r, ring, kv_heads, plan, holders, shape.head_dim,
                      DTypeSize(shape.dtype), &program);
@@ -251,7 +373,10 @@ absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload
   const ModelSpec& m = workload.model;
   const LayerShape shape{m.heads_q, m.heads_kv, m.head_dim,
                          m.dtype_bytes == 4 ? DType::kF32 : DType::kBF16};
-  HSAP_ASSIGN_OR_RETURN(std::vector<RankProgram> programs, PlanProgramsByGroup(row, plan, shape));
+  std::vector<int> node_of_rank;
+  for (const Device& d : cluster.devices) node_of_rank.push_back(d.node);
+  HSAP_ASSIGN_OR_RETURN(std::vector<RankProgram> programs,
+                        PlanProgramsByGroup(row, plan, node_of_rank, shape));
   return SimulatePrograms(cluster, programs, m.head_dim);
 }
 

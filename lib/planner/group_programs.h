@@ -8,7 +8,8 @@
 // pair of ring positions, the key rows one needs from the other and their visible pairs
 // (all a program needs of the schedule and the work lists), and each member's sub-ring
 // messages follow from its group's position; the chosen holder of a KV head follows
-// Hierarchy::SenderOf from a per-group table. Bytes stay exact. A test compares every
+// Hierarchy::SenderOf and GatewayOf from a per-group table (node fan-outs included when the
+// nodes are given). Bytes stay exact. A test compares every
 // program with PlanPrograms' on random plans, ring orders and mask kinds; a change to
 // Hierarchy::BuildRank or ProgramOf(RankHierarchy) that this file does not follow fails it.
 #ifndef HSAP_LIB_PLANNER_GROUP_PROGRAMS_H_
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "attention/layout.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
@@ -29,9 +31,15 @@ namespace hsap {
 // Equal to PlanPrograms(layout, plan, shape) (the same errors for an invalid plan).
 absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
                                                              const LayerShape& shape);
+// Equal to PlanPrograms(layout, plan, node_of_rank, shape): with the node of every rank,
+// the fan-outs of lib/sched/hierarchy.h, 5. and each message's link class.
+absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
+                                                             absl::Span<const int> node_of_rank,
+                                                             const LayerShape& shape);
 
 // What the planner prices: `plan` running the workload's row (one document of seq_len
-// tokens, causal or full as the workload says) on `cluster`, with the model's layer shape.
+// tokens, causal or full as the workload says) on `cluster` (its nodes: the fan-outs of
+// PlanPrograms(layout, plan, cluster, shape)), with the model's layer shape.
 absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
                                           const Plan& plan);
 

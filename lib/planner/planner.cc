@@ -832,6 +832,52 @@ std::vector<std::pair<std::vector<int>, std::string>> RingOrderChoices(const Clu
   return out;
 }
 
+// The equal-group family of the search's space with its symmetric assignment: groups of h
+// consecutive ranks (span:h) for every h dividing the devices and the query heads, equal
+// shares and heads dealt evenly in order (groups of one rank with all heads: the ring's
+// layout; one group: Ulysses'; sizes between: USP's). Stage II moves a mixed cluster's shares
+// away from them, but where the ring's pace or the all-to-all, not compute, sets the time
+// they run fastest, and the cost model's screen may not rank their groupings in its top
+// few. So the final pricing by what runs always sees the ones the pipelined cost model ranks
+// best (kSymmetricTop) and both extremes (one rank per group, one group), fastest first.
+constexpr size_t kSymmetricTop = 3;
+// The margin against the cost model's error (it has priced plans at half of what runs, not
+// yet at twice) beyond which a symmetric candidate is not priced by what runs.
+constexpr double kFarSlower = 2.0;
+// Where exposed transfer and imbalance exceed this share of the fastest plan's time, blends
+// of its grouping's balanced shares with equal ones (this much of the equal shares) are
+// priced by what runs.
+constexpr double kExposedShare = 0.1;
+constexpr double kEvenBlends[] = {0.25, 0.5, 0.75};
+constexpr int kBlendDevices = 128;
+
+std::vector<Candidate> SymmetricCandidates(const Cluster& cluster, const Workload& workload,
+                                           int* evaluations) {
+  const int n = cluster.size();
+  const ModelSpec& m = workload.model;
+  std::vector<Candidate> all;
+  for (int h = 1; h <= std::min(n, m.heads_q); ++h) {
+    if (n % h != 0 || m.heads_q % h != 0) continue;
+    absl::StatusOr<Plan> plan = SymmetricPlan(n, m.heads_q, m.heads_kv, h);
+    if (!plan.ok()) continue;
+    auto cost = EvaluatePlan(cluster, workload, *plan, RingPricing::kPipelined);
+    ++*evaluations;
+    if (!cost.ok() || !cost->fits_memory) continue;
+    Candidate c{*std::move(plan), *std::move(cost), absl::StrCat("span:", h), {}};
+    c.capped.assign(c.plan.groups.size(), false);
+    all.push_back(std::move(c));
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+    return a.cost.Seconds() < b.cost.Seconds();
+  });
+  std::vector<Candidate> out;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const int groups = static_cast<int>(all[i].plan.groups.size());
+    if (i < kSymmetricTop || groups == n || groups == 1) out.push_back(std::move(all[i]));
+  }
+  return out;
+}
+
 // The error when no plan, hsap or baseline, fits in memory: the figures that explain why.
 absl::Status DoesNotFitError(const Cluster& cluster, const Workload& workload) {
   const double state = ModelStateBytesPerDevice(cluster, workload);
@@ -875,16 +921,16 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   const std::vector<Candidate> candidates =
       RefineCandidates(builder, screen.TakeBest(options.refine_top), options, &result.candidates);
 
-  // The symmetric baselines are references only: the plan comes from the search above.
-  result.baselines = EvaluateBaselines(cluster, workload);
   HSAP_ASSIGN_OR_RETURN(const bool debug, GetBoolParam(Param::kPlanDebug));
   // The final candidates are priced by what runs (the runtime's own programs); the fastest
   // there is the plan. Each is priced with its balanced shares and with per-device-equal
   // group shares (Stage II's alternative where the ring, not compute, sets the pace: equal
   // blocks pipeline better than the cost model's ring predicts).
   std::optional<Priced> best;
+  std::vector<Plan> priced_plans;  // every plan priced by what runs
   auto price = [&](Candidate c, const std::string& family) -> absl::Status {
     HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, c.plan));
+    priced_plans.push_back(c.plan);
     if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, what runs %.3f+%.3f ms\n%s\n",
                    family.c_str(), c.cost.forward_seconds * 1e3, c.cost.backward_seconds * 1e3,
@@ -932,6 +978,17 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     HSAP_RETURN_IF_ERROR(price_variant(std::move(symmetric), {&c.plan, &even.plan},
                                        absl::StrCat(family, ", even shares and heads")));
   }
+  // The equal-group family with its symmetric assignment, unless a candidate above
+  // assigns the same, or the cost model prices it over kFarSlower times the fastest plan
+  // priced by what runs (on 1024 devices the ring's programs alone cost a second to price,
+  // where the model puts it at 5x the plan).
+  for (Candidate& c : SymmetricCandidates(cluster, workload, &result.candidates)) {
+    const bool seen = std::any_of(priced_plans.begin(), priced_plans.end(),
+                                  [&](const Plan& p) { return SameAssignment(c.plan, p); });
+    if (seen || (best && c.cost.Seconds() > kFarSlower * best->run.Seconds())) continue;
+    const std::string family = absl::StrCat("hsap groups ", c.label, ", even shares and heads");
+    HSAP_RETURN_IF_ERROR(price(std::move(c), family));
+  }
   if (!best) return DoesNotFitError(cluster, workload);
   // The ring order of the fastest: the other orders on offer, priced by what runs.
   const Candidate fastest = best->candidate;
@@ -946,6 +1003,46 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
     c.cost = *cost;
     HSAP_RETURN_IF_ERROR(price(std::move(c), absl::StrCat(fastest_family, ", ring ", name)));
   }
+  // Shares between the balanced ones of the fastest's grouping and per-device-equal ones,
+  // priced by what runs, where time no compute covers (exposed transfer and waiting) or
+  // imbalance set the fastest's pace. The partition gives each group exactly the work its
+  // share asks for, but with uneven shares the ring's steps are uneven too (a slow rank's
+  // step with a fast group's block is larger than with a slow one's) and ranks wait on each
+  // other's posts, which the cost model (transfers hidden once compute is balanced) does not
+  // see (mix32_h100_l40s at 512K: compute balanced to 0.1 %, yet the run takes 1.9x it),
+  // while equal shares leave the fast devices idle; between the two may lie the fastest.
+  // Up to kBlendDevices devices: on 1024, each costs about a second to price.
+  if (cluster.size() <= kBlendDevices &&
+      best->run.ExposedTransferSeconds() + best->run.ImbalanceSeconds() >
+          kExposedShare * best->run.Seconds()) {
+    const std::string family = best->family;
+    const std::vector<int> ring_order = best->candidate.plan.ring_order;
+    const size_t ring_at = family.find(", ring ");  // the fastest's ring order, if searched
+    const std::string ring_name = ring_at == std::string::npos ? "" : family.substr(ring_at);
+    for (const Candidate& balanced : candidates) {
+      const std::string base = absl::StrCat("hsap groups ", balanced.label);
+      if (family != base && family.rfind(base + ",", 0) != 0) continue;
+      double weights = 0, ranks = 0;
+      for (const PlanGroup& g : balanced.plan.groups) {
+        weights += g.sequence_weight;
+        ranks += static_cast<double>(g.ranks.size());
+      }
+      for (double even : kEvenBlends) {
+        Candidate c = balanced;
+        c.plan.ring_order = ring_order;
+        for (PlanGroup& g : c.plan.groups) {
+          g.sequence_weight = (1 - even) * g.sequence_weight / weights +
+                              even * static_cast<double>(g.ranks.size()) / ranks;
+        }
+        std::vector<const Plan*> priced;
+        for (const Plan& p : priced_plans) priced.push_back(&p);
+        HSAP_RETURN_IF_ERROR(price_variant(
+            std::move(c), priced,
+            absl::StrCat(base, ", shares ", std::lround(100 * even), "% even", ring_name)));
+      }
+      break;
+    }
+  }
   result.plan = std::move(best->candidate.plan);
   result.cost = best->candidate.cost;
   result.run = std::move(best->run);
@@ -954,9 +1051,15 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   result.plan.predicted_forward_seconds = result.run.forward_seconds;
   result.plan.predicted_backward_seconds = result.run.backward_seconds;
   result.plan.description = result.family;
+  // The symmetric baselines are references only: the plan comes from the search above.
+  const std::clock_t baselines_start = std::clock();
+  result.search_cpu_seconds = static_cast<double>(baselines_start - cpu_start) / CLOCKS_PER_SEC;
+  if (options.with_baselines) result.baselines = EvaluateBaselines(cluster, workload);
   result.planning_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  result.planning_cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
+  const std::clock_t end = std::clock();
+  result.planning_cpu_seconds = static_cast<double>(end - cpu_start) / CLOCKS_PER_SEC;
+  result.baselines_cpu_seconds = static_cast<double>(end - baselines_start) / CLOCKS_PER_SEC;
   return result;
 }
 

@@ -43,8 +43,37 @@ void ExpectSamePass(const PassProgram& a, const PassProgram& b, const std::strin
     EXPECT_EQ(a.stages[i].fan_out, b.stages[i].fan_out) << at;
     EXPECT_EQ(a.stages[i].pairs, b.stages[i].pairs) << at;
     ExpectSameTransfers(a.stages[i].kv, b.stages[i].kv, at + " kv");
+    ExpectSameTransfers(a.stages[i].fan_out_kv, b.stages[i].fan_out_kv, at + " fan-out");
+    ExpectSameTransfers(a.stages[i].fan_in_grad, b.stages[i].fan_in_grad, at + " fan-in");
     ExpectSameTransfers(a.stages[i].grad, b.stages[i].grad, at + " grad");
   }
+}
+
+// Every program of `fast` equals the one of `full`.
+void ExpectSamePrograms(const std::vector<RankProgram>& full,
+                        const std::vector<RankProgram>& fast) {
+  ASSERT_EQ(full.size(), fast.size());
+  for (size_t r = 0; r < full.size(); ++r) {
+    const std::string where = "rank " + std::to_string(r);
+    const RankProgram& a = full[r];
+    const RankProgram& b = fast[r];
+    EXPECT_EQ(a.rank, b.rank) << where;
+    EXPECT_EQ(a.query_heads, b.query_heads) << where;
+    EXPECT_EQ(a.query_rows, b.query_rows) << where;
+    ExpectSamePass(a.forward, b.forward, where + " forward");
+    ExpectSamePass(a.backward, b.backward, where + " backward");
+  }
+}
+
+// Fan-out messages in `programs` (both passes).
+int FanOutMessages(const std::vector<RankProgram>& programs) {
+  int n = 0;
+  for (const RankProgram& p : programs) {
+    for (const PassProgram* pass : {&p.forward, &p.backward}) {
+      for (const ProgramStage& s : pass->stages) n += static_cast<int>(s.fan_out_kv.size());
+    }
+  }
+  return n;
 }
 
 // Nodes of 4 devices, 100 TFLOP/s peak, 10 GB/s NICs.
@@ -110,17 +139,7 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnRandomPlans) {
     auto fast = PlanProgramsByGroup(*layout, plan, shape);
     ASSERT_TRUE(full.ok()) << full.status();
     ASSERT_TRUE(fast.ok()) << fast.status();
-    ASSERT_EQ(full->size(), fast->size());
-    for (size_t r = 0; r < full->size(); ++r) {
-      const std::string where = "rank " + std::to_string(r);
-      const RankProgram& a = (*full)[r];
-      const RankProgram& b = (*fast)[r];
-      EXPECT_EQ(a.rank, b.rank) << where;
-      EXPECT_EQ(a.query_heads, b.query_heads) << where;
-      EXPECT_EQ(a.query_rows, b.query_rows) << where;
-      ExpectSamePass(a.forward, b.forward, where + " forward");
-      ExpectSamePass(a.backward, b.backward, where + " backward");
-    }
+    ExpectSamePrograms(*full, *fast);
     const Cluster cluster = TestCluster(plan.num_ranks);
     if (cluster.size() != plan.num_ranks) continue;  // the last node is not full
     auto priced_full = SimulatePrograms(cluster, *full, shape.head_dim);
@@ -132,6 +151,75 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnRandomPlans) {
     ++compared;
   }
   EXPECT_GT(compared, 4);
+}
+
+// The same on multi-node topologies (nodes of 2 to 4 ranks, ranks scrambled over groups),
+// with GQA plans whose groups have more members than KV heads, so that several members of
+// a node receive one head and the rows cross once, through a gateway (hierarchy.h, 5.):
+// the fan-outs, the holders chosen on the receiver's node and every message's link class
+// equal PlanPrograms(layout, plan, cluster, shape)'s, and so the priced times and bytes.
+TEST(GroupProgramsTest, EqualToTheFullPathOnMultiNodeClusters) {
+  std::mt19937_64 rng(1313);
+  const HeadSplit splits[] = {HeadSplit::kContiguous, HeadSplit::kRoundRobin, HeadSplit::kRandom};
+  int fan_out_plans = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    PlanSpec spec;
+    const int num_groups = 2 + static_cast<int>(rng() % 4);
+    for (int g = 0; g < num_groups; ++g)
+      spec.group_sizes.push_back(1 + static_cast<int>(rng() % 6));
+    spec.heads_kv = 1 << (rng() % 2);
+    spec.heads_q = spec.heads_kv * (2 + static_cast<int>(rng() % 3));
+    spec.split = splits[rng() % 3];
+    spec.uneven = rng() % 2 == 0;
+    spec.seed = rng();
+    Plan plan = MakePlan(spec);
+    plan.ring_order.resize(plan.groups.size());
+    for (size_t g = 0; g < plan.groups.size(); ++g) plan.ring_order[g] = static_cast<int>(g);
+    std::shuffle(plan.ring_order.begin(), plan.ring_order.end(), rng);
+    const int node_size = 2 + static_cast<int>(rng() % 3);
+    std::vector<int> node_of_rank(plan.num_ranks);
+    for (int r = 0; r < plan.num_ranks; ++r) node_of_rank[r] = r / node_size;
+    const double mean_doc = trial % 3 == 0 ? 0.0 : 60.0 + static_cast<double>(rng() % 400);
+    absl::StatusOr<Layout> layout =
+        SampleRow(700 + static_cast<int64_t>(rng() % 300), mean_doc, rng());
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    if (trial % 2 == 1) layout = MixedMasks(*layout);  // every mask kind
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    SCOPED_TRACE(spec.Name() + " nodes of " + std::to_string(node_size) + " trial " +
+                 std::to_string(trial));
+    const LayerShape shape{spec.heads_q, spec.heads_kv, 16, DType::kBF16};
+    auto full = PlanPrograms(*layout, plan, node_of_rank, shape);
+    auto fast = PlanProgramsByGroup(*layout, plan, node_of_rank, shape);
+    ASSERT_TRUE(full.ok()) << full.status();
+    ASSERT_TRUE(fast.ok()) << fast.status();
+    ExpectSamePrograms(*full, *fast);
+    fan_out_plans += FanOutMessages(*full) > 0;
+  }
+  EXPECT_GT(fan_out_plans, 4);
+
+  // And through SimulateRun on a cluster of 3 nodes of 4 (what the planner prices).
+  const Cluster cluster = TestCluster(12);
+  const Plan plan = MakePlan({{6, 6}, 8, 2, HeadSplit::kRoundRobin, false, 7});
+  Workload workload;
+  workload.seq_len = 3000;
+  workload.causal = true;
+  workload.model.heads_q = 8;
+  workload.model.heads_kv = 2;
+  workload.model.head_dim = 16;
+  workload.model.dtype_bytes = 2;
+  const int64_t cu[] = {0, workload.seq_len};
+  const MaskKind kind[] = {MaskKind::kCausal};
+  absl::StatusOr<Layout> row = Layout::FromDocuments(cu, kind);
+  ASSERT_TRUE(row.ok());
+  auto full = PlanPrograms(*row, plan, cluster, {8, 2, 16, DType::kBF16});
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_GT(FanOutMessages(*full), 0);
+  auto priced_full = SimulatePrograms(cluster, *full, 16);
+  auto priced_fast = SimulateRun(cluster, workload, plan);
+  ASSERT_TRUE(priced_full.ok() && priced_fast.ok()) << priced_fast.status();
+  EXPECT_EQ(priced_full->forward_seconds, priced_fast->forward_seconds);
+  EXPECT_EQ(priced_full->backward_seconds, priced_fast->backward_seconds);
+  EXPECT_EQ(priced_full->InterNodeBytes(), priced_fast->InterNodeBytes());
 }
 
 TEST(GroupProgramsTest, RejectsALayerThePlanIsNotFor) {

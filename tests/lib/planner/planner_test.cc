@@ -1,9 +1,11 @@
 #include "lib/planner/planner.h"
 
 #include <chrono>
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -187,6 +189,48 @@ TEST(PlannerTest, OwnSearchNeverWorseThanABaselineOnEveryShippedCluster) {
     EXPECT_THAT(r->family, HasSubstr("hsap groups"));
     ExpectNeverWorse(*r);
   }
+}
+
+// The same with Llama 3 8B (GQA 32:8, models/llama3-8b.json) at 128K, 512K and 1M tokens
+// on every shipped cluster of at most 128 devices (the 1024-device ones take seconds each:
+// `hsap_plan --brief` sweeps them, docs/planner.md). The search reaches the ring's, Ulysses'
+// and USP's layouts by itself (its equal-group family), so no baseline beats it.
+TEST(PlannerTest, OwnSearchNeverWorseWithLlama3At128KTo1M) {
+  std::ifstream in(std::string(HSAP_SOURCE_DIR) + "/models/llama3-8b.json");
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::StatusOr<ModelSpec> model = ModelFromJsonText(text.str());
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (const int64_t seq : {131072, 524288, 1048576}) {
+    for (const char* name :
+         {"testbed_8h100_8a100", "mix32_h100_a100", "mix32_h100_l40s", "mix64_h100_a100_a800",
+          "mix64_h100_l40s", "mix128_h100_a100", "mix128_four_kinds", "flops_48h100_8a100",
+          "flops_52h100_4a100_8a800"}) {
+      SCOPED_TRACE(absl::StrCat(name, ", ", seq, " tokens"));
+      Workload w;
+      w.model = *model;
+      w.seq_len = seq;
+      auto r = PlanAttention(Load(name), w);
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_THAT(r->family, HasSubstr("hsap groups"));
+      ExpectNeverWorse(*r);
+    }
+  }
+}
+
+// The C ABI plans without pricing the baselines (they are references only).
+TEST(PlannerTest, WithoutBaselinesTheSamePlan) {
+  const Cluster c = Load("mix32_h100_l40s");
+  const Workload w = MakeWorkload("llama-7b", 131072);
+  PlannerOptions without;
+  without.with_baselines = false;
+  auto a = PlanAttention(c, w);
+  auto b = PlanAttention(c, w, without);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_FALSE(a->baselines.empty());
+  EXPECT_TRUE(b->baselines.empty());
+  EXPECT_EQ(PlanToJsonText(a->plan), PlanToJsonText(b->plan));
+  EXPECT_LE(b->search_cpu_seconds, b->planning_cpu_seconds);
 }
 
 // The plan's figures are what runs: pricing the returned plan again gives them exactly.
