@@ -422,7 +422,7 @@ hsapResult_t hsapPlanCreateForCluster(hsapPlan_t* plan, const char* clusterJson,
                                       const hsapPlanModel_t* model);
 
 /* One rank's device as the planner sees it. Figures of 0 take those of a built-in kind
- * (H100, A100, A800, L40S); any other kind needs peakTflops, memoryGib, hbmGbps,
+ * (H100, H200, A100, A800, L40S); any other kind needs peakTflops, memoryGib, hbmGbps,
  * attentionEfficiency and intraNodeGbps. */
 typedef struct {
   size_t size;
@@ -452,7 +452,11 @@ typedef struct {
  * (1 TFLOP/s, 16 GiB, 10 GB/s inside a node; every host rank alike, so only the shares
  * matter) in its node of the communicator's topology (hsapCommConfig_t.rankNodes; node 0
  * without), each node with one nominal 1 GB/s NIC (self, when given, says its own node);
- * a CUDA communicator does not describe its devices yet (hsapUnsupported: pass self). */
+ * a rank of a CUDA communicator is the built-in kind its GPU's name names (e.g. "NVIDIA H100
+ * 80GB HBM3": H100; hsapUnsupported naming the device when none does: pass self) with its
+ * own memory, in its node as discovered at
+ * initialisation, each node with one 400 Gb/s NIC per GPU (a DGX-class node; pass self for
+ * other fabrics). */
 hsapResult_t hsapPlanCreateForComm(hsapPlan_t* plan, hsapComm_t comm, const hsapPlanDevice_t* self,
                                    const hsapPlanModel_t* model);
 

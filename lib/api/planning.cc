@@ -9,6 +9,8 @@
 #include "lib/api/checks.h"
 #include "lib/api/handles.h"
 #include "lib/api/result.h"
+#include "lib/comm/topology.h"
+#include "lib/cuda/exec/gpu_batch.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
 #include "lib/planner/planner.h"
@@ -93,9 +95,21 @@ struct DeviceWire {
 absl::StatusOr<DeviceWire> Describe(const hsapComm_st& comm, const hsapPlanDevice_t* self) {
   DeviceWire w{};
   if (self == nullptr) {
+    const Topology& topology = comm.comm->topology();
+    const int node = topology.node_of(comm.comm->rank());
     if (comm.gpu != nullptr) {
-      return absl::UnimplementedError(
-          "a CUDA communicator does not describe its devices yet: pass self (hsapPlanDevice_t)");
+      // A GPU: its kind from the driver's name, its memory, and its node as discovered at
+      // initialisation (cluster.h: DescribeNamedDevice).
+      HSAP_ASSIGN_OR_RETURN(cuda::DeviceIdentity id, comm.gpu->device().Identity());
+      HSAP_ASSIGN_OR_RETURN(DeviceDescription d,
+                            DescribeNamedDevice(id.name, id.memory_bytes, node,
+                                                static_cast<int>(topology.RanksOf(node).size())));
+      std::strncpy(w.kind, d.kind.c_str(), sizeof(w.kind) - 1);
+      w.memory_gib = d.memory_gib;
+      w.node = d.node;
+      w.nics = d.nics;
+      w.nic_gbps = d.nic_gbps;
+      return w;
     }
     // A host rank: nominal figures, every rank alike (only the shares matter), in its node
     // of the communicator's described topology (rankNodes), each node with one nominal NIC
@@ -106,7 +120,7 @@ absl::StatusOr<DeviceWire> Describe(const hsapComm_st& comm, const hsapPlanDevic
     w.hbm_gbps = 100;
     w.attention_efficiency = 1;
     w.intra_node_gbps = 10;
-    w.node = comm.comm->topology().node_of(comm.comm->rank());
+    w.node = node;
     w.nics = 1;
     w.nic_gbps = 1;
     return w;

@@ -1,6 +1,7 @@
 #include "lib/planner/cluster.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -62,6 +63,7 @@ const std::vector<DeviceKind>& BuiltinDeviceKinds() {
   static const std::vector<DeviceKind> kinds = {
       {"H100", 989.4e12, 80 * kGiB, 3350 * kGB, 0.60, 450 * kGB},
       {"A100", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 300 * kGB},
+      {"H200", 989.4e12, 140 * kGiB, 4800 * kGB, 0.60, 450 * kGB},
       {"A800", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 200 * kGB},
       {"L40S", 362.05e12, 48 * kGiB, 864 * kGB, 0.50, 32 * kGB},
   };
@@ -222,6 +224,33 @@ absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
     }
   }
   return cluster;
+}
+
+absl::StatusOr<DeviceDescription> DescribeNamedDevice(absl::string_view device_name,
+                                                      uint64_t memory_bytes, int node,
+                                                      int devices_on_node) {
+  const auto is_word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)); };
+  std::vector<std::string> kinds;
+  for (const DeviceKind& kind : BuiltinDeviceKinds()) {
+    kinds.push_back(kind.name);
+    for (size_t at = device_name.find(kind.name); at != absl::string_view::npos;
+         at = device_name.find(kind.name, at + 1)) {
+      const size_t end = at + kind.name.size();
+      if ((at == 0 || !is_word_char(device_name[at - 1])) &&
+          (end == device_name.size() || !is_word_char(device_name[end]))) {
+        DeviceDescription d;
+        d.kind = kind.name;
+        d.memory_gib = static_cast<double>(memory_bytes) / kGiB;
+        d.node = node;
+        d.nics = devices_on_node;
+        d.nic_gbps = 50;
+        return d;
+      }
+    }
+  }
+  return absl::UnimplementedError(
+      absl::StrCat("device \"", device_name, "\" is none of the built-in kinds (",
+                   absl::StrJoin(kinds, ", "), "): describe it by hand (hsapPlanDevice_t)"));
 }
 
 absl::StatusOr<Cluster> ClusterFromDevices(const std::vector<DeviceDescription>& devices) {

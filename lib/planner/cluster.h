@@ -42,7 +42,8 @@ struct DeviceKind {
   double AttentionFlops() const { return peak_flops * attention_efficiency; }
 };
 
-// The built-in kinds: H100 (SXM5 80GB), A100 (SXM4 80GB), A800 (SXM4 80GB), L40S.
+// The built-in kinds: H100 (SXM5 80GB), H200 (SXM 141GB), A100 (SXM4 80GB), A800 (SXM4 80GB),
+// L40S.
 const std::vector<DeviceKind>& BuiltinDeviceKinds();
 
 struct Node {
@@ -138,6 +139,16 @@ struct DeviceDescription {
 // above so that the same checks apply. A node's ranks must be consecutive and of one kind
 // with equal node figures; every rank of a kind must describe it alike. Errors name the rank.
 absl::StatusOr<Cluster> ClusterFromDevices(const std::vector<DeviceDescription>& devices);
+
+// A GPU described from what its driver says (name, total memory) and where it is: the
+// built-in kind its name names as a whole word ("NVIDIA H100 80GB HBM3" is an H100; letters
+// and digits around it count, so an "A10" is no A100, nor a "GH200" an H200) with that
+// kind's figures, its own memory, and a DGX-class node: one 400 Gb/s (50 GB/s per
+// direction) NIC per GPU of the node. Unimplemented, naming the device and the built-in kinds,
+// when no kind matches: such a device must be described by hand.
+absl::StatusOr<DeviceDescription> DescribeNamedDevice(absl::string_view device_name,
+                                                      uint64_t memory_bytes, int node,
+                                                      int devices_on_node);
 
 absl::StatusOr<Cluster> ClusterFromJson(const nlohmann::json& json);
 absl::StatusOr<Cluster> ClusterFromJsonText(absl::string_view text);

@@ -124,6 +124,9 @@ absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
             "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   HSAP_BIND(handle, api, StreamWriteValue32, "cuStreamWriteValue32_v2");
   HSAP_BIND(handle, api, StreamWaitValue32, "cuStreamWaitValue32_v2");
+  HSAP_BIND(handle, api, DeviceGet, "cuDeviceGet");
+  HSAP_BIND(handle, api, DeviceGetName, "cuDeviceGetName");
+  HSAP_BIND(handle, api, DeviceTotalMem, "cuDeviceTotalMem_v2");
   if (absl::Status s = api->Check(api->Init(0), "cuInit(0)"); !s.ok()) {
     // A driver without a usable device (or a stub library) is "no CUDA device".
     return absl::UnimplementedError(absl::StrCat("no CUDA device: ", s.message()));

@@ -104,6 +104,10 @@ struct CudaDriverApi {
   // Stream memory operations (stream, CUdeviceptr, value, flags), the _v2 entry points.
   CUresult (*StreamWriteValue32)(cudaStream, unsigned long long, unsigned, unsigned) = nullptr;
   CUresult (*StreamWaitValue32)(cudaStream, unsigned long long, unsigned, unsigned) = nullptr;
+  // What a device is (CUdevice is an int): its handle by ordinal, name and memory.
+  CUresult (*DeviceGet)(int*, int) = nullptr;
+  CUresult (*DeviceGetName)(char*, int, int) = nullptr;
+  CUresult (*DeviceTotalMem)(size_t*, int) = nullptr;  // cuDeviceTotalMem_v2
   absl::Status Check(CUresult r, absl::string_view what) const;
 };
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -52,14 +52,26 @@ class CudaDevice : public Device {
   absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
     HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
     return d->Check(d->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
-                                              kCuStreamWriteValueDefault),
-                      "cuStreamWriteValue32");
+                                          kCuStreamWriteValueDefault),
+                    "cuStreamWriteValue32");
   }
   absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
     HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
     return d->Check(
         d->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
         "cuStreamWaitValue32 (GEQ)");
+  }
+  absl::StatusOr<DeviceIdentity> Identity() override {
+    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    int device = 0;
+    HSAP_RETURN_IF_ERROR(
+        d->Check(d->DeviceGet(&device, ordinal_), absl::StrCat("cuDeviceGet(", ordinal_, ")")));
+    char name[256] = {};
+    HSAP_RETURN_IF_ERROR(
+        d->Check(d->DeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName"));
+    size_t bytes = 0;
+    HSAP_RETURN_IF_ERROR(d->Check(d->DeviceTotalMem(&bytes, device), "cuDeviceTotalMem"));
+    return DeviceIdentity{name, bytes};
   }
   absl::StatusOr<DeviceLocation> Location() override {
     DeviceLocation at;

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,11 @@ struct DeviceLocation {
   std::array<char, 64> host{};    // host name, NUL-terminated
   uint64_t process = 0;           // process id
   std::array<char, 32> device{};  // PCI bus id ("0000:3b:00.0"), NUL-terminated
+};
+// What a device is: the driver's name ("NVIDIA H100 80GB HBM3") and its memory.
+struct DeviceIdentity {
+  std::string name;
+  uint64_t memory_bytes = 0;
 };
 // An exported allocation (cudaIpcMemHandle_t).
 using IpcHandle = std::array<char, 64>;
@@ -85,6 +91,10 @@ class Device {
   // Unimplemented where the device has no such thing.
   virtual absl::StatusOr<DeviceLocation> Location() {
     return absl::UnimplementedError("this device has no location");
+  }
+  // Name and memory (the planner's device description); Unimplemented where unknown.
+  virtual absl::StatusOr<DeviceIdentity> Identity() {
+    return absl::UnimplementedError("this device does not say what it is");
   }
   virtual absl::StatusOr<IpcHandle> ExportMemory(void* p) {
     return absl::UnimplementedError("this device cannot export memory");

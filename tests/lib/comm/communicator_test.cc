@@ -81,7 +81,8 @@ TEST(CommunicatorTest, TimeoutFromEnvironmentReachesTheTransport) {
 }
 
 TEST(CommunicatorTest, AbortReachesEveryRank) {
-  auto comms = Communicator::CreateHostWorld(2, CommOptions{absl::Seconds(30), 1});
+  auto comms = Communicator::CreateHostWorld(
+      2, CommOptions{.timeout = absl::Seconds(30), .num_threads = 1, .rank_nodes = {}});
   ASSERT_TRUE(comms.ok());
   (*comms)[0]->Abort("stop");
   EXPECT_TRUE((*comms)[1]->transport().aborted());
@@ -96,10 +97,17 @@ TEST(CommunicatorTest, RejectsBadOptions) {
   EXPECT_EQ(Communicator::CreateHostWorld(100000, {}).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(
-      Communicator::CreateHostWorld(2, CommOptions{absl::Milliseconds(-5), 0}).status().code(),
+      Communicator::CreateHostWorld(
+          2, CommOptions{.timeout = absl::Milliseconds(-5), .num_threads = 0, .rank_nodes = {}})
+          .status()
+          .code(),
       absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(Communicator::CreateHostWorld(2, CommOptions{absl::ZeroDuration(), -1}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      Communicator::CreateHostWorld(
+          2, CommOptions{.timeout = absl::ZeroDuration(), .num_threads = -1, .rank_nodes = {}})
+          .status()
+          .code(),
+      absl::StatusCode::kInvalidArgument);
   testing::ScopedEnv bad_env("HSAP_TIMEOUT_MS", "soon");
   absl::Status s = Communicator::CreateHostWorld(2, {}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);

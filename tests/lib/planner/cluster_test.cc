@@ -129,5 +129,48 @@ TEST(ClusterTest, MalformedInputsGiveClearErrors) {
   EXPECT_EQ(LoadCluster("/nonexistent/c.json").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(DescribeNamedDevice, TakesTheKindItsDriverNameNames) {
+  constexpr uint64_t kGiB = 1ull << 30;
+  struct Case {
+    const char* name;
+    const char* kind;
+  };
+  for (const Case& c : {Case{"NVIDIA H100 80GB HBM3", "H100"}, Case{"NVIDIA H200", "H200"},
+                        Case{"NVIDIA A100-SXM4-80GB", "A100"},
+                        Case{"NVIDIA A800 80GB PCIe", "A800"}, Case{"NVIDIA L40S", "L40S"}}) {
+    absl::StatusOr<DeviceDescription> d = DescribeNamedDevice(c.name, 79 * kGiB, 3, 8);
+    ASSERT_TRUE(d.ok()) << c.name << ": " << d.status();
+    EXPECT_EQ(d->kind, c.kind) << c.name;
+    EXPECT_DOUBLE_EQ(d->memory_gib, 79) << c.name;
+    EXPECT_EQ(d->node, 3);
+    EXPECT_EQ(d->nics, 8);  // one NIC per GPU of the node
+    EXPECT_GT(d->nic_gbps, 0);
+    EXPECT_EQ(d->peak_tflops, 0);  // the built-in kind's figures
+  }
+  // A kind's name inside a longer word is not that kind.
+  for (const char* name : {"NVIDIA A10", "NVIDIA GH200 480GB", "NVIDIA L40", "NVIDIA A1000"}) {
+    absl::StatusOr<DeviceDescription> d = DescribeNamedDevice(name, 24 * kGiB, 0, 1);
+    ASSERT_FALSE(d.ok()) << name << " taken as " << d->kind;
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_THAT(d.status().message(), HasSubstr(name));
+    EXPECT_THAT(d.status().message(), HasSubstr("hsapPlanDevice_t"));
+  }
+}
+
+TEST(DescribeNamedDevice, DescribedRanksFormACluster) {
+  std::vector<DeviceDescription> devices;
+  for (int r = 0; r < 4; ++r) {
+    absl::StatusOr<DeviceDescription> d =
+        DescribeNamedDevice(r < 2 ? "NVIDIA H200" : "NVIDIA A100-SXM4-80GB", 80ull << 30, r / 2, 2);
+    ASSERT_TRUE(d.ok()) << d.status();
+    devices.push_back(*d);
+  }
+  absl::StatusOr<Cluster> c = ClusterFromDevices(devices);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->kind_of(0).name, "H200");
+  EXPECT_EQ(c->kind_of(3).name, "A100");
+  EXPECT_FALSE(c->SameNode(1, 2));
+}
+
 }  // namespace
 }  // namespace hsap

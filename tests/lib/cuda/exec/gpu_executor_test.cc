@@ -483,7 +483,7 @@ TEST(GpuExecutorOnNodes, OneNodeIsExactlyTheDirectDelivery) {
       EXPECT_EQ(one.fwd_traffic[r].intra_node_received, one.fwd_traffic[r].bytes_received);
       EXPECT_EQ(one.bwd_traffic[r].inter_node_sent, 0u);
       const absl::StatusOr<PoolLayout> a =
-          ComputePoolLayout(one.schedules[r], {kHeadsQ, kHeadsKv, kDim, 1.0f}, DType::kF32);
+          ComputePoolLayout(one.schedules[r], {kHeadsQ, kHeadsKv, kDim, 1.0f, {}}, DType::kF32);
       EXPECT_EQ(a->relay_kv + a->relay_grad + a->relay_returned, 0u);
     }
   }

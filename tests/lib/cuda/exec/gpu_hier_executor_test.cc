@@ -226,7 +226,8 @@ TEST(GpuHier, BatchUnderAPlan) {
   const Layout layout = testing::RandomLayout(150, DocMix::kOneHuge, 121, false);
   const int R = plan.num_ranks;
   const int64_t T = layout.num_tokens();
-  auto comms = Communicator::CreateHostWorld(R, CommOptions{absl::Seconds(120), 1});
+  auto comms = Communicator::CreateHostWorld(
+      R, CommOptions{.timeout = absl::Seconds(120), .num_threads = 1, .rank_nodes = {}});
   ASSERT_TRUE(comms.ok()) << comms.status();
   auto kernels = std::make_shared<const EmulatedKernels<Cfg>>();
   BatchOptions options;
