@@ -317,16 +317,7 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
   const size_t fan = sched.first_fan_out();
   std::vector<int> steps;
   for (const Stage& st : sched.stages) steps.push_back(st.step);
-  HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).first(fan), hooks));
-  if (fan < sched.stages.size()) {
-    BackwardStages fan_out;
-    fan_out.post_kv = [&](size_t i) { return hooks.post_kv(fan + i); };
-    fan_out.local = [] { return absl::OkStatus(); };
-    fan_out.compute = [&](size_t i) { return hooks.compute(fan + i); };
-    fan_out.post_grad = [&](size_t i) { return hooks.post_grad(fan + i); };
-    fan_out.add_returned = [&](size_t i) { return hooks.add_returned(fan + i); };
-    HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).subspan(fan), fan_out));
-  }
+  HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
   // The return phase: kept buffers' summed partials go back to their owners.
   std::vector<std::vector<float>> deferred_k(sched.stages.size()), deferred_v(sched.stages.size());
   {

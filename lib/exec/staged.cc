@@ -75,4 +75,17 @@ void StoreRows(DType dtype, const std::vector<float>& from, void* to) {
   });
 }
 
+absl::Status RunBackwardStagesThenFanOuts(absl::Span<const int> steps, size_t fan,
+                                          const BackwardStages& hooks) {
+  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps.first(fan), hooks));
+  if (fan == steps.size()) return absl::OkStatus();
+  BackwardStages fan_out;
+  fan_out.post_kv = [&](size_t i) { return hooks.post_kv(fan + i); };
+  fan_out.local = [] { return absl::OkStatus(); };
+  fan_out.compute = [&](size_t i) { return hooks.compute(fan + i); };
+  fan_out.post_grad = [&](size_t i) { return hooks.post_grad(fan + i); };
+  fan_out.add_returned = [&](size_t i) { return hooks.add_returned(fan + i); };
+  return RunBackwardStages(steps.subspan(fan), fan_out);
+}
+
 }  // namespace hsap

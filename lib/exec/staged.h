@@ -55,6 +55,11 @@ struct BackwardStages {
 // deterministic kernels). Stops at the first error (pending groups are waited for by their
 // destructors).
 absl::Status RunBackwardStages(absl::Span<const int> steps, const BackwardStages& hooks);
+// A relayed schedule's backward (lib/sched/schedule.h): the direct stages [0, fan), then the
+// fan-out stages [fan, steps.size()) as a second run of their own (no local step), with the
+// hooks called by stage index throughout.
+absl::Status RunBackwardStagesThenFanOuts(absl::Span<const int> steps, size_t fan,
+                                          const BackwardStages& hooks);
 
 // The name of a stage in error messages: "forward step 3 (kv from rank 1, to rank 5)".
 std::string StageName(const char* pass, const Stage& st, const char* what);

@@ -480,16 +480,7 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   };
   // The direct stages, then (relays only) the fan-outs, which send what the former kept.
   const size_t fan = sched.first_fan_out();
-  HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).first(fan), hooks));
-  if (fan < sched.stages.size()) {
-    BackwardStages fan_out;
-    fan_out.post_kv = [&](size_t i) { return hooks.post_kv(fan + i); };
-    fan_out.local = [] { return absl::OkStatus(); };
-    fan_out.compute = [&](size_t i) { return hooks.compute(fan + i); };
-    fan_out.post_grad = [&](size_t i) { return hooks.post_grad(fan + i); };
-    fan_out.add_returned = [&](size_t i) { return hooks.add_returned(fan + i); };
-    HSAP_RETURN_IF_ERROR(RunBackwardStages(absl::MakeConstSpan(steps).subspan(fan), fan_out));
-  }
+  HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
   // The return phase: each kept buffer's summed partials go back to its owner, which adds
   // them in stage order after all its other partials.
   {
