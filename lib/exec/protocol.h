@@ -5,8 +5,8 @@
 //
 //   bit  63      collective (lib/comm/transport.h: AllGather, AllToAllV); never set here
 //   bit  62      a plan batch's message (sub-ring step or group exchange); clear: ring batch
-//   bits 24..61  the call id (the batch's call number; 38 bits, wrapping)
-//   bits 20..23  the payload (K, V, their gradients, a group exchange's tensor)
+//   bits 25..61  the call id (the batch's call number; 37 bits, wrapping)
+//   bits 20..24  the payload (K, V, their gradients, a group exchange's tensor)
 //   bits  0..19  the step (the rank distance a ring message travels; 0 for group exchanges)
 //
 // The host plan executor runs its group exchanges as AllToAllV collectives; their caller tag
@@ -31,13 +31,13 @@ namespace hsap::protocol {
 
 inline constexpr int kStepBits = 20;
 inline constexpr int kPayloadShift = kStepBits;
-inline constexpr int kPayloadBits = 4;
+inline constexpr int kPayloadBits = 5;
 inline constexpr int kCallShift = kPayloadShift + kPayloadBits;
-inline constexpr int kCallBits = 38;
+inline constexpr int kCallBits = 37;
 inline constexpr uint64_t kCallMask = (uint64_t{1} << kCallBits) - 1;
 inline constexpr uint64_t kPlanBit = uint64_t{1} << (kCallShift + kCallBits);
 
-static_assert(kCallShift == 24 && kCallShift + kCallBits == 62, "tag fields as documented");
+static_assert(kCallShift == 25 && kCallShift + kCallBits == 62, "tag fields as documented");
 static_assert(kPlanBit << 1 == kCollectiveTagBit, "the plan bit sits just below collectives");
 // A step is a rank distance: plans and communicators have at most 2^20 ranks.
 static_assert((uint64_t{1} << kStepBits) >= (uint64_t{1} << 20), "steps must fit");
@@ -73,8 +73,12 @@ enum class PlanPayload : uint64_t {
   // gateway, and the fp32 dK/dV partials back to it.
   kKvFanOut = 13,
   kKvGradFanIn = 14,
+  // A node store (lib/sched/hierarchy.h, 6.): rows crossing into a node once, from a holder
+  // to the keeper, and after every step the keeper's summed fp32 dK/dV partials back.
+  kKvStore = 15,
+  kKvStoreGrad = 16,
 };
-static_assert(static_cast<uint64_t>(PlanPayload::kKvGradFanIn) < (uint64_t{1} << kPayloadBits),
+static_assert(static_cast<uint64_t>(PlanPayload::kKvStoreGrad) < (uint64_t{1} << kPayloadBits),
               "payloads must fit their bits");
 
 constexpr uint64_t CallBits(uint64_t call_id) { return (call_id & kCallMask) << kCallShift; }

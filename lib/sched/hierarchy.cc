@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -109,7 +111,103 @@ absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& pl
       h.kv_heads_[g].push_back(plan.KvHeadsOf(g, static_cast<int>(i)));
     }
   }
+  HSAP_RETURN_IF_ERROR(h.PlanStores(layout));
   return h;
+}
+
+absl::Status Hierarchy::PlanStores(const Layout& layout) {
+  if (node_of_rank_.empty()) return absl::OkStatus();
+  const int G = static_cast<int>(plan_.groups.size());
+  std::map<int, std::vector<int>> groups_on;  // node -> groups with members there, increasing
+  for (int g = 0; g < G; ++g) {
+    for (int rank : plan_.groups[g].ranks) {
+      std::vector<int>& list = groups_on[node_of_rank_[rank]];
+      if (list.empty() || list.back() != g) list.push_back(g);
+    }
+  }
+  std::vector<bool> crowded(G, false);  // by ring position: its group shares a node
+  bool any = false;
+  for (const auto& [node, groups] : groups_on) {
+    if (groups.size() < 2) continue;
+    any = true;
+    for (int g : groups) crowded[position_of_[g]] = true;
+  }
+  if (!any) return absl::OkStatus();
+  const absl::flat_hash_map<int64_t, std::vector<TokenRange>> needs =
+      KeyRowsNeeded(layout, positions_, [&](int q, int) { return crowded[q]; });
+  const std::vector<TokenRange> none;
+  auto rows_of = [&](int source_group, int group) -> const std::vector<TokenRange>& {
+    auto it = needs.find(int64_t{position_of_[source_group]} * G + position_of_[group]);
+    return it == needs.end() ? none : it->second;
+  };
+  std::vector<int> candidates, participants, last_candidates, last_participants;
+  for (int gs = 0; gs < G; ++gs) {
+    for (const auto& [node, groups] : groups_on) {
+      if (groups.size() < 2) continue;
+      last_candidates.clear();
+      for (int h = 0; h < plan_.heads_kv; ++h) {
+        const std::vector<int>& ranks = plan_.groups[gs].ranks;
+        bool near = false;  // a holder on this node: nothing crosses (SenderOf)
+        for (size_t i = 0; i < ranks.size() && !near; ++i) {
+          near = node_of_rank_[ranks[i]] == node && Contains(kv_heads_[gs][i], h);
+        }
+        if (near) continue;
+        candidates.clear();
+        for (int g : groups) {
+          if (g != gs && !rows_of(gs, g).empty() && !NodeReceivers(g, h, node).empty()) {
+            candidates.push_back(g);
+          }
+        }
+        if (candidates.size() < 2) continue;
+        if (candidates != last_candidates) {  // usually every head has the same candidates
+          last_candidates = candidates;
+          last_participants.clear();
+          for (int a : candidates) {
+            for (int b : candidates) {
+              if (a != b && !Intersect(rows_of(gs, a), rows_of(gs, b)).empty()) {
+                last_participants.push_back(a);
+                break;
+              }
+            }
+          }
+        }
+        participants = last_participants;
+        if (participants.size() < 2) continue;
+        const int ps = position_of_[gs];
+        auto step_of = [&](int g) { return (position_of_[g] - ps + G) % G; };
+        std::sort(participants.begin(), participants.end(),
+                  [&](int a, int b) { return step_of(a) < step_of(b); });
+        NodeStore store;
+        store.source_group = gs;
+        store.kv_head = h;
+        store.node = node;
+        for (int g : participants) {
+          store.groups.push_back(g);
+          store.steps.push_back(step_of(g));
+          store.rows.push_back(rows_of(gs, g));
+          store.all_rows.insert(store.all_rows.end(), store.rows.back().begin(),
+                                store.rows.back().end());
+        }
+        SortAndMerge(store.all_rows);
+        const std::vector<int> first = NodeReceivers(store.groups[0], h, node);
+        store.keeper = first[(h + store.steps[0]) % first.size()];
+        store_index_[{gs, h, node}] = stores_.size();
+        stores_.push_back(std::move(store));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+const Hierarchy::NodeStore* Hierarchy::StoreOf(int source_group, int kv_head, int node) const {
+  auto it = store_index_.find({source_group, kv_head, node});
+  return it == store_index_.end() ? nullptr : &stores_[it->second];
+}
+
+bool Hierarchy::TakesFromStore(int source_group, int kv_head, int node, int group) const {
+  const NodeStore* store = StoreOf(source_group, kv_head, node);
+  return store != nullptr &&
+         std::find(store->groups.begin(), store->groups.end(), group) != store->groups.end();
 }
 
 int64_t Hierarchy::shard_tokens(int rank) const {
@@ -201,29 +299,67 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
   if (r.q_heads.empty()) return r;  // no heads: only the all-to-all moves this rank's shard
   r.local_work = std::move(sched.local_work);
 
+  // This rank's stores (as keeper), by (arrival step, KV head): their rows in its store.
+  const int my_node = node_of_rank_.empty() ? 0 : node_of_rank_[rank];
+  std::vector<const NodeStore*> kept;
+  for (const NodeStore& ns : stores_) {
+    if (ns.keeper == rank) kept.push_back(&ns);
+  }
+  std::sort(kept.begin(), kept.end(), [](const NodeStore* a, const NodeStore* b) {
+    return std::tie(a->steps[0], a->kv_head) < std::tie(b->steps[0], b->kv_head);
+  });
+  std::map<const NodeStore*, std::vector<TokenRun>> store_runs;  // global -> store rows
+  for (const NodeStore* ns : kept) {
+    std::vector<TokenRun>& runs = store_runs[ns];
+    for (const TokenRange& range : ns->all_rows) {
+      runs.push_back({range.begin, r.store_rows, range.size()});
+      r.store_rows += range.size();
+    }
+  }
+  auto runs_in_store = [&](const NodeStore* ns, const std::vector<TokenRange>& rows) {
+    std::vector<TokenRun> runs;
+    AppendRunsIn(rows, store_runs.at(ns), 0, runs);
+    return runs;
+  };
+
+  std::map<int, SubRingStep> steps;
   for (Stage& st : sched.stages) {
-    SubRingStep step;
+    SubRingStep& step = steps[st.step];
     step.step = st.step;
     if (st.recv_from >= 0) {
       step.recv_group = ring_[st.recv_from];
       for (size_t l = 0; l < r.kv_heads.size(); ++l) {
         const int h = r.kv_heads[l];
-        const int gateway = GatewayOf(st.step, step.recv_group, h, rank);
-        if (gateway >= 0 && gateway != rank) {
-          AddHead(step.fan_out_recv, gateway, h, static_cast<int>(l));
+        const int local = static_cast<int>(l);
+        if (const NodeStore* ns = node_of_rank_.empty()
+                                      ? nullptr
+                                      : StoreOf(step.recv_group, h, my_node);
+            ns != nullptr && TakesFromStore(step.recv_group, h, my_node, r.group)) {
+          if (ns->keeper != rank) {
+            AddHead(step.fan_out_recv, ns->keeper, h, local);
+            continue;
+          }
+          // The keeper at the first participant's step: the store's segment arrives with the
+          // step's K/V; its own rows are copied out of it; its node receivers get theirs.
+          StoreTransfer in{SenderOf(step.recv_group, h, rank), h, local, store_runs.at(ns), 0};
+          for (const TokenRun& run : in.runs) in.rows += run.length;
+          step.store_recv.push_back(std::move(in));
+          step.store_fill.push_back({-1, h, local, runs_in_store(ns, ns->rows[0]), st.recv_rows});
+          for (int peer : NodeReceivers(r.group, h, my_node)) {
+            if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
+          }
           continue;
         }
-        AddHead(step.recv, SenderOf(step.recv_group, h, rank), h, static_cast<int>(l));
-        if (gateway != rank) continue;
-        for (int peer : NodeReceivers(r.group, h, node_of_rank_[rank])) {
-          if (peer != rank) AddHead(step.fan_out_send, peer, h, static_cast<int>(l));
+        const int gateway = GatewayOf(st.step, step.recv_group, h, rank);
+        if (gateway >= 0 && gateway != rank) {
+          AddHead(step.fan_out_recv, gateway, h, local);
+          continue;
         }
-      }
-      // Peers in group order, so that both sides list transfers alike.
-      for (std::vector<KvTransfer>* list : {&step.recv, &step.fan_out_recv, &step.fan_out_send}) {
-        std::sort(list->begin(), list->end(), [&](const KvTransfer& a, const KvTransfer& b) {
-          return index_of_[a.peer] < index_of_[b.peer];
-        });
+        AddHead(step.recv, SenderOf(step.recv_group, h, rank), h, local);
+        if (gateway != rank) continue;
+        for (int peer : NodeReceivers(r.group, h, my_node)) {
+          if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
+        }
       }
       step.recv_runs = std::move(st.recv_runs);
       step.recv_rows = st.recv_rows;
@@ -236,6 +372,10 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
         KvTransfer t;
         t.peer = dst.ranks[j];
         for (int h : kv_heads_[gd][j]) {
+          if (!node_of_rank_.empty() &&
+              TakesFromStore(r.group, h, node_of_rank_[t.peer], gd)) {
+            continue;
+          }
           const int gateway = GatewayOf(st.step, r.group, h, t.peer);
           if (SenderOf(r.group, h, t.peer) == rank && (gateway < 0 || gateway == t.peer)) {
             t.heads.push_back(h);
@@ -250,7 +390,62 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
         step.send_rows = st.send_rows;
       }
     }
-    if (step.recv_group >= 0 || step.send_group >= 0) r.steps.push_back(std::move(step));
+  }
+  // Segments this rank sends to keepers (in store order), and the keeper's forwards from
+  // its store to the receivers of later participants.
+  for (const NodeStore& ns : stores_) {
+    if (ns.source_group != r.group || SenderOf(r.group, ns.kv_head, ns.keeper) != rank) continue;
+    SubRingStep& step = steps[ns.steps[0]];
+    step.step = ns.steps[0];
+    StoreTransfer out{ns.keeper, ns.kv_head, IndexOf(r.kv_heads, ns.kv_head), {}, 0};
+    AppendRunsIn(ns.all_rows, r.group_runs, 0, out.runs);
+    for (const TokenRun& run : out.runs) out.rows += run.length;
+    step.store_send.push_back(std::move(out));
+  }
+  for (const NodeStore* ns : kept) {
+    for (size_t j = 1; j < ns->groups.size(); ++j) {
+      SubRingStep& step = steps[ns->steps[j]];
+      step.step = ns->steps[j];
+      int64_t rows = 0;
+      for (const TokenRange& range : ns->rows[j]) rows += range.size();
+      for (int peer : NodeReceivers(ns->groups[j], ns->kv_head, ns->node)) {
+        auto it = std::find_if(step.store_fan_send.begin(), step.store_fan_send.end(),
+                               [&](const StoreFanOut& f) { return f.peer == peer; });
+        if (it == step.store_fan_send.end()) {
+          step.store_fan_send.push_back({peer, rows, {}, {}});
+          it = step.store_fan_send.end() - 1;
+        }
+        it->heads.push_back(ns->kv_head);
+        it->runs.push_back(runs_in_store(ns, ns->rows[j]));
+      }
+    }
+  }
+  for (auto& [t, step] : steps) {
+    // Peers in group order (then rank), so that both sides list transfers alike.
+    for (std::vector<KvTransfer>* list : {&step.recv, &step.fan_out_recv, &step.fan_out_send}) {
+      std::sort(list->begin(), list->end(), [&](const KvTransfer& a, const KvTransfer& b) {
+        return std::tie(index_of_[a.peer], a.peer) < std::tie(index_of_[b.peer], b.peer);
+      });
+    }
+    // A keeper's heads for one peer arrive from stores in (step, head) order: by head, as
+    // the receiver lists them.
+    for (StoreFanOut& f : step.store_fan_send) {
+      std::vector<size_t> order(f.heads.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return f.heads[a] < f.heads[b]; });
+      StoreFanOut sorted{f.peer, f.rows, {}, {}};
+      for (size_t i : order) {
+        sorted.heads.push_back(f.heads[i]);
+        sorted.runs.push_back(std::move(f.runs[i]));
+      }
+      f = std::move(sorted);
+    }
+    std::sort(step.store_fan_send.begin(), step.store_fan_send.end(),
+              [](const StoreFanOut& a, const StoreFanOut& b) { return a.peer < b.peer; });
+    if (step.recv_group >= 0 || step.send_group >= 0 || !step.store_send.empty() ||
+        !step.store_fan_send.empty()) {
+      r.steps.push_back(std::move(step));
+    }
   }
   return r;
 }
@@ -279,6 +474,11 @@ HierTraffic PredictForwardTraffic(const RankHierarchy& r, int head_dim, DType dt
       t.ring_sent += 2 * s.recv_rows * x.heads.size() * D * es;
     }
     for (const KvTransfer& x : s.send) t.ring_sent += 2 * s.send_rows * x.heads.size() * D * es;
+    for (const StoreTransfer& x : s.store_send) t.ring_sent += 2 * x.rows * D * es;
+    for (const StoreTransfer& x : s.store_recv) t.ring_received += 2 * x.rows * D * es;
+    for (const StoreFanOut& f : s.store_fan_send) {
+      t.ring_sent += 2 * f.rows * f.heads.size() * D * es;
+    }
   }
   return t;
 }
@@ -318,6 +518,20 @@ HierTraffic PredictBackwardTraffic(const RankHierarchy& r, int head_dim, DType d
     for (const KvTransfer& x : s.fan_out_send) {
       t.ring_sent += 2 * s.recv_rows * x.heads.size() * D * es;
       t.ring_received += 2 * s.recv_rows * x.heads.size() * D * 4;
+    }
+    // Node stores: K/V in with the step, summed partials back after the last step; the
+    // forwards from the store and their partials back.
+    for (const StoreTransfer& x : s.store_send) {
+      t.ring_sent += 2 * x.rows * D * es;
+      t.ring_received += 2 * x.rows * D * 4;
+    }
+    for (const StoreTransfer& x : s.store_recv) {
+      t.ring_received += 2 * x.rows * D * es;
+      t.ring_sent += 2 * x.rows * D * 4;
+    }
+    for (const StoreFanOut& f : s.store_fan_send) {
+      t.ring_sent += 2 * f.rows * f.heads.size() * D * es;
+      t.ring_received += 2 * f.rows * f.heads.size() * D * 4;
     }
   }
   return t;

@@ -43,10 +43,23 @@
 //    order) and returns the one sum to the holder with its other partials, so gradients
 //    cross the node boundary once and the result stays bitwise reproducible.
 //    Deduplicated: per step and receiving group, each (row, KV head) needed on a node from
-//    a holder on another node enters that node once. Not deduplicated: rows that two
-//    DIFFERENT groups with members on one node receive (at the same or different steps)
-//    cross once per group, and rows a node receives at different steps (a group receives
-//    different rows at every step anyway).
+//    a holder on another node enters that node once; across groups, see 6.
+// 6. Node stores (topology). Several groups with members on node B may receive rows of KV
+//    head h from the same source group gs (no holder of h in gs on B), each at its own step
+//    t_g = position(g) - position(gs) mod G. The groups whose rows overlap another's (the
+//    PARTICIPANTS) take them from a NODE STORE: the union of their rows crosses into B once,
+//    at the earliest participant's step, from SenderOf(gs, h, keeper) to the KEEPER (that
+//    group's node receiver of h at index (h + step) mod count, as a gateway is chosen), which
+//    keeps it. At each participant's step the keeper is the gateway of that group's node
+//    receivers of h: it fills its own buffer from the store (first group) and forwards the
+//    group's rows to the others in the step's fan-out exchange (later groups: from the
+//    store). Cost: inter-node bytes are the node-level bound (each needed (row, head) enters
+//    each needing node once); intra-node bytes are one fan-out per receiver other than the
+//    keeper, as for a gateway. Backward: every participant's fp32 partials of the store's
+//    rows are added into the keeper's store partial (its own after its fan-out's, then each
+//    later step's fan-in, in step and fan-out order), and after the last step the keeper
+//    returns each segment's sum to its holder, which adds them after its step partials in
+//    the keeper's step order: gradients cross once too, bitwise reproducibly.
 //
 // Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
 // heads are the issue-3 sequence-aware ring (identical partition and schedule when the
@@ -58,8 +71,10 @@
 #define HSAP_LIB_SCHED_HIERARCHY_H_
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "attention/dtype.h"
@@ -88,6 +103,28 @@ struct KvTransfer {
   friend bool operator==(const KvTransfer&, const KvTransfer&) = default;
 };
 
+// A node store's rows of one KV head in one message (6. above): K rows then V rows,
+// [rows, D] each, packed in the order of `runs`.
+struct StoreTransfer {
+  int peer = -1;               // world rank: the keeper (holder side) or the holder (keeper side)
+  int kv_head = -1;            // global KV head
+  int local_head = -1;         // its index in THIS rank's kv_heads
+  std::vector<TokenRun> runs;  // global positions -> rows of this rank's group buffer (holder)
+                               // or store (keeper), increasing positions
+  int64_t rows = 0;
+  friend bool operator==(const StoreTransfer&, const StoreTransfer&) = default;
+};
+
+// Rows of the keeper's store forwarded to a node receiver of a later group (6. above), in
+// the step's fan-out exchange: one message [rows, heads, D] K then V, as a gateway's.
+struct StoreFanOut {
+  int peer = -1;                            // world rank
+  int64_t rows = 0;                         // the receiver's recv_rows
+  std::vector<int> heads;                   // global KV heads, increasing
+  std::vector<std::vector<TokenRun>> runs;  // per head: global -> store rows, packed in order
+  friend bool operator==(const StoreFanOut&, const StoreFanOut&) = default;
+};
+
 // One step of this rank's sub-ring schedule (the group-level stage `step`).
 struct SubRingStep {
   int step = 0;
@@ -109,6 +146,13 @@ struct SubRingStep {
   std::vector<TokenRun> send_runs;
   int64_t send_rows = 0;
   std::vector<KvTransfer> send;
+  // Node stores (6. above). store_send: segments this rank sends to keepers with the step's
+  // K/V; store_recv: segments arriving into this rank's store (runs: store rows); store_fill:
+  // heads of this step's receive buffer a keeper copies from its store (peer -1; runs: store
+  // rows packed into buffer rows 0..recv_rows) before the fan-out; store_fan_send: the
+  // step's forwards from the store to receivers of other groups.
+  std::vector<StoreTransfer> store_send, store_recv, store_fill;
+  std::vector<StoreFanOut> store_fan_send;
 };
 
 // Everything one rank needs to run a batch under a plan.
@@ -131,6 +175,7 @@ struct RankHierarchy {
   bool kv_grad_partial = false;
   WorkList local_work;             // group buffer x group buffer
   std::vector<SubRingStep> steps;  // increasing step; only steps that move something
+  int64_t store_rows = 0;          // rows of this rank's node store (one KV head each)
 };
 
 // Bytes of one forward or backward, split by kind; `local` copies are not counted.
@@ -169,6 +214,22 @@ class Hierarchy {
   // The node of every world rank as given to Create (empty: one node).
   const std::vector<int>& node_of_rank() const { return node_of_rank_; }
 
+  // A node store (6. above).
+  struct NodeStore {
+    int source_group = -1, kv_head = -1, node = -1;
+    int keeper = -1;                            // world rank, a member of groups[0]
+    std::vector<int> groups;                    // participants, by increasing step
+    std::vector<int> steps;                     // their steps
+    std::vector<std::vector<TokenRange>> rows;  // the rows each receives (sorted, merged)
+    std::vector<TokenRange> all_rows;           // their union: the store's segment
+  };
+  // The store of (source group, KV head, node), or null when there is none.
+  const NodeStore* StoreOf(int source_group, int kv_head, int node) const;
+  // Every store, ordered by (source group, KV head, node).
+  const std::vector<NodeStore>& stores() const { return stores_; }
+  // Whether `group` takes head `kv_head` of `source_group` from a store on `node`.
+  bool TakesFromStore(int source_group, int kv_head, int node, int group) const;
+
   // The schedule of one world rank. block_q: query rows per kernel block.
   absl::StatusOr<RankHierarchy> BuildRank(const Layout& layout, int rank,
                                           int64_t block_q = 64) const;
@@ -181,6 +242,10 @@ class Hierarchy {
   std::vector<std::vector<int64_t>> member_rows_;        // [group][i]: row_begin of member i
   std::vector<std::vector<std::vector<int>>> kv_heads_;  // [group][i]
   std::vector<int> node_of_rank_;                        // empty: one node
+  std::vector<NodeStore> stores_;
+  absl::flat_hash_map<std::tuple<int, int, int>, size_t> store_index_;
+
+  absl::Status PlanStores(const Layout& layout);
 
   // Members of `group` on `node` holding `kv_head` (world ranks, group order).
   std::vector<int> NodeReceivers(int group, int kv_head, int node) const;

@@ -46,6 +46,8 @@ void ScanNeeds(const Layout& layout, const Partition& partition, Want&& want, Em
   }
 }
 
+}  // namespace
+
 void SortAndMerge(std::vector<TokenRange>& ranges) {
   std::sort(ranges.begin(), ranges.end(),
             [](const TokenRange& a, const TokenRange& b) { return a.begin < b.begin; });
@@ -59,6 +61,8 @@ void SortAndMerge(std::vector<TokenRange>& ranges) {
   }
   ranges.resize(n);
 }
+
+namespace {
 
 void SortUnique(std::vector<size_t>& v) {
   std::sort(v.begin(), v.end());
@@ -95,7 +99,8 @@ std::vector<TokenRange> Subtract(const std::vector<TokenRange>& a,
   return out;
 }
 
-// a intersected with b; both sorted and merged.
+}  // namespace
+
 std::vector<TokenRange> Intersect(const std::vector<TokenRange>& a,
                                   const std::vector<TokenRange>& b) {
   std::vector<TokenRange> out;
@@ -107,6 +112,8 @@ std::vector<TokenRange> Intersect(const std::vector<TokenRange>& a,
   }
   return out;
 }
+
+namespace {
 
 // The rows covered by at least two of `lists` (each sorted and merged).
 std::vector<TokenRange> CoveredTwice(const std::vector<const std::vector<TokenRange>*>& lists) {
@@ -184,8 +191,8 @@ const Relay* FindRelay(const std::map<std::pair<int, int>, Relay>& relays, int o
   return it == relays.end() ? nullptr : &it->second;
 }
 
-// Send runs (global positions -> local rows of a buffer laid out by `runs`) for `ranges`
-// (sorted, merged, each inside the buffer), with `offset` added to the local rows.
+}  // namespace
+
 void AppendRunsIn(const std::vector<TokenRange>& ranges, const std::vector<TokenRun>& runs,
                   int64_t offset, std::vector<TokenRun>& out) {
   size_t j = 0;
@@ -201,7 +208,17 @@ void AppendRunsIn(const std::vector<TokenRange>& ranges, const std::vector<Token
   }
 }
 
-}  // namespace
+absl::flat_hash_map<int64_t, std::vector<TokenRange>> KeyRowsNeeded(
+    const Layout& layout, const Partition& partition,
+    absl::FunctionRef<bool(int query_rank, int key_rank)> want) {
+  const int64_t R = partition.num_ranks();
+  absl::flat_hash_map<int64_t, std::vector<TokenRange>> needs;
+  ScanNeeds(
+      layout, partition, [&](int q, int k) { return q != k && want(q, k); },
+      [&](int q, int k, TokenRange r, size_t) { needs[k * R + q].push_back(r); });
+  for (auto& [pair, ranges] : needs) SortAndMerge(ranges);
+  return needs;
+}
 
 size_t Schedule::first_fan_out() const {
   for (size_t i = 0; i < stages.size(); ++i) {

@@ -52,6 +52,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "attention/layout.h"
@@ -108,6 +110,26 @@ struct Schedule {
 // node_of_rank: the node of every partition rank (empty: all on one node).
 absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& partition, int rank,
                                        int64_t block_q, absl::Span<const int> node_of_rank = {});
+
+// The key rows of every rank that the queries of another rank see, from one scan of the mask:
+// needs[k * R + q] lists the ranges of k's keys that q's queries see (sorted and merged: the
+// direct schedule's receive rows of q from k), for the pairs q != k that want(q, k) accepts.
+// want(q, -1) is asked first for each query placement and must be true when any key rank may
+// be wanted for q.
+absl::flat_hash_map<int64_t, std::vector<TokenRange>> KeyRowsNeeded(
+    const Layout& layout, const Partition& partition,
+    absl::FunctionRef<bool(int query_rank, int key_rank)> want);
+
+// Token-range helpers (ranges sorted by begin; "merged": disjoint and not adjacent).
+// Sorts `ranges` and merges the overlapping or adjacent ones.
+void SortAndMerge(std::vector<TokenRange>& ranges);
+// a intersected with b; both sorted and merged.
+std::vector<TokenRange> Intersect(const std::vector<TokenRange>& a,
+                                  const std::vector<TokenRange>& b);
+// Runs (global positions -> local rows of a buffer laid out by `runs`) for `ranges` (sorted,
+// merged, each inside the buffer), with `offset` added to the local rows, appended to `out`.
+void AppendRunsIn(const std::vector<TokenRange>& ranges, const std::vector<TokenRun>& runs,
+                  int64_t offset, std::vector<TokenRun>& out);
 
 }  // namespace hsap
 

@@ -173,15 +173,25 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
         s.kv.push_back(
             Send(x.peer, TransferKind::kKv, 2 * Elements(st.send_rows, x.heads.size(), D) * es));
       }
+      for (const StoreTransfer& x : st.store_send) {
+        s.kv.push_back(Send(x.peer, TransferKind::kKvStore, 2 * Elements(x.rows, 1, D) * es));
+      }
       for (const KvTransfer& x : st.recv) {
         s.kv.push_back(
             Recv(x.peer, TransferKind::kKv, 2 * Elements(st.recv_rows, x.heads.size(), D) * es));
+      }
+      for (const StoreTransfer& x : st.store_recv) {
+        s.kv.push_back(Recv(x.peer, TransferKind::kKvStore, 2 * Elements(x.rows, 1, D) * es));
       }
       // The step's fan-out inside the node, completed before its kernels: forwarded K/V,
       // and in the backward the fp32 partials back to the gateway (hierarchy.h, 5.).
       for (const KvTransfer& x : st.fan_out_send) {
         s.fan_out_kv.push_back(Send(x.peer, TransferKind::kKvFanOut,
                                     2 * Elements(st.recv_rows, x.heads.size(), D) * es));
+      }
+      for (const StoreFanOut& f : st.store_fan_send) {
+        s.fan_out_kv.push_back(Send(f.peer, TransferKind::kKvFanOut,
+                                    2 * Elements(f.rows, f.heads.size(), D) * es));
       }
       for (const KvTransfer& x : st.fan_out_recv) {
         s.fan_out_kv.push_back(Recv(x.peer, TransferKind::kKvFanOut,
@@ -195,6 +205,19 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
         for (const KvTransfer& x : st.fan_out_send) {
           s.fan_in_grad.push_back(Recv(x.peer, TransferKind::kKvGradFanIn,
                                        2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
+        }
+        for (const StoreFanOut& f : st.store_fan_send) {
+          s.fan_in_grad.push_back(Recv(f.peer, TransferKind::kKvGradFanIn,
+                                       2 * Elements(f.rows, f.heads.size(), D) * kF32));
+        }
+        // A node store's summed partials go back to the holder after the last step.
+        for (const StoreTransfer& x : st.store_recv) {
+          pass->returns.push_back(
+              Send(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
+        }
+        for (const StoreTransfer& x : st.store_send) {
+          pass->returns.push_back(
+              Recv(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
         }
         for (const KvTransfer& x : st.recv) {
           s.grad.push_back(Send(x.peer, TransferKind::kKvGrad,
@@ -210,6 +233,7 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
       }
       pass->stages.push_back(std::move(s));
     }
+    SetLinkClass(pass->returns, r.rank, node_of_rank);
     for (std::vector<Exchange>* xs : {&pass->before, &pass->after}) {
       for (Exchange& x : *xs) SetLinkClass(x.transfers, r.rank, node_of_rank);
     }

@@ -22,8 +22,11 @@
 //     second staged run with no local work, once every direct stage is done. A relayed
 //     buffer's gradients do not travel at its stage: after the last stage the gateway
 //     returns their sums to the owner in one final group (`returns`).
-//     Plans on several nodes (lib/sched/hierarchy.h, 5.): a stage's `fan_out_kv` exchange
-//     runs once its K/V arrived, before its kernels; backward, its `fan_in_grad` after them.
+//     Plans on several nodes (lib/sched/hierarchy.h, 5. and 6.): a stage's `fan_out_kv`
+//     exchange runs once its K/V arrived, before its kernels (a keeper's forwards from its
+//     store included); backward, its `fan_in_grad` after them. A node store's segment
+//     (`kKvStore`) travels with the stage's K/V; backward, its summed partials go back in
+//     the final `returns` group.
 //  3. `after`: the all-to-alls back to the token layout (forward out, lse; backward dq, dk,
 //     dv).
 // Work is counted in visible (query, key) pairs per query head; the rank's kernels run
@@ -48,6 +51,7 @@ enum class TransferKind {
   kAllToAll,      // a group all-to-all (plans)
   kKvFanOut,      // plans on several nodes: a gateway forwards a step's K/V inside its node
   kKvGradFanIn,   // backward: the fan-out's fp32 dK/dV partials back to the gateway
+  kKvStore,       // plans on several nodes: a node store's rows of one head, holder to keeper
 };
 
 // Bytes of a pass by link class.
@@ -88,8 +92,8 @@ struct PassProgram {
   std::vector<Exchange> before;
   int64_t local_pairs = 0;  // visible pairs against the rank's own keys, per query head
   std::vector<ProgramStage> stages;
-  // Backward of relayed flat batches: the final gradient return group, posted once every
-  // stage is done.
+  // Backward of relayed flat batches and of plans with node stores: the final gradient
+  // return group, posted once every stage is done.
   std::vector<Transfer> returns;
   std::vector<Exchange> after;
 

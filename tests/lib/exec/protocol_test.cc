@@ -24,7 +24,7 @@ TEST(Protocol, TagFieldsNeverCollide) {
         EXPECT_EQ(t & (kCollectiveTagBit | protocol::kPlanBit), 0u);
         EXPECT_TRUE(tags.insert(t).second);
       }
-      for (uint64_t p = 1; p <= static_cast<uint64_t>(PlanPayload::kOutDv); ++p) {
+      for (uint64_t p = 1; p <= static_cast<uint64_t>(PlanPayload::kKvStoreGrad); ++p) {
         const uint64_t t =
             protocol::PlanTag(call, protocol::PlanMessage(static_cast<PlanPayload>(p), step));
         EXPECT_NE(t & protocol::kPlanBit, 0u);
@@ -33,7 +33,7 @@ TEST(Protocol, TagFieldsNeverCollide) {
       }
     }
   }
-  // The call id wraps at 38 bits instead of spilling into the plan bit.
+  // The call id wraps at 37 bits instead of spilling into the plan bit.
   EXPECT_EQ(protocol::RingTag(protocol::kCallMask + 1, protocol::Payload::kKey, 3),
             protocol::RingTag(0, protocol::Payload::kKey, 3));
 }

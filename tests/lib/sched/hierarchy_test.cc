@@ -374,6 +374,11 @@ TEST(Hierarchy, FanOutsMatchAndCrossEachNodeOncePerStep) {
           received[{1, st.step, x.peer, r.rank}] = x.heads;
           heads.insert(heads.end(), x.heads.begin(), x.heads.end());
         }
+        for (const StoreFanOut& f : st.store_fan_send) {
+          sent[{1, st.step, r.rank, f.peer}] = f.heads;
+          EXPECT_EQ(nodes[f.peer], nodes[r.rank]);
+        }
+        for (const StoreTransfer& x : st.store_fill) heads.push_back(x.kv_head);
         if (st.recv_group >= 0) {
           std::sort(heads.begin(), heads.end());
           EXPECT_EQ(heads, r.kv_heads) << "rank " << r.rank << " step " << st.step;
@@ -408,6 +413,152 @@ TEST(Hierarchy, FanOutsMatchAndCrossEachNodeOncePerStep) {
   }
   EXPECT_FALSE(Hierarchy::Create(layout, plan, {0, 0, 1}).ok());
 }
+
+// Node stores (hierarchy.h, 6.): with several groups on a node, every (row, KV head) a node
+// needs from a holder elsewhere enters it exactly once, whichever groups and steps need it.
+// Checked against the truth (the mask, the shards and the plan) for the bytes, and message
+// by message for the rows: every store segment, fill and forward carries exactly the
+// positions its receiver's buffer lists, in order.
+class NodeStorePlans : public ::testing::TestWithParam<std::tuple<PlanSpec, DocMix>> {};
+
+TEST_P(NodeStorePlans, EachNeededRowEntersEachNodeOnce) {
+  const auto& [spec, mix] = GetParam();
+  const Plan plan = MakePlan(spec);
+  const Layout layout = testing::RandomLayout(300, mix, spec.seed, false);
+  std::mt19937_64 rng(spec.seed * 31 + 7);
+  int stores = 0;
+  for (int trial = 0; trial < 4; ++trial) {
+    std::vector<int> nodes(plan.num_ranks);
+    for (int& n : nodes) n = static_cast<int>(rng() % 3);
+    SCOPED_TRACE(::testing::Message() << "nodes " << ::testing::PrintToString(nodes));
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, nodes);
+    ASSERT_TRUE(h.ok()) << h.status();
+    const Truth truth = ComputeTruth(layout, plan, *h);
+    std::vector<RankHierarchy> ranks;
+    for (int r = 0; r < plan.num_ranks; ++r) ranks.push_back(*h->BuildRank(layout, r));
+    stores += static_cast<int>(h->stores().size());
+
+    // The bound: (node, head, key row) needed on the node from a group with no holder of
+    // the head there.
+    const int G = static_cast<int>(plan.groups.size());
+    auto holds = [&](int g, size_t i, int kv) {
+      for (int q : plan.groups[g].heads[i]) {
+        if (q / (plan.heads_q / plan.heads_kv) == kv) return true;
+      }
+      return false;
+    };
+    std::set<std::tuple<int, int, int64_t>> bound;
+    for (int g = 0; g < G; ++g) {
+      for (size_t i = 0; i < plan.groups[g].ranks.size(); ++i) {
+        const int node = nodes[plan.groups[g].ranks[i]];
+        for (int kv = 0; kv < plan.heads_kv; ++kv) {
+          if (!holds(g, i, kv)) continue;
+          for (int64_t k : truth.remote_keys[g]) {
+            const int gs = truth.group[k];
+            bool near = false;
+            for (size_t j = 0; j < plan.groups[gs].ranks.size(); ++j) {
+              near |= nodes[plan.groups[gs].ranks[j]] == node && holds(gs, j, kv);
+            }
+            if (!near) bound.insert({node, kv, k});
+          }
+        }
+      }
+    }
+    // What crosses, from the tables (positions of each message's rows).
+    std::map<std::tuple<int, int, int64_t>, int> crossed;
+    // Messages: (from, to, step, head) -> positions, as sent and as received.
+    std::map<std::tuple<int, int, int, int>, std::vector<int64_t>> sent, received;
+    auto positions = [](const std::vector<TokenRun>& runs) {
+      std::vector<int64_t> p;
+      for (const TokenRun& run : runs) {
+        for (int64_t i = 0; i < run.length; ++i) p.push_back(run.global_begin + i);
+      }
+      return p;
+    };
+    for (const RankHierarchy& r : ranks) {
+      for (const SubRingStep& st : r.steps) {
+        const std::vector<int64_t> buffer = positions(st.recv_runs);
+        std::vector<int> heads;
+        for (const KvTransfer& x : st.recv) {
+          heads.insert(heads.end(), x.heads.begin(), x.heads.end());
+          for (int kv : x.heads) {
+            received[{x.peer, r.rank, st.step, kv}] = buffer;
+            if (nodes[x.peer] == nodes[r.rank]) continue;
+            for (int64_t k : buffer) ++crossed[{nodes[r.rank], kv, k}];
+          }
+        }
+        for (const KvTransfer& x : st.fan_out_recv) {
+          heads.insert(heads.end(), x.heads.begin(), x.heads.end());
+          for (int kv : x.heads) received[{x.peer, r.rank, -st.step, kv}] = buffer;
+        }
+        for (const StoreTransfer& x : st.store_fill) {
+          heads.push_back(x.kv_head);
+          EXPECT_EQ(positions(x.runs), buffer) << "rank " << r.rank << " step " << st.step;
+        }
+        if (st.recv_group >= 0) {
+          std::sort(heads.begin(), heads.end());
+          EXPECT_EQ(heads, r.kv_heads) << "rank " << r.rank << " step " << st.step;
+        }
+        for (const StoreTransfer& x : st.store_recv) {
+          received[{x.peer, r.rank, 1000 + st.step, x.kv_head}] = positions(x.runs);
+          ASSERT_NE(nodes[x.peer], nodes[r.rank]);
+          for (int64_t k : positions(x.runs)) ++crossed[{nodes[r.rank], x.kv_head, k}];
+        }
+        for (const StoreTransfer& x : st.store_send) {
+          sent[{r.rank, x.peer, 1000 + st.step, x.kv_head}] = positions(x.runs);
+        }
+        const std::vector<int64_t> sent_rows = positions(st.send_runs);
+        for (const KvTransfer& x : st.send) {
+          for (int kv : x.heads) sent[{r.rank, x.peer, st.step, kv}] = sent_rows;
+        }
+        for (const KvTransfer& x : st.fan_out_send) {
+          for (int kv : x.heads) sent[{r.rank, x.peer, -st.step, kv}] = buffer;
+        }
+        for (const StoreFanOut& f : st.store_fan_send) {
+          ASSERT_EQ(f.heads.size(), f.runs.size());
+          EXPECT_TRUE(std::is_sorted(f.heads.begin(), f.heads.end()));
+          for (size_t i = 0; i < f.heads.size(); ++i) {
+            EXPECT_EQ(static_cast<int64_t>(positions(f.runs[i]).size()), f.rows);
+            sent[{r.rank, f.peer, -st.step, f.heads[i]}] = positions(f.runs[i]);
+          }
+        }
+      }
+    }
+    EXPECT_EQ(sent, received);
+    std::set<std::tuple<int, int, int64_t>> crossed_once;
+    for (const auto& [key, count] : crossed) {
+      EXPECT_EQ(count, 1) << "node " << std::get<0>(key) << " head " << std::get<1>(key)
+                          << " row " << std::get<2>(key);
+      crossed_once.insert(key);
+    }
+    EXPECT_EQ(crossed_once, bound);
+    // The store rows of every keeper are the segments it receives, laid end to end.
+    for (const RankHierarchy& r : ranks) {
+      int64_t rows = 0;
+      for (const SubRingStep& st : r.steps) {
+        for (const StoreTransfer& x : st.store_recv) {
+          ASSERT_FALSE(x.runs.empty());
+          EXPECT_EQ(x.runs.front().local_begin, rows);
+          rows += x.rows;
+        }
+      }
+      EXPECT_EQ(rows, r.store_rows);
+    }
+  }
+  // One document over every group: groups on one node need overlapping rows of others.
+  if (mix == DocMix::kSingle) EXPECT_GT(stores, 0) << "no store: the test proves little";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, NodeStorePlans,
+    ::testing::Combine(::testing::Values(PlanSpec{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous,
+                                                  false, 3},
+                                         PlanSpec{{2, 1, 2, 1, 2}, 6, 2, HeadSplit::kRoundRobin,
+                                                  true, 5},
+                                         PlanSpec{{3, 2, 2, 1}, 8, 2, HeadSplit::kRandom, true, 9},
+                                         PlanSpec{{2, 2, 2, 2}, 8, 1, HeadSplit::kContiguous,
+                                                  false, 11}),
+                       ::testing::Values(DocMix::kLongTail, DocMix::kSingle, DocMix::kOneHuge)));
 
 TEST(Hierarchy, FewerTokensThanGroupsAndEmptyShards) {
   const Layout layout = *Layout::FromDocuments({0, 1, 3});
