@@ -158,13 +158,23 @@ std::string StepName(const char* pass, const SubRingStep& s, const char* what) {
   return StepName(pass, s.step, what, s.recv, s.send);
 }
 
-// The rows of a sub-ring send, as token ranges of the group buffer.
-std::vector<TokenRange> SendRows(const SubRingStep& s) {
+// The local rows of `runs`, as token ranges.
+std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs) {
   std::vector<TokenRange> rows;
-  for (const TokenRun& run : s.send_runs) {
-    rows.push_back({run.local_begin, run.local_begin + run.length});
-  }
+  for (const TokenRun& run : runs) rows.push_back({run.local_begin, run.local_begin + run.length});
   return rows;
+}
+
+// The rows of a sub-ring send, as token ranges of the group buffer.
+std::vector<TokenRange> SendRows(const SubRingStep& s) { return LocalRows(s.send_runs); }
+
+// Calls fn(store_row, row) for the store rows of `runs`, packed in order into rows 0, 1, ...
+template <typename Fn>
+void ForEachStoreRow(const std::vector<TokenRun>& runs, Fn&& fn) {
+  int64_t row = 0;
+  for (const TokenRun& run : runs) {
+    for (int64_t i = 0; i < run.length; ++i) fn(run.local_begin + i, row++);
+  }
 }
 
 // Double-buffered K/V along the sub-ring steps of one rank. A message carries the K rows
@@ -199,10 +209,27 @@ class SubRingKv {
       sent_ += 2 * half;
       Tally(links_, *ctx_.comm, t.peer, 2 * half, true);
     }
+    // Node stores (hierarchy.h, 6.): one head's rows, K then V [rows, D], holder to keeper.
+    const uint64_t store_tag =
+        protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(PlanPayload::kKvStore, s.step));
+    slot.store_send.resize(s.store_send.size());
+    for (size_t x = 0; x < s.store_send.size(); ++x) {
+      const StoreTransfer& t = s.store_send[x];
+      const size_t half = Bytes(t.rows, 1, D, es);
+      std::vector<char>& msg = slot.store_send[x];
+      msg.resize(2 * half);
+      const std::vector<TokenRange> rows = LocalRows(t.runs);
+      const int head[] = {t.local_head};
+      HSAP_RETURN_IF_ERROR(PackThd(k_, shape, rows, head, msg.data(), half));
+      HSAP_RETURN_IF_ERROR(PackThd(v_, shape, rows, head, msg.data() + half, half));
+      sends.push_back({t.peer, msg.data(), 2 * half, store_tag});
+      sent_ += 2 * half;
+      Tally(links_, *ctx_.comm, t.peer, 2 * half, true);
+    }
     const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
     slot.kv.resize(2 * half_all);
     // One sender of every head, in our order: its message is the K/V buffer itself.
-    slot.direct = s.recv.size() == 1 && s.fan_out_recv.empty();
+    slot.direct = s.recv.size() == 1 && s.fan_out_recv.empty() && s.store_fill.empty();
     slot.recv.resize(slot.direct ? 0 : s.recv.size());
     for (size_t x = 0; x < s.recv.size(); ++x) {
       const KvTransfer& t = s.recv[x];
@@ -217,12 +244,22 @@ class SubRingKv {
       received_ += bytes;
       Tally(links_, *ctx_.comm, t.peer, bytes, false);
     }
+    slot.store_recv.resize(s.store_recv.size());
+    for (size_t x = 0; x < s.store_recv.size(); ++x) {
+      const StoreTransfer& t = s.store_recv[x];
+      std::vector<char>& msg = slot.store_recv[x];
+      msg.resize(2 * Bytes(t.rows, 1, D, es));
+      recvs.push_back({t.peer, msg.data(), msg.size(), store_tag});
+      received_ += msg.size();
+      Tally(links_, *ctx_.comm, t.peer, msg.size(), false);
+    }
     return ctx_.comm->transport().Start(sends, recvs, StepName(pass_, s, "kv"));
   }
 
-  // After step i's direct receives completed (every rank with a receive at step i calls
-  // this): runs the step's fan-out inside the node (hierarchy.h, 5.), then sets the K and
-  // V buffers [recv_rows, kv_heads, D] of its rows.
+  // After step i's direct receives completed (every rank calls this at every step): keeps
+  // the store segments that arrived, fills the buffer's heads that come from the store, runs
+  // the step's fan-out inside the node (hierarchy.h, 5. and 6.), then sets the K and V
+  // buffers [recv_rows, kv_heads, D] of its rows (unset when the step receives nothing).
   absl::Status Assemble(size_t i, const void** k, const void** v) {
     const RankHierarchy& r = *ctx_.rank;
     const SubRingStep& s = r.steps[i];
@@ -231,6 +268,19 @@ class SubRingKv {
     const size_t es = DTypeSize(ctx_.dtype);
     const int hkv = static_cast<int>(r.kv_heads.size());
     const size_t half_all = Bytes(s.recv_rows, hkv, D, es);
+    const size_t row_bytes = static_cast<size_t>(D) * es;
+    if (store_k_.empty() && r.store_rows > 0) {
+      store_k_.resize(static_cast<size_t>(r.store_rows) * row_bytes);
+      store_v_.resize(store_k_.size());
+    }
+    for (size_t x = 0; x < s.store_recv.size(); ++x) {
+      const StoreTransfer& t = s.store_recv[x];
+      const size_t half = static_cast<size_t>(t.rows) * row_bytes;
+      const size_t at = static_cast<size_t>(t.runs.front().local_begin) * row_bytes;
+      std::memcpy(store_k_.data() + at, slot.store_recv[x].data(), half);
+      std::memcpy(store_v_.data() + at, slot.store_recv[x].data() + half, half);
+    }
+    if (s.recv_group < 0) return FanOut(s, nullptr, 0);
     if (!slot.direct) {
       const ThdShape shape{s.recv_rows, hkv, D, es};
       const TokenRange all{0, s.recv_rows};
@@ -245,6 +295,14 @@ class SubRingKv {
                                        slot.kv.data() + half_all));
       }
     }
+    for (const StoreTransfer& fill : s.store_fill) {
+      ForEachStoreRow(fill.runs, [&](int64_t store_row, int64_t row) {
+        const size_t to = (static_cast<size_t>(row) * hkv + fill.local_head) * row_bytes;
+        std::memcpy(slot.kv.data() + to, store_k_.data() + store_row * row_bytes, row_bytes);
+        std::memcpy(slot.kv.data() + half_all + to, store_v_.data() + store_row * row_bytes,
+                    row_bytes);
+      });
+    }
     HSAP_RETURN_IF_ERROR(FanOut(s, slot.kv.data(), half_all));
     *k = slot.kv.data();
     *v = slot.kv.data() + half_all;
@@ -257,7 +315,7 @@ class SubRingKv {
 
  private:
   struct Slot {
-    std::vector<std::vector<char>> send, recv;
+    std::vector<std::vector<char>> send, recv, store_send, store_recv;
     std::vector<char> kv;
     bool direct = false;
   };
@@ -265,14 +323,17 @@ class SubRingKv {
   // to the node's other receivers of step s; they unpack theirs into `kv`. One exchange,
   // completed here (its data arrived with the step's direct receives).
   absl::Status FanOut(const SubRingStep& s, char* kv, size_t half_all) {
-    if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
+    if (s.fan_out_send.empty() && s.fan_out_recv.empty() && s.store_fan_send.empty()) {
+      return absl::OkStatus();
+    }
     const int D = ctx_.dims.head_dim;
     const size_t es = DTypeSize(ctx_.dtype);
     const ThdShape shape{s.recv_rows, static_cast<int>(ctx_.rank->kv_heads.size()), D, es};
     const TokenRange all{0, s.recv_rows};
     const uint64_t tag =
         protocol::PlanTag(ctx_.call_id, protocol::PlanMessage(PlanPayload::kKvFanOut, s.step));
-    std::vector<std::vector<char>> out(s.fan_out_send.size()), in(s.fan_out_recv.size());
+    std::vector<std::vector<char>> out(s.fan_out_send.size()), in(s.fan_out_recv.size()),
+        from_store(s.store_fan_send.size());
     std::vector<SendOp> sends;
     std::vector<RecvOp> recvs;
     for (size_t x = 0; x < s.fan_out_send.size(); ++x) {
@@ -286,6 +347,26 @@ class SubRingKv {
       sends.push_back({t.peer, out[x].data(), 2 * half, tag});
       sent_ += 2 * half;
       Tally(links_, *ctx_.comm, t.peer, 2 * half, true);
+    }
+    // Forwards from the store: [rows, heads, D] K then V, as a gateway's.
+    const size_t row_bytes = static_cast<size_t>(D) * es;
+    for (size_t x = 0; x < s.store_fan_send.size(); ++x) {
+      const StoreFanOut& f = s.store_fan_send[x];
+      const size_t heads = f.heads.size();
+      const size_t half = Bytes(f.rows, heads, D, es);
+      from_store[x].resize(2 * half);
+      for (size_t j = 0; j < heads; ++j) {
+        ForEachStoreRow(f.runs[j], [&](int64_t store_row, int64_t row) {
+          const size_t to = (static_cast<size_t>(row) * heads + j) * row_bytes;
+          std::memcpy(from_store[x].data() + to, store_k_.data() + store_row * row_bytes,
+                      row_bytes);
+          std::memcpy(from_store[x].data() + half + to, store_v_.data() + store_row * row_bytes,
+                      row_bytes);
+        });
+      }
+      sends.push_back({f.peer, from_store[x].data(), 2 * half, tag});
+      sent_ += 2 * half;
+      Tally(links_, *ctx_.comm, f.peer, 2 * half, true);
     }
     for (size_t x = 0; x < s.fan_out_recv.size(); ++x) {
       const KvTransfer& t = s.fan_out_recv[x];
@@ -313,6 +394,7 @@ class SubRingKv {
   const char* pass_;
   PlanPayload tag_;
   Slot slots_[2];
+  std::vector<char> store_k_, store_v_;  // the node store: [store_rows, D] each
   uint64_t sent_ = 0, received_ = 0;
   ExecTraffic links_;
 };
@@ -368,6 +450,59 @@ struct GroupBackward {
   float* dv32;
 };
 
+// After every step of a backward (hierarchy.h, 6.): a keeper returns each store segment's
+// summed fp32 partials ([rows, D] dK then dV) to its holder, which adds them into its dK/dV
+// in the keeper's step order, after its step partials.
+absl::Status ReturnStorePartials(const HierExecContext& ctx, const std::vector<float>& store_dk,
+                                 const std::vector<float>& store_dv, const GroupBackward& g,
+                                 uint64_t& grad_sent, uint64_t& grad_received, ExecTraffic& links) {
+  const RankHierarchy& r = *ctx.rank;
+  const int D = ctx.dims.head_dim;
+  const size_t hkv = r.kv_heads.size();
+  std::vector<std::vector<char>> out, in;
+  std::vector<SendOp> sends;
+  std::vector<RecvOp> recvs;
+  std::vector<const StoreTransfer*> returned;
+  for (const SubRingStep& st : r.steps) {
+    const uint64_t tag =
+        protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvStoreGrad, st.step));
+    for (const StoreTransfer& t : st.store_recv) {
+      const size_t half = static_cast<size_t>(t.rows) * D;
+      const size_t at = static_cast<size_t>(t.runs.front().local_begin) * D;
+      std::vector<char>& msg = out.emplace_back(2 * half * sizeof(float));
+      std::memcpy(msg.data(), store_dk.data() + at, half * sizeof(float));
+      std::memcpy(msg.data() + half * sizeof(float), store_dv.data() + at, half * sizeof(float));
+      sends.push_back({t.peer, msg.data(), msg.size(), tag});
+      grad_sent += msg.size();
+      Tally(links, *ctx.comm, t.peer, msg.size(), true);
+    }
+    for (const StoreTransfer& t : st.store_send) {
+      std::vector<char>& msg = in.emplace_back(2 * static_cast<size_t>(t.rows) * D * sizeof(float));
+      recvs.push_back({t.peer, msg.data(), msg.size(), tag});
+      returned.push_back(&t);
+      grad_received += msg.size();
+      Tally(links, *ctx.comm, t.peer, msg.size(), false);
+    }
+  }
+  if (sends.empty() && recvs.empty()) return absl::OkStatus();
+  HSAP_RETURN_IF_ERROR(
+      ctx.comm->transport().Exchange(sends, recvs, "hier backward (node store dk/dv returns)"));
+  for (size_t x = 0; x < returned.size(); ++x) {
+    const StoreTransfer& t = *returned[x];
+    const float* part = reinterpret_cast<const float*>(in[x].data());
+    for (float* acc : {g.dk32, g.dv32}) {
+      for (const TokenRange& range : LocalRows(t.runs)) {
+        for (int64_t row = range.begin; row < range.end; ++row) {
+          float* to = acc + (row * hkv + t.local_head) * D;
+          for (int d = 0; d < D; ++d) to[d] += part[d];
+          part += D;
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // The sub-rings of a backward: this rank's query heads against the local keys and every
 // step's received rows; the fp32 dK/dV partials of received rows go back to their senders
 // one step later (RunBackwardStages), and those of this rank's rows are added into
@@ -398,11 +533,29 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
     args.dv = g.dv32;
     return ctx.kernels->Backward(args, r.local_work, threads);
   };
+  // The node store's fp32 partials (hierarchy.h, 6.), [store_rows, D] each.
+  std::vector<float> store_dk(static_cast<size_t>(r.store_rows) * D, 0.0f),
+      store_dv(store_dk.size());
+  // Adds rows of `part` ([rows, heads, D] at head `head`) into the store partial at the
+  // store rows of `runs` (packed in order).
+  auto add_to_store = [&](const float* part, size_t heads, size_t head,
+                          const std::vector<TokenRun>& runs, float* store) {
+    ForEachStoreRow(runs, [&](int64_t store_row, int64_t row) {
+      const float* from = part + (static_cast<size_t>(row) * heads + head) * D;
+      float* to = store + static_cast<size_t>(store_row) * D;
+      for (int d = 0; d < D; ++d) to[d] += from[d];
+    });
+  };
   // The fan-out's partials (hierarchy.h, 5.): a fan-out receiver sends those of the heads
   // it got from its gateway (dK then dV, fp32); a gateway adds its receivers' to its own,
-  // in fan-out order, before they go back to the holder with its other partials.
+  // in fan-out order, before they go back to the holder with its other partials. A keeper
+  // then adds the partials of its store-filled heads and those of its forwards from the
+  // store into the store partial (6.).
   auto fan_in = [&](const SubRingStep& st, float* pk, float* pv) -> absl::Status {
-    if (st.fan_out_send.empty() && st.fan_out_recv.empty()) return absl::OkStatus();
+    if (st.fan_out_send.empty() && st.fan_out_recv.empty() && st.store_fan_send.empty() &&
+        st.store_fill.empty()) {
+      return absl::OkStatus();
+    }
     const ThdShape shape{st.recv_rows, static_cast<int>(hkv), D, sizeof(float)};
     const TokenRange all{0, st.recv_rows};
     const uint64_t tag =
@@ -428,6 +581,14 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
       grad_received += in[x].size();
       Tally(links, *ctx.comm, st.fan_out_send[x].peer, in[x].size(), false);
     }
+    std::vector<std::vector<char>> from_store(st.store_fan_send.size());
+    for (size_t x = 0; x < st.store_fan_send.size(); ++x) {
+      const StoreFanOut& f = st.store_fan_send[x];
+      from_store[x].resize(2 * Bytes(f.rows, f.heads.size(), D, sizeof(float)));
+      recvs.push_back({f.peer, from_store[x].data(), from_store[x].size(), tag});
+      grad_received += from_store[x].size();
+      Tally(links, *ctx.comm, f.peer, from_store[x].size(), false);
+    }
     HSAP_RETURN_IF_ERROR(ctx.comm->transport().Exchange(
         sends, recvs,
         StepName("hier backward", st.step, "dk/dv fan-in", st.fan_out_send, st.fan_out_recv)));
@@ -442,6 +603,21 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
             part += D;
           }
         }
+      }
+    }
+    // The store: this step's filled heads, then the forwards' partials (list order, head
+    // order, dK then dV).
+    for (const StoreTransfer& fill : st.store_fill) {
+      add_to_store(pk, hkv, fill.local_head, fill.runs, store_dk.data());
+      add_to_store(pv, hkv, fill.local_head, fill.runs, store_dv.data());
+    }
+    for (size_t x = 0; x < st.store_fan_send.size(); ++x) {
+      const StoreFanOut& f = st.store_fan_send[x];
+      const float* part = reinterpret_cast<const float*>(from_store[x].data());
+      const size_t half = static_cast<size_t>(f.rows) * f.heads.size() * D;
+      for (size_t j = 0; j < f.heads.size(); ++j) {
+        add_to_store(part, f.heads.size(), j, f.runs[j], store_dk.data());
+        add_to_store(part + half, f.heads.size(), j, f.runs[j], store_dv.data());
       }
     }
     return absl::OkStatus();
@@ -477,11 +653,10 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
   hooks.compute = [&](size_t i) -> absl::Status {
     const SubRingStep& st = r.steps[i];
     const size_t slot = i % 2;
-    if (st.recv_group < 0) return absl::OkStatus();
+    HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
     part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
     part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
-    HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
-    if (!st.recv_work.empty()) {
+    if (st.recv_group >= 0 && !st.recv_work.empty()) {
       args.k_rows = st.recv_rows;
       args.dk = part_k[slot].data();
       args.dv = part_v[slot].data();
@@ -527,7 +702,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
   std::vector<int> steps;
   for (const SubRingStep& st : r.steps) steps.push_back(st.step);
   HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
-  return absl::OkStatus();
+  return ReturnStorePartials(ctx, store_dk, store_dv, g, grad_sent, grad_received, links);
 }
 
 }  // namespace
@@ -571,9 +746,8 @@ absl::Status HierarchicalForward(const HierExecContext& ctx, const void* q, cons
         },
         [&](size_t i) -> absl::Status {
           const SubRingStep& st = r.steps[i];
-          if (st.recv_group < 0) return absl::OkStatus();
           HSAP_RETURN_IF_ERROR(ring.Assemble(i, &args.k, &args.v));
-          if (st.recv_work.empty()) return absl::OkStatus();
+          if (st.recv_group < 0 || st.recv_work.empty()) return absl::OkStatus();
           args.k_rows = st.recv_rows;
           return ctx.kernels->Forward(args, st.recv_work, threads);
         });

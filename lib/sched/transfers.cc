@@ -190,8 +190,8 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
                                     2 * Elements(st.recv_rows, x.heads.size(), D) * es));
       }
       for (const StoreFanOut& f : st.store_fan_send) {
-        s.fan_out_kv.push_back(Send(f.peer, TransferKind::kKvFanOut,
-                                    2 * Elements(f.rows, f.heads.size(), D) * es));
+        s.fan_out_kv.push_back(
+            Send(f.peer, TransferKind::kKvFanOut, 2 * Elements(f.rows, f.heads.size(), D) * es));
       }
       for (const KvTransfer& x : st.fan_out_recv) {
         s.fan_out_kv.push_back(Recv(x.peer, TransferKind::kKvFanOut,

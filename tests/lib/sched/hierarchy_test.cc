@@ -527,8 +527,8 @@ TEST_P(NodeStorePlans, EachNeededRowEntersEachNodeOnce) {
     EXPECT_EQ(sent, received);
     std::set<std::tuple<int, int, int64_t>> crossed_once;
     for (const auto& [key, count] : crossed) {
-      EXPECT_EQ(count, 1) << "node " << std::get<0>(key) << " head " << std::get<1>(key)
-                          << " row " << std::get<2>(key);
+      EXPECT_EQ(count, 1) << "node " << std::get<0>(key) << " head " << std::get<1>(key) << " row "
+                          << std::get<2>(key);
       crossed_once.insert(key);
     }
     EXPECT_EQ(crossed_once, bound);
@@ -551,14 +551,12 @@ TEST_P(NodeStorePlans, EachNeededRowEntersEachNodeOnce) {
 
 INSTANTIATE_TEST_SUITE_P(
     Plans, NodeStorePlans,
-    ::testing::Combine(::testing::Values(PlanSpec{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous,
-                                                  false, 3},
-                                         PlanSpec{{2, 1, 2, 1, 2}, 6, 2, HeadSplit::kRoundRobin,
-                                                  true, 5},
-                                         PlanSpec{{3, 2, 2, 1}, 8, 2, HeadSplit::kRandom, true, 9},
-                                         PlanSpec{{2, 2, 2, 2}, 8, 1, HeadSplit::kContiguous,
-                                                  false, 11}),
-                       ::testing::Values(DocMix::kLongTail, DocMix::kSingle, DocMix::kOneHuge)));
+    ::testing::Combine(
+        ::testing::Values(PlanSpec{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3},
+                          PlanSpec{{2, 1, 2, 1, 2}, 6, 2, HeadSplit::kRoundRobin, true, 5},
+                          PlanSpec{{3, 2, 2, 1}, 8, 2, HeadSplit::kRandom, true, 9},
+                          PlanSpec{{2, 2, 2, 2}, 8, 1, HeadSplit::kContiguous, false, 11}),
+        ::testing::Values(DocMix::kLongTail, DocMix::kSingle, DocMix::kOneHuge)));
 
 TEST(Hierarchy, FewerTokensThanGroupsAndEmptyShards) {
   const Layout layout = *Layout::FromDocuments({0, 1, 3});
