@@ -1,6 +1,7 @@
 #include "lib/planner/group_programs.h"
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -181,6 +182,19 @@ void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
   }
 }
 
+// The node stores of each rank (hierarchy.h, 6.): those whose segment it sends, in the
+// hierarchy's store order, and those it keeps.
+struct StoresByRank {
+  StoresByRank(const Hierarchy& h, const Holders& holders, int num_ranks)
+      : sent(num_ranks), kept(num_ranks) {
+    for (const Hierarchy::NodeStore& ns : h.stores()) {
+      sent[holders.SenderOf(ns.source_group, ns.kv_head, ns.keeper)].push_back(&ns);
+      kept[ns.keeper].push_back(&ns);
+    }
+  }
+  std::vector<std::vector<const Hierarchy::NodeStore*>> sent, kept;
+};
+
 // The K/V stages of member `self` of the group at ring position `position`, appended to
 // both passes of `program`: Hierarchy::BuildRank's sub-ring steps (at step t the position
 // receives from position - t the rows its queries see and sends to position + t the rows
@@ -194,17 +208,26 @@ void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
 void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
                   const std::vector<int>& ring,
                   const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
-                  const Holders& holders, int head_dim, uint64_t element_bytes,
-                  RankProgram* program) {
+                  const Holders& holders, const Hierarchy& hierarchy, const StoresByRank& stores,
+                  int head_dim, uint64_t element_bytes, RankProgram* program) {
   const int num_positions = static_cast<int>(ring.size());
   constexpr uint64_t kF32 = sizeof(float);
   const auto by_index = [&](const auto& a, const auto& b) {
-    return holders.IndexOf(a.first) < holders.IndexOf(b.first);
+    return std::make_pair(holders.IndexOf(a.first), a.first) <
+           std::make_pair(holders.IndexOf(b.first), b.first);
   };
+  const int node = holders.NodeOf(self.rank);
+  const bool topology = !hierarchy.node_of_rank().empty();
   // (peer, heads), in the peer's group order: receives from holders, the fan-out received
   // from a gateway and forwarded by this rank as a gateway, and sends to the next group.
+  // Node stores (hierarchy.h, 6.), as (peer, rows): segments sent and received; forwards
+  // from this rank's store as (peer, heads, rows).
   std::vector<std::pair<int, int>> recv, fan_recv, fan_send, send;
+  std::vector<std::pair<int, int64_t>> store_send, store_recv;
+  std::vector<std::tuple<int, int, int64_t>> store_fan;
   std::vector<int> node_receivers;
+  const std::vector<const Hierarchy::NodeStore*>& sent_stores = stores.sent[self.rank];
+  const std::vector<const Hierarchy::NodeStore*>& kept = stores.kept[self.rank];
   for (int t = 1; t < num_positions; ++t) {
     const int src = (position - t + num_positions) % num_positions;
     const int dst = (position + t) % num_positions;
@@ -213,8 +236,27 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     fan_recv.clear();
     fan_send.clear();
     send.clear();
+    store_send.clear();
+    store_recv.clear();
+    store_fan.clear();
     if (recv_rows > 0) {
       for (int h : self.kv_heads) {
+        if (topology && hierarchy.TakesFromStore(ring[src], h, node, self.group)) {
+          const Hierarchy::NodeStore* ns = hierarchy.StoreOf(ring[src], h, node);
+          if (ns->keeper != self.rank) {
+            AddHeads(fan_recv, ns->keeper, 1);
+            continue;
+          }
+          int64_t rows = 0;
+          for (const TokenRange& range : ns->all_rows) rows += range.size();
+          store_recv.push_back({holders.SenderOf(ring[src], h, self.rank), rows});
+          node_receivers.clear();
+          holders.NodeReceivers(self.group, h, node, &node_receivers);
+          for (int peer : node_receivers) {
+            if (peer != self.rank) AddHeads(fan_send, peer, 1);
+          }
+          continue;
+        }
         const int gateway = holders.GatewayOf(t, ring[src], self.group, h, self.rank);
         if (gateway >= 0 && gateway != self.rank) {
           AddHeads(fan_recv, gateway, 1);
@@ -240,13 +282,41 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
         int heads = 0;
         for (int h : kv_heads[gd][j]) {
           if (holders.SenderOf(self.group, h, peer) != self.rank) continue;
+          if (topology && hierarchy.TakesFromStore(self.group, h, holders.NodeOf(peer), gd)) {
+            continue;
+          }
           const int gateway = holders.GatewayOf(t, self.group, gd, h, peer);
           heads += gateway < 0 || gateway == peer;
         }
         if (heads > 0) send.push_back({peer, heads});
       }
     }
-    if (recv_rows == 0 && send.empty()) continue;
+    for (const Hierarchy::NodeStore* ns : sent_stores) {
+      if (ns->steps[0] != t) continue;
+      int64_t rows = 0;
+      for (const TokenRange& range : ns->all_rows) rows += range.size();
+      store_send.push_back({ns->keeper, rows});
+    }
+    for (const Hierarchy::NodeStore* ns : kept) {
+      for (size_t j = 1; j < ns->groups.size(); ++j) {
+        if (ns->steps[j] != t) continue;
+        int64_t rows = 0;
+        for (const TokenRange& range : ns->rows[j]) rows += range.size();
+        node_receivers.clear();
+        holders.NodeReceivers(ns->groups[j], ns->kv_head, ns->node, &node_receivers);
+        for (int peer : node_receivers) {
+          auto it = std::find_if(store_fan.begin(), store_fan.end(),
+                                 [&](const auto& f) { return std::get<0>(f) == peer; });
+          if (it == store_fan.end()) {
+            store_fan.push_back({peer, 1, rows});
+          } else {
+            ++std::get<1>(*it);
+          }
+        }
+      }
+    }
+    std::sort(store_fan.begin(), store_fan.end());
+    if (recv_rows == 0 && send.empty() && store_send.empty() && store_fan.empty()) continue;
     for (PassProgram* pass : {&program->forward, &program->backward}) {
       ProgramStage& s = pass->stages.emplace_back();
       s.step = t;
@@ -262,12 +332,22 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
       for (auto [peer, heads] : send) {
         s.kv.push_back(message(peer, true, TransferKind::kKv, send_rows, heads, element_bytes));
       }
+      for (auto [peer, rows] : store_send) {
+        s.kv.push_back(message(peer, true, TransferKind::kKvStore, rows, 1, element_bytes));
+      }
       for (auto [peer, heads] : recv) {
         s.kv.push_back(message(peer, false, TransferKind::kKv, recv_rows, heads, element_bytes));
+      }
+      for (auto [peer, rows] : store_recv) {
+        s.kv.push_back(message(peer, false, TransferKind::kKvStore, rows, 1, element_bytes));
       }
       for (auto [peer, heads] : fan_send) {
         s.fan_out_kv.push_back(
             message(peer, true, TransferKind::kKvFanOut, recv_rows, heads, element_bytes));
+      }
+      for (auto [peer, heads, rows] : store_fan) {
+        s.fan_out_kv.push_back(
+            message(peer, true, TransferKind::kKvFanOut, rows, heads, element_bytes));
       }
       for (auto [peer, heads] : fan_recv) {
         s.fan_out_kv.push_back(
@@ -281,6 +361,17 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
         for (auto [peer, heads] : fan_send) {
           s.fan_in_grad.push_back(
               message(peer, false, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
+        }
+        for (auto [peer, heads, rows] : store_fan) {
+          s.fan_in_grad.push_back(
+              message(peer, false, TransferKind::kKvGradFanIn, rows, heads, kF32));
+        }
+        // A node store's summed partials, after the last step (ProgramOf's `returns`).
+        for (auto [peer, rows] : store_recv) {
+          pass->returns.push_back(message(peer, true, TransferKind::kKvGradReturn, rows, 1, kF32));
+        }
+        for (auto [peer, rows] : store_send) {
+          pass->returns.push_back(message(peer, false, TransferKind::kKvGradReturn, rows, 1, kF32));
         }
         for (auto [peer, heads] : recv) {
           s.grad.push_back(message(peer, true, TransferKind::kKvGrad, recv_rows, heads, kF32));
@@ -321,6 +412,7 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
   }
   const Holders holders(plan, node_of_rank);
   const PositionNeeds needs(layout, h.positions());
+  const StoresByRank stores(h, holders, plan.num_ranks);
 
   std::vector<RankProgram> programs(plan.num_ranks);
   for (int g = 0; g < num_groups; ++g) {
@@ -357,7 +449,7 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
       RankProgram& program = programs[r.rank] =
           ProgramOf(r, shape.head_dim, shape.dtype, node_of_rank);
       if (!r.q_heads.empty()) {
-        AppendStages(needs, position, r, ring, kv_heads, plan, holders, shape.head_dim,
+        AppendStages(needs, position, r, ring, kv_heads, plan, holders, h, stores, shape.head_dim,
                      DTypeSize(shape.dtype), &program);
       }
     }

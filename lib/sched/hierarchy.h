@@ -225,7 +225,7 @@ class Hierarchy {
   };
   // The store of (source group, KV head, node), or null when there is none.
   const NodeStore* StoreOf(int source_group, int kv_head, int node) const;
-  // Every store, ordered by (source group, KV head, node).
+  // Every store, ordered by (source group, node, KV head).
   const std::vector<NodeStore>& stores() const { return stores_; }
   // Whether `group` takes head `kv_head` of `source_group` from a store on `node`.
   bool TakesFromStore(int source_group, int kv_head, int node, int group) const;

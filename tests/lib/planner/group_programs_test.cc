@@ -76,6 +76,17 @@ int FanOutMessages(const std::vector<RankProgram>& programs) {
   return n;
 }
 
+// Messages of node stores (hierarchy.h, 6.): segments into a keeper's store.
+int StoreMessages(const std::vector<RankProgram>& programs) {
+  int n = 0;
+  for (const RankProgram& p : programs) {
+    for (const ProgramStage& s : p.forward.stages) {
+      for (const Transfer& t : s.kv) n += t.kind == TransferKind::kKvStore;
+    }
+  }
+  return n;
+}
+
 // Nodes of 4 devices, 100 TFLOP/s peak, 10 GB/s NICs.
 Cluster TestCluster(int devices) {
   auto c = ClusterFromJsonText(absl::StrCat(
@@ -155,13 +166,14 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnRandomPlans) {
 
 // The same on multi-node topologies (nodes of 2 to 4 ranks, ranks scrambled over groups),
 // with GQA plans whose groups have more members than KV heads, so that several members of
-// a node receive one head and the rows cross once, through a gateway (hierarchy.h, 5.):
-// the fan-outs, the holders chosen on the receiver's node and every message's link class
+// a node receive one head and the rows cross once, through a gateway (hierarchy.h, 5.), and
+// several groups share nodes (node stores, 6.): the fan-outs, the stores, the holders chosen
+// on the receiver's node and every message's link class
 // equal PlanPrograms(layout, plan, cluster, shape)'s, and so the priced times and bytes.
 TEST(GroupProgramsTest, EqualToTheFullPathOnMultiNodeClusters) {
   std::mt19937_64 rng(1313);
   const HeadSplit splits[] = {HeadSplit::kContiguous, HeadSplit::kRoundRobin, HeadSplit::kRandom};
-  int fan_out_plans = 0;
+  int fan_out_plans = 0, store_plans = 0;
   for (int trial = 0; trial < 24; ++trial) {
     PlanSpec spec;
     const int num_groups = 2 + static_cast<int>(rng() % 4);
@@ -194,8 +206,10 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnMultiNodeClusters) {
     ASSERT_TRUE(fast.ok()) << fast.status();
     ExpectSamePrograms(*full, *fast);
     fan_out_plans += FanOutMessages(*full) > 0;
+    store_plans += StoreMessages(*full) > 0;
   }
   EXPECT_GT(fan_out_plans, 4);
+  EXPECT_GT(store_plans, 4);
 
   // And through SimulateRun on a cluster of 3 nodes of 4 (what the planner prices).
   const Cluster cluster = TestCluster(12);
