@@ -55,7 +55,7 @@ Baseline BestOf(const Cluster& cluster, const Workload& workload, const std::str
     return a.cost.Seconds() < b.cost.Seconds();
   });
   for (size_t i = 0; i < priced.size() && i < kSimulated; ++i) {
-    auto run = SimulateRun(cluster, priced[i].workload, priced[i].plan);
+    auto run = SimulateRunChoosingStores(cluster, priced[i].workload, &priced[i].plan);
     if (!run.ok()) continue;
     if (!best.available || run->Seconds() < best.run.Seconds()) {
       best.available = true;

@@ -4,6 +4,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "lib/sched/hierarchy.h"
@@ -182,17 +183,38 @@ void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
   }
 }
 
-// The node stores of each rank (hierarchy.h, 6.): those whose segment it sends, in the
-// hierarchy's store order, and those it keeps.
+// The node stores of each rank (hierarchy.h, 6.), by step: the segments it sends (as
+// (keeper, rows), in the hierarchy's store order) and, as a keeper, its forwards from the
+// store (as (receiver, rows), one per head).
 struct StoresByRank {
   StoresByRank(const Hierarchy& h, const Holders& holders, int num_ranks)
-      : sent(num_ranks), kept(num_ranks) {
+      : sent(num_ranks), forwarded(num_ranks) {
+    std::vector<int> receivers;
     for (const Hierarchy::NodeStore& ns : h.stores()) {
-      sent[holders.SenderOf(ns.source_group, ns.kv_head, ns.keeper)].push_back(&ns);
-      kept[ns.keeper].push_back(&ns);
+      const Hierarchy::StoreRows& rows = *ns.rows;
+      sent[holders.SenderOf(ns.source_group, ns.kv_head, ns.keeper)].push_back(
+          {rows.steps[0], ns.keeper, rows.all_count});
+      for (size_t j = 1; j < rows.groups.size(); ++j) {
+        receivers.clear();
+        holders.NodeReceivers(rows.groups[j], ns.kv_head, ns.node, &receivers);
+        for (int peer : receivers) {
+          forwarded[ns.keeper].push_back({rows.steps[j], peer, rows.counts[j]});
+        }
+      }
+    }
+    for (auto* lists : {&sent, &forwarded}) {
+      for (std::vector<Entry>& list : *lists) {
+        std::stable_sort(list.begin(), list.end(),
+                         [](const Entry& a, const Entry& b) { return a.step < b.step; });
+      }
     }
   }
-  std::vector<std::vector<const Hierarchy::NodeStore*>> sent, kept;
+  struct Entry {
+    int step;
+    int peer;
+    int64_t rows;
+  };
+  std::vector<std::vector<Entry>> sent, forwarded;  // [rank], by step
 };
 
 // The K/V stages of member `self` of the group at ring position `position`, appended to
@@ -226,8 +248,9 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
   std::vector<std::pair<int, int64_t>> store_send, store_recv;
   std::vector<std::tuple<int, int, int64_t>> store_fan;
   std::vector<int> node_receivers;
-  const std::vector<const Hierarchy::NodeStore*>& sent_stores = stores.sent[self.rank];
-  const std::vector<const Hierarchy::NodeStore*>& kept = stores.kept[self.rank];
+  const std::vector<StoresByRank::Entry>& sent_stores = stores.sent[self.rank];
+  const std::vector<StoresByRank::Entry>& forwarded = stores.forwarded[self.rank];
+  size_t next_sent = 0, next_forwarded = 0;
   for (int t = 1; t < num_positions; ++t) {
     const int src = (position - t + num_positions) % num_positions;
     const int dst = (position + t) % num_positions;
@@ -247,9 +270,7 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
             AddHeads(fan_recv, ns->keeper, 1);
             continue;
           }
-          int64_t rows = 0;
-          for (const TokenRange& range : ns->all_rows) rows += range.size();
-          store_recv.push_back({holders.SenderOf(ring[src], h, self.rank), rows});
+          store_recv.push_back({holders.SenderOf(ring[src], h, self.rank), ns->rows->all_count});
           node_receivers.clear();
           holders.NodeReceivers(self.group, h, node, &node_receivers);
           for (int peer : node_receivers) {
@@ -291,28 +312,18 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
         if (heads > 0) send.push_back({peer, heads});
       }
     }
-    for (const Hierarchy::NodeStore* ns : sent_stores) {
-      if (ns->steps[0] != t) continue;
-      int64_t rows = 0;
-      for (const TokenRange& range : ns->all_rows) rows += range.size();
-      store_send.push_back({ns->keeper, rows});
+    for (; next_sent < sent_stores.size() && sent_stores[next_sent].step == t; ++next_sent) {
+      store_send.push_back({sent_stores[next_sent].peer, sent_stores[next_sent].rows});
     }
-    for (const Hierarchy::NodeStore* ns : kept) {
-      for (size_t j = 1; j < ns->groups.size(); ++j) {
-        if (ns->steps[j] != t) continue;
-        int64_t rows = 0;
-        for (const TokenRange& range : ns->rows[j]) rows += range.size();
-        node_receivers.clear();
-        holders.NodeReceivers(ns->groups[j], ns->kv_head, ns->node, &node_receivers);
-        for (int peer : node_receivers) {
-          auto it = std::find_if(store_fan.begin(), store_fan.end(),
-                                 [&](const auto& f) { return std::get<0>(f) == peer; });
-          if (it == store_fan.end()) {
-            store_fan.push_back({peer, 1, rows});
-          } else {
-            ++std::get<1>(*it);
-          }
-        }
+    for (; next_forwarded < forwarded.size() && forwarded[next_forwarded].step == t;
+         ++next_forwarded) {
+      const StoresByRank::Entry& f = forwarded[next_forwarded];
+      auto it = std::find_if(store_fan.begin(), store_fan.end(),
+                             [&](const auto& x) { return std::get<0>(x) == f.peer; });
+      if (it == store_fan.end()) {
+        store_fan.push_back({f.peer, 1, f.rows});
+      } else {
+        ++std::get<1>(*it);
       }
     }
     std::sort(store_fan.begin(), store_fan.end());
@@ -470,6 +481,30 @@ absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload
   HSAP_ASSIGN_OR_RETURN(std::vector<RankProgram> programs,
                         PlanProgramsByGroup(row, plan, node_of_rank, shape));
   return SimulatePrograms(cluster, programs, m.head_dim);
+}
+
+absl::StatusOr<RunSimulation> SimulateRunChoosingStores(const Cluster& cluster,
+                                                        const Workload& workload, Plan* plan) {
+  plan->node_stores = true;
+  HSAP_ASSIGN_OR_RETURN(RunSimulation with, SimulateRun(cluster, workload, *plan));
+  // Stores need two groups on one node.
+  bool shared = false;
+  absl::flat_hash_map<int, int> first_group;  // node -> a group with a member there
+  for (size_t g = 0; g < plan->groups.size() && !shared; ++g) {
+    for (int rank : plan->groups[g].ranks) {
+      auto [it, inserted] = first_group.emplace(cluster.devices[rank].node, static_cast<int>(g));
+      if (!inserted && it->second != static_cast<int>(g)) shared = true;
+    }
+  }
+  if (!shared) return with;
+  Plan without = *plan;
+  without.node_stores = false;
+  HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, without));
+  if (run.Seconds() < with.Seconds()) {
+    plan->node_stores = false;
+    return run;
+  }
+  return with;
 }
 
 }  // namespace hsap

@@ -32,7 +32,8 @@ namespace hsap {
 absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
                                                              const LayerShape& shape);
 // Equal to PlanPrograms(layout, plan, node_of_rank, shape): with the node of every rank,
-// the fan-outs of lib/sched/hierarchy.h, 5. and each message's link class.
+// the fan-outs and node stores of lib/sched/hierarchy.h, 5. and 6., and each message's
+// link class.
 absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layout, const Plan& plan,
                                                              absl::Span<const int> node_of_rank,
                                                              const LayerShape& shape);
@@ -42,6 +43,13 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
 // PlanPrograms(layout, plan, cluster, shape)), with the model's layer shape.
 absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
                                           const Plan& plan);
+
+// SimulateRun with plan->node_stores chosen: when groups of the plan share a node of the
+// cluster, the plan is priced with and without node stores (fewer inter-node bytes against
+// an earlier, larger crossing and a final gradient return; hierarchy.h, 6.) and keeps the
+// faster (stores on a tie); returns that run.
+absl::StatusOr<RunSimulation> SimulateRunChoosingStores(const Cluster& cluster,
+                                                        const Workload& workload, Plan* plan);
 
 }  // namespace hsap
 

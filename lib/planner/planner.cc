@@ -929,7 +929,7 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   std::optional<Priced> best;
   std::vector<Plan> priced_plans;  // every plan priced by what runs
   auto price = [&](Candidate c, const std::string& family) -> absl::Status {
-    HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, c.plan));
+    HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRunChoosingStores(cluster, workload, &c.plan));
     priced_plans.push_back(c.plan);
     if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, what runs %.3f+%.3f ms\n%s\n",

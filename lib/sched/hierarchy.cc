@@ -116,13 +116,21 @@ absl::StatusOr<Hierarchy> Hierarchy::Create(const Layout& layout, const Plan& pl
 }
 
 absl::Status Hierarchy::PlanStores(const Layout& layout) {
-  if (node_of_rank_.empty()) return absl::OkStatus();
+  if (node_of_rank_.empty() || !plan_.node_stores) return absl::OkStatus();
   const int G = static_cast<int>(plan_.groups.size());
-  std::map<int, std::vector<int>> groups_on;  // node -> groups with members there, increasing
+  const int K = plan_.heads_kv;
+  // Per node: the groups with members there (increasing), and per (group, node) the KV
+  // heads its members there hold.
+  std::map<int, std::vector<int>> groups_on;
+  absl::flat_hash_map<std::pair<int, int>, std::vector<char>> held;  // (group, node) -> heads
   for (int g = 0; g < G; ++g) {
-    for (int rank : plan_.groups[g].ranks) {
-      std::vector<int>& list = groups_on[node_of_rank_[rank]];
+    for (size_t i = 0; i < plan_.groups[g].ranks.size(); ++i) {
+      const int node = node_of_rank_[plan_.groups[g].ranks[i]];
+      std::vector<int>& list = groups_on[node];
       if (list.empty() || list.back() != g) list.push_back(g);
+      std::vector<char>& heads = held[{g, node}];
+      heads.resize(K, 0);
+      for (int kv : kv_heads_[g][i]) heads[kv] = 1;
     }
   }
   std::vector<bool> crowded(G, false);  // by ring position: its group shares a node
@@ -135,64 +143,77 @@ absl::Status Hierarchy::PlanStores(const Layout& layout) {
   if (!any) return absl::OkStatus();
   const absl::flat_hash_map<int64_t, std::vector<TokenRange>> needs =
       KeyRowsNeeded(layout, positions_, [&](int q, int) { return crowded[q]; });
-  const std::vector<TokenRange> none;
-  auto rows_of = [&](int source_group, int group) -> const std::vector<TokenRange>& {
+  auto rows_of = [&](int source_group, int group) -> const std::vector<TokenRange>* {
     auto it = needs.find(int64_t{position_of_[source_group]} * G + position_of_[group]);
-    return it == needs.end() ? none : it->second;
+    return it == needs.end() || it->second.empty() ? nullptr : &it->second;
   };
-  std::vector<int> candidates, participants, last_candidates, last_participants;
+  std::vector<int> receiving, candidates;
+  // Per (source group, node): the rows of each candidate set seen so far (usually every
+  // head has the same candidates), null when fewer than two of them overlap.
+  std::vector<std::pair<std::vector<int>, std::shared_ptr<const StoreRows>>> shared;
   for (int gs = 0; gs < G; ++gs) {
+    const int ps = position_of_[gs];
+    auto step_of = [&](int g) { return (position_of_[g] - ps + G) % G; };
     for (const auto& [node, groups] : groups_on) {
       if (groups.size() < 2) continue;
-      last_candidates.clear();
-      for (int h = 0; h < plan_.heads_kv; ++h) {
-        const std::vector<int>& ranks = plan_.groups[gs].ranks;
-        bool near = false;  // a holder on this node: nothing crosses (SenderOf)
-        for (size_t i = 0; i < ranks.size() && !near; ++i) {
-          near = node_of_rank_[ranks[i]] == node && Contains(kv_heads_[gs][i], h);
-        }
-        if (near) continue;
+      receiving.clear();
+      for (int g : groups) {
+        if (g != gs && rows_of(gs, g) != nullptr) receiving.push_back(g);
+      }
+      if (receiving.size() < 2) continue;
+      auto here = held.find({gs, node});
+      shared.clear();
+      int block = -1;
+      for (int h = 0; h < K; ++h) {
+        if (here != held.end() && here->second[h]) continue;  // nothing crosses (SenderOf)
         candidates.clear();
-        for (int g : groups) {
-          if (g != gs && !rows_of(gs, g).empty() && !NodeReceivers(g, h, node).empty()) {
-            candidates.push_back(g);
-          }
+        for (int g : receiving) {
+          if (held.at({g, node})[h]) candidates.push_back(g);
         }
         if (candidates.size() < 2) continue;
-        if (candidates != last_candidates) {  // usually every head has the same candidates
-          last_candidates = candidates;
-          last_participants.clear();
+        auto it = std::find_if(shared.begin(), shared.end(),
+                               [&](const auto& s) { return s.first == candidates; });
+        if (it == shared.end()) {
+          std::vector<int> participants;
           for (int a : candidates) {
             for (int b : candidates) {
-              if (a != b && !Intersect(rows_of(gs, a), rows_of(gs, b)).empty()) {
-                last_participants.push_back(a);
+              if (a != b && !Intersect(*rows_of(gs, a), *rows_of(gs, b)).empty()) {
+                participants.push_back(a);
                 break;
               }
             }
           }
+          std::shared_ptr<StoreRows> rows;
+          if (participants.size() >= 2) {
+            std::sort(participants.begin(), participants.end(),
+                      [&](int a, int b) { return step_of(a) < step_of(b); });
+            rows = std::make_shared<StoreRows>();
+            for (int g : participants) {
+              rows->groups.push_back(g);
+              rows->steps.push_back(step_of(g));
+              rows->rows.push_back(*rows_of(gs, g));
+              int64_t count = 0;
+              for (const TokenRange& r : rows->rows.back()) count += r.size();
+              rows->counts.push_back(count);
+              rows->all_rows.insert(rows->all_rows.end(), rows->rows.back().begin(),
+                                    rows->rows.back().end());
+            }
+            SortAndMerge(rows->all_rows);
+            for (const TokenRange& r : rows->all_rows) rows->all_count += r.size();
+          }
+          shared.push_back({candidates, std::move(rows)});
+          it = shared.end() - 1;
         }
-        participants = last_participants;
-        if (participants.size() < 2) continue;
-        const int ps = position_of_[gs];
-        auto step_of = [&](int g) { return (position_of_[g] - ps + G) % G; };
-        std::sort(participants.begin(), participants.end(),
-                  [&](int a, int b) { return step_of(a) < step_of(b); });
-        NodeStore store;
-        store.source_group = gs;
-        store.kv_head = h;
-        store.node = node;
-        for (int g : participants) {
-          store.groups.push_back(g);
-          store.steps.push_back(step_of(g));
-          store.rows.push_back(rows_of(gs, g));
-          store.all_rows.insert(store.all_rows.end(), store.rows.back().begin(),
-                                store.rows.back().end());
+        if (it->second == nullptr) continue;
+        const std::vector<int> first = NodeReceivers(it->second->groups[0], h, node);
+        if (block < 0) {
+          block = static_cast<int>(store_heads_.size() / K);
+          store_heads_.resize(store_heads_.size() + K, -1);
+          store_blocks_[{gs, node}] = block;
         }
-        SortAndMerge(store.all_rows);
-        const std::vector<int> first = NodeReceivers(store.groups[0], h, node);
-        store.keeper = first[(h + store.steps[0]) % first.size()];
-        store_index_[{gs, h, node}] = stores_.size();
-        stores_.push_back(std::move(store));
+        store_heads_[static_cast<size_t>(block) * K + h] = static_cast<int>(stores_.size());
+        stores_.push_back(
+            {gs, h, node, first[(h + it->second->steps[0]) % first.size()], it->second});
       }
     }
   }
@@ -200,14 +221,17 @@ absl::Status Hierarchy::PlanStores(const Layout& layout) {
 }
 
 const Hierarchy::NodeStore* Hierarchy::StoreOf(int source_group, int kv_head, int node) const {
-  auto it = store_index_.find({source_group, kv_head, node});
-  return it == store_index_.end() ? nullptr : &stores_[it->second];
+  auto it = store_blocks_.find({source_group, node});
+  if (it == store_blocks_.end()) return nullptr;
+  const int index = store_heads_[static_cast<size_t>(it->second) * plan_.heads_kv + kv_head];
+  return index < 0 ? nullptr : &stores_[index];
 }
 
 bool Hierarchy::TakesFromStore(int source_group, int kv_head, int node, int group) const {
   const NodeStore* store = StoreOf(source_group, kv_head, node);
-  return store != nullptr &&
-         std::find(store->groups.begin(), store->groups.end(), group) != store->groups.end();
+  if (store == nullptr) return false;
+  const std::vector<int>& groups = store->rows->groups;
+  return std::find(groups.begin(), groups.end(), group) != groups.end();
 }
 
 int64_t Hierarchy::shard_tokens(int rank) const {
@@ -306,12 +330,12 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     if (ns.keeper == rank) kept.push_back(&ns);
   }
   std::sort(kept.begin(), kept.end(), [](const NodeStore* a, const NodeStore* b) {
-    return std::tie(a->steps[0], a->kv_head) < std::tie(b->steps[0], b->kv_head);
+    return std::tie(a->rows->steps[0], a->kv_head) < std::tie(b->rows->steps[0], b->kv_head);
   });
   std::map<const NodeStore*, std::vector<TokenRun>> store_runs;  // global -> store rows
   for (const NodeStore* ns : kept) {
     std::vector<TokenRun>& runs = store_runs[ns];
-    for (const TokenRange& range : ns->all_rows) {
+    for (const TokenRange& range : ns->rows->all_rows) {
       runs.push_back({range.begin, r.store_rows, range.size()});
       r.store_rows += range.size();
     }
@@ -343,7 +367,8 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
           StoreTransfer in{SenderOf(step.recv_group, h, rank), h, local, store_runs.at(ns), 0};
           for (const TokenRun& run : in.runs) in.rows += run.length;
           step.store_recv.push_back(std::move(in));
-          step.store_fill.push_back({-1, h, local, runs_in_store(ns, ns->rows[0]), st.recv_rows});
+          step.store_fill.push_back(
+              {-1, h, local, runs_in_store(ns, ns->rows->rows[0]), st.recv_rows});
           for (int peer : NodeReceivers(r.group, h, my_node)) {
             if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
           }
@@ -393,28 +418,27 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
   // its store to the receivers of later participants.
   for (const NodeStore& ns : stores_) {
     if (ns.source_group != r.group || SenderOf(r.group, ns.kv_head, ns.keeper) != rank) continue;
-    SubRingStep& step = steps[ns.steps[0]];
-    step.step = ns.steps[0];
+    SubRingStep& step = steps[ns.rows->steps[0]];
+    step.step = ns.rows->steps[0];
     StoreTransfer out{ns.keeper, ns.kv_head, IndexOf(r.kv_heads, ns.kv_head), {}, 0};
-    AppendRunsIn(ns.all_rows, r.group_runs, 0, out.runs);
-    for (const TokenRun& run : out.runs) out.rows += run.length;
+    AppendRunsIn(ns.rows->all_rows, r.group_runs, 0, out.runs);
+    out.rows = ns.rows->all_count;
     step.store_send.push_back(std::move(out));
   }
   for (const NodeStore* ns : kept) {
-    for (size_t j = 1; j < ns->groups.size(); ++j) {
-      SubRingStep& step = steps[ns->steps[j]];
-      step.step = ns->steps[j];
-      int64_t rows = 0;
-      for (const TokenRange& range : ns->rows[j]) rows += range.size();
-      for (int peer : NodeReceivers(ns->groups[j], ns->kv_head, ns->node)) {
+    const StoreRows& rows = *ns->rows;
+    for (size_t j = 1; j < rows.groups.size(); ++j) {
+      SubRingStep& step = steps[rows.steps[j]];
+      step.step = rows.steps[j];
+      for (int peer : NodeReceivers(rows.groups[j], ns->kv_head, ns->node)) {
         auto it = std::find_if(step.store_fan_send.begin(), step.store_fan_send.end(),
                                [&](const StoreFanOut& f) { return f.peer == peer; });
         if (it == step.store_fan_send.end()) {
-          step.store_fan_send.push_back({peer, rows, {}, {}});
+          step.store_fan_send.push_back({peer, rows.counts[j], {}, {}});
           it = step.store_fan_send.end() - 1;
         }
         it->heads.push_back(ns->kv_head);
-        it->runs.push_back(runs_in_store(ns, ns->rows[j]));
+        it->runs.push_back(runs_in_store(ns, rows.rows[j]));
       }
     }
   }

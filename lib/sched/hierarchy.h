@@ -71,7 +71,8 @@
 #define HSAP_LIB_SCHED_HIERARCHY_H_
 
 #include <cstdint>
-#include <tuple>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -214,14 +215,21 @@ class Hierarchy {
   // The node of every world rank as given to Create (empty: one node).
   const std::vector<int>& node_of_rank() const { return node_of_rank_; }
 
-  // A node store (6. above).
-  struct NodeStore {
-    int source_group = -1, kv_head = -1, node = -1;
-    int keeper = -1;                            // world rank, a member of groups[0]
+  // The rows of a node store (6. above), shared by the KV heads with the same participants.
+  struct StoreRows {
     std::vector<int> groups;                    // participants, by increasing step
     std::vector<int> steps;                     // their steps
     std::vector<std::vector<TokenRange>> rows;  // the rows each receives (sorted, merged)
+    std::vector<int64_t> counts;                // their sizes
     std::vector<TokenRange> all_rows;           // their union: the store's segment
+    int64_t all_count = 0;                      // its size
+  };
+  // A node store: rows of one KV head of `source_group` that several groups with members
+  // on `node` receive; they cross into the node once, to `keeper`.
+  struct NodeStore {
+    int source_group = -1, kv_head = -1, node = -1;
+    int keeper = -1;  // world rank, a member of rows->groups[0]
+    std::shared_ptr<const StoreRows> rows;
   };
   // The store of (source group, KV head, node), or null when there is none.
   const NodeStore* StoreOf(int source_group, int kv_head, int node) const;
@@ -243,7 +251,10 @@ class Hierarchy {
   std::vector<std::vector<std::vector<int>>> kv_heads_;  // [group][i]
   std::vector<int> node_of_rank_;                        // empty: one node
   std::vector<NodeStore> stores_;
-  absl::flat_hash_map<std::tuple<int, int, int>, size_t> store_index_;
+  // StoreOf: (source group, node) -> heads_kv entries of store_heads_ (index into stores_,
+  // or -1) at store_heads_[value * heads_kv + head].
+  absl::flat_hash_map<std::pair<int, int>, int> store_blocks_;
+  std::vector<int> store_heads_;
 
   absl::Status PlanStores(const Layout& layout);
 

@@ -209,6 +209,7 @@ uint64_t Plan::Fingerprint() const {
     }
   }
   for (int g : RingOrder()) h = Mix(h, static_cast<uint64_t>(g));
+  if (!node_stores) h = Mix(h, 0x6e6f6465u /* "node" */);
   return h;
 }
 

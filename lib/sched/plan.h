@@ -56,6 +56,11 @@ struct Plan {
   int heads_kv = 0;
   std::vector<PlanGroup> groups;
   std::vector<int> ring_order;  // permutation of [0, groups.size()); empty = index order
+  // On several nodes, whether groups sharing a node share its crossings (node stores,
+  // hierarchy.h 6.): fewer inter-node bytes, but the union of their rows crosses at the
+  // earliest group's step and the gradients return after the last step, so the planner
+  // prices both and keeps the faster. JSON "node_stores" (default true).
+  bool node_stores = true;
 
   // Predicted wall time of one layer's attention (forward / backward), 0 when unknown.
   double predicted_forward_seconds = 0;
@@ -82,10 +87,10 @@ struct Plan {
   // KV heads rank i of group g needs (sorted, unique).
   std::vector<int> KvHeadsOf(int group, int index) const;
   // A hash of what the ranks do under the plan: num_ranks, the head counts, every group's
-  // ranks, sequence weight, token weights and heads, and the ring order (empty and the
-  // expanded default hash alike). Equal for equal structures on every platform; the
-  // predictions and the description do not count. Cheap: one pass over the fields, for
-  // the ranks' agreement on a batch.
+  // ranks, sequence weight, token weights and heads, the ring order (empty and the
+  // expanded default hash alike) and node_stores (false only). Equal for equal structures on every
+  // platform; the predictions and the description do not count. Cheap: one pass over the fields,
+  // for the ranks' agreement on a batch.
   uint64_t Fingerprint() const;
 
   friend bool operator==(const Plan&, const Plan&) = default;

@@ -81,6 +81,7 @@ json PlanToJson(const Plan& plan) {
   }
   j["groups"] = groups;
   if (!plan.ring_order.empty()) j["ring_order"] = plan.ring_order;
+  if (!plan.node_stores) j["node_stores"] = false;
   if (plan.predicted_forward_seconds > 0 || plan.predicted_backward_seconds > 0 ||
       !plan.ranks.empty() || !plan.description.empty()) {
     json p;
@@ -167,6 +168,12 @@ absl::StatusOr<Plan> PlanFromJson(const json& j) {
       if (!g.ok()) return g.status();
       plan.ring_order.push_back(*g);
     }
+  }
+  auto stores = Field(j, "node_stores", "plan", /*required=*/false);
+  if (!stores.ok()) return stores.status();
+  if (*stores != nullptr) {
+    if (!(*stores)->is_boolean()) return Invalid("plan.node_stores must be true or false");
+    plan.node_stores = (*stores)->get<bool>();
   }
   auto predicted = Field(j, "predicted", "plan", /*required=*/false);
   if (!predicted.ok()) return predicted.status();
