@@ -184,17 +184,22 @@ void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
 }
 
 // The node stores of each rank (hierarchy.h, 6.), by step: the segments it sends (as
-// (keeper, rows), in the hierarchy's store order) and, as a keeper, its forwards from the
-// store (as (receiver, rows), one per head).
+// (keeper, rows), in the hierarchy's store order), and as a keeper the segments it receives
+// (as (holder, rows), by source group and head) and its forwards from the store (as
+// (receiver, rows), one per head).
 struct StoresByRank {
-  StoresByRank(const Hierarchy& h, const Holders& holders, int num_ranks)
-      : sent(num_ranks), forwarded(num_ranks) {
+  StoresByRank(const Hierarchy& h, const Holders& holders, const std::vector<int>& group_of,
+               int num_ranks)
+      : sent(num_ranks), received(num_ranks), forwarded(num_ranks) {
     std::vector<int> receivers;
     for (const Hierarchy::NodeStore& ns : h.stores()) {
       const Hierarchy::StoreRows& rows = *ns.rows;
-      sent[holders.SenderOf(ns.source_group, ns.kv_head, ns.keeper)].push_back(
-          {rows.steps[0], ns.keeper, rows.all_count});
-      for (size_t j = 1; j < rows.groups.size(); ++j) {
+      const int holder = holders.SenderOf(ns.source_group, ns.kv_head, ns.keeper);
+      sent[holder].push_back({rows.steps[0], ns.keeper, rows.all_count});
+      received[ns.keeper].push_back(
+          {rows.steps[0], holder, rows.all_count, ns.source_group, ns.kv_head});
+      for (size_t j = 0; j < rows.groups.size(); ++j) {
+        if (rows.groups[j] == group_of[ns.keeper]) continue;
         receivers.clear();
         holders.NodeReceivers(rows.groups[j], ns.kv_head, ns.node, &receivers);
         for (int peer : receivers) {
@@ -202,10 +207,12 @@ struct StoresByRank {
         }
       }
     }
-    for (auto* lists : {&sent, &forwarded}) {
+    for (auto* lists : {&sent, &received, &forwarded}) {
       for (std::vector<Entry>& list : *lists) {
-        std::stable_sort(list.begin(), list.end(),
-                         [](const Entry& a, const Entry& b) { return a.step < b.step; });
+        std::stable_sort(list.begin(), list.end(), [](const Entry& a, const Entry& b) {
+          return std::tie(a.step, a.source_group, a.kv_head) <
+                 std::tie(b.step, b.source_group, b.kv_head);
+        });
       }
     }
   }
@@ -213,8 +220,9 @@ struct StoresByRank {
     int step;
     int peer;
     int64_t rows;
+    int source_group = 0, kv_head = 0;  // received: BuildRank's order within a step
   };
-  std::vector<std::vector<Entry>> sent, forwarded;  // [rank], by step
+  std::vector<std::vector<Entry>> sent, received, forwarded;  // [rank], by step
 };
 
 // The K/V stages of member `self` of the group at ring position `position`, appended to
@@ -249,8 +257,9 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
   std::vector<std::tuple<int, int, int64_t>> store_fan;
   std::vector<int> node_receivers;
   const std::vector<StoresByRank::Entry>& sent_stores = stores.sent[self.rank];
+  const std::vector<StoresByRank::Entry>& received = stores.received[self.rank];
   const std::vector<StoresByRank::Entry>& forwarded = stores.forwarded[self.rank];
-  size_t next_sent = 0, next_forwarded = 0;
+  size_t next_sent = 0, next_received = 0, next_forwarded = 0;
   for (int t = 1; t < num_positions; ++t) {
     const int src = (position - t + num_positions) % num_positions;
     const int dst = (position + t) % num_positions;
@@ -270,7 +279,6 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
             AddHeads(fan_recv, ns->keeper, 1);
             continue;
           }
-          store_recv.push_back({holders.SenderOf(ring[src], h, self.rank), ns->rows->all_count});
           node_receivers.clear();
           holders.NodeReceivers(self.group, h, node, &node_receivers);
           for (int peer : node_receivers) {
@@ -315,6 +323,9 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     for (; next_sent < sent_stores.size() && sent_stores[next_sent].step == t; ++next_sent) {
       store_send.push_back({sent_stores[next_sent].peer, sent_stores[next_sent].rows});
     }
+    for (; next_received < received.size() && received[next_received].step == t; ++next_received) {
+      store_recv.push_back({received[next_received].peer, received[next_received].rows});
+    }
     for (; next_forwarded < forwarded.size() && forwarded[next_forwarded].step == t;
          ++next_forwarded) {
       const StoresByRank::Entry& f = forwarded[next_forwarded];
@@ -327,7 +338,10 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
       }
     }
     std::sort(store_fan.begin(), store_fan.end());
-    if (recv_rows == 0 && send.empty() && store_send.empty() && store_fan.empty()) continue;
+    if (recv_rows == 0 && send.empty() && store_send.empty() && store_recv.empty() &&
+        store_fan.empty()) {
+      continue;
+    }
     for (PassProgram* pass : {&program->forward, &program->backward}) {
       ProgramStage& s = pass->stages.emplace_back();
       s.step = t;
@@ -423,7 +437,7 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
   }
   const Holders holders(plan, node_of_rank);
   const PositionNeeds needs(layout, h.positions());
-  const StoresByRank stores(h, holders, plan.num_ranks);
+  const StoresByRank stores(h, holders, plan.GroupOfRank(), plan.num_ranks);
 
   std::vector<RankProgram> programs(plan.num_ranks);
   for (int g = 0; g < num_groups; ++g) {
@@ -483,28 +497,26 @@ absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload
   return SimulatePrograms(cluster, programs, m.head_dim);
 }
 
-absl::StatusOr<RunSimulation> SimulateRunChoosingStores(const Cluster& cluster,
-                                                        const Workload& workload, Plan* plan) {
-  plan->node_stores = true;
-  HSAP_ASSIGN_OR_RETURN(RunSimulation with, SimulateRun(cluster, workload, *plan));
+absl::Status ChooseNodeStores(const Cluster& cluster, const Workload& workload, Plan* plan,
+                              RunSimulation* run) {
   // Stores need two groups on one node.
+  absl::flat_hash_map<int, int> group_on;  // node -> a group with a member there
   bool shared = false;
-  absl::flat_hash_map<int, int> first_group;  // node -> a group with a member there
   for (size_t g = 0; g < plan->groups.size() && !shared; ++g) {
     for (int rank : plan->groups[g].ranks) {
-      auto [it, inserted] = first_group.emplace(cluster.devices[rank].node, static_cast<int>(g));
+      auto [it, inserted] = group_on.emplace(cluster.devices[rank].node, static_cast<int>(g));
       if (!inserted && it->second != static_cast<int>(g)) shared = true;
     }
   }
-  if (!shared) return with;
-  Plan without = *plan;
-  without.node_stores = false;
-  HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, without));
-  if (run.Seconds() < with.Seconds()) {
-    plan->node_stores = false;
-    return run;
+  if (!shared) return absl::OkStatus();
+  Plan with = *plan;
+  with.node_stores = true;
+  HSAP_ASSIGN_OR_RETURN(RunSimulation priced, SimulateRun(cluster, workload, with));
+  if (priced.Seconds() < run->Seconds()) {
+    *plan = std::move(with);
+    *run = std::move(priced);
   }
-  return with;
+  return absl::OkStatus();
 }
 
 }  // namespace hsap

@@ -44,12 +44,12 @@ absl::StatusOr<std::vector<RankProgram>> PlanProgramsByGroup(const Layout& layou
 absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload& workload,
                                           const Plan& plan);
 
-// SimulateRun with plan->node_stores chosen: when groups of the plan share a node of the
-// cluster, the plan is priced with and without node stores (fewer inter-node bytes against
-// an earlier, larger crossing and a final gradient return; hierarchy.h, 6.) and keeps the
-// faster (stores on a tie); returns that run.
-absl::StatusOr<RunSimulation> SimulateRunChoosingStores(const Cluster& cluster,
-                                                        const Workload& workload, Plan* plan);
+// Node stores for a plan priced without them (`run`, plan->node_stores false): when groups
+// of the plan share a node of the cluster, prices the plan with node stores too (fewer
+// inter-node bytes against an earlier, larger crossing; hierarchy.h, 6.) and, when that is
+// faster, sets plan->node_stores and replaces `run`.
+absl::Status ChooseNodeStores(const Cluster& cluster, const Workload& workload, Plan* plan,
+                              RunSimulation* run);
 
 }  // namespace hsap
 

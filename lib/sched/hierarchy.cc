@@ -148,6 +148,7 @@ absl::Status Hierarchy::PlanStores(const Layout& layout) {
     return it == needs.end() || it->second.empty() ? nullptr : &it->second;
   };
   std::vector<int> receiving, candidates;
+  std::vector<int64_t> store_load(plan_.num_ranks, 0);  // store rows each rank keeps
   // Per (source group, node): the rows of each candidate set seen so far (usually every
   // head has the same candidates), null when fewer than two of them overlap.
   std::vector<std::pair<std::vector<int>, std::shared_ptr<const StoreRows>>> shared;
@@ -205,15 +206,23 @@ absl::Status Hierarchy::PlanStores(const Layout& layout) {
           it = shared.end() - 1;
         }
         if (it->second == nullptr) continue;
-        const std::vector<int> first = NodeReceivers(it->second->groups[0], h, node);
+        // The keeper: among the participants' receivers of h on the node, the one with the
+        // fewest store rows so far (ties: participant order, then group order), so that
+        // the crossings spread over the node's links.
+        int keeper = -1;
+        for (int g : it->second->groups) {
+          for (int rank : NodeReceivers(g, h, node)) {
+            if (keeper < 0 || store_load[rank] < store_load[keeper]) keeper = rank;
+          }
+        }
+        store_load[keeper] += it->second->all_count;
         if (block < 0) {
           block = static_cast<int>(store_heads_.size() / K);
           store_heads_.resize(store_heads_.size() + K, -1);
           store_blocks_[{gs, node}] = block;
         }
         store_heads_[static_cast<size_t>(block) * K + h] = static_cast<int>(stores_.size());
-        stores_.push_back(
-            {gs, h, node, first[(h + it->second->steps[0]) % first.size()], it->second});
+        stores_.push_back({gs, h, node, keeper, it->second});
       }
     }
   }
@@ -330,7 +339,8 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     if (ns.keeper == rank) kept.push_back(&ns);
   }
   std::sort(kept.begin(), kept.end(), [](const NodeStore* a, const NodeStore* b) {
-    return std::tie(a->rows->steps[0], a->kv_head) < std::tie(b->rows->steps[0], b->kv_head);
+    return std::tie(a->rows->steps[0], a->source_group, a->kv_head) <
+           std::tie(b->rows->steps[0], b->source_group, b->kv_head);
   });
   std::map<const NodeStore*, std::vector<TokenRun>> store_runs;  // global -> store rows
   for (const NodeStore* ns : kept) {
@@ -362,13 +372,12 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
             AddHead(step.fan_out_recv, ns->keeper, h, local);
             continue;
           }
-          // The keeper at the first participant's step: the store's segment arrives with the
-          // step's K/V; its own rows are copied out of it; its node receivers get theirs.
-          StoreTransfer in{SenderOf(step.recv_group, h, rank), h, local, store_runs.at(ns), 0};
-          for (const TokenRun& run : in.runs) in.rows += run.length;
-          step.store_recv.push_back(std::move(in));
+          // The keeper at its own group's step: its rows are copied out of the store; its
+          // node receivers get theirs from it.
+          const std::vector<int>& groups = ns->rows->groups;
+          const size_t j = std::find(groups.begin(), groups.end(), r.group) - groups.begin();
           step.store_fill.push_back(
-              {-1, h, local, runs_in_store(ns, ns->rows->rows[0]), st.recv_rows});
+              {-1, h, local, runs_in_store(ns, ns->rows->rows[j]), st.recv_rows});
           for (int peer : NodeReceivers(r.group, h, my_node)) {
             if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
           }
@@ -425,9 +434,17 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     out.rows = ns.rows->all_count;
     step.store_send.push_back(std::move(out));
   }
+  // The keeper's segments arrive at the first participant's step, with its K/V; it forwards
+  // from the store at the steps of the other participants.
   for (const NodeStore* ns : kept) {
     const StoreRows& rows = *ns->rows;
-    for (size_t j = 1; j < rows.groups.size(); ++j) {
+    SubRingStep& first = steps[rows.steps[0]];
+    first.step = rows.steps[0];
+    first.store_recv.push_back({SenderOf(ns->source_group, ns->kv_head, rank), ns->kv_head,
+                                IndexOf(r.kv_heads, ns->kv_head), store_runs.at(ns),
+                                rows.all_count});
+    for (size_t j = 0; j < rows.groups.size(); ++j) {
+      if (rows.groups[j] == r.group) continue;
       SubRingStep& step = steps[rows.steps[j]];
       step.step = rows.steps[j];
       for (int peer : NodeReceivers(rows.groups[j], ns->kv_head, ns->node)) {
@@ -466,7 +483,7 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     std::sort(step.store_fan_send.begin(), step.store_fan_send.end(),
               [](const StoreFanOut& a, const StoreFanOut& b) { return a.peer < b.peer; });
     if (step.recv_group >= 0 || step.send_group >= 0 || !step.store_send.empty() ||
-        !step.store_fan_send.empty()) {
+        !step.store_recv.empty() || !step.store_fan_send.empty()) {
       r.steps.push_back(std::move(step));
     }
   }

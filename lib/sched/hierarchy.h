@@ -48,18 +48,22 @@
 //    head h from the same source group gs (no holder of h in gs on B), each at its own step
 //    t_g = position(g) - position(gs) mod G. The groups whose rows overlap another's (the
 //    PARTICIPANTS) take them from a NODE STORE: the union of their rows crosses into B once,
-//    at the earliest participant's step, from SenderOf(gs, h, keeper) to the KEEPER (that
-//    group's node receiver of h at index (h + step) mod count, as a gateway is chosen), which
-//    keeps it. At each participant's step the keeper is the gateway of that group's node
-//    receivers of h: it fills its own buffer from the store (first group) and forwards the
-//    group's rows to the others in the step's fan-out exchange (later groups: from the
-//    store). Cost: inter-node bytes are the node-level bound (each needed (row, head) enters
-//    each needing node once); intra-node bytes are one fan-out per receiver other than the
-//    keeper, as for a gateway. Backward: every participant's fp32 partials of the store's
-//    rows are added into the keeper's store partial (its own after its fan-out's, then each
-//    later step's fan-in, in step and fan-out order), and after the last step the keeper
-//    returns each segment's sum to its holder, which adds them after its step partials in
-//    the keeper's step order: gradients cross once too, bitwise reproducibly.
+//    at the earliest participant's step, from SenderOf(gs, h, keeper) to the KEEPER, which
+//    keeps it: among the participants' node receivers of h, the one with the fewest store
+//    rows so far (ties: participant order, then group order), so crossings spread over the
+//    node's links. At each participant's step the keeper is the gateway of that group's
+//    node receivers of h: in its own group it fills its buffer from the store and forwards
+//    to its members as a gateway; to other groups it forwards from the store, in the step's
+//    fan-out exchange (a step may then hold only a store's arrival or forwards). Cost:
+//    inter-node bytes are the node-level bound (each needed (row, head) enters each needing
+//    node once); intra-node bytes are one fan-out per receiver other than the keeper, as for
+//    a gateway; the union crosses at the earliest step and the gradients return after the
+//    last, so Plan::node_stores lets the planner price both ways. Backward: every
+//    participant's fp32 partials of the store's rows are added into the keeper's store
+//    partial in step order (at the keeper's own step, its partial after its fan-out's), and
+//    after the last step the keeper returns each segment's sum to its holder, which adds
+//    them after its step partials in the keeper's step order: gradients cross once too,
+//    bitwise reproducibly.
 //
 // Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
 // heads are the issue-3 sequence-aware ring (identical partition and schedule when the
@@ -228,7 +232,7 @@ class Hierarchy {
   // on `node` receive; they cross into the node once, to `keeper`.
   struct NodeStore {
     int source_group = -1, kv_head = -1, node = -1;
-    int keeper = -1;  // world rank, a member of rows->groups[0]
+    int keeper = -1;  // world rank, a participant's receiver of kv_head on node
     std::shared_ptr<const StoreRows> rows;
   };
   // The store of (source group, KV head, node), or null when there is none.
