@@ -450,59 +450,6 @@ struct GroupBackward {
   float* dv32;
 };
 
-// After every step of a backward (hierarchy.h, 6.): a keeper returns each store segment's
-// summed fp32 partials ([rows, D] dK then dV) to its holder, which adds them into its dK/dV
-// in the keeper's step order, after its step partials.
-absl::Status ReturnStorePartials(const HierExecContext& ctx, const std::vector<float>& store_dk,
-                                 const std::vector<float>& store_dv, const GroupBackward& g,
-                                 uint64_t& grad_sent, uint64_t& grad_received, ExecTraffic& links) {
-  const RankHierarchy& r = *ctx.rank;
-  const int D = ctx.dims.head_dim;
-  const size_t hkv = r.kv_heads.size();
-  std::vector<std::vector<char>> out, in;
-  std::vector<SendOp> sends;
-  std::vector<RecvOp> recvs;
-  std::vector<const StoreTransfer*> returned;
-  for (const SubRingStep& st : r.steps) {
-    const uint64_t tag =
-        protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvStoreGrad, st.step));
-    for (const StoreTransfer& t : st.store_recv) {
-      const size_t half = static_cast<size_t>(t.rows) * D;
-      const size_t at = static_cast<size_t>(t.runs.front().local_begin) * D;
-      std::vector<char>& msg = out.emplace_back(2 * half * sizeof(float));
-      std::memcpy(msg.data(), store_dk.data() + at, half * sizeof(float));
-      std::memcpy(msg.data() + half * sizeof(float), store_dv.data() + at, half * sizeof(float));
-      sends.push_back({t.peer, msg.data(), msg.size(), tag});
-      grad_sent += msg.size();
-      Tally(links, *ctx.comm, t.peer, msg.size(), true);
-    }
-    for (const StoreTransfer& t : st.store_send) {
-      std::vector<char>& msg = in.emplace_back(2 * static_cast<size_t>(t.rows) * D * sizeof(float));
-      recvs.push_back({t.peer, msg.data(), msg.size(), tag});
-      returned.push_back(&t);
-      grad_received += msg.size();
-      Tally(links, *ctx.comm, t.peer, msg.size(), false);
-    }
-  }
-  if (sends.empty() && recvs.empty()) return absl::OkStatus();
-  HSAP_RETURN_IF_ERROR(
-      ctx.comm->transport().Exchange(sends, recvs, "hier backward (node store dk/dv returns)"));
-  for (size_t x = 0; x < returned.size(); ++x) {
-    const StoreTransfer& t = *returned[x];
-    const float* part = reinterpret_cast<const float*>(in[x].data());
-    for (float* acc : {g.dk32, g.dv32}) {
-      for (const TokenRange& range : LocalRows(t.runs)) {
-        for (int64_t row = range.begin; row < range.end; ++row) {
-          float* to = acc + (row * hkv + t.local_head) * D;
-          for (int d = 0; d < D; ++d) to[d] += part[d];
-          part += D;
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 // The sub-rings of a backward: this rank's query heads against the local keys and every
 // step's received rows; the fp32 dK/dV partials of received rows go back to their senders
 // one step later (RunBackwardStages), and those of this rank's rows are added into
@@ -625,7 +572,7 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
   // Partials of the rows received at step i go back to their senders (dK then dV of the
   // sender's heads, fp32); those of our rows come back from the receivers of step i.
   std::vector<float> part_k[2], part_v[2];
-  std::vector<std::vector<char>> out_msg[2], in_msg[2];
+  std::vector<std::vector<char>> out_msg[2], in_msg[2], store_out[2], store_in[2];
   auto add_returned = [&](size_t i) -> absl::Status {
     const SubRingStep& st = r.steps[i];
     const std::vector<TokenRange> rows = SendRows(st);
@@ -641,6 +588,19 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
               for (int d = 0; d < D; ++d) to[d] += part[d];
               part += D;
             }
+          }
+        }
+      }
+    }
+    for (size_t x = 0; x < st.store_return_recv.size(); ++x) {
+      const StoreTransfer& t = st.store_return_recv[x];
+      const float* part = reinterpret_cast<const float*>(store_in[i % 2][x].data());
+      for (float* acc : {g.dk32, g.dv32}) {
+        for (const TokenRange& range : LocalRows(t.runs)) {
+          for (int64_t row = range.begin; row < range.end; ++row) {
+            float* to = acc + (row * hkv + t.local_head) * D;
+            for (int d = 0; d < D; ++d) to[d] += part[d];
+            part += D;
           }
         }
       }
@@ -696,13 +656,37 @@ absl::Status SubRingBackward(const HierExecContext& ctx, const GroupBackward& g,
       grad_received += bytes;
       Tally(links, *ctx.comm, st.send[x].peer, bytes, false);
     }
+    // Node stores (hierarchy.h, 6.): a segment's summed partials, [rows, D] dK then dV.
+    const uint64_t store_tag =
+        protocol::PlanTag(ctx.call_id, protocol::PlanMessage(PlanPayload::kKvStoreGrad, st.step));
+    store_out[slot].assign(st.store_return_send.size(), {});
+    for (size_t x = 0; x < st.store_return_send.size(); ++x) {
+      const StoreTransfer& t = st.store_return_send[x];
+      const size_t half = static_cast<size_t>(t.rows) * D;
+      const size_t at = static_cast<size_t>(t.runs.front().local_begin) * D;
+      std::vector<char>& msg = store_out[slot][x];
+      msg.resize(2 * half * sizeof(float));
+      std::memcpy(msg.data(), store_dk.data() + at, half * sizeof(float));
+      std::memcpy(msg.data() + half * sizeof(float), store_dv.data() + at, half * sizeof(float));
+      sends.push_back({t.peer, msg.data(), msg.size(), store_tag});
+      grad_sent += msg.size();
+      Tally(links, *ctx.comm, t.peer, msg.size(), true);
+    }
+    store_in[slot].assign(st.store_return_recv.size(), {});
+    for (size_t x = 0; x < st.store_return_recv.size(); ++x) {
+      const StoreTransfer& t = st.store_return_recv[x];
+      std::vector<char>& msg = store_in[slot][x];
+      msg.resize(2 * static_cast<size_t>(t.rows) * D * sizeof(float));
+      recvs.push_back({t.peer, msg.data(), msg.size(), store_tag});
+      grad_received += msg.size();
+      Tally(links, *ctx.comm, t.peer, msg.size(), false);
+    }
     return ctx.comm->transport().Start(sends, recvs, StepName("hier backward", st, "dk/dv"));
   };
   hooks.add_returned = add_returned;
   std::vector<int> steps;
   for (const SubRingStep& st : r.steps) steps.push_back(st.step);
-  HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
-  return ReturnStorePartials(ctx, store_dk, store_dv, g, grad_sent, grad_received, links);
+  return RunBackwardStages(steps, hooks);
 }
 
 }  // namespace

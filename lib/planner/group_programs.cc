@@ -190,7 +190,11 @@ void AddHeads(std::vector<std::pair<int, int>>& list, int peer, int heads) {
 struct StoresByRank {
   StoresByRank(const Hierarchy& h, const Holders& holders, const std::vector<int>& group_of,
                int num_ranks)
-      : sent(num_ranks), received(num_ranks), forwarded(num_ranks) {
+      : sent(num_ranks),
+        received(num_ranks),
+        forwarded(num_ranks),
+        returned(num_ranks),
+        taken_back(num_ranks) {
     std::vector<int> receivers;
     for (const Hierarchy::NodeStore& ns : h.stores()) {
       const Hierarchy::StoreRows& rows = *ns.rows;
@@ -198,6 +202,10 @@ struct StoresByRank {
       sent[holder].push_back({rows.steps[0], ns.keeper, rows.all_count});
       received[ns.keeper].push_back(
           {rows.steps[0], holder, rows.all_count, ns.source_group, ns.kv_head});
+      returned[ns.keeper].push_back(
+          {rows.steps.back(), holder, rows.all_count, holder, ns.kv_head});
+      taken_back[holder].push_back(
+          {rows.steps.back(), ns.keeper, rows.all_count, ns.keeper, ns.kv_head});
       for (size_t j = 0; j < rows.groups.size(); ++j) {
         if (rows.groups[j] == group_of[ns.keeper]) continue;
         receivers.clear();
@@ -207,7 +215,7 @@ struct StoresByRank {
         }
       }
     }
-    for (auto* lists : {&sent, &received, &forwarded}) {
+    for (auto* lists : {&sent, &received, &forwarded, &returned, &taken_back}) {
       for (std::vector<Entry>& list : *lists) {
         std::stable_sort(list.begin(), list.end(), [](const Entry& a, const Entry& b) {
           return std::tie(a.step, a.source_group, a.kv_head) <
@@ -220,9 +228,12 @@ struct StoresByRank {
     int step;
     int peer;
     int64_t rows;
-    int source_group = 0, kv_head = 0;  // received: BuildRank's order within a step
+    // BuildRank's order within a step: received by (source group, head), returns by
+    // (peer, head).
+    int source_group = 0, kv_head = 0;
   };
-  std::vector<std::vector<Entry>> sent, received, forwarded;  // [rank], by step
+  // [rank], by step; returned / taken_back: a store's summed partials, keeper / holder.
+  std::vector<std::vector<Entry>> sent, received, forwarded, returned, taken_back;
 };
 
 // The K/V stages of member `self` of the group at ring position `position`, appended to
@@ -253,13 +264,16 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
   // Node stores (hierarchy.h, 6.), as (peer, rows): segments sent and received; forwards
   // from this rank's store as (peer, heads, rows).
   std::vector<std::pair<int, int>> recv, fan_recv, fan_send, send;
-  std::vector<std::pair<int, int64_t>> store_send, store_recv;
+  std::vector<std::pair<int, int64_t>> store_send, store_recv, store_return_send, store_return_recv;
   std::vector<std::tuple<int, int, int64_t>> store_fan;
   std::vector<int> node_receivers;
   const std::vector<StoresByRank::Entry>& sent_stores = stores.sent[self.rank];
   const std::vector<StoresByRank::Entry>& received = stores.received[self.rank];
   const std::vector<StoresByRank::Entry>& forwarded = stores.forwarded[self.rank];
-  size_t next_sent = 0, next_received = 0, next_forwarded = 0;
+  const std::vector<StoresByRank::Entry>& returned = stores.returned[self.rank];
+  const std::vector<StoresByRank::Entry>& taken_back = stores.taken_back[self.rank];
+  size_t next_sent = 0, next_received = 0, next_forwarded = 0, next_returned = 0,
+         next_taken_back = 0;
   for (int t = 1; t < num_positions; ++t) {
     const int src = (position - t + num_positions) % num_positions;
     const int dst = (position + t) % num_positions;
@@ -270,6 +284,8 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     send.clear();
     store_send.clear();
     store_recv.clear();
+    store_return_send.clear();
+    store_return_recv.clear();
     store_fan.clear();
     if (recv_rows > 0) {
       for (int h : self.kv_heads) {
@@ -326,6 +342,14 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     for (; next_received < received.size() && received[next_received].step == t; ++next_received) {
       store_recv.push_back({received[next_received].peer, received[next_received].rows});
     }
+    for (; next_returned < returned.size() && returned[next_returned].step == t; ++next_returned) {
+      store_return_send.push_back({returned[next_returned].peer, returned[next_returned].rows});
+    }
+    for (; next_taken_back < taken_back.size() && taken_back[next_taken_back].step == t;
+         ++next_taken_back) {
+      store_return_recv.push_back(
+          {taken_back[next_taken_back].peer, taken_back[next_taken_back].rows});
+    }
     for (; next_forwarded < forwarded.size() && forwarded[next_forwarded].step == t;
          ++next_forwarded) {
       const StoresByRank::Entry& f = forwarded[next_forwarded];
@@ -339,7 +363,7 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     }
     std::sort(store_fan.begin(), store_fan.end());
     if (recv_rows == 0 && send.empty() && store_send.empty() && store_recv.empty() &&
-        store_fan.empty()) {
+        store_fan.empty() && store_return_send.empty() && store_return_recv.empty()) {
       continue;
     }
     for (PassProgram* pass : {&program->forward, &program->backward}) {
@@ -391,18 +415,18 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
           s.fan_in_grad.push_back(
               message(peer, false, TransferKind::kKvGradFanIn, rows, heads, kF32));
         }
-        // A node store's summed partials, after the last step (ProgramOf's `returns`).
-        for (auto [peer, rows] : store_recv) {
-          pass->returns.push_back(message(peer, true, TransferKind::kKvGradReturn, rows, 1, kF32));
-        }
-        for (auto [peer, rows] : store_send) {
-          pass->returns.push_back(message(peer, false, TransferKind::kKvGradReturn, rows, 1, kF32));
-        }
         for (auto [peer, heads] : recv) {
           s.grad.push_back(message(peer, true, TransferKind::kKvGrad, recv_rows, heads, kF32));
         }
         for (auto [peer, heads] : send) {
           s.grad.push_back(message(peer, false, TransferKind::kKvGrad, send_rows, heads, kF32));
+        }
+        // A node store's summed partials, in its last participant's gradient group.
+        for (auto [peer, rows] : store_return_send) {
+          s.grad.push_back(message(peer, true, TransferKind::kKvGradReturn, rows, 1, kF32));
+        }
+        for (auto [peer, rows] : store_return_recv) {
+          s.grad.push_back(message(peer, false, TransferKind::kKvGradReturn, rows, 1, kF32));
         }
       }
     }

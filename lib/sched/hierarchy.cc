@@ -432,6 +432,10 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     StoreTransfer out{ns.keeper, ns.kv_head, IndexOf(r.kv_heads, ns.kv_head), {}, 0};
     AppendRunsIn(ns.rows->all_rows, r.group_runs, 0, out.runs);
     out.rows = ns.rows->all_count;
+    // The summed partials come back in the last participant's gradient group.
+    SubRingStep& last = steps[ns.rows->steps.back()];
+    last.step = ns.rows->steps.back();
+    last.store_return_recv.push_back(out);
     step.store_send.push_back(std::move(out));
   }
   // The keeper's segments arrive at the first participant's step, with its K/V; it forwards
@@ -440,9 +444,12 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     const StoreRows& rows = *ns->rows;
     SubRingStep& first = steps[rows.steps[0]];
     first.step = rows.steps[0];
-    first.store_recv.push_back({SenderOf(ns->source_group, ns->kv_head, rank), ns->kv_head,
-                                IndexOf(r.kv_heads, ns->kv_head), store_runs.at(ns),
-                                rows.all_count});
+    const StoreTransfer in{SenderOf(ns->source_group, ns->kv_head, rank), ns->kv_head,
+                           IndexOf(r.kv_heads, ns->kv_head), store_runs.at(ns), rows.all_count};
+    first.store_recv.push_back(in);
+    SubRingStep& last = steps[rows.steps.back()];
+    last.step = rows.steps.back();
+    last.store_return_send.push_back(in);
     for (size_t j = 0; j < rows.groups.size(); ++j) {
       if (rows.groups[j] == r.group) continue;
       SubRingStep& step = steps[rows.steps[j]];
@@ -482,8 +489,15 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
     }
     std::sort(step.store_fan_send.begin(), step.store_fan_send.end(),
               [](const StoreFanOut& a, const StoreFanOut& b) { return a.peer < b.peer; });
+    // Returns by (peer, head) on both sides: messages of one pair match in posting order.
+    for (std::vector<StoreTransfer>* list : {&step.store_return_send, &step.store_return_recv}) {
+      std::sort(list->begin(), list->end(), [](const StoreTransfer& a, const StoreTransfer& b) {
+        return std::tie(a.peer, a.kv_head) < std::tie(b.peer, b.kv_head);
+      });
+    }
     if (step.recv_group >= 0 || step.send_group >= 0 || !step.store_send.empty() ||
-        !step.store_recv.empty() || !step.store_fan_send.empty()) {
+        !step.store_recv.empty() || !step.store_fan_send.empty() ||
+        !step.store_return_send.empty() || !step.store_return_recv.empty()) {
       r.steps.push_back(std::move(step));
     }
   }

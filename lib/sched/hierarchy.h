@@ -57,13 +57,13 @@
 //    fan-out exchange (a step may then hold only a store's arrival or forwards). Cost:
 //    inter-node bytes are the node-level bound (each needed (row, head) enters each needing
 //    node once); intra-node bytes are one fan-out per receiver other than the keeper, as for
-//    a gateway; the union crosses at the earliest step and the gradients return after the
-//    last, so Plan::node_stores lets the planner price both ways. Backward: every
+//    a gateway; the union crosses at the earliest step, in one message, so Plan::node_stores
+//    lets the planner price both ways. Backward: every
 //    participant's fp32 partials of the store's rows are added into the keeper's store
 //    partial in step order (at the keeper's own step, its partial after its fan-out's), and
-//    after the last step the keeper returns each segment's sum to its holder, which adds
-//    them after its step partials in the keeper's step order: gradients cross once too,
-//    bitwise reproducibly.
+//    in the last participant's gradient group the keeper returns the segment's sum to its
+//    holder, which adds it after that step's other returned partials: gradients cross once
+//    too, overlapped with the following steps, bitwise reproducibly.
 //
 // Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
 // heads are the issue-3 sequence-aware ring (identical partition and schedule when the
@@ -155,9 +155,14 @@ struct SubRingStep {
   // K/V; store_recv: segments arriving into this rank's store (runs: store rows); store_fill:
   // heads of this step's receive buffer a keeper copies from its store (peer -1; runs: store
   // rows packed into buffer rows 0..recv_rows) before the fan-out; store_fan_send: the
-  // step's forwards from the store to receivers of other groups.
+  // step's forwards from the store to receivers of other groups. Backward, at the last
+  // participant's step: store_return_send: the keeper's summed fp32 partials of a segment
+  // ([rows, D] dK then dV, runs: store rows) back to its holder in the step's gradient
+  // group; store_return_recv: the holder's side (runs: group buffer rows), added after the
+  // step's other returned partials. Both sorted by (peer, head).
   std::vector<StoreTransfer> store_send, store_recv, store_fill;
   std::vector<StoreFanOut> store_fan_send;
+  std::vector<StoreTransfer> store_return_send, store_return_recv;
 };
 
 // Everything one rank needs to run a batch under a plan.

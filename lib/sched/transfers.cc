@@ -210,15 +210,7 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
           s.fan_in_grad.push_back(Recv(f.peer, TransferKind::kKvGradFanIn,
                                        2 * Elements(f.rows, f.heads.size(), D) * kF32));
         }
-        // A node store's summed partials go back to the holder after the last step.
-        for (const StoreTransfer& x : st.store_recv) {
-          pass->returns.push_back(
-              Send(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
-        }
-        for (const StoreTransfer& x : st.store_send) {
-          pass->returns.push_back(
-              Recv(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
-        }
+
         for (const KvTransfer& x : st.recv) {
           s.grad.push_back(Send(x.peer, TransferKind::kKvGrad,
                                 2 * Elements(st.recv_rows, x.heads.size(), D) * kF32));
@@ -227,13 +219,21 @@ RankProgram ProgramOf(const RankHierarchy& r, int head_dim, DType dtype,
           s.grad.push_back(Recv(x.peer, TransferKind::kKvGrad,
                                 2 * Elements(st.send_rows, x.heads.size(), D) * kF32));
         }
+        // A node store's summed partials, in its last participant's gradient group.
+        for (const StoreTransfer& x : st.store_return_send) {
+          s.grad.push_back(
+              Send(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
+        }
+        for (const StoreTransfer& x : st.store_return_recv) {
+          s.grad.push_back(
+              Recv(x.peer, TransferKind::kKvGradReturn, 2 * Elements(x.rows, 1, D) * kF32));
+        }
       }
       for (std::vector<Transfer>* list : {&s.kv, &s.fan_out_kv, &s.fan_in_grad, &s.grad}) {
         SetLinkClass(*list, r.rank, node_of_rank);
       }
       pass->stages.push_back(std::move(s));
     }
-    SetLinkClass(pass->returns, r.rank, node_of_rank);
     for (std::vector<Exchange>* xs : {&pass->before, &pass->after}) {
       for (Exchange& x : *xs) SetLinkClass(x.transfers, r.rank, node_of_rank);
     }

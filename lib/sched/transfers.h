@@ -26,7 +26,7 @@
 //     exchange runs once its K/V arrived, before its kernels (a keeper's forwards from its
 //     store included); backward, its `fan_in_grad` after them. A node store's segment
 //     (`kKvStore`) travels with the stage's K/V; backward, its summed partials go back in
-//     the final `returns` group.
+//     the gradient group of its last participant's stage (`kKvGradReturn` in `grad`).
 //  3. `after`: the all-to-alls back to the token layout (forward out, lse; backward dq, dk,
 //     dv).
 // Work is counted in visible (query, key) pairs per query head; the rank's kernels run
@@ -47,7 +47,8 @@ namespace hsap {
 enum class TransferKind {
   kKv,            // K and V rows of a stage (two messages on the flat ring, one per peer in plans)
   kKvGrad,        // backward: fp32 dK/dV partials returned to the rows' sender
-  kKvGradReturn,  // backward, relays: a gateway's summed fp32 dK/dV partials to the owner
+  kKvGradReturn,  // backward: a gateway's (relays) or keeper's (node stores) summed fp32
+                  // dK/dV partials to the owner
   kAllToAll,      // a group all-to-all (plans)
   kKvFanOut,      // plans on several nodes: a gateway forwards a step's K/V inside its node
   kKvGradFanIn,   // backward: the fan-out's fp32 dK/dV partials back to the gateway
@@ -92,8 +93,8 @@ struct PassProgram {
   std::vector<Exchange> before;
   int64_t local_pairs = 0;  // visible pairs against the rank's own keys, per query head
   std::vector<ProgramStage> stages;
-  // Backward of relayed flat batches and of plans with node stores: the final gradient
-  // return group, posted once every stage is done.
+  // Backward of relayed flat batches: the final gradient return group, posted once every
+  // stage is done.
   std::vector<Transfer> returns;
   std::vector<Exchange> after;
 
