@@ -547,6 +547,24 @@ TEST_P(NodeStorePlans, EachNeededRowEntersEachNodeOnce) {
   }
   // One document over every group: groups on one node need overlapping rows of others.
   if (mix == DocMix::kSingle) EXPECT_GT(stores, 0) << "no store: the test proves little";
+  // Without node stores (Plan::node_stores false) nothing is kept and every table is the
+  // per-group one: no store field is set on any rank.
+  Plan without = plan;
+  without.node_stores = false;
+  std::vector<int> nodes(plan.num_ranks);
+  for (int r = 0; r < plan.num_ranks; ++r) nodes[r] = r % 2;
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, without, nodes);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE(h->stores().empty());
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    const RankHierarchy rh = *h->BuildRank(layout, r);
+    EXPECT_EQ(rh.store_rows, 0);
+    for (const SubRingStep& st : rh.steps) {
+      EXPECT_TRUE(st.store_send.empty() && st.store_recv.empty() && st.store_fill.empty() &&
+                  st.store_fan_send.empty() && st.store_return_send.empty() &&
+                  st.store_return_recv.empty());
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -127,7 +127,7 @@ TEST(PlanTest, FingerprintFollowsTheStructureOnly) {
   EXPECT_EQ(in_order.Fingerprint(), defaulted.Fingerprint());
 
   // Every structural field counts, including where a list is cut.
-  std::vector<Plan> changed(8, plan);
+  std::vector<Plan> changed(9, plan);
   changed[0].heads_q = 32;
   changed[1].heads_kv = 8;
   changed[2].groups[0].ranks = {0, 1, 3, 2};
@@ -137,6 +137,7 @@ TEST(PlanTest, FingerprintFollowsTheStructureOnly) {
   changed[5].groups[0].heads[2].insert(changed[5].groups[0].heads[2].begin(), 7);
   changed[6].ring_order = {0, 1};
   changed[7].num_ranks = 7;
+  changed[8].node_stores = false;
   for (size_t i = 0; i < changed.size(); ++i) {
     EXPECT_NE(changed[i].Fingerprint(), base) << "change " << i;
     for (size_t j = 0; j < i; ++j) {
@@ -156,6 +157,14 @@ TEST(PlanTest, JsonRoundTrip) {
   auto back = PlanFromJsonText(PlanToJsonText(plan));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, plan);
+  // Node stores: on unless the JSON says false.
+  EXPECT_TRUE(back->node_stores);
+  plan.node_stores = false;
+  const std::string text = PlanToJsonText(plan);
+  EXPECT_THAT(text, HasSubstr("\"node_stores\": false"));
+  back = PlanFromJsonText(text);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, plan);
 }
 
 TEST(PlanTest, JsonErrorsAreClear) {
@@ -167,6 +176,12 @@ TEST(PlanTest, JsonErrorsAreClear) {
                   .status()
                   .message(),
               HasSubstr("plan.groups[0].sequence_weight must be a number"));
+  EXPECT_THAT(PlanFromJsonText(R"({"num_ranks": 1, "heads_q": 2, "heads_kv": 1,
+      "groups": [{"ranks": [0], "sequence_weight": 1, "heads": ["0-1"]}],
+      "node_stores": 0})")
+                  .status()
+                  .message(),
+              HasSubstr("plan.node_stores must be true or false"));
   // Array head lists and default token weights are accepted.
   auto ok = PlanFromJsonText(R"({"num_ranks": 1, "heads_q": 2, "heads_kv": 1,
       "groups": [{"ranks": [0], "sequence_weight": 1, "heads": [[1, 0]]}]})");
