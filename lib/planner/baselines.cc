@@ -9,9 +9,6 @@
 namespace hsap {
 namespace {
 
-// Baselines priced with node stores too (hierarchy.h, 6.) up to this many devices.
-constexpr int kStoreDevices = 128;
-
 // Best symmetric configuration over the given group sizes; `pad` pads the row to a multiple
 // of 2 x CP tokens (TransformerEngine's requirement on each document).
 Baseline BestOf(const Cluster& cluster, const Workload& workload, const std::string& name,
@@ -58,9 +55,11 @@ Baseline BestOf(const Cluster& cluster, const Workload& workload, const std::str
     return a.cost.Seconds() < b.cost.Seconds();
   });
   for (size_t i = 0; i < priced.size() && i < kSimulated; ++i) {
-    priced[i].plan.node_stores = false;  // priced for the best configuration only, below
+    priced[i].plan.node_stores = false;
     auto run = SimulateRun(cluster, priced[i].workload, priced[i].plan);
     if (!run.ok()) continue;
+    // With node stores too, where they are faster (an error keeps it without them).
+    ChooseNodeStores(cluster, priced[i].workload, &priced[i].plan, &*run).IgnoreError();
     if (!best.available || run->Seconds() < best.run.Seconds()) {
       best.available = true;
       best.run = *std::move(run);
@@ -69,11 +68,6 @@ Baseline BestOf(const Cluster& cluster, const Workload& workload, const std::str
       best.workload = priced[i].workload;
       best.cost = priced[i].cost;
     }
-  }
-  // Node stores for the best configuration (an error keeps it as priced, without them), up
-  // to kStoreDevices devices: on 1024, the ring's stores alone cost ten seconds to price.
-  if (best.available && cluster.size() <= kStoreDevices) {
-    ChooseNodeStores(cluster, best.workload, &best.plan, &best.run).IgnoreError();
   }
   if (!best.available && !rejected.empty()) best.config = "out of memory: " + rejected;
   return best;

@@ -523,6 +523,7 @@ absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload
 
 absl::Status ChooseNodeStores(const Cluster& cluster, const Workload& workload, Plan* plan,
                               RunSimulation* run) {
+  if (cluster.size() > kNodeStoreDevices) return absl::OkStatus();
   // Stores need two groups on one node.
   absl::flat_hash_map<int, int> group_on;  // node -> a group with a member there
   bool shared = false;

@@ -47,7 +47,10 @@ absl::StatusOr<RunSimulation> SimulateRun(const Cluster& cluster, const Workload
 // Node stores for a plan priced without them (`run`, plan->node_stores false): when groups
 // of the plan share a node of the cluster, prices the plan with node stores too (fewer
 // inter-node bytes against an earlier, larger crossing; hierarchy.h, 6.) and, when that is
-// faster, sets plan->node_stores and replaces `run`.
+// faster, sets plan->node_stores and replaces `run`. Only on clusters of at most
+// kNodeStoreDevices devices (beyond, plans run without them: on 1024 devices the ring's
+// stores alone take seconds to price), so the search and the baselines choose alike.
+inline constexpr int kNodeStoreDevices = 128;
 absl::Status ChooseNodeStores(const Cluster& cluster, const Workload& workload, Plan* plan,
                               RunSimulation* run);
 

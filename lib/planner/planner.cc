@@ -929,8 +929,9 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
   std::optional<Priced> best;
   std::vector<Plan> priced_plans;  // every plan priced by what runs
   auto price = [&](Candidate c, const std::string& family) -> absl::Status {
-    c.plan.node_stores = false;  // priced for the fastest only, below
+    c.plan.node_stores = false;
     HSAP_ASSIGN_OR_RETURN(RunSimulation run, SimulateRun(cluster, workload, c.plan));
+    HSAP_RETURN_IF_ERROR(ChooseNodeStores(cluster, workload, &c.plan, &run));
     priced_plans.push_back(c.plan);
     if (debug) {
       std::fprintf(stderr, "candidate %s: model %.3f+%.3f ms, what runs %.3f+%.3f ms\n%s\n",
@@ -1044,8 +1045,6 @@ absl::StatusOr<PlannerResult> PlanAttention(const Cluster& cluster, const Worklo
       break;
     }
   }
-  // Node stores (hierarchy.h, 6.) for the fastest, kept when they make it faster.
-  HSAP_RETURN_IF_ERROR(ChooseNodeStores(cluster, workload, &best->candidate.plan, &best->run));
   if (best->candidate.plan.node_stores) best->family += ", node stores";
   result.plan = std::move(best->candidate.plan);
   result.cost = best->candidate.cost;

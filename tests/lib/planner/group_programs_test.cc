@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "lib/planner/baselines.h"
 #include "lib/planner/run_simulator.h"
 #include "tests/support/hier_plans.h"
 
@@ -234,6 +235,44 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnMultiNodeClusters) {
   EXPECT_EQ(priced_full->forward_seconds, priced_fast->forward_seconds);
   EXPECT_EQ(priced_full->backward_seconds, priced_fast->backward_seconds);
   EXPECT_EQ(priced_full->InterNodeBytes(), priced_fast->InterNodeBytes());
+}
+
+// Node stores priced both ways (ChooseNodeStores): a ring of 12 single-rank groups on three
+// nodes of 4 moves fewer inter-node bytes with stores (each needed row enters each node once
+// instead of once per group), and the choice keeps whichever of the two runs is faster.
+TEST(GroupProgramsTest, NodeStoresArePricedBothWaysAndTheFasterKept) {
+  const Cluster cluster = TestCluster(12);
+  absl::StatusOr<Plan> ring = SymmetricPlan(12, 8, 2, 1);
+  ASSERT_TRUE(ring.ok());
+  Workload workload;
+  workload.seq_len = 6000;
+  workload.causal = true;
+  workload.model.heads_q = 8;
+  workload.model.heads_kv = 2;
+  workload.model.head_dim = 16;
+  workload.model.dtype_bytes = 2;
+  Plan with = *ring, without = *ring;
+  with.node_stores = true;
+  without.node_stores = false;
+  auto stores = SimulateRun(cluster, workload, with);
+  auto none = SimulateRun(cluster, workload, without);
+  ASSERT_TRUE(stores.ok() && none.ok());
+  EXPECT_LT(stores->InterNodeBytes(), none->InterNodeBytes());
+  Plan chosen = without;
+  RunSimulation run = *none;
+  ASSERT_TRUE(ChooseNodeStores(cluster, workload, &chosen, &run).ok());
+  EXPECT_EQ(chosen.node_stores, stores->Seconds() < none->Seconds());
+  EXPECT_EQ(run.Seconds(), std::min(stores->Seconds(), none->Seconds()));
+  // Groups that do not share a node: nothing to choose, the run is kept as it is.
+  const Plan nodes = MakePlan({{4, 4, 4}, 8, 2, HeadSplit::kContiguous, false, 1});
+  auto alone = SimulateRun(cluster, workload, nodes);
+  ASSERT_TRUE(alone.ok());
+  Plan same = nodes;
+  same.node_stores = false;
+  RunSimulation kept = *alone;
+  ASSERT_TRUE(ChooseNodeStores(cluster, workload, &same, &kept).ok());
+  EXPECT_FALSE(same.node_stores);
+  EXPECT_EQ(kept.Seconds(), alone->Seconds());
 }
 
 TEST(GroupProgramsTest, RejectsALayerThePlanIsNotFor) {
