@@ -109,12 +109,14 @@ std::vector<ByteChunk> KThenV(const std::vector<ByteChunk>& k, size_t shift) {
   return out;
 }
 
-std::vector<TokenRange> SendRows(const SubRingStep& s) {
+// The local rows of `runs` (group buffer or node store), in order.
+std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs) {
   std::vector<TokenRange> rows;
-  for (const TokenRun& run : s.send_runs)
-    rows.push_back({run.local_begin, run.local_begin + run.length});
+  for (const TokenRun& run : runs) rows.push_back({run.local_begin, run.local_begin + run.length});
   return rows;
 }
+
+std::vector<TokenRange> SendRows(const SubRingStep& s) { return LocalRows(s.send_runs); }
 
 // Sub-ring step K/V: [gk | gv] of the group buffer -> the step's receive slot [k | v].
 absl::StatusOr<ExchangeProgram> RingKvProgram(const RankHierarchy& r, const SubRingStep& s, int D,
@@ -212,9 +214,164 @@ absl::StatusOr<std::vector<ExchangeProgram>> FanInGradPrograms(const RankHierarc
   return legs;
 }
 
+// ---- Node stores (hierarchy.h, 6.) ----------------------------------------------------
+// The keeper's store is [sk | sv], [store_rows, D] each (one KV head per row), in the
+// storage dtype; backward adds its fp32 partials [spk | spv] of the same shape.
+
+ThdShape StoreShape(const RankHierarchy& r, int D, size_t es) { return {r.store_rows, 1, D, es}; }
+
+// Store rows of `runs` ([rows, D] of one head) as chunks of the store, K half; checks that
+// they are the `rows` the tables promise.
+absl::StatusOr<std::vector<ByteChunk>> StoreChunks(const RankHierarchy& r,
+                                                   const std::vector<TokenRun>& runs, int64_t rows,
+                                                   int D, size_t es) {
+  int64_t total = 0;
+  for (const TokenRun& run : runs) total += run.length;
+  if (total != rows) {
+    return absl::InternalError(
+        absl::StrCat("a node store segment lists ", total, " rows in its runs, not ", rows));
+  }
+  const int head = 0;
+  return ThdChunks(StoreShape(r, D, es), LocalRows(runs), absl::MakeConstSpan(&head, 1));
+}
+
+// A store forward's rows as chunks of the store, K half: [rows, heads, D] row-major, row r
+// of head j at store row runs[j] (packed in order).
+absl::StatusOr<std::vector<ByteChunk>> StoreFanChunks(const RankHierarchy& r, const StoreFanOut& f,
+                                                      int D, size_t es) {
+  if (f.runs.size() != f.heads.size()) {
+    return absl::InternalError("a node store forward lists runs for other heads than it sends");
+  }
+  std::vector<std::vector<int64_t>> rows_of(f.heads.size());
+  for (size_t j = 0; j < f.runs.size(); ++j) {
+    for (const TokenRun& run : f.runs[j]) {
+      for (int64_t x = 0; x < run.length; ++x) rows_of[j].push_back(run.local_begin + x);
+    }
+    if (static_cast<int64_t>(rows_of[j].size()) != f.rows) {
+      return absl::InternalError(absl::StrCat("a node store forward lists ", rows_of[j].size(),
+                                              " rows of a head, not ", f.rows));
+    }
+  }
+  const size_t row_bytes = Bytes(1, 1, D, es);
+  std::vector<ByteChunk> chunks;
+  for (int64_t x = 0; x < f.rows; ++x) {
+    for (const std::vector<int64_t>& rows : rows_of) {
+      if (rows[x] < 0 || rows[x] >= r.store_rows) {
+        return absl::InternalError("a node store forward reads outside the store");
+      }
+      chunks.push_back({static_cast<size_t>(rows[x]) * row_bytes, row_bytes});
+    }
+  }
+  return chunks;
+}
+
+// A step's store K/V (with the step's K/V stage): this rank's group-buffer rows to keepers
+// (from [gk | gv]) and the segments arriving into its store [sk | sv].
+absl::StatusOr<ExchangeProgram> StoreKvProgram(const RankHierarchy& r, const SubRingStep& s, int D,
+                                               size_t es) {
+  const size_t hkv = r.kv_heads.size();
+  const ThdShape group{r.group_tokens, static_cast<int>(hkv), D, es};
+  const uint64_t tag = Payload(PlanPayload::kKvStore, s.step);
+  ExchangeBuilder b;
+  for (const StoreTransfer& x : s.store_send) {
+    HSAP_ASSIGN_OR_RETURN(
+        std::vector<ByteChunk> k,
+        ThdChunks(group, LocalRows(x.runs), absl::MakeConstSpan(&x.local_head, 1)));
+    b.Send(x.peer, tag, KThenV(k, Bytes(r.group_tokens, hkv, D, es)));
+  }
+  for (const StoreTransfer& x : s.store_recv) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreChunks(r, x.runs, x.rows, D, es));
+    b.Receive(x.peer, tag, KThenV(k, Bytes(r.store_rows, 1, D, es)));
+  }
+  return std::move(b).Build();
+}
+
+// A keeper's fills of its step buffer from its store, as self copies: forward, store rows
+// (packed) -> slot rows 0..recv_rows of the filled head; `grad`, the fp32 step partial of
+// those rows added back into the store partial.
+absl::StatusOr<ExchangeProgram> StoreFillProgram(const RankHierarchy& r, const SubRingStep& s,
+                                                 int D, size_t es, bool grad) {
+  const size_t hkv = r.kv_heads.size();
+  const ThdShape slot{s.recv_rows, static_cast<int>(hkv), D, es};
+  const TokenRange all{0, s.recv_rows};
+  ExchangeBuilder b(/*add=*/grad);
+  for (const StoreTransfer& x : s.store_fill) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> store, StoreChunks(r, x.runs, s.recv_rows, D, es));
+    HSAP_ASSIGN_OR_RETURN(
+        std::vector<ByteChunk> rows,
+        ThdChunks(slot, absl::MakeConstSpan(&all, 1), absl::MakeConstSpan(&x.local_head, 1)));
+    store = KThenV(store, Bytes(r.store_rows, 1, D, es));
+    rows = KThenV(rows, Bytes(s.recv_rows, hkv, D, es));
+    HSAP_RETURN_IF_ERROR(grad ? b.Self(rows, store) : b.Self(store, rows));
+  }
+  return std::move(b).Build();
+}
+
+// A step's forwards from the store to receivers of other groups (sends of the step's
+// fan-out exchange, tag kKvFanOut), from [sk | sv].
+absl::StatusOr<ExchangeProgram> StoreFanOutProgram(const RankHierarchy& r, const SubRingStep& s,
+                                                   int D, size_t es) {
+  ExchangeBuilder b;
+  for (const StoreFanOut& f : s.store_fan_send) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreFanChunks(r, f, D, es));
+    b.Send(f.peer, Payload(PlanPayload::kKvFanOut, s.step),
+           KThenV(k, Bytes(r.store_rows, 1, D, es)));
+  }
+  return std::move(b).Build();
+}
+
+// Backward, in the step's fan-in exchange: the fp32 partials of each store forward's
+// receiver, added into the store partial [spk | spv] (one leg per receiver, in list order).
+absl::StatusOr<std::vector<ExchangeProgram>> StoreFanInPrograms(const RankHierarchy& r,
+                                                                const SubRingStep& s, int D) {
+  const size_t f32 = sizeof(float);
+  std::vector<ExchangeProgram> legs;
+  for (const StoreFanOut& f : s.store_fan_send) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreFanChunks(r, f, D, f32));
+    ExchangeBuilder one(/*add=*/true);
+    one.Receive(f.peer, Payload(PlanPayload::kKvGradFanIn, s.step),
+                KThenV(k, Bytes(r.store_rows, 1, D, f32)));
+    HSAP_ASSIGN_OR_RETURN(ExchangeProgram in, std::move(one).Build());
+    legs.push_back(std::move(in));
+  }
+  return legs;
+}
+
+// After the last backward step, one exchange: leg 0 sends the store partial's sums of every
+// segment this rank keeps to its holder (step order, list order; tag kKvStoreGrad); leg
+// 1 + x adds the sums of this rank's x-th store send (same order) into its [dk32 | dv32].
+absl::StatusOr<std::vector<ExchangeProgram>> StoreReturnPrograms(const RankHierarchy& r, int D) {
+  const size_t hkv = r.kv_heads.size(), f32 = sizeof(float);
+  const ThdShape group{r.group_tokens, static_cast<int>(hkv), D, f32};
+  std::vector<ExchangeProgram> legs;
+  ExchangeBuilder sends(/*add=*/true);
+  for (const SubRingStep& s : r.steps) {
+    for (const StoreTransfer& x : s.store_recv) {
+      HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreChunks(r, x.runs, x.rows, D, f32));
+      sends.Send(x.peer, Payload(PlanPayload::kKvStoreGrad, s.step),
+                 KThenV(k, Bytes(r.store_rows, 1, D, f32)));
+    }
+  }
+  HSAP_ASSIGN_OR_RETURN(ExchangeProgram leg, std::move(sends).Build());
+  legs.push_back(std::move(leg));
+  for (const SubRingStep& s : r.steps) {
+    for (const StoreTransfer& x : s.store_send) {
+      HSAP_ASSIGN_OR_RETURN(
+          std::vector<ByteChunk> k,
+          ThdChunks(group, LocalRows(x.runs), absl::MakeConstSpan(&x.local_head, 1)));
+      ExchangeBuilder one(/*add=*/true);
+      one.Receive(x.peer, Payload(PlanPayload::kKvStoreGrad, s.step),
+                  KThenV(k, Bytes(r.group_tokens, hkv, D, f32)));
+      HSAP_ASSIGN_OR_RETURN(ExchangeProgram in, std::move(one).Build());
+      legs.push_back(std::move(in));
+    }
+  }
+  return legs;
+}
+
 struct ForwardRegions {
   char *gq, *gkv, *out32, *lse32, *gout, *kv[2], *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2],
-      *fan_send, *fan_recv;
+      *fan_send, *fan_recv, *store;
   size_t used;
 };
 ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
@@ -234,6 +391,7 @@ ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
   }
   f.fan_send = c.Take(z.fan_send);
   f.fan_recv = c.Take(z.fan_recv);
+  f.store = c.Take(z.store_kv);
   f.used = c.used();
   return f;
 }
@@ -241,7 +399,7 @@ ForwardRegions CarveForward(void* base, const DeviceHierProgram::Sizes& z) {
 struct BackwardRegions {
   char *gq, *gdout, *gkv, *stats, *gstats, *dq32, *dkv32, *gdq, *gdkv, *sum32, *kv[2], *partial[2],
       *a2a_send, *a2a_recv, *ring_send[2], *ring_recv[2], *grad_send[2], *grad_recv[2], *fan_send,
-      *fan_recv, *fan_grad_send, *fan_grad_recv;
+      *fan_recv, *fan_grad_send, *fan_grad_recv, *store, *store32;
   size_t used;
 };
 BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
@@ -271,6 +429,8 @@ BackwardRegions CarveBackward(void* base, const DeviceHierProgram::Sizes& z) {
   b.fan_recv = c.Take(z.fan_recv);
   b.fan_grad_send = c.Take(z.fan_grad_send);
   b.fan_grad_recv = c.Take(z.fan_grad_recv);
+  b.store = c.Take(z.store_kv);
+  b.store32 = c.Take(z.store_grad);
   b.used = c.used();
   return b;
 }
@@ -310,12 +470,27 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     programs.push_back({&p->steps_[i].kv, RingKvProgram(r, r.steps[i], D, es)});
     programs.push_back({&p->steps_[i].grad, RingGradProgram(r, r.steps[i], D)});
     programs.push_back({&p->steps_[i].fan_kv, FanOutKvProgram(r, r.steps[i], D, es)});
-    absl::StatusOr<std::vector<ExchangeProgram>> fan_in = FanInGradPrograms(r, r.steps[i], D);
-    if (!fan_in.ok()) return fan_in.status();
-    p->steps_[i].fan_grad.resize(fan_in->size());
-    for (size_t x = 0; x < fan_in->size(); ++x) {
-      programs.push_back({&p->steps_[i].fan_grad[x], std::move((*fan_in)[x])});
+    programs.push_back({&p->steps_[i].store_kv, StoreKvProgram(r, r.steps[i], D, es)});
+    programs.push_back({&p->steps_[i].store_fill, StoreFillProgram(r, r.steps[i], D, es, false)});
+    programs.push_back(
+        {&p->steps_[i].store_fill_grad, StoreFillProgram(r, r.steps[i], D, f, true)});
+    programs.push_back({&p->steps_[i].store_fan_kv, StoreFanOutProgram(r, r.steps[i], D, es)});
+    HSAP_ASSIGN_OR_RETURN(std::vector<ExchangeProgram> fan_in, FanInGradPrograms(r, r.steps[i], D));
+    p->steps_[i].fan_grad.resize(fan_in.size());
+    for (size_t x = 0; x < fan_in.size(); ++x) {
+      programs.push_back({&p->steps_[i].fan_grad[x], std::move(fan_in[x])});
     }
+    HSAP_ASSIGN_OR_RETURN(std::vector<ExchangeProgram> store_in,
+                          StoreFanInPrograms(r, r.steps[i], D));
+    p->steps_[i].store_fan_grad.resize(store_in.size());
+    for (size_t x = 0; x < store_in.size(); ++x) {
+      programs.push_back({&p->steps_[i].store_fan_grad[x], std::move(store_in[x])});
+    }
+  }
+  HSAP_ASSIGN_OR_RETURN(std::vector<ExchangeProgram> store_return, StoreReturnPrograms(r, D));
+  p->store_return_.resize(store_return.size());
+  for (size_t x = 0; x < store_return.size(); ++x) {
+    programs.push_back({&p->store_return_[x], std::move(store_return[x])});
   }
   for (Named& n : programs) {
     if (!n.program.ok()) return n.program.status();
@@ -372,24 +547,12 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     z.kv_slot = std::max(z.kv_slot, 2 * Bytes(s.recv_rows, hkv, D, es));
     z.partial_slot = std::max(z.partial_slot, 2 * Bytes(s.recv_rows, hkv, D, f));
   }
-  for (const Step& s : p->steps_) {
-    z.ring_send = std::max(z.ring_send, s.kv.program.send_staging);
-    z.ring_recv = std::max(z.ring_recv, s.kv.program.recv_staging);
-    z.grad_send = std::max(z.grad_send, s.grad.program.send_staging);
-    z.grad_recv = std::max(z.grad_recv, s.grad.program.recv_staging);
-    z.fan_send = std::max(z.fan_send, s.fan_kv.program.send_staging);
-    z.fan_recv = std::max(z.fan_recv, s.fan_kv.program.recv_staging);
-    size_t grad_send = 0, grad_recv = 0;
-    for (const Exchange& x : s.fan_grad) {
-      grad_send += x.program.send_staging;
-      grad_recv += x.program.recv_staging;
-    }
-    z.fan_grad_send = std::max(z.fan_grad_send, grad_send);
-    z.fan_grad_recv = std::max(z.fan_grad_recv, grad_recv);
-  }
-  // The all-to-all stages: forward in (q, k, v), back (out, lse); backward in (stats, q,
-  // dout, k, v), back (dq, dk, dv). Each stage's exchanges sit side by side.
-  auto stage = [](std::initializer_list<const Exchange*> xs, size_t& send, size_t& recv) {
+  z.store_kv = 2 * Bytes(r.store_rows, 1, D, es);
+  z.store_grad = 2 * Bytes(r.store_rows, 1, D, f);
+  // A stage's exchanges sit side by side in its staging.
+  auto staging = [](std::vector<const Exchange*> xs, const std::vector<Exchange>& more,
+                    size_t& send, size_t& recv) {
+    for (const Exchange& x : more) xs.push_back(&x);
     size_t s = 0, r2 = 0;
     for (const Exchange* x : xs) {
       s += x->program.send_staging;
@@ -398,11 +561,23 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     send = std::max(send, s);
     recv = std::max(recv, r2);
   };
-  stage({&p->in_q_, &p->in_k_, &p->in_v_}, z.a2a_in_send, z.a2a_in_recv);
-  stage({&p->in_stats_, &p->in_q_, &p->in_dout_, &p->in_k_, &p->in_v_}, z.a2a_in_send,
-        z.a2a_in_recv);
-  stage({&p->out_o_, &p->out_lse_}, z.a2a_out_send, z.a2a_out_recv);
-  stage({&p->out_dq_, &p->out_dk_, &p->out_dv_}, z.a2a_out_send, z.a2a_out_recv);
+  for (const Step& s : p->steps_) {
+    staging({&s.kv, &s.store_kv}, {}, z.ring_send, z.ring_recv);
+    staging({&s.grad}, {}, z.grad_send, z.grad_recv);
+    staging({&s.fan_kv, &s.store_fan_kv}, {}, z.fan_send, z.fan_recv);
+    std::vector<const Exchange*> fan_in;
+    for (const Exchange& x : s.fan_grad) fan_in.push_back(&x);
+    staging(fan_in, s.store_fan_grad, z.fan_grad_send, z.fan_grad_recv);
+  }
+  // The stores' final return runs after every gradient group completed, in their slot 0.
+  staging({}, p->store_return_, z.grad_send, z.grad_recv);
+  // The all-to-all stages: forward in (q, k, v), back (out, lse); backward in (stats, q,
+  // dout, k, v), back (dq, dk, dv).
+  staging({&p->in_q_, &p->in_k_, &p->in_v_}, {}, z.a2a_in_send, z.a2a_in_recv);
+  staging({&p->in_stats_, &p->in_q_, &p->in_dout_, &p->in_k_, &p->in_v_}, {}, z.a2a_in_send,
+          z.a2a_in_recv);
+  staging({&p->out_o_, &p->out_lse_}, {}, z.a2a_out_send, z.a2a_out_recv);
+  staging({&p->out_dq_, &p->out_dk_, &p->out_dv_}, {}, z.a2a_out_send, z.a2a_out_recv);
   p->pool_bytes_ = std::max(CarveForward(nullptr, z).used, CarveBackward(nullptr, z).used);
   return p;
 }
@@ -465,6 +640,18 @@ class HierCall {
       recv_at += leg.ex->program.recv_staging;
     }
     return absl::OkStatus();
+  }
+
+  // A leg without messages: its self copies (or sums), as Post runs them.
+  absl::Status Local(const Leg& leg) {
+    return Launch(leg.ex->self, leg.src, leg.dst, leg.ex->program.add);
+  }
+
+  // Receive staging bytes of `legs` (where the next leg's messages start).
+  static size_t RecvStaging(const std::vector<Leg>& legs) {
+    size_t n = 0;
+    for (const Leg& leg : legs) n += leg.ex->program.recv_staging;
+    return n;
   }
 
   // Post + Wait + Unpack.
@@ -538,24 +725,110 @@ std::string StepName(const SubRingStep& s, const char* what) {
   return absl::StrCat("step ", s.step, " (", what, ")");
 }
 
-// After step s's direct K/V are in `slot` [k | v]: the node fan-out (hierarchy.h, 5.), one
-// exchange completed here, so the slot is whole before the step's kernels run.
-absl::Status FanOut(HierCall& call, const DeviceHierProgram::Step& device_step,
-                    const SubRingStep& s, char* slot, char* send, char* recv) {
-  if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
-  return call.Run({{&device_step.fan_kv, slot, slot}}, send, recv, StepName(s, "kv fan-out"),
-                  /*ring=*/true);
+// The legs of step i's K/V stage: the sub-ring K/V into its slot and the node store
+// segments (hierarchy.h 6.) into the store.
+std::vector<Leg> KvLegs(const DeviceHierProgram::Step& device_step, const char* gkv, char* slot,
+                        char* store) {
+  return {{&device_step.kv, gkv, slot}, {&device_step.store_kv, gkv, store}};
 }
 
-// After step s's partials are in `partial` [pk | pv]: the fan-in, receivers' partials added
-// into the gateway's in fan-out order, before the step's return to the holders.
+bool HasFanOut(const SubRingStep& s) {
+  return !s.fan_out_send.empty() || !s.fan_out_recv.empty() || !s.store_fan_send.empty();
+}
+
+// After step s's direct K/V are in `slot` [k | v]: a keeper's fills from its `store`, then
+// the node fan-out (hierarchy.h 5., 6.), one exchange completed here, so the slot is whole
+// before the step's kernels run. It runs even at a step that receives nothing when the rank
+// forwards from its store.
+absl::Status FanOut(HierCall& call, const DeviceHierProgram::Step& device_step,
+                    const SubRingStep& s, char* slot, char* store, char* send, char* recv) {
+  if (s.recv_group >= 0) HSAP_RETURN_IF_ERROR(call.Local({&device_step.store_fill, store, slot}));
+  if (!HasFanOut(s)) return absl::OkStatus();
+  return call.Run({{&device_step.fan_kv, slot, slot}, {&device_step.store_fan_kv, store, slot}},
+                  send, recv, StepName(s, "kv fan-out"), /*ring=*/true);
+}
+
+// After step s's partials are in `partial` [pk | pv]: the fan-in. Added in this order (bitwise
+// reproducible): the gateway's receivers' partials into `partial` in fan-out order; a
+// keeper's filled heads of `partial` into its fp32 store partial `store32`; the partials of
+// its store forwards' receivers into `store32`, in list order.
 absl::Status FanIn(HierCall& call, const DeviceHierProgram::Step& device_step, const SubRingStep& s,
-                   char* partial, char* send, char* recv) {
-  if (s.fan_out_send.empty() && s.fan_out_recv.empty()) return absl::OkStatus();
-  std::vector<Leg> legs;
+                   char* partial, char* store32, char* send, char* recv) {
+  std::vector<Leg> gateway, store;
   for (const DeviceHierProgram::Exchange& x : device_step.fan_grad)
-    legs.push_back({&x, partial, partial});
-  return call.Run(legs, send, recv, StepName(s, "dk/dv fan-in"), /*ring=*/true);
+    gateway.push_back({&x, partial, partial});
+  for (const DeviceHierProgram::Exchange& x : device_step.store_fan_grad)
+    store.push_back({&x, store32, store32});
+  std::unique_ptr<Transport::Pending> pending;
+  if (HasFanOut(s)) {
+    std::vector<Leg> legs = gateway;
+    legs.insert(legs.end(), store.begin(), store.end());
+    HSAP_ASSIGN_OR_RETURN(pending,
+                          call.Post(legs, send, recv, StepName(s, "dk/dv fan-in"), /*ring=*/true));
+    HSAP_RETURN_IF_ERROR(pending->Wait());
+    HSAP_RETURN_IF_ERROR(call.Unpack(gateway, recv));
+  }
+  if (s.recv_group >= 0) {
+    HSAP_RETURN_IF_ERROR(call.Local({&device_step.store_fill_grad, partial, store32}));
+  }
+  if (pending == nullptr) return absl::OkStatus();
+  return call.Unpack(store, recv + HierCall::RecvStaging(gateway));
+}
+
+// The forward's stages, in the global order of labels of the backward
+// (protocol::BackwardPostingOrder, without gradient groups): step t's K/V posted at 2t, its
+// on_stage (fan-out exchange and kernels) at 2t + 3. RunStaged's look-ahead posts the next
+// step's K/V before this step's fan-out, which is the same order only when the steps are
+// consecutive; a node store's fan-out pairs ranks whose steps differ (a keeper and
+// receivers of other groups), so under NCCL's posting-order matching it could deadlock. A
+// step without a fan-out exchange posts nothing in on_stage, so it runs after the next
+// step's K/V is posted (as RunStaged: that transfer overlaps its kernels).
+absl::Status RunForwardStages(const std::vector<SubRingStep>& steps, const PostStage& post,
+                              const std::function<absl::Status()>& local,
+                              const std::function<absl::Status(size_t)>& on_stage) {
+  std::vector<std::pair<int64_t, size_t>> order;  // (key, 2 * stage + is_on_stage)
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const int64_t t = steps[i].step;
+    int64_t at = 2 * t + 3;
+    if (!HasFanOut(steps[i]) && i + 1 < steps.size()) {
+      at = std::max<int64_t>(at, 2 * int64_t{steps[i + 1].step} + 1);
+    }
+    order.push_back({2 * t, 2 * i});
+    order.push_back({at, 2 * i + 1});
+  }
+  std::sort(order.begin(), order.end());
+  std::unique_ptr<Transport::Pending> kv[2];
+  bool local_done = false;
+  for (const auto& [key, what] : order) {
+    const size_t i = what / 2, slot = i % 2;
+    if (what % 2 == 0) {
+      HSAP_ASSIGN_OR_RETURN(kv[slot], post(i));
+    } else {
+      HSAP_RETURN_IF_ERROR(kv[slot]->Wait());
+      kv[slot].reset();
+      HSAP_RETURN_IF_ERROR(on_stage(i));
+    }
+    if (!local_done) {
+      local_done = true;
+      HSAP_RETURN_IF_ERROR(local());
+    }
+  }
+  if (!local_done) HSAP_RETURN_IF_ERROR(local());
+  return absl::OkStatus();
+}
+
+// After the last backward step: the kept store partials `store32` back to their holders,
+// which add them into their [dk32 | dv32] `dkv32` in the keepers' step order.
+absl::Status ReturnStores(HierCall& call, const DeviceHierProgram& p, char* store32, char* dkv32,
+                          char* send, char* recv) {
+  std::vector<Leg> legs;
+  bool any = false;
+  for (const DeviceHierProgram::Exchange& x : p.store_return()) {
+    legs.push_back({&x, store32, dkv32});
+    any = any || !x.program.sends.empty() || !x.program.recvs.empty();
+  }
+  if (!any) return absl::OkStatus();
+  return call.Run(legs, send, recv, "node store dk/dv return", /*ring=*/true);
 }
 
 }  // namespace
@@ -595,9 +868,9 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
                     int64_t k_rows) {
     return LaunchForward(*ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
   };
-  auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
-  if (absl::Status s = RunStaged(
-          r.steps.size(),
+  auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };
+  if (absl::Status s = RunForwardStages(
+          r.steps,
           [&](size_t i) {
             return call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2],
                              StepName(r.steps[i], "kv"), /*ring=*/true);
@@ -606,9 +879,9 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
           [&](size_t i) -> absl::Status {
             HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[i % 2]));
             const SubRingStep& st = r.steps[i];
-            if (st.recv_group < 0) return absl::OkStatus();
             HSAP_RETURN_IF_ERROR(
-                FanOut(call, p.steps()[i], st, g.kv[i % 2], g.fan_send, g.fan_recv));
+                FanOut(call, p.steps()[i], st, g.kv[i % 2], g.store, g.fan_send, g.fan_recv));
+            if (st.recv_group < 0) return absl::OkStatus();
             return attend(p.steps()[i].work, g.kv[i % 2],
                           g.kv[i % 2] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows);
           });
@@ -666,8 +939,9 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   float* dq32 = reinterpret_cast<float*>(g.dq32);
   float* dk32 = reinterpret_cast<float*>(g.dkv32);
   float* dv32 = dk32 + static_cast<size_t>(N) * hkv * D;
-  for (auto [ptr, bytes] :
-       {std::pair{g.dq32, Bytes(N, hq, D, f)}, {g.dkv32, 2 * Bytes(N, hkv, D, f)}}) {
+  for (auto [ptr, bytes] : {std::pair{g.dq32, Bytes(N, hq, D, f)},
+                            {g.dkv32, 2 * Bytes(N, hkv, D, f)},
+                            {g.store32, p.sizes().store_grad}}) {
     HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(ptr, bytes, ctx.stream));
   }
   const QuerySide side{N, static_cast<int>(hq), static_cast<int>(hkv), p.dims().scale,
@@ -680,7 +954,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
   };
 
-  auto kv_leg = [&](size_t i) { return std::vector<Leg>{{&p.steps()[i].kv, g.gkv, g.kv[i % 2]}}; };
+  auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };
   auto grad_leg = [&](size_t i) {
     return std::vector<Leg>{{&p.steps()[i].grad, g.partial[i % 2], g.dkv32}};
   };
@@ -696,16 +970,19 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     const SubRingStep& st = r.steps[i];
     const int slot = static_cast<int>(i % 2);
     HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[slot]));
-    if (st.recv_group < 0) return absl::OkStatus();
-    HSAP_RETURN_IF_ERROR(FanOut(call, p.steps()[i], st, g.kv[slot], g.fan_send, g.fan_recv));
-    const size_t half = Bytes(st.recv_rows, hkv, D, f);
-    float* pk = reinterpret_cast<float*>(g.partial[slot]);
-    float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
-    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(pk, 2 * half, ctx.stream));
-    HSAP_RETURN_IF_ERROR(backward(p.steps()[i].work, g.kv[slot],
-                                  g.kv[slot] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows, pk,
-                                  pv));
-    return FanIn(call, p.steps()[i], st, g.partial[slot], g.fan_grad_send, g.fan_grad_recv);
+    HSAP_RETURN_IF_ERROR(
+        FanOut(call, p.steps()[i], st, g.kv[slot], g.store, g.fan_send, g.fan_recv));
+    if (st.recv_group >= 0) {
+      const size_t half = Bytes(st.recv_rows, hkv, D, f);
+      float* pk = reinterpret_cast<float*>(g.partial[slot]);
+      float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
+      HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(pk, 2 * half, ctx.stream));
+      HSAP_RETURN_IF_ERROR(backward(p.steps()[i].work, g.kv[slot],
+                                    g.kv[slot] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows, pk,
+                                    pv));
+    }
+    return FanIn(call, p.steps()[i], st, g.partial[slot], g.store32, g.fan_grad_send,
+                 g.fan_grad_recv);
   };
   hooks.post_grad = [&](size_t i) {
     return call.Post(grad_leg(i), g.grad_send[i % 2], g.grad_recv[i % 2],
@@ -714,6 +991,8 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   // The partials returned for step j, added in step order.
   hooks.add_returned = [&](size_t j) { return call.Unpack(grad_leg(j), g.grad_recv[j % 2]); };
   HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
+  // Every gradient group is done: the node stores' sums go back to their holders.
+  HSAP_RETURN_IF_ERROR(ReturnStores(call, p, g.store32, g.dkv32, g.grad_send[0], g.grad_recv[0]));
 
   // Back to the owners: dQ rounded here; dK/dV rounded here unless a KV head has several
   // holders in the group (then the owner sums the fp32 partials and rounds once).

@@ -12,7 +12,11 @@
 //
 // Order (NCCL matches by posting order): every rank posts the group's all-to-all stages in
 // the same order, the sub-ring stages in the global order of nccl_lowering.h (forward by
-// step; backward kv(t) before grad(t - 1)), then the all-to-all back.
+// step; backward kv(t) before grad(t - 1)), then the all-to-all back. A step's node
+// fan-out (and backward fan-in) sits where its gradient group would (protocol.h: after
+// kv(t + 1), before kv(t + 2)) in both passes, so ranks of different groups with
+// different steps (a node store's keeper and its receivers) post them in one order; the
+// stores' final return is the backward's last sub-ring group.
 //
 // Streams, memory and results: as lib/cuda/exec/gpu_executor.h (pool regions, no allocation in
 // a call, dK/dV not bitwise reproducible).
@@ -25,6 +29,17 @@
 // to the gateway (kKvGradFanIn), which adds them to its own in fan-out order before its
 // one return to the holder. Fan-out buffers are pool regions sized by Build. Link classes
 // are counted per posted message from GpuHierContext::node_of_rank.
+//
+// Node stores (hierarchy.h 6.), as the host executor: a holder's store segments travel to
+// their keeper with the step's K/V (tag kKvStore) into the keeper's store, a pool region
+// [store_rows, D] K and V. At a participant's step the keeper, after the direct receives,
+// fills its slot's store-fed heads from the store, then runs the fan-out exchange (also at
+// steps where it receives nothing) with its forwards from the store added to its sends.
+// Backward: the keeper adds, in order, the gateway fan-in partials into its step partial,
+// the filled heads' step partial into its fp32 store partial, then each forward's receiver
+// partials into the store partial (one launch per message, bitwise reproducible); after the
+// last step one more exchange returns the store partials to the holders (kKvStoreGrad),
+// which add them into their dK/dV in the keeper's step order.
 #ifndef HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 #define HSAP_LIB_CUDA_EXEC_GPU_HIER_EXECUTOR_H_
 
@@ -72,6 +87,13 @@ class DeviceHierProgram {
     // added by the gateway in that order). Empty programs when the step has no fan-out.
     Exchange fan_kv;
     std::vector<Exchange> fan_grad;
+    // Node stores (hierarchy.h 6.): the store segments sent to keepers and received into
+    // this rank's store (posted with `kv`); a keeper's fills of its slot from the store
+    // (self copies) and, backward, of the store partial from its step partial; its forwards
+    // from the store (sends of the fan-out exchange) and, backward, one fan-in leg per
+    // forward adding that receiver's partials into the store partial.
+    Exchange store_kv, store_fill, store_fill_grad, store_fan_kv;
+    std::vector<Exchange> store_fan_grad;
     DeviceWorkLists::List work;
   };
 
@@ -81,6 +103,9 @@ class DeviceHierProgram {
   const int* kv_head_of_q() const { return kv_map_; }
   const DeviceWorkLists::List& local_work() const { return local_work_; }
   const std::vector<Step>& steps() const { return steps_; }
+  // After the last backward step: leg 0 returns the kept store partials to their holders,
+  // leg 1 + x adds those of this rank's x-th store send (step order, list order).
+  const std::vector<Exchange>& store_return() const { return store_return_; }
   // All-to-all in: q, k, v, dout, (lse, delta); back: out, lse, dq, dk, dv.
   const Exchange& in_q() const { return in_q_; }
   const Exchange& in_k() const { return in_k_; }
@@ -100,6 +125,7 @@ class DeviceHierProgram {
     size_t a2a_in_send = 0, a2a_in_recv = 0, a2a_out_send = 0, a2a_out_recv = 0;
     size_t ring_send = 0, ring_recv = 0, grad_send = 0, grad_recv = 0;
     size_t fan_send = 0, fan_recv = 0, fan_grad_send = 0, fan_grad_recv = 0;
+    size_t store_kv = 0, store_grad = 0;  // a keeper's node store and its fp32 partials
   };
   const Sizes& sizes() const { return sizes_; }
 
@@ -112,6 +138,7 @@ class DeviceHierProgram {
   const int* kv_map_ = nullptr;
   DeviceWorkLists::List local_work_;
   std::vector<Step> steps_;
+  std::vector<Exchange> store_return_;
   Exchange in_q_, in_k_, in_v_, in_dout_, in_stats_, out_o_, out_lse_, out_dq_, out_dk_, out_dv_;
   Sizes sizes_;
   size_t pool_bytes_ = 0;

@@ -6,7 +6,9 @@
 // prediction), NCCL semantics of the posted stages, no allocation inside a call, and the
 // same on asynchronous emulated streams. On several nodes: the node fan-outs of
 // hierarchy.h 5., bytes by link class equal to the host plan executor's and fewer
-// inter-node bytes than direct delivery; one node is the direct hierarchy.
+// inter-node bytes than direct delivery; one node is the direct hierarchy. Groups sharing a
+// node: the node stores of hierarchy.h 6., bytes by link class equal to the rank's program
+// (lib/sched/transfers.h).
 // clang-format off
 #include "tests/support/emulated_device.h"
 // clang-format on
@@ -31,6 +33,7 @@
 #include "lib/exec/batch.h"
 #include "lib/exec/runner.h"
 #include "lib/sched/hierarchy.h"
+#include "lib/sched/transfers.h"
 #include "tests/support/distributed_harness.h"
 #include "tests/support/hier_plans.h"
 #include "tests/support/random_layouts.h"
@@ -451,6 +454,155 @@ TEST(GpuHier, FanOutBuffersComeFromThePool) {
     EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
   }
   EXPECT_GT(gateways, 0);
+}
+
+LinkTraffic AsLinkTraffic(const LinkBytes& b) {
+  return {b.intra_sent, b.intra_received, b.inter_sent, b.inter_received};
+}
+
+// What the node stores of a hierarchy make its ranks do, all ranks together.
+struct StoreUse {
+  int store_sends = 0, store_fills = 0, store_forwards = 0;
+  int forwards_without_receive = 0;  // fan-outs at steps that receive nothing
+  int only_store_sends = 0;          // steps that only send store segments
+};
+StoreUse StoreUseOf(const Hierarchy& h, const Layout& layout, int ranks) {
+  StoreUse u;
+  for (int r = 0; r < ranks; ++r) {
+    absl::StatusOr<RankHierarchy> rh = h.BuildRank(layout, r);
+    EXPECT_TRUE(rh.ok()) << rh.status();
+    if (!rh.ok()) continue;
+    for (const SubRingStep& st : rh->steps) {
+      u.store_sends += static_cast<int>(st.store_send.size());
+      u.store_fills += static_cast<int>(st.store_fill.size());
+      u.store_forwards += static_cast<int>(st.store_fan_send.size());
+      u.forwards_without_receive += st.recv_group < 0 && !st.store_fan_send.empty();
+      u.only_store_sends += st.recv_group < 0 && st.send_group < 0 && !st.store_send.empty();
+    }
+  }
+  return u;
+}
+
+// Several groups with members on one node that receive the same rows (hierarchy.h 6.): the
+// rows cross into the node once, into a keeper's store, which fills its own buffers and
+// forwards them to the other groups' receivers at their steps; backward, the partials are
+// summed in the store and returned once after the last step. Results against the fp64
+// reference (RunGpuHier, RunPlanBatch), NCCL semantics of the posted stages (the stores'
+// return as one last group), and every rank's bytes by link class equal to its program's
+// (ProgramOf, which the host plan executor moves), on synchronous and asynchronous streams.
+TEST(GpuHier, NodeStoresCrossIntoTheNodeOnce) {
+  const std::vector<NodeCase> cases = {
+      // Groups of one: three ring positions per node receive the same rows of the others.
+      {{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3},
+       {0, 0, 0, 1, 1, 1},
+       200,
+       DocMix::kSingle},
+      // Uneven groups over two nodes, GQA with round-robin heads, scrambled ranks.
+      {{{2, 1, 2, 1}, 6, 2, HeadSplit::kRoundRobin, true, 5},
+       {4, 4, 9, 9, 4, 9},
+       200,
+       DocMix::kOneHuge},
+      // Three nodes of two: a keeper forwards at a step where it receives nothing, and a
+      // holder has a step that only sends store segments.
+      {{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3},
+       {0, 0, 1, 1, 2, 2},
+       200,
+       DocMix::kLongTail},
+  };
+  StoreUse all;
+  for (const NodeCase& c : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
+    const Plan plan = MakePlan(c.spec);
+    const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
+    absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, c.nodes);
+    ASSERT_TRUE(h.ok()) << h.status();
+    ASSERT_FALSE(h->stores().empty()) << "no node store: the case tests nothing";
+    const StoreUse u = StoreUseOf(*h, layout, plan.num_ranks);
+    EXPECT_GT(u.store_sends, 0);
+    EXPECT_GT(u.store_fills + u.store_forwards, 0);
+    all.store_fills += u.store_fills;
+    all.store_forwards += u.store_forwards;
+    all.forwards_without_receive += u.forwards_without_receive;
+    all.only_store_sends += u.only_store_sends;
+
+    std::vector<RankProgram> programs;
+    for (int r = 0; r < plan.num_ranks; ++r) {
+      absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+      ASSERT_TRUE(rh.ok()) << rh.status();
+      programs.push_back(ProgramOf(*rh, kDim, DType::kF32, c.nodes));
+    }
+    for (bool async : {false, true}) {
+      SCOPED_TRACE(async ? "asynchronous streams" : "synchronous streams");
+      const RunResult res = RunGpuHier(layout, plan, c.spec.seed, async, c.nodes);
+      for (int r = 0; r < plan.num_ranks; ++r) {
+        EXPECT_EQ(res.forward_links[r], AsLinkTraffic(programs[r].forward.Links()))
+            << "forward links of rank " << r;
+        EXPECT_EQ(res.backward_links[r], AsLinkTraffic(programs[r].backward.Links()))
+            << "backward links of rank " << r;
+      }
+    }
+    // Through Batch::CreateWithPlan: the GPU factory builds the stores from the
+    // communicator's nodes.
+    const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
+    ASSERT_EQ(gpu.forward.size(), c.nodes.size());
+    for (size_t r = 0; r < c.nodes.size(); ++r) {
+      EXPECT_EQ(gpu.forward[r], AsLinkTraffic(programs[r].forward.Links()))
+          << "forward links of rank " << r;
+      EXPECT_EQ(gpu.backward[r], AsLinkTraffic(programs[r].backward.Links()))
+          << "backward links of rank " << r;
+    }
+  }
+  // Between them the cases fill from stores, forward from them (also at steps that receive
+  // nothing) and have steps that only send store segments.
+  EXPECT_GT(all.store_fills, 0);
+  EXPECT_GT(all.store_forwards, 0);
+  EXPECT_GT(all.forwards_without_receive, 0);
+  EXPECT_GT(all.only_store_sends, 0);
+}
+
+// A keeper's store and its partials are pool regions of its batch, and a pool short of the
+// batch's size by a byte is refused before anything moves.
+TEST(GpuHier, NodeStoresComeFromThePool) {
+  const Plan plan = MakePlan({{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3});
+  const Layout layout = testing::RandomLayout(200, DocMix::kSingle, 24, false);
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, {0, 0, 0, 1, 1, 1});
+  ASSERT_TRUE(h.ok());
+  AttentionDims dims{plan.heads_q, plan.heads_kv, kDim, 1.0f / std::sqrt(float{kDim}), {}};
+  EmulatedDevice device(/*async=*/false);
+  EmulatedKernels<Cfg> kernels(&device);
+  const cudaStream stream = *device.CreateStream();
+  int keepers = 0;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    absl::StatusOr<RankHierarchy> a = h->BuildRank(layout, r);
+    ASSERT_TRUE(a.ok());
+    if (a->store_rows == 0) continue;
+    ++keepers;
+    auto with = DeviceHierProgram::Build(device, *a, dims, DType::kF32, stream);
+    ASSERT_TRUE(with.ok()) << with.status();
+    EXPECT_EQ((*with)->sizes().store_kv, 2 * a->store_rows * kDim * sizeof(float)) << "rank " << r;
+    EXPECT_EQ((*with)->sizes().store_grad, 2 * a->store_rows * kDim * sizeof(float))
+        << "rank " << r;
+    DeviceBufferPool pool(device);
+    ASSERT_TRUE(pool.Reserve((*with)->pool_bytes()).ok());
+    auto transports = CreateHostTransports(plan.num_ranks, absl::Seconds(5));
+    ASSERT_TRUE(transports.ok());
+    GpuHierContext ctx;
+    ctx.device = &device;
+    ctx.kernels = &kernels;
+    ctx.transport = (*transports)[r].get();
+    ctx.program = with->get();
+    ctx.pool = pool.base();
+    ctx.pool_bytes = (*with)->pool_bytes() - 1;
+    ctx.stream = stream;
+    std::vector<char> none(1 << 16);
+    const absl::Status s = GpuHierarchicalBackward(ctx, none.data(), none.data(), none.data(),
+                                                   none.data(), none.data(), nullptr, none.data(),
+                                                   none.data(), none.data(), nullptr);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
+  }
+  EXPECT_GT(keepers, 0);
 }
 
 // Every rank on one node: the direct hierarchy, the same bytes and forward results as
