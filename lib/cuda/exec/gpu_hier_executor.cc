@@ -337,34 +337,31 @@ absl::StatusOr<std::vector<ExchangeProgram>> StoreFanInPrograms(const RankHierar
   return legs;
 }
 
-// After the last backward step, one exchange: leg 0 sends the store partial's sums of every
-// segment this rank keeps to its holder (step order, list order; tag kKvStoreGrad); leg
-// 1 + x adds the sums of this rank's x-th store send (same order) into its [dk32 | dv32].
-absl::StatusOr<std::vector<ExchangeProgram>> StoreReturnPrograms(const RankHierarchy& r, int D) {
+// In the gradient group of a store's last participant step (hierarchy.h 6.): leg 0 sends
+// the keeper's store partial sums of the step's store_return_send (tag kKvStoreGrad); leg
+// 1 + x adds the sums of its x-th store_return_recv into the holder's [dk32 | dv32] (one
+// add per message, in list order, after the step's other returned partials).
+absl::StatusOr<std::vector<ExchangeProgram>> StoreReturnPrograms(const RankHierarchy& r,
+                                                                 const SubRingStep& s, int D) {
   const size_t hkv = r.kv_heads.size(), f32 = sizeof(float);
   const ThdShape group{r.group_tokens, static_cast<int>(hkv), D, f32};
+  const uint64_t tag = Payload(PlanPayload::kKvStoreGrad, s.step);
   std::vector<ExchangeProgram> legs;
   ExchangeBuilder sends(/*add=*/true);
-  for (const SubRingStep& s : r.steps) {
-    for (const StoreTransfer& x : s.store_recv) {
-      HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreChunks(r, x.runs, x.rows, D, f32));
-      sends.Send(x.peer, Payload(PlanPayload::kKvStoreGrad, s.step),
-                 KThenV(k, Bytes(r.store_rows, 1, D, f32)));
-    }
+  for (const StoreTransfer& x : s.store_return_send) {
+    HSAP_ASSIGN_OR_RETURN(std::vector<ByteChunk> k, StoreChunks(r, x.runs, x.rows, D, f32));
+    sends.Send(x.peer, tag, KThenV(k, Bytes(r.store_rows, 1, D, f32)));
   }
   HSAP_ASSIGN_OR_RETURN(ExchangeProgram leg, std::move(sends).Build());
   legs.push_back(std::move(leg));
-  for (const SubRingStep& s : r.steps) {
-    for (const StoreTransfer& x : s.store_send) {
-      HSAP_ASSIGN_OR_RETURN(
-          std::vector<ByteChunk> k,
-          ThdChunks(group, LocalRows(x.runs), absl::MakeConstSpan(&x.local_head, 1)));
-      ExchangeBuilder one(/*add=*/true);
-      one.Receive(x.peer, Payload(PlanPayload::kKvStoreGrad, s.step),
-                  KThenV(k, Bytes(r.group_tokens, hkv, D, f32)));
-      HSAP_ASSIGN_OR_RETURN(ExchangeProgram in, std::move(one).Build());
-      legs.push_back(std::move(in));
-    }
+  for (const StoreTransfer& x : s.store_return_recv) {
+    HSAP_ASSIGN_OR_RETURN(
+        std::vector<ByteChunk> k,
+        ThdChunks(group, LocalRows(x.runs), absl::MakeConstSpan(&x.local_head, 1)));
+    ExchangeBuilder one(/*add=*/true);
+    one.Receive(x.peer, tag, KThenV(k, Bytes(r.group_tokens, hkv, D, f32)));
+    HSAP_ASSIGN_OR_RETURN(ExchangeProgram in, std::move(one).Build());
+    legs.push_back(std::move(in));
   }
   return legs;
 }
@@ -486,11 +483,12 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
     for (size_t x = 0; x < store_in.size(); ++x) {
       programs.push_back({&p->steps_[i].store_fan_grad[x], std::move(store_in[x])});
     }
-  }
-  HSAP_ASSIGN_OR_RETURN(std::vector<ExchangeProgram> store_return, StoreReturnPrograms(r, D));
-  p->store_return_.resize(store_return.size());
-  for (size_t x = 0; x < store_return.size(); ++x) {
-    programs.push_back({&p->store_return_[x], std::move(store_return[x])});
+    HSAP_ASSIGN_OR_RETURN(std::vector<ExchangeProgram> store_return,
+                          StoreReturnPrograms(r, r.steps[i], D));
+    p->steps_[i].store_grad.resize(store_return.size());
+    for (size_t x = 0; x < store_return.size(); ++x) {
+      programs.push_back({&p->steps_[i].store_grad[x], std::move(store_return[x])});
+    }
   }
   for (Named& n : programs) {
     if (!n.program.ok()) return n.program.status();
@@ -563,14 +561,12 @@ absl::StatusOr<std::unique_ptr<DeviceHierProgram>> DeviceHierProgram::Build(
   };
   for (const Step& s : p->steps_) {
     staging({&s.kv, &s.store_kv}, {}, z.ring_send, z.ring_recv);
-    staging({&s.grad}, {}, z.grad_send, z.grad_recv);
+    staging({&s.grad}, s.store_grad, z.grad_send, z.grad_recv);
     staging({&s.fan_kv, &s.store_fan_kv}, {}, z.fan_send, z.fan_recv);
     std::vector<const Exchange*> fan_in;
     for (const Exchange& x : s.fan_grad) fan_in.push_back(&x);
     staging(fan_in, s.store_fan_grad, z.fan_grad_send, z.fan_grad_recv);
   }
-  // The stores' final return runs after every gradient group completed, in their slot 0.
-  staging({}, p->store_return_, z.grad_send, z.grad_recv);
   // The all-to-all stages: forward in (q, k, v), back (out, lse); backward in (stats, q,
   // dout, k, v), back (dq, dk, dv).
   staging({&p->in_q_, &p->in_k_, &p->in_v_}, {}, z.a2a_in_send, z.a2a_in_recv);
@@ -817,20 +813,6 @@ absl::Status RunForwardStages(const std::vector<SubRingStep>& steps, const PostS
   return absl::OkStatus();
 }
 
-// After the last backward step: the kept store partials `store32` back to their holders,
-// which add them into their [dk32 | dv32] `dkv32` in the keepers' step order.
-absl::Status ReturnStores(HierCall& call, const DeviceHierProgram& p, char* store32, char* dkv32,
-                          char* send, char* recv) {
-  std::vector<Leg> legs;
-  bool any = false;
-  for (const DeviceHierProgram::Exchange& x : p.store_return()) {
-    legs.push_back({&x, store32, dkv32});
-    any = any || !x.program.sends.empty() || !x.program.recvs.empty();
-  }
-  if (!any) return absl::OkStatus();
-  return call.Run(legs, send, recv, "node store dk/dv return", /*ring=*/true);
-}
-
 }  // namespace
 
 absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q, const void* k,
@@ -955,8 +937,14 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   };
 
   auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };
+  // The step's partials back (and a node store's sums, hierarchy.h 6.), added into
+  // [dk32 | dv32] in leg order.
   auto grad_leg = [&](size_t i) {
-    return std::vector<Leg>{{&p.steps()[i].grad, g.partial[i % 2], g.dkv32}};
+    std::vector<Leg> legs{{&p.steps()[i].grad, g.partial[i % 2], g.dkv32}};
+    for (const DeviceHierProgram::Exchange& x : p.steps()[i].store_grad) {
+      legs.push_back({&x, g.store32, g.dkv32});
+    }
+    return legs;
   };
   std::vector<int> steps;
   for (const auto& st : r.steps) steps.push_back(st.step);
@@ -991,8 +979,6 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   // The partials returned for step j, added in step order.
   hooks.add_returned = [&](size_t j) { return call.Unpack(grad_leg(j), g.grad_recv[j % 2]); };
   HSAP_RETURN_IF_ERROR(RunBackwardStages(steps, hooks));
-  // Every gradient group is done: the node stores' sums go back to their holders.
-  HSAP_RETURN_IF_ERROR(ReturnStores(call, p, g.store32, g.dkv32, g.grad_send[0], g.grad_recv[0]));
 
   // Back to the owners: dQ rounded here; dK/dV rounded here unless a KV head has several
   // holders in the group (then the owner sums the fp32 partials and rounds once).

@@ -94,6 +94,9 @@ class DeviceHierProgram {
     // forward adding that receiver's partials into the store partial.
     Exchange store_kv, store_fill, store_fill_grad, store_fan_kv;
     std::vector<Exchange> store_fan_grad;
+    // In the step's gradient group, after `grad`: leg 0 a keeper's store sums back to their
+    // holders, leg 1 + x the holder's x-th returned sum added into its dK/dV.
+    std::vector<Exchange> store_grad;
     DeviceWorkLists::List work;
   };
 
@@ -103,9 +106,6 @@ class DeviceHierProgram {
   const int* kv_head_of_q() const { return kv_map_; }
   const DeviceWorkLists::List& local_work() const { return local_work_; }
   const std::vector<Step>& steps() const { return steps_; }
-  // After the last backward step: leg 0 returns the kept store partials to their holders,
-  // leg 1 + x adds those of this rank's x-th store send (step order, list order).
-  const std::vector<Exchange>& store_return() const { return store_return_; }
   // All-to-all in: q, k, v, dout, (lse, delta); back: out, lse, dq, dk, dv.
   const Exchange& in_q() const { return in_q_; }
   const Exchange& in_k() const { return in_k_; }
@@ -138,7 +138,6 @@ class DeviceHierProgram {
   const int* kv_map_ = nullptr;
   DeviceWorkLists::List local_work_;
   std::vector<Step> steps_;
-  std::vector<Exchange> store_return_;
   Exchange in_q_, in_k_, in_v_, in_dout_, in_stats_, out_o_, out_lse_, out_dq_, out_dk_, out_dv_;
   Sizes sizes_;
   size_t pool_bytes_ = 0;

@@ -486,10 +486,10 @@ StoreUse StoreUseOf(const Hierarchy& h, const Layout& layout, int ranks) {
 // Several groups with members on one node that receive the same rows (hierarchy.h 6.): the
 // rows cross into the node once, into a keeper's store, which fills its own buffers and
 // forwards them to the other groups' receivers at their steps; backward, the partials are
-// summed in the store and returned once after the last step. Results against the fp64
-// reference (RunGpuHier, RunPlanBatch), NCCL semantics of the posted stages (the stores'
-// return as one last group), and every rank's bytes by link class equal to its program's
-// (ProgramOf, which the host plan executor moves), on synchronous and asynchronous streams.
+// summed in the store and returned once, in the last participant's gradient group. Results
+// against the fp64 reference (RunGpuHier, RunPlanBatch), NCCL semantics of the posted
+// stages, and every rank's bytes by link class equal to its program's (ProgramOf) and to
+// the host plan executor's, on synchronous and asynchronous streams.
 TEST(GpuHier, NodeStoresCrossIntoTheNodeOnce) {
   const std::vector<NodeCase> cases = {
       // Groups of one: three ring positions per node receive the same rows of the others.
@@ -545,12 +545,16 @@ TEST(GpuHier, NodeStoresCrossIntoTheNodeOnce) {
     // Through Batch::CreateWithPlan: the GPU factory builds the stores from the
     // communicator's nodes.
     const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
+    const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
     ASSERT_EQ(gpu.forward.size(), c.nodes.size());
+    ASSERT_EQ(host.forward.size(), c.nodes.size());
     for (size_t r = 0; r < c.nodes.size(); ++r) {
       EXPECT_EQ(gpu.forward[r], AsLinkTraffic(programs[r].forward.Links()))
           << "forward links of rank " << r;
       EXPECT_EQ(gpu.backward[r], AsLinkTraffic(programs[r].backward.Links()))
           << "backward links of rank " << r;
+      EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
+      EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
     }
   }
   // Between them the cases fill from stores, forward from them (also at steps that receive
