@@ -258,7 +258,7 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
            std::make_pair(holders.IndexOf(b.first), b.first);
   };
   const int node = holders.NodeOf(self.rank);
-  const bool topology = !hierarchy.node_of_rank().empty();
+  const bool any_store = !hierarchy.stores().empty();  // else no lookups (a hash each)
   // (peer, heads), in the peer's group order: receives from holders, the fan-out received
   // from a gateway and forwarded by this rank as a gateway, and sends to the next group.
   // Node stores (hierarchy.h, 6.), as (peer, rows): segments sent and received; forwards
@@ -289,7 +289,7 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
     store_fan.clear();
     if (recv_rows > 0) {
       for (int h : self.kv_heads) {
-        if (topology && hierarchy.TakesFromStore(ring[src], h, node, self.group)) {
+        if (any_store && hierarchy.TakesFromStore(ring[src], h, node, self.group)) {
           const Hierarchy::NodeStore* ns = hierarchy.StoreOf(ring[src], h, node);
           if (ns->keeper != self.rank) {
             AddHeads(fan_recv, ns->keeper, 1);
@@ -327,7 +327,7 @@ void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy&
         int heads = 0;
         for (int h : kv_heads[gd][j]) {
           if (holders.SenderOf(self.group, h, peer) != self.rank) continue;
-          if (topology && hierarchy.TakesFromStore(self.group, h, holders.NodeOf(peer), gd)) {
+          if (any_store && hierarchy.TakesFromStore(self.group, h, holders.NodeOf(peer), gd)) {
             continue;
           }
           const int gateway = holders.GatewayOf(t, self.group, gd, h, peer);

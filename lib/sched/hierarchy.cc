@@ -365,8 +365,7 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
       for (size_t l = 0; l < r.kv_heads.size(); ++l) {
         const int h = r.kv_heads[l];
         const int local = static_cast<int>(l);
-        if (const NodeStore* ns =
-                node_of_rank_.empty() ? nullptr : StoreOf(step.recv_group, h, my_node);
+        if (const NodeStore* ns = stores_.empty() ? nullptr : StoreOf(step.recv_group, h, my_node);
             ns != nullptr && TakesFromStore(step.recv_group, h, my_node, r.group)) {
           if (ns->keeper != rank) {
             AddHead(step.fan_out_recv, ns->keeper, h, local);
@@ -405,7 +404,7 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
         KvTransfer t;
         t.peer = dst.ranks[j];
         for (int h : kv_heads_[gd][j]) {
-          if (!node_of_rank_.empty() && TakesFromStore(r.group, h, node_of_rank_[t.peer], gd)) {
+          if (!stores_.empty() && TakesFromStore(r.group, h, node_of_rank_[t.peer], gd)) {
             continue;
           }
           const int gateway = GatewayOf(st.step, r.group, h, t.peer);
