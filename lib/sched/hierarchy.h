@@ -58,12 +58,12 @@
 //    inter-node bytes are the node-level bound (each needed (row, head) enters each needing
 //    node once); intra-node bytes are one fan-out per receiver other than the keeper, as for
 //    a gateway; the union crosses at the earliest step, in one message, so Plan::node_stores
-//    lets the planner price both ways. Backward: every
-//    participant's fp32 partials of the store's rows are added into the keeper's store
-//    partial in step order (at the keeper's own step, its partial after its fan-out's), and
-//    in the last participant's gradient group the keeper returns the segment's sum to its
-//    holder, which adds it after that step's other returned partials: gradients cross once
-//    too, overlapped with the following steps, bitwise reproducibly.
+//    lets the planner price both ways. Backward: every participant's fp32 partials of the
+//    store's rows are added into the keeper's store partial in step order (at the keeper's
+//    own step, its partial after its fan-out's), and in the last participant's gradient
+//    group the keeper returns the segment's sum to its holder, which adds it after that
+//    step's other returned partials: gradients cross once too, overlapped with the
+//    following steps, bitwise reproducibly.
 //
 // Degenerate plans: one group is Ulysses (no sub-ring step); groups of one rank with all
 // heads are the issue-3 sequence-aware ring (identical partition and schedule when the
@@ -120,8 +120,9 @@ struct StoreTransfer {
   friend bool operator==(const StoreTransfer&, const StoreTransfer&) = default;
 };
 
-// Rows of the keeper's store forwarded to a node receiver of a later group (6. above), in
-// the step's fan-out exchange: one message [rows, heads, D] K then V, as a gateway's.
+// Rows of the keeper's store forwarded to a node receiver of another participant group
+// (6. above), in the step's fan-out exchange: one message [rows, heads, D] K then V, as a
+// gateway's.
 struct StoreFanOut {
   int peer = -1;                            // world rank
   int64_t rows = 0;                         // the receiver's recv_rows
