@@ -332,7 +332,8 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
   if (r.q_heads.empty()) return r;  // no heads: only the all-to-all moves this rank's shard
   r.local_work = std::move(sched.local_work);
 
-  // This rank's stores (as keeper), by (arrival step, KV head): their rows in its store.
+  // This rank's stores (as keeper), by (arrival step, source group, KV head): their rows
+  // in its store.
   const int my_node = node_of_rank_.empty() ? 0 : node_of_rank_[rank];
   std::vector<const NodeStore*> kept;
   for (const NodeStore& ns : stores_) {
@@ -422,8 +423,7 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
       }
     }
   }
-  // Segments this rank sends to keepers (in store order), and the keeper's forwards from
-  // its store to the receivers of later participants.
+  // Segments this rank sends to keepers (in store order), and their sums coming back.
   for (const NodeStore& ns : stores_) {
     if (ns.source_group != r.group || SenderOf(r.group, ns.kv_head, ns.keeper) != rank) continue;
     SubRingStep& step = steps[ns.rows->steps[0]];
