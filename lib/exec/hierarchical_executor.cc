@@ -14,6 +14,7 @@
 #include "lib/exec/executor.h"
 #include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
+#include "lib/sched/schedule.h"
 
 namespace hsap {
 namespace {
@@ -156,13 +157,6 @@ std::string StepName(const char* pass, int step, const char* what,
 }
 std::string StepName(const char* pass, const SubRingStep& s, const char* what) {
   return StepName(pass, s.step, what, s.recv, s.send);
-}
-
-// The local rows of `runs`, as token ranges.
-std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs) {
-  std::vector<TokenRange> rows;
-  for (const TokenRun& run : runs) rows.push_back({run.local_begin, run.local_begin + run.length});
-  return rows;
 }
 
 // The rows of a sub-ring send, as token ranges of the group buffer.

@@ -193,6 +193,13 @@ const Relay* FindRelay(const std::map<std::pair<int, int>, Relay>& relays, int o
 
 }  // namespace
 
+std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs) {
+  std::vector<TokenRange> rows;
+  rows.reserve(runs.size());
+  for (const TokenRun& run : runs) rows.push_back({run.local_begin, run.local_begin + run.length});
+  return rows;
+}
+
 void AppendRunsIn(const std::vector<TokenRange>& ranges, const std::vector<TokenRun>& runs,
                   int64_t offset, std::vector<TokenRun>& out) {
   size_t j = 0;

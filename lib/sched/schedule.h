@@ -126,6 +126,8 @@ void SortAndMerge(std::vector<TokenRange>& ranges);
 // a intersected with b; both sorted and merged.
 std::vector<TokenRange> Intersect(const std::vector<TokenRange>& a,
                                   const std::vector<TokenRange>& b);
+// The local rows of `runs`, as token ranges in run order.
+std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs);
 // Runs (global positions -> local rows of a buffer laid out by `runs`) for `ranges` (sorted,
 // merged, each inside the buffer), with `offset` added to the local rows, appended to `out`.
 void AppendRunsIn(const std::vector<TokenRange>& ranges, const std::vector<TokenRun>& runs,

@@ -14,6 +14,7 @@
 #include "lib/cuda/runtime/buffer_pool.h"
 #include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
+#include "lib/sched/schedule.h"
 
 namespace hsap::cuda {
 namespace {
@@ -107,13 +108,6 @@ std::vector<ByteChunk> KThenV(const std::vector<ByteChunk>& k, size_t shift) {
   std::vector<ByteChunk> out = k;
   for (const ByteChunk& c : k) out.push_back({c.offset + shift, c.bytes});
   return out;
-}
-
-// The local rows of `runs` (group buffer or node store), in order.
-std::vector<TokenRange> LocalRows(const std::vector<TokenRun>& runs) {
-  std::vector<TokenRange> rows;
-  for (const TokenRun& run : runs) rows.push_back({run.local_begin, run.local_begin + run.length});
-  return rows;
 }
 
 std::vector<TokenRange> SendRows(const SubRingStep& s) { return LocalRows(s.send_runs); }
