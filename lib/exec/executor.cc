@@ -42,7 +42,10 @@ class RowSource {
 }  // namespace
 
 void Tally(ExecTraffic& t, const Communicator& comm, int peer, uint64_t bytes, bool sent) {
-  const bool intra = comm.topology().SameNode(comm.rank(), peer);
+  Tally(t, comm.topology().SameNode(comm.rank(), peer), bytes, sent);
+}
+
+void Tally(ExecTraffic& t, bool intra, uint64_t bytes, bool sent) {
   if (sent) {
     t.bytes_sent += bytes;
     (intra ? t.intra_node_sent : t.inter_node_sent) += bytes;

@@ -48,6 +48,8 @@ struct ExecTraffic {
 // Adds a message of `bytes` between this rank and `peer` to `t`, by link class (every
 // host executor counts its messages this way).
 void Tally(ExecTraffic& t, const Communicator& comm, int peer, uint64_t bytes, bool sent);
+// The same, the link class given (executors that know the nodes otherwise).
+void Tally(ExecTraffic& t, bool intra_node, uint64_t bytes, bool sent);
 // to += from, field by field.
 void AddTraffic(ExecTraffic& to, const ExecTraffic& from);
 

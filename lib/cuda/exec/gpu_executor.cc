@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "lib/cuda/exec/exec_util.h"
+#include "lib/exec/executor.h"
 #include "lib/exec/protocol.h"
 #include "lib/exec/staged.h"
 
@@ -68,14 +69,7 @@ class GpuCall {
   void Tally(ExecTraffic& t, int peer, uint64_t bytes, bool sent) const {
     const Topology* topo = ctx_.topology;
     const int me = ctx_.program->schedule().rank;
-    const bool intra = topo == nullptr || topo->SameNode(me, peer);
-    if (sent) {
-      t.bytes_sent += bytes;
-      (intra ? t.intra_node_sent : t.inter_node_sent) += bytes;
-    } else {
-      t.bytes_received += bytes;
-      (intra ? t.intra_node_received : t.inter_node_received) += bytes;
-    }
+    hsap::Tally(t, topo == nullptr || topo->SameNode(me, peer), bytes, sent);
   }
 
   // Makes the transfer stream wait for the work enqueued on the compute stream so far
