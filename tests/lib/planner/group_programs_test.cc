@@ -88,6 +88,19 @@ int StoreMessages(const std::vector<RankProgram>& programs) {
   return n;
 }
 
+// One causal document of `tokens` tokens through a layer of 8 query and 2 KV heads of 16
+// (bf16).
+Workload TestWorkload(int64_t tokens) {
+  Workload w;
+  w.seq_len = tokens;
+  w.causal = true;
+  w.model.heads_q = 8;
+  w.model.heads_kv = 2;
+  w.model.head_dim = 16;
+  w.model.dtype_bytes = 2;
+  return w;
+}
+
 // Nodes of 4 devices, 100 TFLOP/s peak, 10 GB/s NICs.
 Cluster TestCluster(int devices) {
   auto c = ClusterFromJsonText(absl::StrCat(
@@ -215,13 +228,7 @@ TEST(GroupProgramsTest, EqualToTheFullPathOnMultiNodeClusters) {
   // And through SimulateRun on a cluster of 3 nodes of 4 (what the planner prices).
   const Cluster cluster = TestCluster(12);
   const Plan plan = MakePlan({{6, 6}, 8, 2, HeadSplit::kRoundRobin, false, 7});
-  Workload workload;
-  workload.seq_len = 3000;
-  workload.causal = true;
-  workload.model.heads_q = 8;
-  workload.model.heads_kv = 2;
-  workload.model.head_dim = 16;
-  workload.model.dtype_bytes = 2;
+  const Workload workload = TestWorkload(3000);
   const int64_t cu[] = {0, workload.seq_len};
   const MaskKind kind[] = {MaskKind::kCausal};
   absl::StatusOr<Layout> row = Layout::FromDocuments(cu, kind);
@@ -244,13 +251,7 @@ TEST(GroupProgramsTest, NodeStoresArePricedBothWaysAndTheFasterKept) {
   const Cluster cluster = TestCluster(12);
   absl::StatusOr<Plan> ring = SymmetricPlan(12, 8, 2, 1);
   ASSERT_TRUE(ring.ok());
-  Workload workload;
-  workload.seq_len = 6000;
-  workload.causal = true;
-  workload.model.heads_q = 8;
-  workload.model.heads_kv = 2;
-  workload.model.head_dim = 16;
-  workload.model.dtype_bytes = 2;
+  const Workload workload = TestWorkload(6000);
   Plan with = *ring, without = *ring;
   with.node_stores = true;
   without.node_stores = false;

@@ -411,6 +411,33 @@ TEST(GpuHier, NodeFanOutsOnAsynchronousStreams) {
   EXPECT_GT(res.fan_outs, 0);
 }
 
+// Runs rank `rank`'s pass of `program` with a pool one byte short of program.pool_bytes():
+// refused with kInternal, naming the pool, before anything moves (no peer is needed).
+template <typename Kernels>
+void ExpectShortPoolRefused(EmulatedDevice& device, Kernels& kernels, cudaStream stream,
+                            const DeviceHierProgram& program, int num_ranks, int rank,
+                            bool backward) {
+  DeviceBufferPool pool(device);
+  ASSERT_TRUE(pool.Reserve(program.pool_bytes()).ok());
+  auto transports = CreateHostTransports(num_ranks, absl::Seconds(5));
+  ASSERT_TRUE(transports.ok());
+  GpuHierContext ctx;
+  ctx.device = &device;
+  ctx.kernels = &kernels;
+  ctx.transport = (*transports)[rank].get();
+  ctx.program = &program;
+  ctx.pool = pool.base();
+  ctx.pool_bytes = program.pool_bytes() - 1;
+  ctx.stream = stream;
+  std::vector<char> none(1 << 16);
+  char* x = none.data();
+  const absl::Status s =
+      backward ? GpuHierarchicalBackward(ctx, x, x, x, x, x, nullptr, x, x, x, nullptr)
+               : GpuHierarchicalForward(ctx, x, x, x, x, nullptr, nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
+}
+
 // The fan-out buffers are pool regions of a gateway's batch, and a pool short of the batch's
 // size by a byte is refused before anything moves.
 TEST(GpuHier, FanOutBuffersComeFromThePool) {
@@ -435,23 +462,8 @@ TEST(GpuHier, FanOutBuffersComeFromThePool) {
     ASSERT_TRUE(with.ok()) << with.status();
     EXPECT_GT((*with)->sizes().fan_send, 0u) << "rank " << r;
     EXPECT_GT((*with)->sizes().fan_grad_recv, 0u) << "rank " << r;
-    DeviceBufferPool pool(device);
-    ASSERT_TRUE(pool.Reserve((*with)->pool_bytes()).ok());
-    auto transports = CreateHostTransports(plan.num_ranks, absl::Seconds(5));
-    ASSERT_TRUE(transports.ok());
-    GpuHierContext ctx;
-    ctx.device = &device;
-    ctx.kernels = &kernels;
-    ctx.transport = (*transports)[r].get();
-    ctx.program = with->get();
-    ctx.pool = pool.base();
-    ctx.pool_bytes = (*with)->pool_bytes() - 1;
-    ctx.stream = stream;
-    std::vector<char> none(1 << 16);
-    const absl::Status s = GpuHierarchicalForward(ctx, none.data(), none.data(), none.data(),
-                                                  none.data(), nullptr, nullptr);
-    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
-    EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
+    ExpectShortPoolRefused(device, kernels, stream, **with, plan.num_ranks, r,
+                           /*backward=*/false);
   }
   EXPECT_GT(gateways, 0);
 }
@@ -587,24 +599,8 @@ TEST(GpuHier, NodeStoresComeFromThePool) {
     EXPECT_EQ((*with)->sizes().store_kv, 2 * a->store_rows * kDim * sizeof(float)) << "rank " << r;
     EXPECT_EQ((*with)->sizes().store_grad, 2 * a->store_rows * kDim * sizeof(float))
         << "rank " << r;
-    DeviceBufferPool pool(device);
-    ASSERT_TRUE(pool.Reserve((*with)->pool_bytes()).ok());
-    auto transports = CreateHostTransports(plan.num_ranks, absl::Seconds(5));
-    ASSERT_TRUE(transports.ok());
-    GpuHierContext ctx;
-    ctx.device = &device;
-    ctx.kernels = &kernels;
-    ctx.transport = (*transports)[r].get();
-    ctx.program = with->get();
-    ctx.pool = pool.base();
-    ctx.pool_bytes = (*with)->pool_bytes() - 1;
-    ctx.stream = stream;
-    std::vector<char> none(1 << 16);
-    const absl::Status s = GpuHierarchicalBackward(ctx, none.data(), none.data(), none.data(),
-                                                   none.data(), none.data(), nullptr, none.data(),
-                                                   none.data(), none.data(), nullptr);
-    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
-    EXPECT_NE(s.message().find("pool holds"), std::string::npos) << s;
+    ExpectShortPoolRefused(device, kernels, stream, **with, plan.num_ranks, r,
+                           /*backward=*/true);
   }
   EXPECT_GT(keepers, 0);
 }
