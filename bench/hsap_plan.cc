@@ -17,8 +17,8 @@
 // SVG's timeline comes from the event simulator (lib/planner/simulator.h), which records
 // events.
 //
-// --run: the plan and the strongest baseline as the runtime runs them (lib/planner/
-// run_simulator.h) on a row of --seq tokens: one causal document, or causal documents of
+// --run: the plan and the baselines (the strongest first), each with and without node
+// stores, as the runtime runs them (lib/planner/run_simulator.h) on a row of --seq tokens: one causal document, or causal documents of
 // mean length --docs drawn from --seed. Per layer: forward and backward time, the busiest
 // rank's compute, the imbalance (that minus the mean rank's), the transfer time no compute
 // hid, the inter-node bytes, the NIC lower bound (busiest node's inter-node bytes over its
@@ -237,8 +237,9 @@ struct Row {
   double fwd, bwd, tokens_per_s;
 };
 
-// --run: the plan and the strongest baseline's plan as the runtime runs them on a row (one
-// causal document, or documents of mean length --docs), priced by the run simulator.
+// --run: the plan and the baselines' plans (the strongest first) as the runtime runs them on
+// a row (one causal document, or documents of mean length --docs), priced by the run
+// simulator, each with and without node stores.
 int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
               const PlannerResult& result, const std::string& best_name) {
   absl::StatusOr<Layout> row = SampleRow(args.seq, args.docs, args.seed);
@@ -248,20 +249,32 @@ int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
   }
   const LayerShape shape{model.heads_q, model.heads_kv, model.head_dim,
                          model.dtype_bytes == 4 ? DType::kF32 : DType::kBF16};
-  std::vector<std::pair<std::string, const Plan*>> plans = {{"hsap", &result.plan}};
+  // Every plan as chosen, and with node stores (lib/sched/hierarchy.h, 6.) the other way
+  // (`stores`: yes / no), so both sides of the planner's choice show in one run.
+  std::vector<std::pair<std::string, Plan>> plans;
+  auto add = [&](const std::string& name, const Plan& plan) {
+    plans.push_back({name, plan});
+    plans.push_back({name, plan});
+    plans.back().second.node_stores = !plan.node_stores;
+  };
+  add("hsap", result.plan);
   for (const Baseline& b : result.baselines) {
-    if (b.available && b.name == best_name) plans.push_back({b.name, &b.plan});
+    if (b.available && b.name == best_name) add(b.name, b.plan);
+  }
+  for (const Baseline& b : result.baselines) {
+    if (b.available && b.name != best_name) add(b.name, b.plan);
   }
   std::printf("# what runs: %s, priced by the run simulator (the runtime's own programs)\n",
               args.docs > 0 ? absl::StrFormat("documents of mean %.0f tokens, seed %lu", args.docs,
                                               static_cast<unsigned long>(args.seed))
                                   .c_str()
                             : "one causal document");
-  std::printf("# %-12s %10s %10s %10s %10s %10s %12s %10s %9s\n", "layout", "fwd_ms", "bwd_ms",
-              "compute_ms", "imbal_ms", "exposed_ms", "internode_GB", "nic_lb_ms", "build_ms");
+  std::printf("# %-12s %6s %10s %10s %10s %10s %10s %12s %10s %9s\n", "layout", "stores", "fwd_ms",
+              "bwd_ms", "compute_ms", "imbal_ms", "exposed_ms", "internode_GB", "nic_lb_ms",
+              "build_ms");
   for (const auto& [name, plan] : plans) {
     const auto start = std::chrono::steady_clock::now();
-    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*row, *plan, cluster, shape);
+    absl::StatusOr<std::vector<RankProgram>> programs = PlanPrograms(*row, plan, cluster, shape);
     absl::StatusOr<RunSimulation> sim = programs.ok()
                                             ? SimulatePrograms(cluster, *programs, model.head_dim)
                                             : absl::StatusOr<RunSimulation>(programs.status());
@@ -272,11 +285,11 @@ int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
                    std::string(sim.status().message()).c_str());
       return 1;
     }
-    std::printf("  %-12s %10.3f %10.3f %10.3f %10.3f %10.3f %12.3f %10.3f %9.0f\n", name.c_str(),
-                sim->forward_seconds * 1e3, sim->backward_seconds * 1e3,
-                sim->MaxComputeSeconds() * 1e3, sim->ImbalanceSeconds() * 1e3,
-                sim->ExposedTransferSeconds() * 1e3, sim->InterNodeBytes() / 1e9,
-                NicBoundSeconds(cluster, *sim) * 1e3, ms);
+    std::printf("  %-12s %6s %10.3f %10.3f %10.3f %10.3f %10.3f %12.3f %10.3f %9.0f\n",
+                name.c_str(), plan.node_stores ? "yes" : "no", sim->forward_seconds * 1e3,
+                sim->backward_seconds * 1e3, sim->MaxComputeSeconds() * 1e3,
+                sim->ImbalanceSeconds() * 1e3, sim->ExposedTransferSeconds() * 1e3,
+                sim->InterNodeBytes() / 1e9, NicBoundSeconds(cluster, *sim) * 1e3, ms);
   }
   return 0;
 }

@@ -31,12 +31,14 @@ grep -q 'cannot write .*no/such/dir/plan.json' "$tmp/err" || fail "--json: $(cat
 [ "$rc" = 1 ] || fail "--svg given a folder exits $rc"
 grep -q "cannot write $tmp" "$tmp/err" || fail "--svg: $(cat "$tmp/err")"
 
-# --run: the plan and the strongest baseline as the runtime runs them, deterministic (but for
-# the last column, the time it took).
+# --run: the plan and the baselines as the runtime runs them, each with and without node
+# stores, deterministic (but for the last column, the time it took).
 out=$("$plan" --cluster "$small" --run --docs 4096 --seed 7) || fail "--run exits $?"
 grep -q '^# what runs: documents of mean 4096 tokens, seed 7' <<< "$out" || fail "--run: no header: $out"
-[ "$(grep -cE '^  (hsap|Ring|Ulysses|USP|TE a2a\+p2p) +[0-9.]+ +[0-9.]+ ' <<< "$(sed -n '/^# what runs/,$p' <<< "$out")")" = 2 ] ||
-  fail "--run: not one row for the plan and one for the baseline: $out"
+rows=$(sed -n '/^# what runs/,$p' <<< "$out" | grep -E '^  (hsap|Ring|Ulysses|USP|TE a2a\+p2p) +(yes|no) +[0-9.]+ +[0-9.]+ ')
+[ "$(grep -c '^  hsap ' <<< "$rows")" = 2 ] && [ "$(wc -l <<< "$rows")" -ge 4 ] &&
+  [ "$(grep -c ' yes ' <<< "$rows")" = "$(grep -c ' no ' <<< "$rows")" ] ||
+  fail "--run: not two rows (stores yes / no) for the plan and each baseline: $out"
 again=$("$plan" --cluster "$small" --run --docs 4096 --seed 7) || fail "--run exits $?"
 [ "$(sed -n '/^# what runs/,$p' <<< "$out" | awk '{$NF=""; print}')" = "$(sed -n '/^# what runs/,$p' <<< "$again" | awk '{$NF=""; print}')" ] ||
   fail "--run is not deterministic"
