@@ -26,16 +26,17 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from pngplot import plot_losses  # noqa: E402  (the PNG writer docs/figures share)
 
 try:
     import hsap  # installed: pip install ./python
@@ -198,93 +199,6 @@ def train(args, dist_rank: int | None, world: int) -> dict:
         comm.close()
     return {"loss": losses, "accuracy": accs, "kv_bytes": kv_bytes,
             "tokens_per_s": tokens / elapsed, "seconds": elapsed}
-
-
-# ---- the picture -----------------------------------------------------------------------
-
-# 3x5 glyphs (rows top to bottom, 3 bits each) for the labels of the plot.
-_FONT = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-    "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
-    "9": "111101111001111", ".": "000000000000010", " ": "000000000000000",
-    "-": "000000111000000", "(": "001010010010001", ")": "100010010010100",
-    ",": "000000000010100", ":": "000010000010000", "/": "001001010100100",
-    "A": "010101111101101", "B": "110101110101110", "C": "011100100100011",
-    "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111",
-    "K": "101101110101101", "L": "100100100100111", "M": "101111111101101",
-    "N": "110101101101101", "O": "010101101101010", "P": "110101110100100",
-    "Q": "010101101111011",
-    "R": "110101110101101", "S": "011100010001110", "T": "111010010010010",
-    "U": "101101101101111", "V": "101101101101010", "W": "101101111111101",
-    "X": "101101010101101", "Y": "101101010010010",
-}
-
-
-def _text(img, x, y, text, color, scale=2):
-    for ch in text.upper():
-        glyph = _FONT.get(ch, _FONT[" "])
-        for i, bit in enumerate(glyph):
-            if bit == "1":
-                r, c = divmod(i, 3)
-                img[y + r * scale:y + (r + 1) * scale, x + c * scale:x + (c + 1) * scale] = color
-        x += 4 * scale
-
-
-def _write_png(path: Path, img: np.ndarray) -> None:
-    h, w, _ = img.shape
-    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(h))
-
-    def chunk(kind, data):
-        return (struct.pack(">I", len(data)) + kind + data +
-                struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)) +
-           chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    path.write_bytes(png)
-
-
-def plot_losses(path: Path, curves: list[tuple[str, list[float], tuple]], title: str) -> None:
-    """Both loss curves (log scale) in one PNG, drawn without a plotting library."""
-    w, h, left, right, top, bottom = 800, 500, 70, 20, 50, 50
-    img = np.full((h, w, 3), 255, dtype=np.uint8)
-    values = np.concatenate([np.asarray(c[1]) for c in curves])
-    lo, hi = math.log10(max(values.min(), 1e-6)), math.log10(values.max())
-    lo, hi = math.floor(lo), math.ceil(hi)
-    steps = max(len(c[1]) for c in curves)
-
-    def xy(i, value):
-        x = left + (w - left - right) * i / max(steps - 1, 1)
-        y = top + (h - top - bottom) * (hi - math.log10(max(value, 1e-6))) / max(hi - lo, 1e-9)
-        return x, y
-
-    grey = (200, 200, 200)
-    for e in range(lo, hi + 1):  # decades
-        _, y = xy(0, 10.0 ** e)
-        img[int(y), left:w - right] = grey
-        _text(img, 8, int(y) - 5, f"1E{e}" if e < 0 else f"{10 ** e}", (0, 0, 0))
-    for s in range(0, steps, max(steps // 5 // 50 * 50, 50)):
-        x, _ = xy(s, 1.0)
-        img[top:h - bottom, int(x)] = grey
-        _text(img, int(x) - 8, h - bottom + 8, str(s), (0, 0, 0))
-    img[top:h - bottom, left] = 0
-    img[h - bottom, left:w - right] = 0
-    _text(img, w // 2 - 20, h - 22, "STEP", (0, 0, 0))
-    _text(img, left, 12, title, (0, 0, 0))
-    for n, (label, ys, color) in enumerate(curves):
-        thickness = 3 if n == 0 else 1  # the reference wide, hsap thin on top of it
-        pts = [xy(i, v) for i, v in enumerate(ys)]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            count = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-            for t in np.linspace(0.0, 1.0, count + 1):
-                x, y = int(x0 + (x1 - x0) * t), int(y0 + (y1 - y0) * t)
-                img[max(y - thickness // 2, 0):y + thickness // 2 + 1,
-                    max(x - thickness // 2, 0):x + thickness // 2 + 1] = color
-        ly = top + 10 + 18 * n
-        img[ly + 3:ly + 6, w - 300:w - 270] = color
-        _text(img, w - 262, ly, label, (0, 0, 0))
-    _write_png(path, img)
 
 
 # ---- main ------------------------------------------------------------------------------
