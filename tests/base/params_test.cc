@@ -109,7 +109,7 @@ TEST(ParamsTest, ConcurrentReadersSeeOneSnapshot) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The registry is the only reader of the environment, and README.md documents it.
+// The registry is the only reader of the environment, and docs/environment.md documents it.
 
 std::string ReadFile(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -139,15 +139,20 @@ TEST(ParamsTest, NoOtherFileCallsGetenv) {
       << "read the environment through base/params.h instead";
 }
 
-// The variable names in the first column of README.md's "### Environment" table: every
+// Where the environment variables are documented (README.md links to it), and the heading
+// of their table there.
+constexpr char kEnvironmentDoc[] = "docs/environment.md";
+constexpr char kEnvironmentHeading[] = "## Variables\n";
+
+// The variable names in the first column of the table under kEnvironmentHeading: every
 // `NAME` or `NAME=value` of that column.
-std::set<std::string> ReadmeEnvironmentNames(const std::string& readme) {
+std::set<std::string> DocumentedEnvironmentNames(const std::string& doc) {
   std::set<std::string> names;
-  const size_t begin = readme.find("### Environment\n");
+  const size_t begin = doc.find(kEnvironmentHeading);
   if (begin == std::string::npos) return names;
-  const size_t end = readme.find("\n#", begin + 1);
+  const size_t end = doc.find("\n#", begin + 1);
   for (absl::string_view line :
-       absl::StrSplit(readme.substr(begin, end == std::string::npos ? end : end - begin), '\n')) {
+       absl::StrSplit(doc.substr(begin, end == std::string::npos ? end : end - begin), '\n')) {
     if (!absl::ConsumePrefix(&line, "|")) continue;
     const absl::string_view first = line.substr(0, line.find('|'));
     std::vector<absl::string_view> quoted = absl::StrSplit(first, '`');
@@ -158,10 +163,11 @@ std::set<std::string> ReadmeEnvironmentNames(const std::string& readme) {
   return names;
 }
 
-TEST(ParamsTest, ReadmeListsExactlyTheHsapVariables) {
+TEST(ParamsTest, DocsListExactlyTheHsapVariables) {
   const std::set<std::string> documented =
-      ReadmeEnvironmentNames(ReadFile(fs::path(HSAP_SOURCE_DIR) / "README.md"));
-  ASSERT_FALSE(documented.empty()) << "README.md has no ### Environment table";
+      DocumentedEnvironmentNames(ReadFile(fs::path(HSAP_SOURCE_DIR) / kEnvironmentDoc));
+  ASSERT_FALSE(documented.empty())
+      << kEnvironmentDoc << " has no table under \"" << kEnvironmentHeading << "\"";
   std::set<std::string> registered, hsap_registered, hsap_documented;
   for (const ParamInfo& info : AllParams()) {
     registered.insert(info.name);
@@ -169,7 +175,7 @@ TEST(ParamsTest, ReadmeListsExactlyTheHsapVariables) {
   }
   for (const std::string& name : documented) {
     EXPECT_TRUE(registered.count(name))
-        << "README documents " << name << ", which base/params.cc does not list";
+        << kEnvironmentDoc << " documents " << name << ", which base/params.cc does not list";
     if (absl::StartsWith(name, "HSAP_")) hsap_documented.insert(name);
   }
   EXPECT_EQ(hsap_documented, hsap_registered);
