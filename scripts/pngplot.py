@@ -255,7 +255,9 @@ def bar_chart(path: Path | str, title: str, ylabel: str, categories: Sequence[st
             scale = 1 if c.text_width(label) > bar_w - 2 else 2
             c.text(x0 + bar_w / 2 - c.text_width(label, scale) / 2,
                    py(vs[i]) - (7 if scale == 1 else 13), label, BLACK, scale)
-        c.text(left + group_w * (i + 0.5) - c.text_width(cat) / 2, bottom + 8, cat)
+        for n, part in enumerate(cat.split("\n")):  # a label may take several lines
+            c.text(left + group_w * (i + 0.5) - c.text_width(part) / 2, bottom + 8 + 14 * n,
+                   part)
     if reference is not None:
         c.hline(left, right, py(reference), RED)
     _legend(c, left + 16, 52, [(s[0], s[2]) for s in series])
