@@ -43,7 +43,7 @@ FIGURES = {
     "cpu_vs_pytorch.png": (
         ["kernel_bench_peer.txt"],
         "build/hsap_kernel_bench --tokens=4096 --heads_q=1 --heads_kv=1 --dtype=fp32 "
-        "--dims=64,128 --threads=1 --nvrtc_limit=-1 --layouts=causal,full --peer=PYTHON",
+        "--dims=64,128 --threads=1 --nvrtc_limit=-1 --layouts=causal,full --peer=python3",
         "host attention kernels (JIT, hand-written) against PyTorch's CPU SDPA, one thread"),
     "h200_vs_cudnn.png": (
         ["h200_causal_32k.txt", "h200_packed_32k.txt", "h200_causal_128k.txt"],
