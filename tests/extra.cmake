@@ -38,3 +38,17 @@ if(TARGET hsap_attn_perf)
            COMMAND bash ${CMAKE_CURRENT_SOURCE_DIR}/bench/attn_perf_no_gpu_test.sh
                    $<TARGET_FILE:hsap_attn_perf>)
 endif()
+# README.md and docs/: the README stays a product page (at most 300 lines), every link and
+# anchor resolves, every quoted command names files and flags that exist.
+find_package(Python3 COMPONENTS Interpreter)
+if(Python3_Interpreter_FOUND)
+  add_test(NAME docs_check COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/scripts/check_docs.py)
+endif()
+# Labels by cost (tests/CMakeLists.txt): these scripts run the installed tree, the benches and
+# the docs against the tree, each in seconds to a minute.
+foreach(t packaging_install packaging_exports packaging_portable bench_hsap_plan bench_device_check
+          bench_attn_perf_no_gpu docs_check)
+  if(TEST ${t})
+    set_tests_properties(${t} PROPERTIES LABELS integration)
+  endif()
+endforeach()

@@ -1,5 +1,5 @@
 // The pieces of the variant compile test's resource and SASS checks
-// (ShippedCudaKernels.AllVariantsCompileForSm80AndSm90 in codegen_cuda_test.cc): ptxas'
+// (ShippedCudaKernelsOf/AllVariantsCompile (one test per architecture) in codegen_cuda_test.cc): ptxas'
 // verbose report parsed per kernel, the occupancy it allows, and cuobjdump telling a
 // tensor-core kernel (HMMA) from an FMA one.
 #include <cstdio>

@@ -1,5 +1,6 @@
 #include "lib/planner/planner.h"
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <numeric>
@@ -7,6 +8,8 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -15,6 +18,7 @@
 #include "lib/api/handles.h"
 #include "lib/planner/group_programs.h"
 #include "lib/sched/plan_json.h"
+#include "tests/support/sweep.h"
 
 namespace hsap {
 namespace {
@@ -147,6 +151,11 @@ TEST(PlannerTest, RandomClustersNeverWorseThanAnyBaseline) {
   const char* kinds[] = {"H100", "A100", "A800", "L40S"};
   const char* models[] = {"llama-3b", "llama-7b", "llama-13b"};
   const int64_t seqs[] = {32768, 131072, 524288};
+  // Every trial's cluster is drawn (the generator's sequence stays the same); a sweep's
+  // subset plans some of them (tests/support/sweep.h).
+  std::vector<int> all_trials(12);
+  std::iota(all_trials.begin(), all_trials.end(), 0);
+  const std::vector<int> trials = testing::Sweep(all_trials, 4);
   int planned = 0;
   for (int trial = 0; trial < 12; ++trial) {
     std::string nodes;
@@ -161,6 +170,7 @@ TEST(PlannerTest, RandomClustersNeverWorseThanAnyBaseline) {
     auto c = ClusterFromJsonText(absl::StrCat("{\"nodes\": [", nodes, "]}"));
     ASSERT_TRUE(c.ok()) << c.status();
     const Workload w = MakeWorkload(models[rng() % 3], seqs[rng() % 3]);
+    if (std::find(trials.begin(), trials.end(), trial) == trials.end()) continue;
     auto r = PlanAttention(*c, w);
     SCOPED_TRACE(absl::StrCat("trial ", trial, ": ", c->Summary(), ", ", w.model.name, ", ",
                               w.seq_len, " tokens"));
@@ -172,17 +182,19 @@ TEST(PlannerTest, RandomClustersNeverWorseThanAnyBaseline) {
     ExpectNeverWorse(*r);
     EXPECT_GE(r->run.Seconds(), IdealSeconds(*c, w) * (1 - 1e-9));
   }
-  EXPECT_GE(planned, 8);  // most random cases fit; the property is exercised
+  // Most random cases fit (8 of the 12): the property is exercised.
+  EXPECT_GE(planned, static_cast<int>(trials.size()) * 2 / 3);
 }
 
 TEST(PlannerTest, OwnSearchNeverWorseThanABaselineOnEveryShippedCluster) {
   // The baselines are references, not candidates: the plan comes from the search alone.
   const Workload w = MakeWorkload("llama-7b", 131072);
-  for (const char* name :
-       {"testbed_8h100_8a100", "mix32_h100_a100", "mix32_h100_l40s", "mix64_h100_a100_a800",
-        "mix64_h100_l40s", "mix128_h100_a100", "mix128_four_kinds", "flops_48h100_8a100",
-        "flops_160a100", "flops_52h100_4a100_8a800", "flops_176a100", "scale1024_four_kinds",
-        "scale1024_h100_a100"}) {
+  for (const char* name : testing::Sweep(
+           {"testbed_8h100_8a100", "mix32_h100_a100", "mix32_h100_l40s", "mix64_h100_a100_a800",
+            "mix64_h100_l40s", "mix128_h100_a100", "mix128_four_kinds", "flops_48h100_8a100",
+            "flops_160a100", "flops_52h100_4a100_8a800", "flops_176a100", "scale1024_four_kinds",
+            "scale1024_h100_a100"},
+           3)) {
     SCOPED_TRACE(name);
     auto r = PlanAttention(Load(name), w);
     ASSERT_TRUE(r.ok()) << r.status();
@@ -201,20 +213,24 @@ TEST(PlannerTest, OwnSearchNeverWorseWithLlama3At128KTo1M) {
   text << in.rdbuf();
   absl::StatusOr<ModelSpec> model = ModelFromJsonText(text.str());
   ASSERT_TRUE(model.ok()) << model.status();
+  std::vector<std::pair<int64_t, const char*>> cases;
   for (const int64_t seq : {131072, 524288, 1048576}) {
     for (const char* name :
          {"testbed_8h100_8a100", "mix32_h100_a100", "mix32_h100_l40s", "mix64_h100_a100_a800",
           "mix64_h100_l40s", "mix128_h100_a100", "mix128_four_kinds", "flops_48h100_8a100",
           "flops_52h100_4a100_8a800"}) {
-      SCOPED_TRACE(absl::StrCat(name, ", ", seq, " tokens"));
-      Workload w;
-      w.model = *model;
-      w.seq_len = seq;
-      auto r = PlanAttention(Load(name), w);
-      ASSERT_TRUE(r.ok()) << r.status();
-      EXPECT_THAT(r->family, HasSubstr("hsap groups"));
-      ExpectNeverWorse(*r);
+      cases.emplace_back(seq, name);
     }
+  }
+  for (const auto& [seq, name] : testing::Sweep(cases, 3)) {
+    SCOPED_TRACE(absl::StrCat(name, ", ", seq, " tokens"));
+    Workload w;
+    w.model = *model;
+    w.seq_len = seq;
+    auto r = PlanAttention(Load(name), w);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_THAT(r->family, HasSubstr("hsap groups"));
+    ExpectNeverWorse(*r);
   }
 }
 

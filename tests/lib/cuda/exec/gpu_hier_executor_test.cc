@@ -358,13 +358,13 @@ struct NodeCase {
   DocMix mix;
 };
 
-// Plans on several nodes with KV heads shared by several members of a node (GQA / MQA with
-// more members than KV heads, groups spanning nodes): the GPU plan executor runs the node
-// fan-outs of hierarchy.h 5. Results against the fp64 reference (RunGpuHier, RunPlanBatch),
-// NCCL semantics of the posted stages, and the bytes by
-// link class equal to the host plan executor's, with fewer inter-node bytes than direct.
-TEST(GpuHier, NodeFanOutsCrossAsTheHostPlanExecutor) {
-  const std::vector<NodeCase> cases = {
+// Names the cases of a parameterised test by their place in its list.
+std::string CaseName(const ::testing::TestParamInfo<size_t>& info) {
+  return absl::StrCat("case", info.param);
+}
+
+std::vector<NodeCase> NodeFanOutCases() {
+  return {
       // MQA, two groups of four: group 0 spans nodes 0 and 1, group 1 is node 2.
       {{{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 3},
        {0, 0, 1, 1, 2, 2, 2, 2},
@@ -376,32 +376,43 @@ TEST(GpuHier, NodeFanOutsCrossAsTheHostPlanExecutor) {
        200,
        DocMix::kOneHuge},
   };
-  for (const NodeCase& c : cases) {
-    SCOPED_TRACE(::testing::Message()
-                 << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
-    const Plan plan = MakePlan(c.spec);
-    const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
-    const RunResult fan = RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes);
-    EXPECT_GT(fan.fan_outs, 0) << "no node fan-out: the case tests nothing";
-    const RunResult direct =
-        RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes, /*fan_out=*/false);
-    EXPECT_LT(InterNodeReceived(fan.forward_links), InterNodeReceived(direct.forward_links));
-    EXPECT_LT(InterNodeReceived(fan.backward_links), InterNodeReceived(direct.backward_links));
+}
 
-    // Through Batch::CreateWithPlan: the GPU factory builds the hierarchy with the
-    // communicator's nodes, and every rank moves the host plan executor's bytes per link.
-    const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
-    const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
-    ASSERT_EQ(gpu.forward.size(), c.nodes.size());
-    ASSERT_EQ(host.forward.size(), c.nodes.size());
-    for (size_t r = 0; r < c.nodes.size(); ++r) {
-      EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
-      EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
-      EXPECT_EQ(gpu.forward[r], fan.forward_links[r]) << "forward links of rank " << r;
-      EXPECT_EQ(gpu.backward[r], fan.backward_links[r]) << "backward links of rank " << r;
-    }
+// Plans on several nodes with KV heads shared by several members of a node (GQA / MQA with
+// more members than KV heads, groups spanning nodes): the GPU plan executor runs the node
+// fan-outs of hierarchy.h 5. Results against the fp64 reference (RunGpuHier, RunPlanBatch),
+// NCCL semantics of the posted stages, and the bytes by
+// link class equal to the host plan executor's, with fewer inter-node bytes than direct.
+// One test per case, so that each stays well inside a minute.
+class GpuHierNodeFanOuts : public ::testing::TestWithParam<size_t> {};
+TEST_P(GpuHierNodeFanOuts, CrossAsTheHostPlanExecutor) {
+  const NodeCase c = NodeFanOutCases().at(GetParam());
+  SCOPED_TRACE(::testing::Message()
+               << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
+  const Plan plan = MakePlan(c.spec);
+  const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
+  const RunResult fan = RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes);
+  EXPECT_GT(fan.fan_outs, 0) << "no node fan-out: the case tests nothing";
+  const RunResult direct =
+      RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes, /*fan_out=*/false);
+  EXPECT_LT(InterNodeReceived(fan.forward_links), InterNodeReceived(direct.forward_links));
+  EXPECT_LT(InterNodeReceived(fan.backward_links), InterNodeReceived(direct.backward_links));
+
+  // Through Batch::CreateWithPlan: the GPU factory builds the hierarchy with the
+  // communicator's nodes, and every rank moves the host plan executor's bytes per link.
+  const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
+  const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
+  ASSERT_EQ(gpu.forward.size(), c.nodes.size());
+  ASSERT_EQ(host.forward.size(), c.nodes.size());
+  for (size_t r = 0; r < c.nodes.size(); ++r) {
+    EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
+    EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
+    EXPECT_EQ(gpu.forward[r], fan.forward_links[r]) << "forward links of rank " << r;
+    EXPECT_EQ(gpu.backward[r], fan.backward_links[r]) << "backward links of rank " << r;
   }
 }
+INSTANTIATE_TEST_SUITE_P(Cases, GpuHierNodeFanOuts,
+                         ::testing::Range<size_t>(0, NodeFanOutCases().size()), CaseName);
 
 TEST(GpuHier, NodeFanOutsOnAsynchronousStreams) {
   const Plan plan = MakePlan({{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 13});
@@ -495,15 +506,8 @@ StoreUse StoreUseOf(const Hierarchy& h, const Layout& layout, int ranks) {
   return u;
 }
 
-// Several groups with members on one node that receive the same rows (hierarchy.h 6.): the
-// rows cross into the node once, into a keeper's store, which fills its own buffers and
-// forwards them to the other groups' receivers at their steps; backward, the partials are
-// summed in the store and returned once, in the last participant's gradient group. Results
-// against the fp64 reference (RunGpuHier, RunPlanBatch), NCCL semantics of the posted
-// stages, and every rank's bytes by link class equal to its program's (ProgramOf) and to
-// the host plan executor's, on synchronous and asynchronous streams.
-TEST(GpuHier, NodeStoresCrossIntoTheNodeOnce) {
-  const std::vector<NodeCase> cases = {
+std::vector<NodeCase> NodeStoreCases() {
+  return {
       // Groups of one: three ring positions per node receive the same rows of the others.
       {{{1, 1, 1, 1, 1, 1}, 4, 2, HeadSplit::kContiguous, false, 3},
        {0, 0, 0, 1, 1, 1},
@@ -521,56 +525,79 @@ TEST(GpuHier, NodeStoresCrossIntoTheNodeOnce) {
        200,
        DocMix::kLongTail},
   };
+}
+
+// Several groups with members on one node that receive the same rows (hierarchy.h 6.): the
+// rows cross into the node once, into a keeper's store, which fills its own buffers and
+// forwards them to the other groups' receivers at their steps; backward, the partials are
+// summed in the store and returned once, in the last participant's gradient group. Results
+// against the fp64 reference (RunGpuHier, RunPlanBatch), NCCL semantics of the posted
+// stages, and every rank's bytes by link class equal to its program's (ProgramOf) and to
+// the host plan executor's, on synchronous and asynchronous streams.
+// One test per case, so that each stays well inside a minute.
+class GpuHierNodeStores : public ::testing::TestWithParam<size_t> {};
+TEST_P(GpuHierNodeStores, CrossIntoTheNodeOnce) {
+  const NodeCase c = NodeStoreCases().at(GetParam());
+  SCOPED_TRACE(::testing::Message()
+               << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
+  const Plan plan = MakePlan(c.spec);
+  const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
+  absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, c.nodes);
+  ASSERT_TRUE(h.ok()) << h.status();
+  ASSERT_FALSE(h->stores().empty()) << "no node store: the case tests nothing";
+  const StoreUse u = StoreUseOf(*h, layout, plan.num_ranks);
+  EXPECT_GT(u.store_sends, 0);
+  EXPECT_GT(u.store_fills + u.store_forwards, 0);
+
+  std::vector<RankProgram> programs;
+  for (int r = 0; r < plan.num_ranks; ++r) {
+    absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
+    ASSERT_TRUE(rh.ok()) << rh.status();
+    programs.push_back(ProgramOf(*rh, kDim, DType::kF32, c.nodes));
+  }
+  for (bool async : {false, true}) {
+    SCOPED_TRACE(async ? "asynchronous streams" : "synchronous streams");
+    const RunResult res = RunGpuHier(layout, plan, c.spec.seed, async, c.nodes);
+    for (int r = 0; r < plan.num_ranks; ++r) {
+      EXPECT_EQ(res.forward_links[r], AsLinkTraffic(programs[r].forward.Links()))
+          << "forward links of rank " << r;
+      EXPECT_EQ(res.backward_links[r], AsLinkTraffic(programs[r].backward.Links()))
+          << "backward links of rank " << r;
+    }
+  }
+  // Through Batch::CreateWithPlan: the GPU factory builds the stores from the
+  // communicator's nodes.
+  const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
+  const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
+  ASSERT_EQ(gpu.forward.size(), c.nodes.size());
+  ASSERT_EQ(host.forward.size(), c.nodes.size());
+  for (size_t r = 0; r < c.nodes.size(); ++r) {
+    EXPECT_EQ(gpu.forward[r], AsLinkTraffic(programs[r].forward.Links()))
+        << "forward links of rank " << r;
+    EXPECT_EQ(gpu.backward[r], AsLinkTraffic(programs[r].backward.Links()))
+        << "backward links of rank " << r;
+    EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
+    EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cases, GpuHierNodeStores,
+                         ::testing::Range<size_t>(0, NodeStoreCases().size()), CaseName);
+
+// Between them the cases fill from stores, forward from them (also at steps that receive
+// nothing) and have steps that only send store segments.
+TEST(GpuHier, NodeStoreCasesUseEveryStoreRole) {
   StoreUse all;
-  for (const NodeCase& c : cases) {
-    SCOPED_TRACE(::testing::Message()
-                 << c.spec.Name() << ", nodes " << ::testing::PrintToString(c.nodes));
+  for (const NodeCase& c : NodeStoreCases()) {
     const Plan plan = MakePlan(c.spec);
     const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
     absl::StatusOr<Hierarchy> h = Hierarchy::Create(layout, plan, c.nodes);
     ASSERT_TRUE(h.ok()) << h.status();
-    ASSERT_FALSE(h->stores().empty()) << "no node store: the case tests nothing";
     const StoreUse u = StoreUseOf(*h, layout, plan.num_ranks);
-    EXPECT_GT(u.store_sends, 0);
-    EXPECT_GT(u.store_fills + u.store_forwards, 0);
     all.store_fills += u.store_fills;
     all.store_forwards += u.store_forwards;
     all.forwards_without_receive += u.forwards_without_receive;
     all.only_store_sends += u.only_store_sends;
-
-    std::vector<RankProgram> programs;
-    for (int r = 0; r < plan.num_ranks; ++r) {
-      absl::StatusOr<RankHierarchy> rh = h->BuildRank(layout, r);
-      ASSERT_TRUE(rh.ok()) << rh.status();
-      programs.push_back(ProgramOf(*rh, kDim, DType::kF32, c.nodes));
-    }
-    for (bool async : {false, true}) {
-      SCOPED_TRACE(async ? "asynchronous streams" : "synchronous streams");
-      const RunResult res = RunGpuHier(layout, plan, c.spec.seed, async, c.nodes);
-      for (int r = 0; r < plan.num_ranks; ++r) {
-        EXPECT_EQ(res.forward_links[r], AsLinkTraffic(programs[r].forward.Links()))
-            << "forward links of rank " << r;
-        EXPECT_EQ(res.backward_links[r], AsLinkTraffic(programs[r].backward.Links()))
-            << "backward links of rank " << r;
-      }
-    }
-    // Through Batch::CreateWithPlan: the GPU factory builds the stores from the
-    // communicator's nodes.
-    const BatchRun gpu = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/true);
-    const BatchRun host = RunPlanBatch(layout, plan, c.nodes, c.spec.seed, /*gpu=*/false);
-    ASSERT_EQ(gpu.forward.size(), c.nodes.size());
-    ASSERT_EQ(host.forward.size(), c.nodes.size());
-    for (size_t r = 0; r < c.nodes.size(); ++r) {
-      EXPECT_EQ(gpu.forward[r], AsLinkTraffic(programs[r].forward.Links()))
-          << "forward links of rank " << r;
-      EXPECT_EQ(gpu.backward[r], AsLinkTraffic(programs[r].backward.Links()))
-          << "backward links of rank " << r;
-      EXPECT_EQ(gpu.forward[r], host.forward[r]) << "forward links of rank " << r;
-      EXPECT_EQ(gpu.backward[r], host.backward[r]) << "backward links of rank " << r;
-    }
   }
-  // Between them the cases fill from stores, forward from them (also at steps that receive
-  // nothing) and have steps that only send store segments.
   EXPECT_GT(all.store_fills, 0);
   EXPECT_GT(all.store_forwards, 0);
   EXPECT_GT(all.forwards_without_receive, 0);
