@@ -22,10 +22,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -118,14 +118,53 @@ struct alignas(16) uint4 {
 
 namespace hsap_emu {
 
+// The barrier of a CTA's or a warp's emulated threads, with std::barrier's arrive_and_wait and
+// arrive_and_drop. A waiter sleeps at once (mutex and condition variable): std::barrier's
+// waits first spin and call sched_yield, and with hundreds of emulated threads on a few cores
+// those yields were most of the emulated tests' time.
+class Barrier {
+ public:
+  explicit Barrier(int count) : expected_(count), pending_(count) {}
+  Barrier(const Barrier&) = delete;
+  Barrier& operator=(const Barrier&) = delete;
+
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t phase = phase_;
+    if (--pending_ == 0) {
+      Complete();
+      return;
+    }
+    cv_.wait(lock, [&] { return phase_ != phase; });
+  }
+  // Arrives at this phase and leaves every later one (an exited thread).
+  void arrive_and_drop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    --expected_;
+    if (--pending_ == 0) Complete();
+  }
+
+ private:
+  void Complete() {
+    pending_ = expected_;
+    ++phase_;
+    cv_.notify_all();
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int expected_;   // arrivals each later phase waits for
+  int pending_;    // arrivals this phase still waits for
+  uint64_t phase_ = 0;
+};
+
 struct Cta {
   explicit Cta(int threads, size_t smem_floats)
       : bar(threads), smem(smem_floats, 0.0f), shfl(threads, 0.0f), ptx(threads / 32) {
-    for (int w = 0; w < threads / 32; ++w)
-      warp_bars.push_back(std::make_unique<std::barrier<>>(32));
+    for (int w = 0; w < threads / 32; ++w) warp_bars.push_back(std::make_unique<Barrier>(32));
   }
-  std::barrier<> bar;
-  std::vector<std::unique_ptr<std::barrier<>>> warp_bars;
+  Barrier bar;
+  std::vector<std::unique_ptr<Barrier>> warp_bars;
   std::vector<float> smem;
   std::vector<float> shfl;
   std::vector<PtxWarpExchange> ptx;  // per warp
