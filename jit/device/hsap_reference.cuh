@@ -45,6 +45,15 @@
 #ifndef HSAP_JIT_DEVICE_HSAP_REFERENCE_CUH_
 #define HSAP_JIT_DEVICE_HSAP_REFERENCE_CUH_
 
+// The constexpr helpers below are called by the host and the device code alike.
+#if defined(__CUDACC_RTC__)
+#define HSAP_REF_HD __device__
+#elif defined(__CUDACC__)
+#define HSAP_REF_HD __host__ __device__
+#else
+#define HSAP_REF_HD
+#endif
+
 namespace hsap_dev {
 
 // Intervals of one axis: row r's are [row_offsets[r], row_offsets[r + 1]) and tile t's (the
@@ -110,30 +119,30 @@ inline constexpr int kRefThreads = 256;
 
 // Rows (and columns) of a tile: 32 up to head dim 128, else 16 (the shared memory of the
 // backward stays under the 163 KB of sm_80).
-constexpr int ref_tile(int head_dim) { return head_dim <= 128 ? 32 : 16; }
+HSAP_REF_HD constexpr int ref_tile(int head_dim) { return head_dim <= 128 ? 32 : 16; }
 
 // Shared memory, in bytes, for values of `value_bytes` (8: RefExact, 4: RefRounded): the row
 // intervals (two long long per row), tiles of kT rows of the head dim (padded by one value),
 // tiles of kT x kT scores (padded by one), and four per-row values. Carved in this order by
 // RefSmem below.
-constexpr int ref_interval_bytes(int d) { return 2 * ref_tile(d) * 8; }
-constexpr int ref_rows_bytes(int d, int value_bytes) {
+HSAP_REF_HD constexpr int ref_interval_bytes(int d) { return 2 * ref_tile(d) * 8; }
+HSAP_REF_HD constexpr int ref_rows_bytes(int d, int value_bytes) {
   return ref_tile(d) * (d + 1) * value_bytes;
 }
-constexpr int ref_scores_bytes(int d, int value_bytes) {
+HSAP_REF_HD constexpr int ref_scores_bytes(int d, int value_bytes) {
   return ref_tile(d) * (ref_tile(d) + 1) * value_bytes;
 }
-constexpr int ref_stats_bytes(int d, int value_bytes) { return 4 * ref_tile(d) * value_bytes; }
-constexpr int ref_smem_bytes(int d, int value_bytes, int row_tiles, int score_tiles) {
+HSAP_REF_HD constexpr int ref_stats_bytes(int d, int value_bytes) { return 4 * ref_tile(d) * value_bytes; }
+HSAP_REF_HD constexpr int ref_smem_bytes(int d, int value_bytes, int row_tiles, int score_tiles) {
   return ref_interval_bytes(d) + row_tiles * ref_rows_bytes(d, value_bytes) +
          score_tiles * ref_scores_bytes(d, value_bytes) + ref_stats_bytes(d, value_bytes);
 }
 // Forward: Q and one column tile (K, then V); the scores.
-constexpr int ref_fwd_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 2, 1); }
+HSAP_REF_HD constexpr int ref_fwd_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 2, 1); }
 // dq: Q, dO and one column tile (V, then K); ds.
-constexpr int ref_dq_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 3, 1); }
+HSAP_REF_HD constexpr int ref_dq_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 3, 1); }
 // dk/dv: K, V, and the column tiles Q, dO; p and ds.
-constexpr int ref_dkdv_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 4, 2); }
+HSAP_REF_HD constexpr int ref_dkdv_smem_bytes(int d, int vb) { return ref_smem_bytes(d, vb, 4, 2); }
 
 }  // namespace hsap_dev
 
