@@ -39,6 +39,9 @@
 //                      query heads of the kv head, then the queries that see the key.
 // The dynamic shared memory of each is ref_*_smem_bytes(D, sizeof(value)) (8 for RefExact,
 // 4 for RefRounded), up to 150 KB: set the kernel's maximum dynamic shared memory first.
+// Measured on one H200 (bf16, one causal document of 32768 tokens, 16 heads, D = 128): RefExact
+// forward 1.2 s, forward and backward 3.6 s (about 7 TFLOP/s fp64 over the 11 D multiply-adds
+// per visible pair and head), RefRounded forward and backward about 7.4 s more.
 //
 // The Params part below is plain C++ (the host fills it, as hsap_params.cuh); the kernels are
 // visible only to CUDA compilers and to the emulation (HSAP_DEVICE_EMULATION).
@@ -132,7 +135,9 @@ HSAP_REF_HD constexpr int ref_rows_bytes(int d, int value_bytes) {
 HSAP_REF_HD constexpr int ref_scores_bytes(int d, int value_bytes) {
   return ref_tile(d) * (ref_tile(d) + 1) * value_bytes;
 }
-HSAP_REF_HD constexpr int ref_stats_bytes(int d, int value_bytes) { return 4 * ref_tile(d) * value_bytes; }
+HSAP_REF_HD constexpr int ref_stats_bytes(int d, int value_bytes) {
+  return 4 * ref_tile(d) * value_bytes;
+}
 HSAP_REF_HD constexpr int ref_smem_bytes(int d, int value_bytes, int row_tiles, int score_tiles) {
   return ref_interval_bytes(d) + row_tiles * ref_rows_bytes(d, value_bytes) +
          score_tiles * ref_scores_bytes(d, value_bytes) + ref_stats_bytes(d, value_bytes);
@@ -346,7 +351,8 @@ HSAP_DEV void ref_load_row_intervals(long long* first, long long* last, const Re
 
 // Writes the thread's output slice (rows of the tile < rows) to out [T, heads, D].
 template <typename A, int D>
-HSAP_DEV void ref_store_rows(double* out, const typename A::V (&acc)[ref_tile(D) / 16][(D + 15) / 16],
+HSAP_DEV void ref_store_rows(double* out,
+                             const typename A::V (&acc)[ref_tile(D) / 16][(D + 15) / 16],
                              long long row0, int rows, int heads, int head, int ty, int tx) {
   constexpr int kN = ref_tile(D) / 16, kDs = (D + 15) / 16;
   HSAP_UNROLL
@@ -440,7 +446,9 @@ __global__ void __launch_bounds__(kRefThreads) ref_fwd_kernel(const RefFwdParams
         }
       }
     }
-    if (pass == 1 && tid < rows && row_sum[tid] > 0) row_lse[tid] = A::lse(row_max[tid], row_sum[tid]);
+    if (pass == 1 && tid < rows && row_sum[tid] > 0) {
+      row_lse[tid] = A::lse(row_max[tid], row_sum[tid]);
+    }
     __syncthreads();  // the row values of this pass are visible to every thread
   }
   ref_store_rows<A, D>(p.out, acc, row0, rows, p.heads_q, head, ty, tx);

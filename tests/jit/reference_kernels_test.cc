@@ -88,8 +88,7 @@ TEST(ReferenceKernels, CompileForSm80AndSm90) {
       }
       for (RefArith arith : {RefArith::kExact, RefArith::kRounded}) {
         for (RefKernel kernel : kAllRefKernels) {
-          const std::string expression =
-              RefKernelExpression(kernel, arith, c.dtype, c.head_dim);
+          const std::string expression = RefKernelExpression(kernel, arith, c.dtype, c.head_dim);
           absl::StatusOr<std::string> name = b->LoweredName(expression);
           ASSERT_TRUE(name.ok()) << expression;
           EXPECT_TRUE(functions.count(*name)) << expression;

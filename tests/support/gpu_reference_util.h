@@ -68,10 +68,9 @@ inline AttentionDims RefDims(int heads_q, int heads_kv, int head_dim) {
 // prefix-LM 20 (prefix 7), sliding window 25 (window 6), empty, causal 1, full 9 (95 tokens).
 inline Layout EveryMaskKindLayout() {
   const std::vector<int64_t> cu = {0, 23, 40, 60, 85, 85, 86, 95};
-  const std::vector<MaskKind> kinds = {MaskKind::kCausal,        MaskKind::kFull,
-                                       MaskKind::kPrefixLM,      MaskKind::kSlidingWindow,
-                                       MaskKind::kCausal,        MaskKind::kCausal,
-                                       MaskKind::kFull};
+  const std::vector<MaskKind> kinds = {
+      MaskKind::kCausal, MaskKind::kFull,   MaskKind::kPrefixLM, MaskKind::kSlidingWindow,
+      MaskKind::kCausal, MaskKind::kCausal, MaskKind::kFull};
   const std::vector<int64_t> params = {0, 0, 7, 6, 0, 0, 0};
   return *Layout::FromDocuments(cu, kinds, params);
 }
@@ -80,10 +79,10 @@ inline Layout EveryMaskKindLayout() {
 // window and a far block, queries 30..39 keys after them, queries 40..49 nothing, keys 30..39
 // no query, queries 50..69 a shifted causal band (70 tokens).
 inline Layout ScatteredSliceLayout() {
-  return *Layout::FromSlices(70, {MaskSlice::Full(0, 10, 0, 10), MaskSlice::Full(0, 10, 40, 50),
-                                  MaskSlice::Causal(10, 30, 10, 30, /*window=*/5),
-                                  MaskSlice::Full(10, 30, 60, 62), MaskSlice::Full(30, 40, 60, 70),
-                                  MaskSlice::Causal(50, 70, 0, 20)});
+  return *Layout::FromSlices(
+      70, {MaskSlice::Full(0, 10, 0, 10), MaskSlice::Full(0, 10, 40, 50),
+           MaskSlice::Causal(10, 30, 10, 30, /*window=*/5), MaskSlice::Full(10, 30, 60, 62),
+           MaskSlice::Full(30, 40, 60, 70), MaskSlice::Causal(50, 70, 0, 20)});
 }
 
 // The accuracy rule of the exact GPU reference against the host's fp64 reference, per tensor:

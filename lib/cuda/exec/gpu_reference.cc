@@ -107,19 +107,19 @@ absl::Status CheckArguments(const ReferenceKernels& kernels, const Layout& layou
   const AttentionDims& dims = in.dims;
   if (kernels.dtype() != in.dtype || kernels.head_dim() != dims.head_dim) {
     return absl::InvalidArgumentError(
-        absl::StrCat("GPU reference: kernels for ", std::string(DTypeName(kernels.dtype())), ", head dim ",
-                     kernels.head_dim(), " given inputs in ", std::string(DTypeName(in.dtype)), ", head dim ",
-                     dims.head_dim));
+        absl::StrCat("GPU reference: kernels for ", std::string(DTypeName(kernels.dtype())),
+                     ", head dim ", kernels.head_dim(), " given inputs in ",
+                     std::string(DTypeName(in.dtype)), ", head dim ", dims.head_dim));
   }
   if (dims.heads_q < 1 || dims.heads_kv < 1 || dims.heads_q > 65535 ||
       (dims.kv_head_of_q.empty() && dims.heads_q % dims.heads_kv != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat("GPU reference: heads_q ", dims.heads_q,
-                                                   ", heads_kv ", dims.heads_kv));
+    return absl::InvalidArgumentError(
+        absl::StrCat("GPU reference: heads_q ", dims.heads_q, ", heads_kv ", dims.heads_kv));
   }
   for (int h = 0; h < dims.heads_q; ++h) {
     if (dims.KvHead(h) < 0 || dims.KvHead(h) >= dims.heads_kv) {
-      return absl::InvalidArgumentError(absl::StrCat("GPU reference: query head ", h,
-                                                     " maps to kv head ", dims.KvHead(h)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GPU reference: query head ", h, " maps to kv head ", dims.KvHead(h)));
     }
   }
   if (layout.num_tokens() > 0 && (in.q == nullptr || in.k == nullptr || in.v == nullptr)) {
@@ -191,8 +191,7 @@ class JitReferenceKernels : public ReferenceKernels {
   absl::Status Dq(RefArith arith, const hsap_dev::RefBwdParams& p, cudaStream s) const override {
     return Launch(RefKernel::kDq, arith, &p, p.tokens, p.heads_q, p.heads_kv, s);
   }
-  absl::Status DkDv(RefArith arith, const hsap_dev::RefBwdParams& p,
-                    cudaStream s) const override {
+  absl::Status DkDv(RefArith arith, const hsap_dev::RefBwdParams& p, cudaStream s) const override {
     return Launch(RefKernel::kDkDv, arith, &p, p.tokens, p.heads_q, p.heads_kv, s);
   }
 
@@ -294,8 +293,8 @@ RefRowIntervals BuildRefIntervals(const Layout& layout, bool by_key, int tile) {
   return out;
 }
 
-RefLaunch RefLaunchOf(RefKernel kernel, RefArith arith, int head_dim, long long tokens,
-                      int heads_q, int heads_kv) {
+RefLaunch RefLaunchOf(RefKernel kernel, RefArith arith, int head_dim, long long tokens, int heads_q,
+                      int heads_kv) {
   const int vb = arith == RefArith::kExact ? 8 : 4;
   const int tile = hsap_dev::ref_tile(head_dim);
   const long long tiles = (tokens + tile - 1) / tile;
@@ -334,8 +333,8 @@ absl::StatusOr<std::unique_ptr<ReferenceKernels>> LoadJitReferenceKernels(DType 
 }
 
 absl::StatusOr<GpuReferenceResult> RunGpuReference(Device& device, const ReferenceKernels& kernels,
-                                                   const Layout& layout,
-                                                   const ReferenceInputs& in, const void* dout,
+                                                   const Layout& layout, const ReferenceInputs& in,
+                                                   const void* dout,
                                                    const GpuReferenceOptions& options) {
   HSAP_RETURN_IF_ERROR(CheckArguments(kernels, layout, in, dout, options));
   const absl::Time start = absl::Now();

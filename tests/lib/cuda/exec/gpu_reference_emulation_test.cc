@@ -51,9 +51,8 @@ class EmulatedReferenceKernels : public cuda::ReferenceKernels {
   int head_dim() const override { return D; }
   absl::Status Forward(RefArith a, const hsap_dev::RefFwdParams& p,
                        cuda::cudaStream) const override {
-    return Run(RefKernel::kForward, a, p.tokens, p.heads_q, p.heads_kv, [&]<typename A>() {
-      hsap_dev::ref_fwd_kernel<T, A, D>(p);
-    });
+    return Run(RefKernel::kForward, a, p.tokens, p.heads_q, p.heads_kv,
+               [&]<typename A>() { hsap_dev::ref_fwd_kernel<T, A, D>(p); });
   }
   absl::Status RowDot(RefArith a, const hsap_dev::RefRowDotParams& p,
                       cuda::cudaStream) const override {
@@ -64,8 +63,7 @@ class EmulatedReferenceKernels : public cuda::ReferenceKernels {
     return Run(RefKernel::kDq, a, p.tokens, p.heads_q, p.heads_kv,
                [&]<typename A>() { hsap_dev::ref_dq_kernel<T, A, D>(p); });
   }
-  absl::Status DkDv(RefArith a, const hsap_dev::RefBwdParams& p,
-                    cuda::cudaStream) const override {
+  absl::Status DkDv(RefArith a, const hsap_dev::RefBwdParams& p, cuda::cudaStream) const override {
     return Run(RefKernel::kDkDv, a, p.tokens, p.heads_q, p.heads_kv,
                [&]<typename A>() { hsap_dev::ref_dkdv_kernel<T, A, D>(p); });
   }
@@ -143,11 +141,10 @@ TEST(GpuReferenceEmulation, ScatteredSlicesWithAnArbitraryKvHeadMap) {
 
 TEST(GpuReferenceEmulation, LargeHeadDimUsesSmallTiles) {
   static_assert(hsap_dev::ref_tile(136) == 16);
-  const Layout layout = *Layout::FromDocuments(std::vector<int64_t>{0, 21, 37, 40},
-                                               std::vector<MaskKind>{MaskKind::kCausal,
-                                                                     MaskKind::kPrefixLM,
-                                                                     MaskKind::kFull},
-                                               std::vector<int64_t>{0, 5, 0});
+  const Layout layout = *Layout::FromDocuments(
+      std::vector<int64_t>{0, 21, 37, 40},
+      std::vector<MaskKind>{MaskKind::kCausal, MaskKind::kPrefixLM, MaskKind::kFull},
+      std::vector<int64_t>{0, 5, 0});
   CheckAgainstHost<hsap_dev::bf16, 136>(layout, DType::kBF16, RefDims(2, 1, 136), 16,
                                         "bf16, 2/1 heads, d 136");
 }

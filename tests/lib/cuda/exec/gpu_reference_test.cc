@@ -38,14 +38,15 @@ namespace {
 using jit::RefArith;
 using jit::RefKernel;
 using testing::ExpectExactMatch;
+using ::testing::HasSubstr;
 using testing::RefDims;
 using testing::RowInputs;
-using ::testing::HasSubstr;
 
 // Checks `iv` against layout.Visible: every row's intervals are sorted, disjoint, maximal and
 // hold exactly the visible columns; every tile's are the merged union of its rows'.
 void CheckIntervals(const Layout& layout, bool by_key, int tile) {
-  SCOPED_TRACE(absl::StrCat(by_key ? "queries of each key" : "keys of each query", ", tile ", tile));
+  SCOPED_TRACE(
+      absl::StrCat(by_key ? "queries of each key" : "keys of each query", ", tile ", tile));
   const RefRowIntervals iv = BuildRefIntervals(layout, by_key, tile);
   const int64_t n = layout.num_tokens();
   ASSERT_EQ(iv.row_offsets.size(), static_cast<size_t>(n + 1));
@@ -139,9 +140,9 @@ TEST(GpuReference, WithoutAGpuSaysSo) {
 
 // ---- on a GPU ----
 
-#define REQUIRE_CUDA_DEVICE()                                                      \
-  do {                                                                             \
-    if (!CheckCudaDevice().ok()) GTEST_SKIP() << CheckCudaDevice().message();      \
+#define REQUIRE_CUDA_DEVICE()                                                 \
+  do {                                                                        \
+    if (!CheckCudaDevice().ok()) GTEST_SKIP() << CheckCudaDevice().message(); \
   } while (0)
 
 double MaxAbsError(const std::vector<double>& a, const std::vector<double>& ref) {
@@ -230,11 +231,12 @@ TEST(CudaGpuReference, GpuSizedRowTiming) {
   // The exact kernels' multiply-adds per visible (query, key, head): 4 D forward (three passes),
   // 3 D dq, 4 D dk/dv.
   const double exact_flop = pairs * 11 * dims.head_dim * 2;
-  std::printf("GPU reference, %lld tokens, causal, bf16, 16 heads, d 128: exact forward %.2f s, "
-              "exact fwd+bwd %.2f s (%.2f TFLOP/s fp64 over its 11 D multiply-adds per pair; "
-              "uploads and downloads included)\n",
-              static_cast<long long>(tokens), fwd->seconds, exact->seconds,
-              exact_flop / exact->seconds * 1e-12);
+  std::printf(
+      "GPU reference, %lld tokens, causal, bf16, 16 heads, d 128: exact forward %.2f s, "
+      "exact fwd+bwd %.2f s (%.2f TFLOP/s fp64 over its 11 D multiply-adds per pair; "
+      "uploads and downloads included)\n",
+      static_cast<long long>(tokens), fwd->seconds, exact->seconds,
+      exact_flop / exact->seconds * 1e-12);
   std::fflush(stdout);
   absl::StatusOr<GpuReferenceResult> both = GpuReference(layout, row.in(), row.dout());
   ASSERT_TRUE(both.ok()) << both.status();
