@@ -7,6 +7,7 @@
 //   hsap_attn_local_perf -b 1024 -e 16384 -f 2 --docs 8 --heads 8 --kv-heads 2
 //       --head-dim 128 --dtype bf16 --mask causal --threads 0 -n 5 -w 1 -c 1
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -223,15 +224,8 @@ int64_t CountWrong(hsap::DType dtype, const Buffer& got, const std::vector<doubl
   return wrong;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Options o = ParseOptions(argc, argv);
-  const hsap::DType dtype = ParseDType(o.dtype);
-  const int threads = o.threads > 0 ? o.threads : hsap::HardwareThreads();
-  int version = 0;
-  Must(hsapGetVersion(&version), "hsapGetVersion");
-
+// The preamble: what runs and what every column means, and the column header.
+void PrintPreamble(const Options& o, int version, int threads) {
   std::printf("# hsap_attn_local_perf (hsap %d): single-device host attention over a packed row\n",
               version);
   std::printf("# threads %d, dtype %s, heads %d (kv %d), head dim %d, mask %s", threads,
@@ -256,6 +250,43 @@ int main(int argc, char** argv) {
       "same-precision NaiveForward/Backward) + 4 rounding units; '-' when not checked\n");
   std::printf("#\n# %10s %6s %14s %10s %10s %10s %10s %10s %7s\n", "tokens", "docs", "pairs",
               "fwd(ms)", "fwd GF/s", "bwd(ms)", "bwd GF/s", "ref(s)", "#wrong");
+}
+
+// The elements of out, dq, dk, dv outside the rule against the fp64 reference on the same
+// input (`outs`: out, dq, dk, dv); *ref_s: the time of the reference forward.
+int64_t CheckRow(const Options& o, hsap::DType dtype, const hsap::Layout& l, const Buffer& q,
+                 const Buffer& k, const Buffer& v, const Buffer& dout,
+                 std::array<const Buffer*, 4> outs, double* ref_s) {
+  const Buffer &out = *outs[0], &dq = *outs[1], &dk = *outs[2], &dv = *outs[3];
+  hsap::ReferenceInputs in;
+  in.dims.heads_q = o.heads;
+  in.dims.heads_kv = o.kv_heads;
+  in.dims.head_dim = o.head_dim;
+  in.dims.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
+  in.dtype = dtype;
+  in.q = q.bytes.data();
+  in.k = k.bytes.data();
+  in.v = v.bytes.data();
+  const auto t0 = Clock::now();
+  const hsap::ReferenceForwardResult ref = hsap::ReferenceForward(l, in);
+  *ref_s = Seconds(t0, Clock::now());
+  const hsap::ReferenceForwardResult naive = hsap::NaiveForward(l, in);
+  const hsap::ReferenceGradients gref = hsap::ReferenceBackward(l, in, dout.bytes.data());
+  const hsap::ReferenceGradients gnaive = hsap::NaiveBackward(l, in, dout.bytes.data());
+  return CountWrong(dtype, out, ref.out, naive.out) + CountWrong(dtype, dq, gref.dq, gnaive.dq) +
+         CountWrong(dtype, dk, gref.dk, gnaive.dk) + CountWrong(dtype, dv, gref.dv, gnaive.dv);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = ParseOptions(argc, argv);
+  const hsap::DType dtype = ParseDType(o.dtype);
+  const int threads = o.threads > 0 ? o.threads : hsap::HardwareThreads();
+  int version = 0;
+  Must(hsapGetVersion(&version), "hsapGetVersion");
+
+  PrintPreamble(o, version, threads);
 
   hsapAttentionConfig_t config = HSAP_ATTENTION_CONFIG_INITIALIZER;
   config.numThreads = o.threads;
@@ -317,25 +348,9 @@ int main(int argc, char** argv) {
       ++unchecked;
     }
     if (checked) {
-      hsap::ReferenceInputs in;
-      in.dims.heads_q = o.heads;
-      in.dims.heads_kv = o.kv_heads;
-      in.dims.head_dim = o.head_dim;
-      in.dims.scale = 1.0f / std::sqrt(static_cast<float>(o.head_dim));
-      in.dtype = dtype;
-      in.q = q.bytes.data();
-      in.k = k.bytes.data();
-      in.v = v.bytes.data();
-      const hsap::Layout& l = layout->layout;
-      t0 = Clock::now();
-      const hsap::ReferenceForwardResult ref = hsap::ReferenceForward(l, in);
-      const double ref_s = Seconds(t0, Clock::now());
-      const hsap::ReferenceForwardResult naive = hsap::NaiveForward(l, in);
-      const hsap::ReferenceGradients gref = hsap::ReferenceBackward(l, in, dout.bytes.data());
-      const hsap::ReferenceGradients gnaive = hsap::NaiveBackward(l, in, dout.bytes.data());
+      double ref_s = 0;
       const int64_t wrong =
-          CountWrong(dtype, out, ref.out, naive.out) + CountWrong(dtype, dq, gref.dq, gnaive.dq) +
-          CountWrong(dtype, dk, gref.dk, gnaive.dk) + CountWrong(dtype, dv, gref.dv, gnaive.dv);
+          CheckRow(o, dtype, layout->layout, q, k, v, dout, {&out, &dq, &dk, &dv}, &ref_s);
       total_wrong += wrong;
       std::snprintf(ref_col, sizeof(ref_col), "%.3f", ref_s);
       std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)wrong);

@@ -403,13 +403,12 @@ int64_t CountWrong(const std::vector<float>& a, const std::vector<float>& b) {
   return wrong;
 }
 
-}  // namespace
-}  // namespace hsap
+// The machine: CPU, host compiler and the measured FMA peaks (1 thread, f.threads).
+struct Peaks {
+  double one = 0, all = 0;
+};
 
-int main(int argc, char** argv) {
-  using namespace hsap;
-  const Flags f = ParseFlags(argc, argv);
-  const bool avx512 = jit::HostHasAvx512();
+Peaks PrintMachine(const Flags& f, bool avx512) {
   __builtin_cpu_init();
   const bool bf16dp = avx512 && __builtin_cpu_supports("avx512bf16");
 
@@ -422,18 +421,202 @@ int main(int argc, char** argv) {
               compiler.ok() ? (compiler->path + " (" + compiler->version + ")").c_str()
                             : std::string(compiler.status().message()).c_str());
   double (*fma)(int64_t) = avx512 ? &FmaChainsAvx512 : &FmaChainsAvx2;
-  const double peak1 = PeakGflops(fma, 1);
-  const double peakn = PeakGflops(fma, f.threads);
+  Peaks peaks;
+  peaks.one = PeakGflops(fma, 1);
+  peaks.all = PeakGflops(fma, f.threads);
   std::printf(
       "# measured fp32 FMA peak (%s, 16 independent chains): %.1f GFLOP/s on 1 thread, "
       "%.1f on %d threads\n",
-      avx512 ? "AVX-512" : "AVX2", peak1, peakn, f.threads);
+      avx512 ? "AVX-512" : "AVX2", peaks.one, peaks.all, f.threads);
   if (bf16dp) {
     std::printf(
         "# measured vdpbf16ps peak: %.1f GFLOP/s on 1 thread, %.1f on %d threads "
         "(not used by these kernels: they compute in fp32)\n",
         PeakGflops(&DpBf16Chains, 1), PeakGflops(&DpBf16Chains, f.threads), f.threads);
   }
+  return peaks;
+}
+
+// Random inputs (seeded by the head dim) and room for the outputs.
+Buffers MakeBuffers(const Flags& f, int dim) {
+  std::mt19937_64 rng(dim);
+  Buffers b;
+  const size_t qn = f.tokens * f.heads_q * dim, kn = f.tokens * f.heads_kv * dim;
+  b.q = Random(rng, qn, f.dtype);
+  b.k = Random(rng, kn, f.dtype);
+  b.v = Random(rng, kn, f.dtype);
+  b.dout = Random(rng, qn, f.dtype);
+  b.out.resize(qn);
+  b.lse.resize(f.heads_q * f.tokens);
+  b.delta.resize(b.lse.size());
+  b.dq.resize(qn);
+  b.dk.resize(kn);
+  b.dv.resize(kn);
+  return b;
+}
+
+// The layout named by --layouts.
+Layout LayoutNamed(const std::string& layout_name, int64_t tokens) {
+  return layout_name == "causal" ? *Layout::FromDocuments(std::vector<int64_t>{0, tokens})
+         : layout_name == "full" ? *Layout::FromDocuments(std::vector<int64_t>{0, tokens},
+                                                          std::vector<MaskKind>{MaskKind::kFull})
+                                 : PackedLayout(tokens);
+}
+
+// PyTorch's figures for one layout, head dim and thread count against ours.
+void PrintPeerRows(const Flags& f, const std::string& layout_name, int dim, int threads,
+                   const Timing& hand, const Timing& jit) {
+  if (layout_name == "packed") {
+    std::printf("  # peer: no PyTorch figure for the packed layout (no varlen CPU kernel)\n");
+    return;
+  }
+  const PeerTimes peer = RunPeer(f, layout_name, dim, threads);
+  if (!peer.ok) {
+    std::printf("  # peer skipped: %s\n", peer.why.c_str());
+    return;
+  }
+  for (int dir = 0; dir < 2; ++dir) {
+    const double tm = dir == 0 ? peer.fwd_ms : peer.bwd_ms;
+    const double hm = 1e3 * (dir == 0 ? hand.fwd_s : hand.bwd_s);
+    const double jm = 1e3 * (dir == 0 ? jit.fwd_s : jit.bwd_s);
+    std::printf(
+        "  %-7s %5d %4s %7d torch_ms %9.2f  hand_ms %9.2f  torch/hand %5.2fx  jit_ms %9.2f  "
+        "torch/jit %5.2fx\n",
+        layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, tm, hm, tm / hm, jm, tm / jm);
+  }
+  std::fflush(stdout);
+}
+
+// The rows of one head dim: the JIT kernels compiled through `cache` (their compile time
+// kept in `compile_times`), then per layout and thread count hand-written against JIT. False
+// after saying why the JIT compile failed.
+bool BenchHeadDim(const Flags& f, int dim, const Peaks& peaks, jit::CompileCache* cache,
+                  std::vector<std::pair<std::string, double>>* compile_times) {
+  AttentionDims dims;
+  dims.heads_q = f.heads_q;
+  dims.heads_kv = f.heads_kv;
+  dims.head_dim = dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  jit::HostKernelSpec spec = jit::HostKernelSpecFor(dims, f.dtype, /*band_masks=*/true);
+  const auto c0 = Clock::now();
+  auto jit_kernels = jit::GetHostJitKernels(spec, cache);
+  if (!jit_kernels.ok()) {
+    std::fprintf(stderr, "JIT compile failed: %s\n",
+                 std::string(jit_kernels.status().message()).c_str());
+    return false;
+  }
+  compile_times->emplace_back(std::string((*jit_kernels)->name()), Seconds(c0, Clock::now()));
+  Buffers b = MakeBuffers(f, dim);
+  for (const std::string& layout_name : f.layouts) {
+    const Layout layout = LayoutNamed(layout_name, f.tokens);
+    const WorkList work = *BuildWorkList(layout, kKernelBlockQ);
+    const double pairs = static_cast<double>(layout.VisiblePairs()) * f.heads_q;
+    for (int threads : {1, f.threads}) {
+      const Timing hand = Run(HandWrittenKernels(), f, dims, work, b, threads);
+      const Timing jit = Run(**jit_kernels, f, dims, work, b, threads);
+      const double peak = threads == 1 ? peaks.one : peaks.all;
+      const int64_t wrong_fwd = CountWrong(jit.out, hand.out);
+      const int64_t wrong_bwd = CountWrong(jit.dq, hand.dq);
+      for (int dir = 0; dir < 2; ++dir) {
+        const double flops = pairs * dim * (dir == 0 ? 4.0 : 10.0);
+        const double hs = dir == 0 ? hand.fwd_s : hand.bwd_s;
+        const double js = dir == 0 ? jit.fwd_s : jit.bwd_s;
+        const double hg = flops / hs / 1e9, jg = flops / js / 1e9;
+        std::printf("  %-7s %5d %4s %7d %13.0f %10.2f %10.1f %10.2f %10.1f %7.2fx %7.1f%% %7lld\n",
+                    layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, pairs, hs * 1e3,
+                    hg, js * 1e3, jg, jg / hg, 100.0 * jg / peak,
+                    static_cast<long long>(dir == 0 ? wrong_fwd : wrong_bwd));
+        std::fflush(stdout);
+      }
+      if (f.peer.empty()) continue;
+      PrintPeerRows(f, layout_name, dim, threads, hand, jit);
+    }
+  }
+  return true;
+}
+
+// Cache behaviour: the same specs again, from a second cache object on the directory (a
+// new process) and then from this one (memory). False when a compile fails.
+bool ReportHostCache(const Flags& f, const jit::CompileCache& cache,
+                     const jit::CompileCache::Options& copts,
+                     const std::vector<std::pair<std::string, double>>& compile_times) {
+  const jit::CacheStats cold = cache.stats();
+  jit::CompileCache second(copts);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int dim : f.dims) {
+      AttentionDims dims;
+      dims.heads_q = f.heads_q;
+      dims.heads_kv = f.heads_kv;
+      dims.head_dim = dim;
+      dims.scale = 1.0f;
+      auto k = jit::CompileHostJitKernelsUnchecked(
+          jit::HostKernelSpecFor(dims, f.dtype, /*band_masks=*/true), second);
+      if (!k.ok()) return false;
+    }
+  }
+  const jit::CacheStats warm = second.stats();
+  std::printf("#\n# host JIT compile (clang++ subprocess + dlopen), cold cache:\n");
+  for (const auto& [name, s] : compile_times) {
+    std::printf("#   %-40s %6.2f s\n", name.c_str(), s);
+  }
+  std::printf("# host cache, first process: %lld lookups, %lld compiles, hit rate %.0f%%\n",
+              static_cast<long long>(cold.lookups()), static_cast<long long>(cold.compiles),
+              100 * cold.hit_rate());
+  std::printf(
+      "# host cache, second process (2 passes): %lld lookups, %lld disk hits, %lld "
+      "memory hits, %lld compiles, hit rate %.0f%%\n",
+      static_cast<long long>(warm.lookups()), static_cast<long long>(warm.disk_hits),
+      static_cast<long long>(warm.memory_hits), static_cast<long long>(warm.compiles),
+      100 * warm.hit_rate());
+  return true;
+}
+
+// NVRTC: each shipped CUDA variant, cold, then again from the cache (in `dir`).
+void ReportNvrtc(const Flags& f, const std::string& dir) {
+  if (f.nvrtc_limit < 0) {
+    std::printf("#\n# NVRTC column skipped (--nvrtc_limit=-1)\n");
+    return;
+  }
+  std::vector<jit::CudaKernelConfig> configs = jit::ShippedCudaConfigs(f.nvrtc_arch);
+  if (f.nvrtc_limit > 0 && static_cast<int>(configs.size()) > f.nvrtc_limit) {
+    configs.resize(f.nvrtc_limit);
+  }
+  jit::CompileCache::Options nopts;
+  nopts.dir = dir + "/nvrtc-cache";
+  jit::CompileCache ncache(nopts);
+  std::printf("#\n# NVRTC compile per shipped variant (%s, cold cache):\n", f.nvrtc_arch.c_str());
+  double total = 0, worst = 0;
+  for (const jit::CudaKernelConfig& c : configs) {
+    auto compiled = jit::CompileCudaKernels(c, &ncache);
+    if (!compiled.ok()) {
+      std::printf("#   NVRTC unavailable or failed: %s\n",
+                  std::string(compiled.status().message()).substr(0, 300).c_str());
+      break;
+    }
+    const double s = compiled->binary.compile_seconds;
+    total += s;
+    worst = std::max(worst, s);
+    std::printf("#   %-40s %6.2f s  %s %zu bytes\n", c.Name().c_str(), s,
+                compiled->binary.target.c_str(), compiled->binary.image.size());
+  }
+  ncache.ResetStats();
+  for (const jit::CudaKernelConfig& c : configs) (void)jit::CompileCudaKernels(c, &ncache);
+  const jit::CacheStats ns = ncache.stats();
+  std::printf(
+      "# NVRTC total %.2f s, worst %.2f s; second pass: %lld lookups, %lld compiles, "
+      "hit rate %.0f%%\n",
+      total, worst, static_cast<long long>(ns.lookups()), static_cast<long long>(ns.compiles),
+      100 * ns.hit_rate());
+}
+
+}  // namespace
+}  // namespace hsap
+
+int main(int argc, char** argv) {
+  using namespace hsap;
+  const Flags f = ParseFlags(argc, argv);
+  const bool avx512 = jit::HostHasAvx512();
+  const Peaks peaks = PrintMachine(f, avx512);
 
   // JIT compiles through a private cache: cold pass, then a "second process" on the same
   // directory, then the same process again.
@@ -451,149 +634,9 @@ int main(int argc, char** argv) {
 
   std::vector<std::pair<std::string, double>> compile_times;
   for (int dim : f.dims) {
-    AttentionDims dims;
-    dims.heads_q = f.heads_q;
-    dims.heads_kv = f.heads_kv;
-    dims.head_dim = dim;
-    dims.scale = 1.0f / std::sqrt(static_cast<float>(dim));
-    jit::HostKernelSpec spec = jit::HostKernelSpecFor(dims, f.dtype, /*band_masks=*/true);
-    const auto c0 = Clock::now();
-    auto jit_kernels = jit::GetHostJitKernels(spec, &cache);
-    if (!jit_kernels.ok()) {
-      std::fprintf(stderr, "JIT compile failed: %s\n",
-                   std::string(jit_kernels.status().message()).c_str());
-      return 1;
-    }
-    compile_times.emplace_back(std::string((*jit_kernels)->name()), Seconds(c0, Clock::now()));
-    std::mt19937_64 rng(dim);
-    Buffers b;
-    const size_t qn = f.tokens * f.heads_q * dim, kn = f.tokens * f.heads_kv * dim;
-    b.q = Random(rng, qn, f.dtype);
-    b.k = Random(rng, kn, f.dtype);
-    b.v = Random(rng, kn, f.dtype);
-    b.dout = Random(rng, qn, f.dtype);
-    b.out.resize(qn);
-    b.lse.resize(f.heads_q * f.tokens);
-    b.delta.resize(b.lse.size());
-    b.dq.resize(qn);
-    b.dk.resize(kn);
-    b.dv.resize(kn);
-    for (const std::string& layout_name : f.layouts) {
-      const Layout layout =
-          layout_name == "causal" ? *Layout::FromDocuments(std::vector<int64_t>{0, f.tokens})
-          : layout_name == "full" ? *Layout::FromDocuments(std::vector<int64_t>{0, f.tokens},
-                                                           std::vector<MaskKind>{MaskKind::kFull})
-                                  : PackedLayout(f.tokens);
-      const WorkList work = *BuildWorkList(layout, kKernelBlockQ);
-      const double pairs = static_cast<double>(layout.VisiblePairs()) * f.heads_q;
-      for (int threads : {1, f.threads}) {
-        const Timing hand = Run(HandWrittenKernels(), f, dims, work, b, threads);
-        const Timing jit = Run(**jit_kernels, f, dims, work, b, threads);
-        const double peak = threads == 1 ? peak1 : peakn;
-        const int64_t wrong_fwd = CountWrong(jit.out, hand.out);
-        const int64_t wrong_bwd = CountWrong(jit.dq, hand.dq);
-        for (int dir = 0; dir < 2; ++dir) {
-          const double flops = pairs * dim * (dir == 0 ? 4.0 : 10.0);
-          const double hs = dir == 0 ? hand.fwd_s : hand.bwd_s;
-          const double js = dir == 0 ? jit.fwd_s : jit.bwd_s;
-          const double hg = flops / hs / 1e9, jg = flops / js / 1e9;
-          std::printf(
-              "  %-7s %5d %4s %7d %13.0f %10.2f %10.1f %10.2f %10.1f %7.2fx %7.1f%% %7lld\n",
-              layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, pairs, hs * 1e3, hg,
-              js * 1e3, jg, jg / hg, 100.0 * jg / peak,
-              static_cast<long long>(dir == 0 ? wrong_fwd : wrong_bwd));
-          std::fflush(stdout);
-        }
-        if (f.peer.empty()) continue;
-        if (layout_name == "packed") {
-          std::printf("  # peer: no PyTorch figure for the packed layout (no varlen CPU kernel)\n");
-          continue;
-        }
-        const PeerTimes peer = RunPeer(f, layout_name, dim, threads);
-        if (!peer.ok) {
-          std::printf("  # peer skipped: %s\n", peer.why.c_str());
-          continue;
-        }
-        for (int dir = 0; dir < 2; ++dir) {
-          const double tm = dir == 0 ? peer.fwd_ms : peer.bwd_ms;
-          const double hm = 1e3 * (dir == 0 ? hand.fwd_s : hand.bwd_s);
-          const double jm = 1e3 * (dir == 0 ? jit.fwd_s : jit.bwd_s);
-          std::printf(
-              "  %-7s %5d %4s %7d torch_ms %9.2f  hand_ms %9.2f  torch/hand %5.2fx  jit_ms %9.2f  "
-              "torch/jit %5.2fx\n",
-              layout_name.c_str(), dim, dir == 0 ? "fwd" : "bwd", threads, tm, hm, tm / hm, jm,
-              tm / jm);
-        }
-        std::fflush(stdout);
-      }
-    }
+    if (!BenchHeadDim(f, dim, peaks, &cache, &compile_times)) return 1;
   }
-
-  // Cache behaviour: the same specs again, from a second cache object on the directory (a
-  // new process) and then from this one (memory).
-  const jit::CacheStats cold = cache.stats();
-  jit::CompileCache second(copts);
-  for (int pass = 0; pass < 2; ++pass) {
-    for (int dim : f.dims) {
-      AttentionDims dims;
-      dims.heads_q = f.heads_q;
-      dims.heads_kv = f.heads_kv;
-      dims.head_dim = dim;
-      dims.scale = 1.0f;
-      auto k = jit::CompileHostJitKernelsUnchecked(
-          jit::HostKernelSpecFor(dims, f.dtype, /*band_masks=*/true), second);
-      if (!k.ok()) return 1;
-    }
-  }
-  const jit::CacheStats warm = second.stats();
-  std::printf("#\n# host JIT compile (clang++ subprocess + dlopen), cold cache:\n");
-  for (const auto& [name, s] : compile_times) {
-    std::printf("#   %-40s %6.2f s\n", name.c_str(), s);
-  }
-  std::printf("# host cache, first process: %lld lookups, %lld compiles, hit rate %.0f%%\n",
-              static_cast<long long>(cold.lookups()), static_cast<long long>(cold.compiles),
-              100 * cold.hit_rate());
-  std::printf(
-      "# host cache, second process (2 passes): %lld lookups, %lld disk hits, %lld "
-      "memory hits, %lld compiles, hit rate %.0f%%\n",
-      static_cast<long long>(warm.lookups()), static_cast<long long>(warm.disk_hits),
-      static_cast<long long>(warm.memory_hits), static_cast<long long>(warm.compiles),
-      100 * warm.hit_rate());
-
-  // NVRTC: each shipped CUDA variant, cold, then again from the cache.
-  if (f.nvrtc_limit >= 0) {
-    std::vector<jit::CudaKernelConfig> configs = jit::ShippedCudaConfigs(f.nvrtc_arch);
-    if (f.nvrtc_limit > 0 && static_cast<int>(configs.size()) > f.nvrtc_limit) {
-      configs.resize(f.nvrtc_limit);
-    }
-    jit::CompileCache::Options nopts;
-    nopts.dir = std::string(dir_template) + "/nvrtc-cache";
-    jit::CompileCache ncache(nopts);
-    std::printf("#\n# NVRTC compile per shipped variant (%s, cold cache):\n", f.nvrtc_arch.c_str());
-    double total = 0, worst = 0;
-    for (const jit::CudaKernelConfig& c : configs) {
-      auto compiled = jit::CompileCudaKernels(c, &ncache);
-      if (!compiled.ok()) {
-        std::printf("#   NVRTC unavailable or failed: %s\n",
-                    std::string(compiled.status().message()).substr(0, 300).c_str());
-        break;
-      }
-      const double s = compiled->binary.compile_seconds;
-      total += s;
-      worst = std::max(worst, s);
-      std::printf("#   %-40s %6.2f s  %s %zu bytes\n", c.Name().c_str(), s,
-                  compiled->binary.target.c_str(), compiled->binary.image.size());
-    }
-    ncache.ResetStats();
-    for (const jit::CudaKernelConfig& c : configs) (void)jit::CompileCudaKernels(c, &ncache);
-    const jit::CacheStats ns = ncache.stats();
-    std::printf(
-        "# NVRTC total %.2f s, worst %.2f s; second pass: %lld lookups, %lld compiles, "
-        "hit rate %.0f%%\n",
-        total, worst, static_cast<long long>(ns.lookups()), static_cast<long long>(ns.compiles),
-        100 * ns.hit_rate());
-  } else {
-    std::printf("#\n# NVRTC column skipped (--nvrtc_limit=-1)\n");
-  }
+  if (!ReportHostCache(f, cache, copts, compile_times)) return 1;
+  ReportNvrtc(f, std::string(dir_template));
   return 0;
 }

@@ -18,11 +18,11 @@
 // events.
 //
 // --run: the plan and the baselines (the strongest first), each with and without node
-// stores, as the runtime runs them (lib/planner/run_simulator.h) on a row of --seq tokens: one causal document, or causal documents of
-// mean length --docs drawn from --seed. Per layer: forward and backward time, the busiest
-// rank's compute, the imbalance (that minus the mean rank's), the transfer time no compute
-// hid, the inter-node bytes, the NIC lower bound (busiest node's inter-node bytes over its
-// NICs), and the time to build the programs and price them.
+// stores, as the runtime runs them (lib/planner/run_simulator.h) on a row of --seq tokens: one
+// causal document, or causal documents of mean length --docs drawn from --seed. Per layer: forward
+// and backward time, the busiest rank's compute, the imbalance (that minus the mean rank's), the
+// transfer time no compute hid, the inter-node bytes, the NIC lower bound (busiest node's
+// inter-node bytes over its NICs), and the time to build the programs and price them.
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -294,13 +294,8 @@ int ReportRun(const Args& args, const Cluster& cluster, const ModelSpec& model,
   return 0;
 }
 
-int RunOne(const Args& args, const std::string& path, bool print_plan,
-           std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
-  auto cluster = LoadCluster(path);
-  if (!cluster.ok()) {
-    std::fprintf(stderr, "hsap_plan: %s\n", std::string(cluster.status().message()).c_str());
-    return 1;
-  }
+// The model of --model: a preset's name or a model JSON file.
+absl::StatusOr<ModelSpec> LoadModel(const Args& args) {
   absl::StatusOr<ModelSpec> model = ModelPreset(args.model);
   if (args.model.size() > 5 && args.model.substr(args.model.size() - 5) == ".json") {
     std::ifstream in(args.model);
@@ -309,6 +304,162 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
     model = in ? ModelFromJsonText(text.str())
                : absl::StatusOr<ModelSpec>(absl::NotFoundError("cannot open " + args.model));
   }
+  return model;
+}
+
+// The plan against the baselines, by what runs: the table's rows (hsap first), the
+// strongest baseline, and the yardsticks.
+struct Comparison {
+  std::vector<Row> rows;
+  double best_baseline = 0;  // tokens/s
+  std::string best_name = "none";
+  double speedup = 0, e2e_hsap = 0, e2e_base = 0, e2e_speedup = 0;
+  double ideal_tps = 0, hardware_tps = 0, of_ideal = 0;
+  Breakdown parts;
+};
+
+Comparison Compare(const Cluster& cluster, const ModelSpec& model, const Workload& workload,
+                   const PlannerResult& result) {
+  Comparison c;
+  c.ideal_tps =
+      static_cast<double>(workload.seq_len) / (model.layers * IdealSeconds(cluster, workload));
+  std::vector<Row>& rows = c.rows;
+  rows.push_back({"hsap", result.family, true, result.run.forward_seconds,
+                  result.run.backward_seconds, TokensPerSecond(workload, result.run)});
+  for (const Baseline& b : result.baselines) {
+    Row row{b.name, b.config, b.available, 0, 0, 0};
+    if (b.available) {
+      row.fwd = b.run.forward_seconds;
+      row.bwd = b.run.backward_seconds;
+      row.tokens_per_s = TokensPerSecond(workload, b.run);
+      if (row.tokens_per_s > c.best_baseline) {
+        c.best_baseline = row.tokens_per_s;
+        c.best_name = b.name;
+      }
+    }
+    rows.push_back(row);
+  }
+  c.speedup = c.best_baseline > 0 ? rows[0].tokens_per_s / c.best_baseline : 0;
+  // End to end: attention (as it runs) plus the token-parallel projections and MLP.
+  auto e2e_tokens_per_s = [&](const Plan& plan, const RunSimulation& run) {
+    return static_cast<double>(workload.seq_len) /
+           (model.layers * (run.Seconds() + DenseLayerSeconds(cluster, workload, plan)));
+  };
+  c.e2e_hsap = e2e_tokens_per_s(result.plan, result.run);
+  for (const Baseline& b : result.baselines) {
+    if (b.available && b.name == c.best_name) c.e2e_base = e2e_tokens_per_s(b.plan, b.run);
+  }
+  c.e2e_speedup = c.e2e_base > 0 ? c.e2e_hsap / c.e2e_base : 0;
+  c.hardware_tps = static_cast<double>(workload.seq_len) /
+                   (model.layers * HardwareBoundSeconds(cluster, workload));
+  c.parts = BreakdownOf(result.run);
+  c.of_ideal = rows[0].tokens_per_s / c.ideal_tps;
+  return c;
+}
+
+// The plan, the table of it against the baselines, and the yardsticks.
+void PrintPlanReport(const Args& args, const Cluster& cluster, const ModelSpec& model,
+                     const Workload& workload, const PlannerResult& result, const Comparison& c) {
+  const std::vector<Row>& rows = c.rows;
+  std::printf("# hsap_plan: %s (%s), %s, %ld tokens, %s mask\n", cluster.name.c_str(),
+              cluster.Summary().c_str(), model.name.c_str(), static_cast<long>(args.seq),
+              args.full ? "full" : "causal");
+  std::printf(
+      "# attention per layer: %.3g TFLOP forward, %.3g TFLOP backward; ideal bound "
+      "%.3f ms/layer\n#\n",
+      workload.ForwardFlops() / 1e12, workload.BackwardFlops() / 1e12,
+      IdealSeconds(cluster, workload) * 1e3);
+  std::string described = DescribePlan(result.plan);
+  std::printf("%s#\n", described.c_str());
+  std::printf("# %-12s %-36s %10s %10s %12s %8s %8s\n", "layout", "config", "fwd_ms", "bwd_ms",
+              "tokens/s", "vs_best", "of_ideal");
+  for (const Row& r : rows) {
+    if (!r.available) {
+      std::printf("  %-12s %-36s %10s %10s %12s %8s %8s\n", r.name.c_str(),
+                  r.config.substr(0, 36).c_str(), "-", "-", "-", "-", "-");
+      if (r.config.size() > 36) std::printf("  %12s   (%s)\n", "", r.config.c_str());
+      continue;
+    }
+    std::printf("  %-12s %-36s %10.3f %10.3f %12.0f %7.3fx %7.1f%%\n", r.name.c_str(),
+                r.config.substr(0, 36).c_str(), r.fwd * 1e3, r.bwd * 1e3, r.tokens_per_s,
+                c.best_baseline > 0 ? r.tokens_per_s / c.best_baseline : 0.0,
+                100 * r.tokens_per_s / c.ideal_tps);
+  }
+  std::printf(
+      "# strongest baseline: %s; hsap speedup %.3fx; %.1f%% of the ideal bound; "
+      "planning %.1f ms wall, %.1f ms CPU: search %.1f ms (%d cost-model evaluations), "
+      "baselines %.1f ms\n",
+      c.best_name.c_str(), c.speedup, 100 * c.of_ideal, result.planning_seconds * 1e3,
+      result.planning_cpu_seconds * 1e3, result.search_cpu_seconds * 1e3, result.candidates,
+      result.baselines_cpu_seconds * 1e3);
+  std::printf(
+      "# yardsticks per layer (fwd + bwd): hardware bound %.3f ms (datasheet peak, efficiency "
+      "1), model bound %.3f ms (cost-model efficiency); hsap at %.1f%% / %.1f%% of them\n",
+      HardwareBoundSeconds(cluster, workload) * 1e3, IdealSeconds(cluster, workload) * 1e3,
+      100 * rows[0].tokens_per_s / c.hardware_tps, 100 * c.of_ideal);
+  std::printf(
+      "# hsap's layer as it runs: %.3f ms = compute %.3f (busiest device) + exposed transfer "
+      "%.3f; imbalance %.3f (busiest minus mean device compute)\n",
+      result.run.Seconds() * 1e3, c.parts.compute * 1e3, c.parts.exposed * 1e3,
+      c.parts.imbalance * 1e3);
+  std::printf(
+      "# end to end (attention + token-parallel projections and MLP, token shares of the "
+      "plan): hsap %.0f tokens/s, %s %.0f tokens/s: %.3fx (attention only %.3fx)\n",
+      c.e2e_hsap, c.best_name.c_str(), c.e2e_base, c.e2e_speedup, c.speedup);
+}
+
+// The cluster's line of the --brief table.
+void PrintBriefLine(const Cluster& cluster, const PlannerResult& result, const Comparison& c) {
+  const std::vector<Row>& rows = c.rows;
+  const double step = result.run.Seconds();
+  std::printf(
+      "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
+      "%9.1f %9.1f\n",
+      cluster.name.c_str(), cluster.Summary().substr(0, 30).c_str(), rows[0].tokens_per_s,
+      c.best_baseline, c.best_name.c_str(), c.speedup, c.e2e_speedup,
+      100 * rows[0].tokens_per_s / c.hardware_tps, 100 * c.of_ideal, 100 * c.parts.compute / step,
+      100 * c.parts.exposed / step, 100 * c.parts.imbalance / step, result.search_cpu_seconds * 1e3,
+      result.baselines_cpu_seconds * 1e3);
+}
+
+// --json and --svg. 1 after saying why a file cannot be written, else 0.
+int WriteOutputs(const Args& args, const Cluster& cluster, const Workload& workload,
+                 const PlannerResult& result) {
+  if (!args.json_path.empty()) {
+    if (absl::Status written = WriteTextFile(args.json_path, PlanToJsonText(result.plan) + "\n");
+        !written.ok()) {
+      std::fprintf(stderr, "hsap_plan: --json: %s\n", std::string(written.message()).c_str());
+      return 1;
+    }
+  }
+  if (!args.svg_path.empty()) {
+    SimOptions options;
+    options.record_events = true;
+    auto sim = Simulate(cluster, workload, result.plan, options);
+    absl::Status written = sim.status();
+    if (sim.ok()) {
+      written = WriteTextFile(args.svg_path, PlanSvg(cluster, workload, result.plan, *sim));
+    }
+    if (!written.ok()) {
+      std::fprintf(stderr, "hsap_plan: --svg: %s\n", std::string(written.message()).c_str());
+      return 1;
+    }
+    if (cluster.size() > kMaxSvgLanes) {
+      std::fprintf(stderr, "hsap_plan: the picture %s draws devices 0-%d of %d\n",
+                   args.svg_path.c_str(), kMaxSvgLanes - 1, cluster.size());
+    }
+  }
+  return 0;
+}
+
+int RunOne(const Args& args, const std::string& path, bool print_plan,
+           std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
+  auto cluster = LoadCluster(path);
+  if (!cluster.ok()) {
+    std::fprintf(stderr, "hsap_plan: %s\n", std::string(cluster.status().message()).c_str());
+    return 1;
+  }
+  const absl::StatusOr<ModelSpec> model = LoadModel(args);
   if (!model.ok()) {
     std::fprintf(stderr, "hsap_plan: %s\n", std::string(model.status().message()).c_str());
     return 2;
@@ -325,130 +476,18 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
                  std::string(result.status().message()).c_str());
     return 1;
   }
-  const double ideal_tps =
-      static_cast<double>(workload.seq_len) / (model->layers * IdealSeconds(*cluster, workload));
-  std::vector<Row> rows;
-  rows.push_back({"hsap", result->family, true, result->run.forward_seconds,
-                  result->run.backward_seconds, TokensPerSecond(workload, result->run)});
-  double best_baseline = 0;
-  std::string best_name = "none";
-  for (const Baseline& b : result->baselines) {
-    Row row{b.name, b.config, b.available, 0, 0, 0};
-    if (b.available) {
-      row.fwd = b.run.forward_seconds;
-      row.bwd = b.run.backward_seconds;
-      row.tokens_per_s = TokensPerSecond(workload, b.run);
-      if (row.tokens_per_s > best_baseline) {
-        best_baseline = row.tokens_per_s;
-        best_name = b.name;
-      }
-    }
-    rows.push_back(row);
-  }
-  const double speedup = best_baseline > 0 ? rows[0].tokens_per_s / best_baseline : 0;
-  // End to end: attention (as it runs) plus the token-parallel projections and MLP.
-  auto e2e_tokens_per_s = [&](const Plan& plan, const RunSimulation& run) {
-    return static_cast<double>(workload.seq_len) /
-           (model->layers * (run.Seconds() + DenseLayerSeconds(*cluster, workload, plan)));
-  };
-  const double e2e_hsap = e2e_tokens_per_s(result->plan, result->run);
-  double e2e_base = 0;
-  for (const Baseline& b : result->baselines) {
-    if (b.available && b.name == best_name) e2e_base = e2e_tokens_per_s(b.plan, b.run);
-  }
-  const double e2e_speedup = e2e_base > 0 ? e2e_hsap / e2e_base : 0;
-  const double hardware_tps = static_cast<double>(workload.seq_len) /
-                              (model->layers * HardwareBoundSeconds(*cluster, workload));
-  const Breakdown parts = BreakdownOf(result->run);
-  const double of_ideal = rows[0].tokens_per_s / ideal_tps;
-  if (speedups && speedup > 0) speedups->push_back(speedup);
-  if (ideal_fractions) ideal_fractions->push_back(of_ideal);
-
+  const Comparison c = Compare(*cluster, *model, workload, *result);
+  if (speedups && c.speedup > 0) speedups->push_back(c.speedup);
+  if (ideal_fractions) ideal_fractions->push_back(c.of_ideal);
   if (print_plan) {
-    std::printf("# hsap_plan: %s (%s), %s, %ld tokens, %s mask\n", cluster->name.c_str(),
-                cluster->Summary().c_str(), model->name.c_str(), static_cast<long>(args.seq),
-                args.full ? "full" : "causal");
-    std::printf(
-        "# attention per layer: %.3g TFLOP forward, %.3g TFLOP backward; ideal bound "
-        "%.3f ms/layer\n#\n",
-        workload.ForwardFlops() / 1e12, workload.BackwardFlops() / 1e12,
-        IdealSeconds(*cluster, workload) * 1e3);
-    std::string described = DescribePlan(result->plan);
-    std::printf("%s#\n", described.c_str());
-    std::printf("# %-12s %-36s %10s %10s %12s %8s %8s\n", "layout", "config", "fwd_ms", "bwd_ms",
-                "tokens/s", "vs_best", "of_ideal");
-    for (const Row& r : rows) {
-      if (!r.available) {
-        std::printf("  %-12s %-36s %10s %10s %12s %8s %8s\n", r.name.c_str(),
-                    r.config.substr(0, 36).c_str(), "-", "-", "-", "-", "-");
-        if (r.config.size() > 36) std::printf("  %12s   (%s)\n", "", r.config.c_str());
-        continue;
-      }
-      std::printf("  %-12s %-36s %10.3f %10.3f %12.0f %7.3fx %7.1f%%\n", r.name.c_str(),
-                  r.config.substr(0, 36).c_str(), r.fwd * 1e3, r.bwd * 1e3, r.tokens_per_s,
-                  best_baseline > 0 ? r.tokens_per_s / best_baseline : 0.0,
-                  100 * r.tokens_per_s / ideal_tps);
-    }
-    std::printf(
-        "# strongest baseline: %s; hsap speedup %.3fx; %.1f%% of the ideal bound; "
-        "planning %.1f ms wall, %.1f ms CPU: search %.1f ms (%d cost-model evaluations), "
-        "baselines %.1f ms\n",
-        best_name.c_str(), speedup, 100 * of_ideal, result->planning_seconds * 1e3,
-        result->planning_cpu_seconds * 1e3, result->search_cpu_seconds * 1e3, result->candidates,
-        result->baselines_cpu_seconds * 1e3);
-    std::printf(
-        "# yardsticks per layer (fwd + bwd): hardware bound %.3f ms (datasheet peak, efficiency "
-        "1), model bound %.3f ms (cost-model efficiency); hsap at %.1f%% / %.1f%% of them\n",
-        HardwareBoundSeconds(*cluster, workload) * 1e3, IdealSeconds(*cluster, workload) * 1e3,
-        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal);
-    std::printf(
-        "# hsap's layer as it runs: %.3f ms = compute %.3f (busiest device) + exposed transfer "
-        "%.3f; imbalance %.3f (busiest minus mean device compute)\n",
-        result->run.Seconds() * 1e3, parts.compute * 1e3, parts.exposed * 1e3,
-        parts.imbalance * 1e3);
-    std::printf(
-        "# end to end (attention + token-parallel projections and MLP, token shares of the "
-        "plan): hsap %.0f tokens/s, %s %.0f tokens/s: %.3fx (attention only %.3fx)\n",
-        e2e_hsap, best_name.c_str(), e2e_base, e2e_speedup, speedup);
+    PrintPlanReport(args, *cluster, *model, workload, *result, c);
   } else {
-    const double step = result->run.Seconds();
-    std::printf(
-        "  %-28s %-30s %12.0f %12.0f %-10s %7.3fx %7.3fx %7.1f%% %7.1f%% %5.0f%% %5.0f%% %5.0f%% "
-        "%9.1f %9.1f\n",
-        cluster->name.c_str(), cluster->Summary().substr(0, 30).c_str(), rows[0].tokens_per_s,
-        best_baseline, best_name.c_str(), speedup, e2e_speedup,
-        100 * rows[0].tokens_per_s / hardware_tps, 100 * of_ideal, 100 * parts.compute / step,
-        100 * parts.exposed / step, 100 * parts.imbalance / step, result->search_cpu_seconds * 1e3,
-        result->baselines_cpu_seconds * 1e3);
+    PrintBriefLine(*cluster, *result, c);
   }
   if (args.run && print_plan) {
-    if (int rc = ReportRun(args, *cluster, *model, *result, best_name); rc != 0) return rc;
+    if (int rc = ReportRun(args, *cluster, *model, *result, c.best_name); rc != 0) return rc;
   }
-  if (!args.json_path.empty()) {
-    if (absl::Status written = WriteTextFile(args.json_path, PlanToJsonText(result->plan) + "\n");
-        !written.ok()) {
-      std::fprintf(stderr, "hsap_plan: --json: %s\n", std::string(written.message()).c_str());
-      return 1;
-    }
-  }
-  if (!args.svg_path.empty()) {
-    SimOptions options;
-    options.record_events = true;
-    auto sim = Simulate(*cluster, workload, result->plan, options);
-    absl::Status written = sim.status();
-    if (sim.ok()) {
-      written = WriteTextFile(args.svg_path, PlanSvg(*cluster, workload, result->plan, *sim));
-    }
-    if (!written.ok()) {
-      std::fprintf(stderr, "hsap_plan: --svg: %s\n", std::string(written.message()).c_str());
-      return 1;
-    }
-    if (cluster->size() > kMaxSvgLanes) {
-      std::fprintf(stderr, "hsap_plan: the picture %s draws devices 0-%d of %d\n",
-                   args.svg_path.c_str(), kMaxSvgLanes - 1, cluster->size());
-    }
-  }
-  return 0;
+  return WriteOutputs(args, *cluster, workload, *result);
 }
 
 }  // namespace

@@ -63,6 +63,88 @@ T Sym(const HostModule& m, const char* name, absl::Status& status) {
   return reinterpret_cast<T>(*p);
 }
 
+// The backward's work by key tile: per tile, the items (a chunk's query rows against the
+// tile's keys of one segment) in chunk order, the chunk of each item, and how many earlier
+// tiles add to the dq of each item's chunk (its turn); the tiles with items, increasing.
+struct KeyTileItems {
+  std::vector<std::vector<HsapHostKvItem>> items;
+  std::vector<std::vector<int64_t>> item_chunk;
+  std::vector<std::vector<int64_t>> turn;
+  std::vector<int64_t> busy_tiles;
+};
+
+KeyTileItems ItemsByKeyTile(const std::vector<Chunk>& chunks,
+                            const std::vector<HsapHostSegment>& segments, int64_t tiles, int64_t bk,
+                            bool band_masks) {
+  KeyTileItems out;
+  std::vector<std::vector<HsapHostKvItem>>& items = out.items;
+  std::vector<std::vector<int64_t>>& item_chunk = out.item_chunk;
+  items.resize(static_cast<size_t>(tiles));
+  item_chunk.resize(static_cast<size_t>(tiles));
+  for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
+    const Chunk& c = chunks[ci];
+    for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
+      const HsapHostSegment& g = segments[s];
+      int64_t lo = g.k_begin, hi = g.k_end;
+      if (band_masks) {
+        lo = std::max(lo, c.q_begin + g.diag_lo);
+        hi = std::min(hi, c.q_end - 1 + g.diag_hi + 1);
+      }
+      for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
+        items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
+                               std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
+        item_chunk[tile].push_back(ci);
+      }
+    }
+  }
+  // turn[tile][i]: how many earlier tiles add to the dq of item i's chunk.
+  std::vector<std::vector<int64_t>>& turn = out.turn;
+  turn.resize(static_cast<size_t>(tiles));
+  std::vector<int64_t> tiles_seen(chunks.size(), 0);
+  for (int64_t t = 0; t < tiles; ++t) {
+    if (items[t].empty()) continue;
+    out.busy_tiles.push_back(t);
+    const std::vector<int64_t>& ic = item_chunk[t];
+    turn[t].resize(ic.size());
+    for (size_t i = 0; i < ic.size(); ++i) {
+      turn[t][i] = tiles_seen[ic[i]];
+      if (i + 1 == ic.size() || ic[i + 1] != ic[i]) ++tiles_seen[ic[i]];
+    }
+  }
+  return out;
+}
+
+// One backward task's place in the dq order of the chunks it adds to: before an item of a
+// new chunk it waits until the tiles before it are done with that chunk (BeforeItem, the
+// kernel's callback), and it marks its turn done when it leaves the chunk (Finish).
+struct ChunkTurn {
+  const std::vector<int64_t>* chunk_of;
+  const std::vector<int64_t>* turn;
+  std::atomic<int64_t>* done;  // this kv head's row
+  int64_t current = -1;        // item whose chunk this task is adding to
+
+  void Finish() {
+    if (current < 0) return;
+    std::atomic<int64_t>& d = done[(*chunk_of)[current]];
+    d.store((*turn)[current] + 1, std::memory_order_release);
+    d.notify_all();
+  }
+  static void BeforeItem(void* ctx, int64_t item) {
+    auto* self = static_cast<ChunkTurn*>(ctx);
+    if (self->current >= 0 && (*self->chunk_of)[self->current] == (*self->chunk_of)[item]) {
+      return;  // same chunk: already its turn
+    }
+    self->Finish();
+    self->current = item;
+    std::atomic<int64_t>& d = self->done[(*self->chunk_of)[item]];
+    const int64_t mine = (*self->turn)[item];
+    for (int64_t v = d.load(std::memory_order_acquire); v != mine;
+         v = d.load(std::memory_order_acquire)) {
+      d.wait(v, std::memory_order_acquire);
+    }
+  }
+};
+
 class LoadedKernels final : public HostJitKernelSet {
  public:
   static absl::StatusOr<std::shared_ptr<const HostJitKernelSet>> Create(
@@ -183,69 +265,15 @@ class LoadedKernels final : public HostJitKernelSet {
     // dq, dk and dv element sums its contributions in one order whatever the number of
     // threads; tasks are handed out in increasing order, so the lowest unfinished one
     // never waits.
-    std::vector<std::vector<HsapHostKvItem>> items(static_cast<size_t>(tiles));
-    std::vector<std::vector<int64_t>> item_chunk(static_cast<size_t>(tiles));
-    for (int64_t ci = 0; ci < static_cast<int64_t>(chunks.size()); ++ci) {
-      const Chunk& c = chunks[ci];
-      for (int64_t s = c.seg_begin; s < c.seg_end; ++s) {
-        const HsapHostSegment& g = segments[s];
-        int64_t lo = g.k_begin, hi = g.k_end;
-        if (spec_.band_masks) {
-          lo = std::max(lo, c.q_begin + g.diag_lo);
-          hi = std::min(hi, c.q_end - 1 + g.diag_hi + 1);
-        }
-        for (int64_t tile = lo / bk; tile * bk < hi; ++tile) {
-          items[tile].push_back({c.q_begin, c.q_end, std::max(g.k_begin, tile * bk),
-                                 std::min(g.k_end, (tile + 1) * bk), g.diag_lo, g.diag_hi});
-          item_chunk[tile].push_back(ci);
-        }
-      }
-    }
-    // turn[tile][i]: how many earlier tiles add to the dq of item i's chunk.
-    std::vector<std::vector<int64_t>> turn(static_cast<size_t>(tiles));
-    std::vector<int64_t> tiles_seen(chunks.size(), 0);
-    std::vector<int64_t> busy_tiles;
-    for (int64_t t = 0; t < tiles; ++t) {
-      if (items[t].empty()) continue;
-      busy_tiles.push_back(t);
-      const std::vector<int64_t>& ic = item_chunk[t];
-      turn[t].resize(ic.size());
-      for (size_t i = 0; i < ic.size(); ++i) {
-        turn[t][i] = tiles_seen[ic[i]];
-        if (i + 1 == ic.size() || ic[i + 1] != ic[i]) ++tiles_seen[ic[i]];
-      }
-    }
+    const KeyTileItems by_tile = ItemsByKeyTile(chunks, segments, tiles, bk, spec_.band_masks);
+    const std::vector<std::vector<HsapHostKvItem>>& items = by_tile.items;
+    const std::vector<std::vector<int64_t>>& item_chunk = by_tile.item_chunk;
+    const std::vector<std::vector<int64_t>>& turn = by_tile.turn;
+    const std::vector<int64_t>& busy_tiles = by_tile.busy_tiles;
     std::vector<std::vector<int32_t>> q_heads(dims.heads_kv);
     for (int h = 0; h < dims.heads_q; ++h) q_heads[dims.KvHead(h)].push_back(h);
     // done[kv head][chunk]: tiles (in order) that finished adding to the chunk's dq.
     std::vector<std::atomic<int64_t>> done(chunks.size() * dims.heads_kv);
-    struct ChunkTurn {
-      const std::vector<int64_t>* chunk_of;
-      const std::vector<int64_t>* turn;
-      std::atomic<int64_t>* done;  // this kv head's row
-      int64_t current = -1;        // item whose chunk this task is adding to
-
-      void Finish() {
-        if (current < 0) return;
-        std::atomic<int64_t>& d = done[(*chunk_of)[current]];
-        d.store((*turn)[current] + 1, std::memory_order_release);
-        d.notify_all();
-      }
-      static void BeforeItem(void* ctx, int64_t item) {
-        auto* self = static_cast<ChunkTurn*>(ctx);
-        if (self->current >= 0 && (*self->chunk_of)[self->current] == (*self->chunk_of)[item]) {
-          return;  // same chunk: already its turn
-        }
-        self->Finish();
-        self->current = item;
-        std::atomic<int64_t>& d = self->done[(*self->chunk_of)[item]];
-        const int64_t mine = (*self->turn)[item];
-        for (int64_t v = d.load(std::memory_order_acquire); v != mine;
-             v = d.load(std::memory_order_acquire)) {
-          d.wait(v, std::memory_order_acquire);
-        }
-      }
-    };
     const int64_t nkv = static_cast<int64_t>(busy_tiles.size()) * dims.heads_kv;
     ParallelFor(nkv, num_threads, [&](int64_t i) {
       const int64_t tile = busy_tiles[i / dims.heads_kv];

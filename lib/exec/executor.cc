@@ -136,6 +136,209 @@ class KvPipeline {
   ExecTraffic moved_;
 };
 
+// The backward of one rank's ring schedule: the local keys and every stage's received rows,
+// the fp32 dK/dV partials of received rows back to their owner one stage later
+// (RunBackwardStagesThenFanOuts), then the relays' kept partials in one return phase. The
+// gradients accumulate in fp32 into dq32, dk32 and dv32 ([local_rows, heads, head_dim],
+// zeroed by the caller).
+class RingBackward {
+ public:
+  RingBackward(const ExecContext& ctx, const void* dout, const void* q, const void* k,
+               const void* v, const float* lse, const float* delta, float* dq32, float* dk32,
+               float* dv32)
+      : ctx_(ctx),
+        sched_(*ctx.schedule),
+        k_(k),
+        v_(v),
+        rows_(sched_.local_rows),
+        threads_(ctx.comm->num_threads()),
+        kv_row_(static_cast<size_t>(ctx.dims.heads_kv) * ctx.dims.head_dim),
+        dk32_(dk32),
+        dv32_(dv32),
+        kv_(ctx, k, v, "backward", Payload::kKey, Payload::kValue),
+        store_gk_(sched_.store_rows * kv_row_, 0.0f),
+        store_gv_(store_gk_.size(), 0.0f) {
+    args_.dims = ctx.dims;
+    args_.dtype = ctx.dtype;
+    args_.q = q;
+    args_.dout = dout;
+    args_.lse = lse;
+    args_.delta = delta;
+    args_.q_rows = rows_;
+    args_.dq = dq32;
+  }
+
+  absl::Status Run() {
+    BackwardStages hooks;
+    hooks.post_kv = [&](size_t i) { return kv_.Post(i); };
+    hooks.local = [&]() { return Local(); };
+    hooks.compute = [&](size_t i) { return Compute(i); };
+    hooks.post_grad = [&](size_t i) { return PostGrad(i); };
+    hooks.add_returned = [&](size_t i) {
+      const Stage& st = sched_.stages[i];
+      if (st.send_to >= 0 && !st.send_grads_deferred) {
+        AddRows(st, back_k_[i % 2].data(), back_v_[i % 2].data());
+      }
+      return absl::OkStatus();
+    };
+    // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+    const size_t fan = sched_.first_fan_out();
+    std::vector<int> steps;
+    for (const Stage& st : sched_.stages) steps.push_back(st.step);
+    HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
+    return ReturnRelayGrads(fan);
+  }
+
+  // K/V and gradient bytes moved, by link class.
+  ExecTraffic moved() const {
+    ExecTraffic t = kv_.moved();
+    AddTraffic(t, grad_moved_);
+    return t;
+  }
+
+ private:
+  absl::Status Local() {
+    if (sched_.local_work.empty()) return absl::OkStatus();
+    args_.k = k_;
+    args_.v = v_;
+    args_.k_rows = rows_;
+    args_.dk = dk32_;
+    args_.dv = dv32_;
+    return ctx_.kernels->Backward(args_, sched_.local_work, threads_);
+  }
+
+  // Adds the returned partials of a stage's sent rows (`gk`, `gv`, packed in run order) into
+  // dk32/dv32, or into the relay store when the stage sent from it.
+  void AddRows(const Stage& st, const float* gk, const float* gv) {
+    const size_t kv_row = kv_row_;
+    float* to_k = st.send_from_store ? store_gk_.data() : dk32_;
+    float* to_v = st.send_from_store ? store_gv_.data() : dv32_;
+    for (const TokenRun& run : st.send_runs) {
+      float* tk = to_k + run.local_begin * kv_row;
+      float* tv = to_v + run.local_begin * kv_row;
+      const size_t count = static_cast<size_t>(run.length) * kv_row;
+      for (size_t e = 0; e < count; ++e) {
+        tk[e] += gk[e];
+        tv[e] += gv[e];
+      }
+      gk += count;
+      gv += count;
+    }
+  }
+
+  // Gradient partials of the rows received at stage i: into the relay store when the
+  // stage keeps its buffer (summed there), else into the slot's buffers, sent back to their
+  // owner by PostGrad.
+  absl::Status Compute(size_t i) {
+    const Stage& st = sched_.stages[i];
+    const size_t slot = i % 2;
+    const size_t kv_row = kv_row_;
+    if (st.recv_from < 0) return absl::OkStatus();
+    if (st.store_begin >= 0) {
+      args_.dk = store_gk_.data() + st.store_begin * kv_row;
+      args_.dv = store_gv_.data() + st.store_begin * kv_row;
+    } else {
+      part_k_[slot].assign(st.recv_rows * kv_row, 0.0f);
+      part_v_[slot].assign(st.recv_rows * kv_row, 0.0f);
+      args_.dk = part_k_[slot].data();
+      args_.dv = part_v_[slot].data();
+    }
+    if (st.recv_work.empty()) return absl::OkStatus();
+    args_.k = kv_.recv_k(i);
+    args_.v = kv_.recv_v(i);
+    args_.k_rows = st.recv_rows;
+    return ctx_.kernels->Backward(args_, st.recv_work, threads_);
+  }
+
+  // Stage i's partials to the owner of its received rows, and those of this rank's rows
+  // from the stage's destination (unless they come in the return phase).
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> PostGrad(size_t i) {
+    const Stage& st = sched_.stages[i];
+    const size_t slot = i % 2;
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_from >= 0 && st.store_begin < 0) {
+      const size_t bytes = part_k_[slot].size() * sizeof(float);
+      Tally(grad_moved_, *ctx_.comm, st.recv_from, 2 * bytes, /*sent=*/true);
+      sends.push_back({st.recv_from, part_k_[slot].data(), bytes,
+                       RingTag(ctx_.call_id, Payload::kKeyGrad, st.step)});
+      sends.push_back({st.recv_from, part_v_[slot].data(), bytes,
+                       RingTag(ctx_.call_id, Payload::kValueGrad, st.step)});
+    }
+    if (st.send_to >= 0 && !st.send_grads_deferred) {
+      back_k_[slot].resize(st.send_rows * kv_row_);
+      back_v_[slot].resize(st.send_rows * kv_row_);
+      const size_t bytes = back_k_[slot].size() * sizeof(float);
+      Tally(grad_moved_, *ctx_.comm, st.send_to, 2 * bytes, /*sent=*/false);
+      recvs.push_back({st.send_to, back_k_[slot].data(), bytes,
+                       RingTag(ctx_.call_id, Payload::kKeyGrad, st.step)});
+      recvs.push_back({st.send_to, back_v_[slot].data(), bytes,
+                       RingTag(ctx_.call_id, Payload::kValueGrad, st.step)});
+    }
+    return ctx_.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
+  }
+
+  // The return phase: kept buffers' summed partials go back to their owners.
+  absl::Status ReturnRelayGrads(size_t fan) {
+    const size_t kv_row = kv_row_;
+    std::vector<std::vector<float>> deferred_k(sched_.stages.size()),
+        deferred_v(sched_.stages.size());
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched_.stages[i];
+      if (st.recv_from >= 0 && st.store_begin >= 0) {
+        const size_t bytes = st.recv_rows * kv_row * sizeof(float);
+        Tally(grad_moved_, *ctx_.comm, st.recv_from, 2 * bytes, /*sent=*/true);
+        sends.push_back({st.recv_from, store_gk_.data() + st.store_begin * kv_row, bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayKeyGrad, st.step)});
+        sends.push_back({st.recv_from, store_gv_.data() + st.store_begin * kv_row, bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        deferred_k[i].resize(st.send_rows * kv_row);
+        deferred_v[i].resize(st.send_rows * kv_row);
+        const size_t bytes = deferred_k[i].size() * sizeof(float);
+        Tally(grad_moved_, *ctx_.comm, st.send_to, 2 * bytes, /*sent=*/false);
+        recvs.push_back({st.send_to, deferred_k[i].data(), bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayKeyGrad, st.step)});
+        recvs.push_back({st.send_to, deferred_v[i].data(), bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+    }
+    if (sends.empty() && recvs.empty()) return absl::OkStatus();
+    HSAP_ASSIGN_OR_RETURN(
+        std::unique_ptr<Transport::Pending> pending,
+        ctx_.comm->transport().Start(sends, recvs, "backward relay dk/dv return"));
+    HSAP_RETURN_IF_ERROR(pending->Wait());
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched_.stages[i];
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        AddRows(st, deferred_k[i].data(), deferred_v[i].data());
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const ExecContext& ctx_;
+  const Schedule& sched_;
+  const void* const k_;
+  const void* const v_;
+  const int64_t rows_;
+  const int threads_;
+  const size_t kv_row_;
+  float* const dk32_;
+  float* const dv32_;
+  KvPipeline kv_;
+  BackwardArgs args_;
+  // Gradient partials: computed for the rows received at stage i (sent back to their
+  // owner), and received for this rank's rows that the stage's destination used. A kept
+  // buffer's partials are computed into the relay store and summed there.
+  std::vector<float> part_k_[2], part_v_[2], back_k_[2], back_v_[2];
+  std::vector<float> store_gk_, store_gv_;
+  ExecTraffic grad_moved_;
+};
+
 }  // namespace
 
 ExecTraffic ForwardTraffic(const Schedule& schedule, const AttentionDims& dims, DType dtype) {
@@ -211,162 +414,18 @@ absl::Status ExecuteBackward(const ExecContext& ctx, const void* dout, const voi
   const Schedule& sched = *ctx.schedule;
   const int64_t rows = sched.local_rows;
   const AttentionDims& dims = ctx.dims;
-  const int threads = ctx.comm->num_threads();
   const size_t q_row = static_cast<size_t>(dims.heads_q) * dims.head_dim;
   const size_t kv_row = static_cast<size_t>(dims.heads_kv) * dims.head_dim;
 
   std::vector<float> delta(static_cast<size_t>(rows) * dims.heads_q);
   ComputeDelta(ctx.dtype, dout, out, rows, dims.heads_q, dims.head_dim, delta.data());
   std::vector<float> dq32(rows * q_row, 0.0f), dk32(rows * kv_row, 0.0f), dv32(rows * kv_row, 0.0f);
-
-  BackwardArgs args;
-  args.dims = dims;
-  args.dtype = ctx.dtype;
-  args.q = q;
-  args.dout = dout;
-  args.lse = lse;
-  args.delta = delta.data();
-  args.q_rows = rows;
-  args.dq = dq32.data();
-
-  KvPipeline kv(ctx, k, v, "backward", Payload::kKey, Payload::kValue);
-  auto local = [&]() -> absl::Status {
-    if (sched.local_work.empty()) return absl::OkStatus();
-    args.k = k;
-    args.v = v;
-    args.k_rows = rows;
-    args.dk = dk32.data();
-    args.dv = dv32.data();
-    return ctx.kernels->Backward(args, sched.local_work, threads);
-  };
-
-  // Gradient partials: computed for the rows received at stage i (sent back to their
-  // owner), and received for this rank's rows that the stage's destination used. A kept
-  // buffer's partials are computed into the relay store and summed there.
-  std::vector<float> part_k[2], part_v[2], back_k[2], back_v[2];
-  std::vector<float> store_gk(sched.store_rows * kv_row, 0.0f), store_gv(store_gk.size(), 0.0f);
-  ExecTraffic grad_moved;
-  auto add_rows = [&](const Stage& st, const float* gk, const float* gv) {
-    float* to_k = st.send_from_store ? store_gk.data() : dk32.data();
-    float* to_v = st.send_from_store ? store_gv.data() : dv32.data();
-    for (const TokenRun& run : st.send_runs) {
-      float* tk = to_k + run.local_begin * kv_row;
-      float* tv = to_v + run.local_begin * kv_row;
-      const size_t count = static_cast<size_t>(run.length) * kv_row;
-      for (size_t e = 0; e < count; ++e) {
-        tk[e] += gk[e];
-        tv[e] += gv[e];
-      }
-      gk += count;
-      gv += count;
-    }
-  };
-
-  BackwardStages hooks;
-  hooks.post_kv = [&](size_t i) { return kv.Post(i); };
-  hooks.local = local;
-  hooks.compute = [&](size_t i) -> absl::Status {
-    const Stage& st = sched.stages[i];
-    const size_t slot = i % 2;
-    if (st.recv_from < 0) return absl::OkStatus();
-    if (st.store_begin >= 0) {
-      args.dk = store_gk.data() + st.store_begin * kv_row;
-      args.dv = store_gv.data() + st.store_begin * kv_row;
-    } else {
-      part_k[slot].assign(st.recv_rows * kv_row, 0.0f);
-      part_v[slot].assign(st.recv_rows * kv_row, 0.0f);
-      args.dk = part_k[slot].data();
-      args.dv = part_v[slot].data();
-    }
-    if (st.recv_work.empty()) return absl::OkStatus();
-    args.k = kv.recv_k(i);
-    args.v = kv.recv_v(i);
-    args.k_rows = st.recv_rows;
-    return ctx.kernels->Backward(args, st.recv_work, threads);
-  };
-  hooks.post_grad = [&](size_t i) {
-    const Stage& st = sched.stages[i];
-    const size_t slot = i % 2;
-    std::vector<SendOp> sends;
-    std::vector<RecvOp> recvs;
-    if (st.recv_from >= 0 && st.store_begin < 0) {
-      const size_t bytes = part_k[slot].size() * sizeof(float);
-      Tally(grad_moved, *ctx.comm, st.recv_from, 2 * bytes, /*sent=*/true);
-      sends.push_back({st.recv_from, part_k[slot].data(), bytes,
-                       RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
-      sends.push_back({st.recv_from, part_v[slot].data(), bytes,
-                       RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
-    }
-    if (st.send_to >= 0 && !st.send_grads_deferred) {
-      back_k[slot].resize(st.send_rows * kv_row);
-      back_v[slot].resize(st.send_rows * kv_row);
-      const size_t bytes = back_k[slot].size() * sizeof(float);
-      Tally(grad_moved, *ctx.comm, st.send_to, 2 * bytes, /*sent=*/false);
-      recvs.push_back({st.send_to, back_k[slot].data(), bytes,
-                       RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
-      recvs.push_back({st.send_to, back_v[slot].data(), bytes,
-                       RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
-    }
-    return ctx.comm->transport().Start(sends, recvs, StageName("backward", st, "dk/dv"));
-  };
-  hooks.add_returned = [&](size_t i) {
-    const Stage& st = sched.stages[i];
-    if (st.send_to >= 0 && !st.send_grads_deferred) {
-      add_rows(st, back_k[i % 2].data(), back_v[i % 2].data());
-    }
-    return absl::OkStatus();
-  };
-  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
-  const size_t fan = sched.first_fan_out();
-  std::vector<int> steps;
-  for (const Stage& st : sched.stages) steps.push_back(st.step);
-  HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
-  // The return phase: kept buffers' summed partials go back to their owners.
-  std::vector<std::vector<float>> deferred_k(sched.stages.size()), deferred_v(sched.stages.size());
-  {
-    std::vector<SendOp> sends;
-    std::vector<RecvOp> recvs;
-    for (size_t i = 0; i < fan; ++i) {
-      const Stage& st = sched.stages[i];
-      if (st.recv_from >= 0 && st.store_begin >= 0) {
-        const size_t bytes = st.recv_rows * kv_row * sizeof(float);
-        Tally(grad_moved, *ctx.comm, st.recv_from, 2 * bytes, /*sent=*/true);
-        sends.push_back({st.recv_from, store_gk.data() + st.store_begin * kv_row, bytes,
-                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
-        sends.push_back({st.recv_from, store_gv.data() + st.store_begin * kv_row, bytes,
-                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
-      }
-      if (st.send_to >= 0 && st.send_grads_deferred) {
-        deferred_k[i].resize(st.send_rows * kv_row);
-        deferred_v[i].resize(st.send_rows * kv_row);
-        const size_t bytes = deferred_k[i].size() * sizeof(float);
-        Tally(grad_moved, *ctx.comm, st.send_to, 2 * bytes, /*sent=*/false);
-        recvs.push_back({st.send_to, deferred_k[i].data(), bytes,
-                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
-        recvs.push_back({st.send_to, deferred_v[i].data(), bytes,
-                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
-      }
-    }
-    if (!sends.empty() || !recvs.empty()) {
-      HSAP_ASSIGN_OR_RETURN(
-          std::unique_ptr<Transport::Pending> pending,
-          ctx.comm->transport().Start(sends, recvs, "backward relay dk/dv return"));
-      HSAP_RETURN_IF_ERROR(pending->Wait());
-      for (size_t i = 0; i < fan; ++i) {
-        const Stage& st = sched.stages[i];
-        if (st.send_to >= 0 && st.send_grads_deferred) {
-          add_rows(st, deferred_k[i].data(), deferred_v[i].data());
-        }
-      }
-    }
-  }
+  RingBackward ring(ctx, dout, q, k, v, lse, delta.data(), dq32.data(), dk32.data(), dv32.data());
+  HSAP_RETURN_IF_ERROR(ring.Run());
   StoreRows(ctx.dtype, dq32, dq);
   StoreRows(ctx.dtype, dk32, dk);
   StoreRows(ctx.dtype, dv32, dv);
-  if (traffic != nullptr) {
-    *traffic = kv.moved();
-    AddTraffic(*traffic, grad_moved);
-  }
+  if (traffic != nullptr) *traffic = ring.moved();
   return absl::OkStatus();
 }
 

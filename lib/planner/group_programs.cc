@@ -236,6 +236,29 @@ struct StoresByRank {
   std::vector<std::vector<Entry>> sent, received, forwarded, returned, taken_back;
 };
 
+// The peers of one ring step of one rank. (peer, heads), in the peer's group order: receives
+// from holders, the fan-out received from a gateway and forwarded by this rank as a gateway,
+// and sends to the next group. Node stores (hierarchy.h, 6.), as (peer, rows): segments sent
+// and received, and the summed partials returned and taken back; forwards from this rank's
+// store as (peer, heads, rows).
+struct StepPeers {
+  std::vector<std::pair<int, int>> recv, fan_recv, fan_send, send;
+  std::vector<std::pair<int, int64_t>> store_send, store_recv, store_return_send, store_return_recv;
+  std::vector<std::tuple<int, int, int64_t>> store_fan;
+
+  void Clear() {
+    recv.clear();
+    fan_recv.clear();
+    fan_send.clear();
+    send.clear();
+    store_send.clear();
+    store_recv.clear();
+    store_return_send.clear();
+    store_return_recv.clear();
+    store_fan.clear();
+  }
+};
+
 // The K/V stages of member `self` of the group at ring position `position`, appended to
 // both passes of `program`: Hierarchy::BuildRank's sub-ring steps (at step t the position
 // receives from position - t the rows its queries see and sends to position + t the rows
@@ -246,191 +269,248 @@ struct StoresByRank {
 // fan-out (forwarded, then received); backward adds the fp32 dK/dV partials of the fan-out
 // back to the gateway, then those of the received rows to their sender and of the sent
 // rows from their receiver.
+class RankStages {
+ public:
+  RankStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
+             const std::vector<int>& ring,
+             const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
+             const Holders& holders, const Hierarchy& hierarchy, const StoresByRank& stores,
+             int head_dim, uint64_t element_bytes)
+      : needs_(needs),
+        position_(position),
+        self_(self),
+        ring_(ring),
+        kv_heads_(kv_heads),
+        plan_(plan),
+        holders_(holders),
+        hierarchy_(hierarchy),
+        head_dim_(head_dim),
+        element_bytes_(element_bytes),
+        node_(holders.NodeOf(self.rank)),
+        any_store_(!hierarchy.stores().empty()),
+        sent_stores_(stores.sent[self.rank]),
+        received_(stores.received[self.rank]),
+        forwarded_(stores.forwarded[self.rank]),
+        returned_(stores.returned[self.rank]),
+        taken_back_(stores.taken_back[self.rank]) {}
+
+  void Append(RankProgram* program) {
+    const int num_positions = static_cast<int>(ring_.size());
+    StepPeers peers;
+    for (int t = 1; t < num_positions; ++t) {
+      const int src = (position_ - t + num_positions) % num_positions;
+      const int dst = (position_ + t) % num_positions;
+      const int64_t recv_rows = needs_.rows(position_, src);
+      const int64_t send_rows = needs_.rows(dst, position_);
+      peers.Clear();
+      if (recv_rows > 0) CollectReceives(t, src, &peers);
+      if (send_rows > 0) CollectSends(t, dst, &peers);
+      CollectStoreEntries(t, &peers);
+      if (recv_rows == 0 && peers.send.empty() && peers.store_send.empty() &&
+          peers.store_recv.empty() && peers.store_fan.empty() && peers.store_return_send.empty() &&
+          peers.store_return_recv.empty()) {
+        continue;
+      }
+      for (PassProgram* pass : {&program->forward, &program->backward}) {
+        ProgramStage& s = pass->stages.emplace_back();
+        s.step = t;
+        s.pairs = recv_rows == 0 ? 0 : needs_.pairs(position_, src);
+        WriteKv(peers, recv_rows, send_rows, &s);
+        if (pass == &program->backward) WriteGrad(peers, recv_rows, send_rows, &s);
+      }
+    }
+  }
+
+ private:
+  // The heads this rank receives at step t from ring position `src`: from their holder, from
+  // a gateway or a node store's keeper on its node (fan_recv), or as the gateway or keeper
+  // that forwards them to the other receivers on its node (fan_send).
+  void CollectReceives(int t, int src, StepPeers* p) {
+    for (int h : self_.kv_heads) {
+      if (any_store_ && hierarchy_.TakesFromStore(ring_[src], h, node_, self_.group)) {
+        const Hierarchy::NodeStore* ns = hierarchy_.StoreOf(ring_[src], h, node_);
+        if (ns->keeper != self_.rank) {
+          AddHeads(p->fan_recv, ns->keeper, 1);
+          continue;
+        }
+        node_receivers_.clear();
+        holders_.NodeReceivers(self_.group, h, node_, &node_receivers_);
+        for (int peer : node_receivers_) {
+          if (peer != self_.rank) AddHeads(p->fan_send, peer, 1);
+        }
+        continue;
+      }
+      const int gateway = holders_.GatewayOf(t, ring_[src], self_.group, h, self_.rank);
+      if (gateway >= 0 && gateway != self_.rank) {
+        AddHeads(p->fan_recv, gateway, 1);
+        continue;
+      }
+      AddHeads(p->recv, holders_.SenderOf(ring_[src], h, self_.rank), 1);
+      if (gateway != self_.rank) continue;
+      node_receivers_.clear();
+      holders_.NodeReceivers(self_.group, h, holders_.NodeOf(self_.rank), &node_receivers_);
+      for (int peer : node_receivers_) {
+        if (peer != self_.rank) AddHeads(p->fan_send, peer, 1);
+      }
+    }
+    const auto by_index = [&](const auto& a, const auto& b) {
+      return std::make_pair(holders_.IndexOf(a.first), a.first) <
+             std::make_pair(holders_.IndexOf(b.first), b.first);
+    };
+    for (auto* list : {&p->recv, &p->fan_recv, &p->fan_send}) {
+      std::sort(list->begin(), list->end(), by_index);
+    }
+  }
+
+  // The heads this rank sends at step t to each member of the group at ring position `dst`
+  // that reads them from this rank directly (not through a gateway or a node store).
+  void CollectSends(int t, int dst, StepPeers* p) const {
+    const int gd = ring_[dst];
+    const PlanGroup& to = plan_.groups[gd];
+    for (size_t j = 0; j < to.ranks.size(); ++j) {
+      const int peer = to.ranks[j];
+      int heads = 0;
+      for (int h : kv_heads_[gd][j]) {
+        if (holders_.SenderOf(self_.group, h, peer) != self_.rank) continue;
+        if (any_store_ && hierarchy_.TakesFromStore(self_.group, h, holders_.NodeOf(peer), gd)) {
+          continue;
+        }
+        const int gateway = holders_.GatewayOf(t, self_.group, gd, h, peer);
+        heads += gateway < 0 || gateway == peer;
+      }
+      if (heads > 0) p->send.push_back({peer, heads});
+    }
+  }
+
+  // This rank's node-store entries of step t (the lists are by step; each cursor moves on).
+  void CollectStoreEntries(int t, StepPeers* p) {
+    for (; next_sent_ < sent_stores_.size() && sent_stores_[next_sent_].step == t; ++next_sent_) {
+      p->store_send.push_back({sent_stores_[next_sent_].peer, sent_stores_[next_sent_].rows});
+    }
+    for (; next_received_ < received_.size() && received_[next_received_].step == t;
+         ++next_received_) {
+      p->store_recv.push_back({received_[next_received_].peer, received_[next_received_].rows});
+    }
+    for (; next_returned_ < returned_.size() && returned_[next_returned_].step == t;
+         ++next_returned_) {
+      p->store_return_send.push_back(
+          {returned_[next_returned_].peer, returned_[next_returned_].rows});
+    }
+    for (; next_taken_back_ < taken_back_.size() && taken_back_[next_taken_back_].step == t;
+         ++next_taken_back_) {
+      p->store_return_recv.push_back(
+          {taken_back_[next_taken_back_].peer, taken_back_[next_taken_back_].rows});
+    }
+    for (; next_forwarded_ < forwarded_.size() && forwarded_[next_forwarded_].step == t;
+         ++next_forwarded_) {
+      const StoresByRank::Entry& f = forwarded_[next_forwarded_];
+      auto it = std::find_if(p->store_fan.begin(), p->store_fan.end(),
+                             [&](const auto& x) { return std::get<0>(x) == f.peer; });
+      if (it == p->store_fan.end()) {
+        p->store_fan.push_back({f.peer, 1, f.rows});
+      } else {
+        ++std::get<1>(*it);
+      }
+    }
+    std::sort(p->store_fan.begin(), p->store_fan.end());
+  }
+
+  // K and V (dK and dV) of `rows` rows of `heads` heads.
+  Transfer Message(int peer, bool out, TransferKind kind, int64_t rows, int heads,
+                   uint64_t bytes_per_element) const {
+    Transfer m{peer, out, kind,
+               2 * static_cast<uint64_t>(rows) * heads * head_dim_ * bytes_per_element};
+    m.inter_node = holders_.InterNode(self_.rank, peer);
+    return m;
+  }
+
+  // Both passes: K and V sent, then received, then the fan-out (forwarded, then received).
+  void WriteKv(const StepPeers& p, int64_t recv_rows, int64_t send_rows, ProgramStage* s) const {
+    const uint64_t eb = element_bytes_;
+    for (auto [peer, heads] : p.send) {
+      s->kv.push_back(Message(peer, true, TransferKind::kKv, send_rows, heads, eb));
+    }
+    for (auto [peer, rows] : p.store_send) {
+      s->kv.push_back(Message(peer, true, TransferKind::kKvStore, rows, 1, eb));
+    }
+    for (auto [peer, heads] : p.recv) {
+      s->kv.push_back(Message(peer, false, TransferKind::kKv, recv_rows, heads, eb));
+    }
+    for (auto [peer, rows] : p.store_recv) {
+      s->kv.push_back(Message(peer, false, TransferKind::kKvStore, rows, 1, eb));
+    }
+    for (auto [peer, heads] : p.fan_send) {
+      s->fan_out_kv.push_back(Message(peer, true, TransferKind::kKvFanOut, recv_rows, heads, eb));
+    }
+    for (auto [peer, heads, rows] : p.store_fan) {
+      s->fan_out_kv.push_back(Message(peer, true, TransferKind::kKvFanOut, rows, heads, eb));
+    }
+    for (auto [peer, heads] : p.fan_recv) {
+      s->fan_out_kv.push_back(Message(peer, false, TransferKind::kKvFanOut, recv_rows, heads, eb));
+    }
+  }
+
+  // Backward: the fp32 dK/dV partials of the fan-out back to the gateway, then those of the
+  // received rows to their sender and of the sent rows from their receiver, then a node
+  // store's summed partials, in its last participant's gradient group.
+  void WriteGrad(const StepPeers& p, int64_t recv_rows, int64_t send_rows, ProgramStage* s) const {
+    constexpr uint64_t kF32 = sizeof(float);
+    for (auto [peer, heads] : p.fan_recv) {
+      s->fan_in_grad.push_back(
+          Message(peer, true, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
+    }
+    for (auto [peer, heads] : p.fan_send) {
+      s->fan_in_grad.push_back(
+          Message(peer, false, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
+    }
+    for (auto [peer, heads, rows] : p.store_fan) {
+      s->fan_in_grad.push_back(Message(peer, false, TransferKind::kKvGradFanIn, rows, heads, kF32));
+    }
+    for (auto [peer, heads] : p.recv) {
+      s->grad.push_back(Message(peer, true, TransferKind::kKvGrad, recv_rows, heads, kF32));
+    }
+    for (auto [peer, heads] : p.send) {
+      s->grad.push_back(Message(peer, false, TransferKind::kKvGrad, send_rows, heads, kF32));
+    }
+    for (auto [peer, rows] : p.store_return_send) {
+      s->grad.push_back(Message(peer, true, TransferKind::kKvGradReturn, rows, 1, kF32));
+    }
+    for (auto [peer, rows] : p.store_return_recv) {
+      s->grad.push_back(Message(peer, false, TransferKind::kKvGradReturn, rows, 1, kF32));
+    }
+  }
+
+  const PositionNeeds& needs_;
+  const int position_;
+  const RankHierarchy& self_;
+  const std::vector<int>& ring_;
+  const std::vector<std::vector<std::vector<int>>>& kv_heads_;
+  const Plan& plan_;
+  const Holders& holders_;
+  const Hierarchy& hierarchy_;
+  const int head_dim_;
+  const uint64_t element_bytes_;
+  const int node_;
+  const bool any_store_;  // else no lookups (a hash each)
+  const std::vector<StoresByRank::Entry>& sent_stores_;
+  const std::vector<StoresByRank::Entry>& received_;
+  const std::vector<StoresByRank::Entry>& forwarded_;
+  const std::vector<StoresByRank::Entry>& returned_;
+  const std::vector<StoresByRank::Entry>& taken_back_;
+  size_t next_sent_ = 0, next_received_ = 0, next_forwarded_ = 0, next_returned_ = 0,
+         next_taken_back_ = 0;
+  std::vector<int> node_receivers_;  // scratch
+};
+
+// RankStages(...).Append(program): the K/V stages of one rank, both passes.
 void AppendStages(const PositionNeeds& needs, int position, const RankHierarchy& self,
                   const std::vector<int>& ring,
                   const std::vector<std::vector<std::vector<int>>>& kv_heads, const Plan& plan,
                   const Holders& holders, const Hierarchy& hierarchy, const StoresByRank& stores,
                   int head_dim, uint64_t element_bytes, RankProgram* program) {
-  const int num_positions = static_cast<int>(ring.size());
-  constexpr uint64_t kF32 = sizeof(float);
-  const auto by_index = [&](const auto& a, const auto& b) {
-    return std::make_pair(holders.IndexOf(a.first), a.first) <
-           std::make_pair(holders.IndexOf(b.first), b.first);
-  };
-  const int node = holders.NodeOf(self.rank);
-  const bool any_store = !hierarchy.stores().empty();  // else no lookups (a hash each)
-  // (peer, heads), in the peer's group order: receives from holders, the fan-out received
-  // from a gateway and forwarded by this rank as a gateway, and sends to the next group.
-  // Node stores (hierarchy.h, 6.), as (peer, rows): segments sent and received; forwards
-  // from this rank's store as (peer, heads, rows).
-  std::vector<std::pair<int, int>> recv, fan_recv, fan_send, send;
-  std::vector<std::pair<int, int64_t>> store_send, store_recv, store_return_send, store_return_recv;
-  std::vector<std::tuple<int, int, int64_t>> store_fan;
-  std::vector<int> node_receivers;
-  const std::vector<StoresByRank::Entry>& sent_stores = stores.sent[self.rank];
-  const std::vector<StoresByRank::Entry>& received = stores.received[self.rank];
-  const std::vector<StoresByRank::Entry>& forwarded = stores.forwarded[self.rank];
-  const std::vector<StoresByRank::Entry>& returned = stores.returned[self.rank];
-  const std::vector<StoresByRank::Entry>& taken_back = stores.taken_back[self.rank];
-  size_t next_sent = 0, next_received = 0, next_forwarded = 0, next_returned = 0,
-         next_taken_back = 0;
-  for (int t = 1; t < num_positions; ++t) {
-    const int src = (position - t + num_positions) % num_positions;
-    const int dst = (position + t) % num_positions;
-    const int64_t recv_rows = needs.rows(position, src), send_rows = needs.rows(dst, position);
-    recv.clear();
-    fan_recv.clear();
-    fan_send.clear();
-    send.clear();
-    store_send.clear();
-    store_recv.clear();
-    store_return_send.clear();
-    store_return_recv.clear();
-    store_fan.clear();
-    if (recv_rows > 0) {
-      for (int h : self.kv_heads) {
-        if (any_store && hierarchy.TakesFromStore(ring[src], h, node, self.group)) {
-          const Hierarchy::NodeStore* ns = hierarchy.StoreOf(ring[src], h, node);
-          if (ns->keeper != self.rank) {
-            AddHeads(fan_recv, ns->keeper, 1);
-            continue;
-          }
-          node_receivers.clear();
-          holders.NodeReceivers(self.group, h, node, &node_receivers);
-          for (int peer : node_receivers) {
-            if (peer != self.rank) AddHeads(fan_send, peer, 1);
-          }
-          continue;
-        }
-        const int gateway = holders.GatewayOf(t, ring[src], self.group, h, self.rank);
-        if (gateway >= 0 && gateway != self.rank) {
-          AddHeads(fan_recv, gateway, 1);
-          continue;
-        }
-        AddHeads(recv, holders.SenderOf(ring[src], h, self.rank), 1);
-        if (gateway != self.rank) continue;
-        node_receivers.clear();
-        holders.NodeReceivers(self.group, h, holders.NodeOf(self.rank), &node_receivers);
-        for (int peer : node_receivers) {
-          if (peer != self.rank) AddHeads(fan_send, peer, 1);
-        }
-      }
-      for (auto* list : {&recv, &fan_recv, &fan_send}) {
-        std::sort(list->begin(), list->end(), by_index);
-      }
-    }
-    if (send_rows > 0) {
-      const int gd = ring[dst];
-      const PlanGroup& to = plan.groups[gd];
-      for (size_t j = 0; j < to.ranks.size(); ++j) {
-        const int peer = to.ranks[j];
-        int heads = 0;
-        for (int h : kv_heads[gd][j]) {
-          if (holders.SenderOf(self.group, h, peer) != self.rank) continue;
-          if (any_store && hierarchy.TakesFromStore(self.group, h, holders.NodeOf(peer), gd)) {
-            continue;
-          }
-          const int gateway = holders.GatewayOf(t, self.group, gd, h, peer);
-          heads += gateway < 0 || gateway == peer;
-        }
-        if (heads > 0) send.push_back({peer, heads});
-      }
-    }
-    for (; next_sent < sent_stores.size() && sent_stores[next_sent].step == t; ++next_sent) {
-      store_send.push_back({sent_stores[next_sent].peer, sent_stores[next_sent].rows});
-    }
-    for (; next_received < received.size() && received[next_received].step == t; ++next_received) {
-      store_recv.push_back({received[next_received].peer, received[next_received].rows});
-    }
-    for (; next_returned < returned.size() && returned[next_returned].step == t; ++next_returned) {
-      store_return_send.push_back({returned[next_returned].peer, returned[next_returned].rows});
-    }
-    for (; next_taken_back < taken_back.size() && taken_back[next_taken_back].step == t;
-         ++next_taken_back) {
-      store_return_recv.push_back(
-          {taken_back[next_taken_back].peer, taken_back[next_taken_back].rows});
-    }
-    for (; next_forwarded < forwarded.size() && forwarded[next_forwarded].step == t;
-         ++next_forwarded) {
-      const StoresByRank::Entry& f = forwarded[next_forwarded];
-      auto it = std::find_if(store_fan.begin(), store_fan.end(),
-                             [&](const auto& x) { return std::get<0>(x) == f.peer; });
-      if (it == store_fan.end()) {
-        store_fan.push_back({f.peer, 1, f.rows});
-      } else {
-        ++std::get<1>(*it);
-      }
-    }
-    std::sort(store_fan.begin(), store_fan.end());
-    if (recv_rows == 0 && send.empty() && store_send.empty() && store_recv.empty() &&
-        store_fan.empty() && store_return_send.empty() && store_return_recv.empty()) {
-      continue;
-    }
-    for (PassProgram* pass : {&program->forward, &program->backward}) {
-      ProgramStage& s = pass->stages.emplace_back();
-      s.step = t;
-      s.pairs = recv_rows == 0 ? 0 : needs.pairs(position, src);
-      // K and V (dK and dV) of `rows` rows of `heads` heads.
-      const auto message = [&](int peer, bool out, TransferKind kind, int64_t rows, int heads,
-                               uint64_t bytes_per_element) {
-        Transfer m{peer, out, kind,
-                   2 * static_cast<uint64_t>(rows) * heads * head_dim * bytes_per_element};
-        m.inter_node = holders.InterNode(self.rank, peer);
-        return m;
-      };
-      for (auto [peer, heads] : send) {
-        s.kv.push_back(message(peer, true, TransferKind::kKv, send_rows, heads, element_bytes));
-      }
-      for (auto [peer, rows] : store_send) {
-        s.kv.push_back(message(peer, true, TransferKind::kKvStore, rows, 1, element_bytes));
-      }
-      for (auto [peer, heads] : recv) {
-        s.kv.push_back(message(peer, false, TransferKind::kKv, recv_rows, heads, element_bytes));
-      }
-      for (auto [peer, rows] : store_recv) {
-        s.kv.push_back(message(peer, false, TransferKind::kKvStore, rows, 1, element_bytes));
-      }
-      for (auto [peer, heads] : fan_send) {
-        s.fan_out_kv.push_back(
-            message(peer, true, TransferKind::kKvFanOut, recv_rows, heads, element_bytes));
-      }
-      for (auto [peer, heads, rows] : store_fan) {
-        s.fan_out_kv.push_back(
-            message(peer, true, TransferKind::kKvFanOut, rows, heads, element_bytes));
-      }
-      for (auto [peer, heads] : fan_recv) {
-        s.fan_out_kv.push_back(
-            message(peer, false, TransferKind::kKvFanOut, recv_rows, heads, element_bytes));
-      }
-      if (pass == &program->backward) {
-        for (auto [peer, heads] : fan_recv) {
-          s.fan_in_grad.push_back(
-              message(peer, true, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
-        }
-        for (auto [peer, heads] : fan_send) {
-          s.fan_in_grad.push_back(
-              message(peer, false, TransferKind::kKvGradFanIn, recv_rows, heads, kF32));
-        }
-        for (auto [peer, heads, rows] : store_fan) {
-          s.fan_in_grad.push_back(
-              message(peer, false, TransferKind::kKvGradFanIn, rows, heads, kF32));
-        }
-        for (auto [peer, heads] : recv) {
-          s.grad.push_back(message(peer, true, TransferKind::kKvGrad, recv_rows, heads, kF32));
-        }
-        for (auto [peer, heads] : send) {
-          s.grad.push_back(message(peer, false, TransferKind::kKvGrad, send_rows, heads, kF32));
-        }
-        // A node store's summed partials, in its last participant's gradient group.
-        for (auto [peer, rows] : store_return_send) {
-          s.grad.push_back(message(peer, true, TransferKind::kKvGradReturn, rows, 1, kF32));
-        }
-        for (auto [peer, rows] : store_return_recv) {
-          s.grad.push_back(message(peer, false, TransferKind::kKvGradReturn, rows, 1, kF32));
-        }
-      }
-    }
-  }
+  RankStages(needs, position, self, ring, kv_heads, plan, holders, hierarchy, stores, head_dim,
+             element_bytes)
+      .Append(program);
 }
 
 }  // namespace

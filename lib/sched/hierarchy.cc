@@ -292,184 +292,187 @@ int Hierarchy::GatewayOf(int step, int source_group, int kv_head, int receiver) 
   return receivers[(kv_head + step) % receivers.size()];
 }
 
-absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int rank,
-                                                   int64_t block_q) const {
-  if (rank < 0 || rank >= plan_.num_ranks) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is outside the plan's ", plan_.num_ranks, " ranks"));
-  }
-  RankHierarchy r;
-  r.rank = rank;
-  r.group = group_of_[rank];
-  r.index = index_of_[rank];
-  r.ring_position = position_of_[r.group];
-  const PlanGroup& group = plan_.groups[r.group];
-  const int ratio = plan_.heads_q / plan_.heads_kv;
-  std::vector<int> holders_of_kv(plan_.heads_kv, 0);
-  for (size_t i = 0; i < group.ranks.size(); ++i) {
-    GroupMember m;
-    m.rank = group.ranks[i];
-    m.row_begin = member_rows_[r.group][i];
-    m.tokens = shard_tokens(m.rank);
-    m.q_heads = group.heads[i];
-    std::sort(m.q_heads.begin(), m.q_heads.end());
-    m.kv_heads = kv_heads_[r.group][i];
-    for (int kv : m.kv_heads) ++holders_of_kv[kv];
-    r.members.push_back(std::move(m));
-  }
-  r.kv_grad_partial =
-      std::any_of(holders_of_kv.begin(), holders_of_kv.end(), [](int n) { return n > 1; });
-  r.shard = shards_[rank];
-  r.shard_tokens = shard_tokens(rank);
-  r.q_heads = r.members[r.index].q_heads;
-  r.kv_heads = r.members[r.index].kv_heads;
-  for (int qh : r.q_heads) r.kv_head_of_q.push_back(IndexOf(r.kv_heads, qh / ratio));
+// BuildRank's steps for one rank: its group's members and heads, the layout of the stores
+// it keeps, and per sub-ring step the transfers it takes part in.
+class Hierarchy::RankBuilder {
+ public:
+  RankBuilder(const Hierarchy& h, int rank)
+      : h_(h), rank_(rank), my_node_(h.node_of_rank_.empty() ? 0 : h.node_of_rank_[rank]) {}
 
-  HSAP_ASSIGN_OR_RETURN(Schedule sched,
-                        BuildSchedule(layout, positions_, r.ring_position, block_q));
-  r.group_runs = sched.local_runs;
-  r.group_tokens = sched.local_rows;
-  if (r.q_heads.empty()) return r;  // no heads: only the all-to-all moves this rank's shard
-  r.local_work = std::move(sched.local_work);
+  // The rank's place (group, index, ring position), its group's members, its shard and
+  // its heads.
+  void AddMembers(RankHierarchy* r) const {
+    const Plan& plan = h_.plan_;
+    r->rank = rank_;
+    r->group = h_.group_of_[rank_];
+    r->index = h_.index_of_[rank_];
+    r->ring_position = h_.position_of_[r->group];
+    const PlanGroup& group = plan.groups[r->group];
+    const int ratio = plan.heads_q / plan.heads_kv;
+    std::vector<int> holders_of_kv(plan.heads_kv, 0);
+    for (size_t i = 0; i < group.ranks.size(); ++i) {
+      GroupMember m;
+      m.rank = group.ranks[i];
+      m.row_begin = h_.member_rows_[r->group][i];
+      m.tokens = h_.shard_tokens(m.rank);
+      m.q_heads = group.heads[i];
+      std::sort(m.q_heads.begin(), m.q_heads.end());
+      m.kv_heads = h_.kv_heads_[r->group][i];
+      for (int kv : m.kv_heads) ++holders_of_kv[kv];
+      r->members.push_back(std::move(m));
+    }
+    r->kv_grad_partial =
+        std::any_of(holders_of_kv.begin(), holders_of_kv.end(), [](int n) { return n > 1; });
+    r->shard = h_.shards_[rank_];
+    r->shard_tokens = h_.shard_tokens(rank_);
+    r->q_heads = r->members[r->index].q_heads;
+    r->kv_heads = r->members[r->index].kv_heads;
+    for (int qh : r->q_heads) r->kv_head_of_q.push_back(IndexOf(r->kv_heads, qh / ratio));
+  }
 
   // This rank's stores (as keeper), by (arrival step, source group, KV head): their rows
-  // in its store.
-  const int my_node = node_of_rank_.empty() ? 0 : node_of_rank_[rank];
-  std::vector<const NodeStore*> kept;
-  for (const NodeStore& ns : stores_) {
-    if (ns.keeper == rank) kept.push_back(&ns);
-  }
-  std::sort(kept.begin(), kept.end(), [](const NodeStore* a, const NodeStore* b) {
-    return std::tie(a->rows->steps[0], a->source_group, a->kv_head) <
-           std::tie(b->rows->steps[0], b->source_group, b->kv_head);
-  });
-  std::map<const NodeStore*, std::vector<TokenRun>> store_runs;  // global -> store rows
-  for (const NodeStore* ns : kept) {
-    std::vector<TokenRun>& runs = store_runs[ns];
-    for (const TokenRange& range : ns->rows->all_rows) {
-      runs.push_back({range.begin, r.store_rows, range.size()});
-      r.store_rows += range.size();
+  // in its store (r->store_rows counts them).
+  void LayOutStores(RankHierarchy* r) {
+    for (const NodeStore& ns : h_.stores_) {
+      if (ns.keeper == rank_) kept_.push_back(&ns);
+    }
+    std::sort(kept_.begin(), kept_.end(), [](const NodeStore* a, const NodeStore* b) {
+      return std::tie(a->rows->steps[0], a->source_group, a->kv_head) <
+             std::tie(b->rows->steps[0], b->source_group, b->kv_head);
+    });
+    for (const NodeStore* ns : kept_) {
+      std::vector<TokenRun>& runs = store_runs_[ns];
+      for (const TokenRange& range : ns->rows->all_rows) {
+        runs.push_back({range.begin, r->store_rows, range.size()});
+        r->store_rows += range.size();
+      }
     }
   }
-  auto runs_in_store = [&](const NodeStore* ns, const std::vector<TokenRange>& rows) {
-    std::vector<TokenRun> runs;
-    AppendRunsIn(rows, store_runs.at(ns), 0, runs);
-    return runs;
-  };
 
-  std::map<int, SubRingStep> steps;
-  for (Stage& st : sched.stages) {
-    SubRingStep& step = steps[st.step];
-    step.step = st.step;
-    if (st.recv_from >= 0) {
-      step.recv_group = ring_[st.recv_from];
-      for (size_t l = 0; l < r.kv_heads.size(); ++l) {
-        const int h = r.kv_heads[l];
-        const int local = static_cast<int>(l);
-        if (const NodeStore* ns = stores_.empty() ? nullptr : StoreOf(step.recv_group, h, my_node);
-            ns != nullptr && TakesFromStore(step.recv_group, h, my_node, r.group)) {
-          if (ns->keeper != rank) {
-            AddHead(step.fan_out_recv, ns->keeper, h, local);
-            continue;
-          }
-          // The keeper at its own group's step: its rows are copied out of the store; its
-          // node receivers get theirs from it.
-          const std::vector<int>& groups = ns->rows->groups;
-          const size_t j = std::find(groups.begin(), groups.end(), r.group) - groups.begin();
-          step.store_fill.push_back(
-              {-1, h, local, runs_in_store(ns, ns->rows->rows[j]), st.recv_rows});
-          for (int peer : NodeReceivers(r.group, h, my_node)) {
-            if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
-          }
+  // What the rank receives at stage `st`: per KV head, from its holder, through a gateway
+  // or a store's keeper on its node (fan-out), or as the gateway or keeper that forwards.
+  void AddReceives(const RankHierarchy& r, Stage& st, SubRingStep& step) const {
+    step.recv_group = h_.ring_[st.recv_from];
+    for (size_t l = 0; l < r.kv_heads.size(); ++l) {
+      const int h = r.kv_heads[l];
+      const int local = static_cast<int>(l);
+      if (const NodeStore* ns =
+              h_.stores_.empty() ? nullptr : h_.StoreOf(step.recv_group, h, my_node_);
+          ns != nullptr && h_.TakesFromStore(step.recv_group, h, my_node_, r.group)) {
+        if (ns->keeper != rank_) {
+          AddHead(step.fan_out_recv, ns->keeper, h, local);
           continue;
         }
-        const int gateway = GatewayOf(st.step, step.recv_group, h, rank);
-        if (gateway >= 0 && gateway != rank) {
-          AddHead(step.fan_out_recv, gateway, h, local);
-          continue;
+        // The keeper at its own group's step: its rows are copied out of the store; its
+        // node receivers get theirs from it.
+        const std::vector<int>& groups = ns->rows->groups;
+        const size_t j = std::find(groups.begin(), groups.end(), r.group) - groups.begin();
+        step.store_fill.push_back({-1, h, local, RunsInStore(ns, ns->rows->rows[j]), st.recv_rows});
+        for (int peer : h_.NodeReceivers(r.group, h, my_node_)) {
+          if (peer != rank_) AddHead(step.fan_out_send, peer, h, local);
         }
-        AddHead(step.recv, SenderOf(step.recv_group, h, rank), h, local);
-        if (gateway != rank) continue;
-        for (int peer : NodeReceivers(r.group, h, my_node)) {
-          if (peer != rank) AddHead(step.fan_out_send, peer, h, local);
-        }
+        continue;
       }
-      step.recv_runs = std::move(st.recv_runs);
-      step.recv_rows = st.recv_rows;
-      step.recv_work = std::move(st.recv_work);
+      const int gateway = h_.GatewayOf(st.step, step.recv_group, h, rank_);
+      if (gateway >= 0 && gateway != rank_) {
+        AddHead(step.fan_out_recv, gateway, h, local);
+        continue;
+      }
+      AddHead(step.recv, h_.SenderOf(step.recv_group, h, rank_), h, local);
+      if (gateway != rank_) continue;
+      for (int peer : h_.NodeReceivers(r.group, h, my_node_)) {
+        if (peer != rank_) AddHead(step.fan_out_send, peer, h, local);
+      }
     }
-    if (st.send_to >= 0) {
-      const int gd = ring_[st.send_to];
-      const PlanGroup& dst = plan_.groups[gd];
-      for (size_t j = 0; j < dst.ranks.size(); ++j) {
-        KvTransfer t;
-        t.peer = dst.ranks[j];
-        for (int h : kv_heads_[gd][j]) {
-          if (!stores_.empty() && TakesFromStore(r.group, h, node_of_rank_[t.peer], gd)) {
-            continue;
-          }
-          const int gateway = GatewayOf(st.step, r.group, h, t.peer);
-          if (SenderOf(r.group, h, t.peer) == rank && (gateway < 0 || gateway == t.peer)) {
-            t.heads.push_back(h);
-            t.local_heads.push_back(IndexOf(r.kv_heads, h));
-          }
+    step.recv_runs = std::move(st.recv_runs);
+    step.recv_rows = st.recv_rows;
+    step.recv_work = std::move(st.recv_work);
+  }
+
+  // What the rank sends at stage `st`: to each member of the destination group, the heads
+  // it reads from this rank directly (not from a store, not through a gateway).
+  void AddSends(const RankHierarchy& r, Stage& st, SubRingStep& step) const {
+    const int gd = h_.ring_[st.send_to];
+    const PlanGroup& dst = h_.plan_.groups[gd];
+    for (size_t j = 0; j < dst.ranks.size(); ++j) {
+      KvTransfer t;
+      t.peer = dst.ranks[j];
+      for (int h : h_.kv_heads_[gd][j]) {
+        if (!h_.stores_.empty() && h_.TakesFromStore(r.group, h, h_.node_of_rank_[t.peer], gd)) {
+          continue;
         }
-        if (!t.heads.empty()) step.send.push_back(std::move(t));
+        const int gateway = h_.GatewayOf(st.step, r.group, h, t.peer);
+        if (h_.SenderOf(r.group, h, t.peer) == rank_ && (gateway < 0 || gateway == t.peer)) {
+          t.heads.push_back(h);
+          t.local_heads.push_back(IndexOf(r.kv_heads, h));
+        }
       }
-      if (!step.send.empty()) {
-        step.send_group = gd;
-        step.send_runs = std::move(st.send_runs);
-        step.send_rows = st.send_rows;
-      }
+      if (!t.heads.empty()) step.send.push_back(std::move(t));
+    }
+    if (!step.send.empty()) {
+      step.send_group = gd;
+      step.send_runs = std::move(st.send_runs);
+      step.send_rows = st.send_rows;
     }
   }
+
   // Segments this rank sends to keepers (in store order), and their sums coming back.
-  for (const NodeStore& ns : stores_) {
-    if (ns.source_group != r.group || SenderOf(r.group, ns.kv_head, ns.keeper) != rank) continue;
-    SubRingStep& step = steps[ns.rows->steps[0]];
-    step.step = ns.rows->steps[0];
-    StoreTransfer out{ns.keeper, ns.kv_head, IndexOf(r.kv_heads, ns.kv_head), {}, 0};
-    AppendRunsIn(ns.rows->all_rows, r.group_runs, 0, out.runs);
-    out.rows = ns.rows->all_count;
-    // The summed partials come back in the last participant's gradient group.
-    SubRingStep& last = steps[ns.rows->steps.back()];
-    last.step = ns.rows->steps.back();
-    last.store_return_recv.push_back(out);
-    step.store_send.push_back(std::move(out));
+  void AddStoreSegments(const RankHierarchy& r, std::map<int, SubRingStep>& steps) const {
+    for (const NodeStore& ns : h_.stores_) {
+      if (ns.source_group != r.group || h_.SenderOf(r.group, ns.kv_head, ns.keeper) != rank_) {
+        continue;
+      }
+      SubRingStep& step = steps[ns.rows->steps[0]];
+      step.step = ns.rows->steps[0];
+      StoreTransfer out{ns.keeper, ns.kv_head, IndexOf(r.kv_heads, ns.kv_head), {}, 0};
+      AppendRunsIn(ns.rows->all_rows, r.group_runs, 0, out.runs);
+      out.rows = ns.rows->all_count;
+      // The summed partials come back in the last participant's gradient group.
+      SubRingStep& last = steps[ns.rows->steps.back()];
+      last.step = ns.rows->steps.back();
+      last.store_return_recv.push_back(out);
+      step.store_send.push_back(std::move(out));
+    }
   }
+
   // The keeper's segments arrive at the first participant's step, with its K/V; it forwards
   // from the store at the steps of the other participants.
-  for (const NodeStore* ns : kept) {
-    const StoreRows& rows = *ns->rows;
-    SubRingStep& first = steps[rows.steps[0]];
-    first.step = rows.steps[0];
-    const StoreTransfer in{SenderOf(ns->source_group, ns->kv_head, rank), ns->kv_head,
-                           IndexOf(r.kv_heads, ns->kv_head), store_runs.at(ns), rows.all_count};
-    first.store_recv.push_back(in);
-    SubRingStep& last = steps[rows.steps.back()];
-    last.step = rows.steps.back();
-    last.store_return_send.push_back(in);
-    for (size_t j = 0; j < rows.groups.size(); ++j) {
-      if (rows.groups[j] == r.group) continue;
-      SubRingStep& step = steps[rows.steps[j]];
-      step.step = rows.steps[j];
-      for (int peer : NodeReceivers(rows.groups[j], ns->kv_head, ns->node)) {
-        auto it = std::find_if(step.store_fan_send.begin(), step.store_fan_send.end(),
-                               [&](const StoreFanOut& f) { return f.peer == peer; });
-        if (it == step.store_fan_send.end()) {
-          step.store_fan_send.push_back({peer, rows.counts[j], {}, {}});
-          it = step.store_fan_send.end() - 1;
+  void AddKeptStores(const RankHierarchy& r, std::map<int, SubRingStep>& steps) const {
+    for (const NodeStore* ns : kept_) {
+      const StoreRows& rows = *ns->rows;
+      SubRingStep& first = steps[rows.steps[0]];
+      first.step = rows.steps[0];
+      const StoreTransfer in{h_.SenderOf(ns->source_group, ns->kv_head, rank_), ns->kv_head,
+                             IndexOf(r.kv_heads, ns->kv_head), store_runs_.at(ns), rows.all_count};
+      first.store_recv.push_back(in);
+      SubRingStep& last = steps[rows.steps.back()];
+      last.step = rows.steps.back();
+      last.store_return_send.push_back(in);
+      for (size_t j = 0; j < rows.groups.size(); ++j) {
+        if (rows.groups[j] == r.group) continue;
+        SubRingStep& step = steps[rows.steps[j]];
+        step.step = rows.steps[j];
+        for (int peer : h_.NodeReceivers(rows.groups[j], ns->kv_head, ns->node)) {
+          auto it = std::find_if(step.store_fan_send.begin(), step.store_fan_send.end(),
+                                 [&](const StoreFanOut& f) { return f.peer == peer; });
+          if (it == step.store_fan_send.end()) {
+            step.store_fan_send.push_back({peer, rows.counts[j], {}, {}});
+            it = step.store_fan_send.end() - 1;
+          }
+          it->heads.push_back(ns->kv_head);
+          it->runs.push_back(RunsInStore(ns, rows.rows[j]));
         }
-        it->heads.push_back(ns->kv_head);
-        it->runs.push_back(runs_in_store(ns, rows.rows[j]));
       }
     }
   }
-  for (auto& [t, step] : steps) {
+
+  // Orders a step's transfers the same way on both sides of each.
+  void SortTransfers(SubRingStep& step) const {
+    const std::vector<int>& index_of = h_.index_of_;
     // Peers in group order (then rank), so that both sides list transfers alike.
     for (std::vector<KvTransfer>* list : {&step.recv, &step.fan_out_recv, &step.fan_out_send}) {
       std::sort(list->begin(), list->end(), [&](const KvTransfer& a, const KvTransfer& b) {
-        return std::tie(index_of_[a.peer], a.peer) < std::tie(index_of_[b.peer], b.peer);
+        return std::tie(index_of[a.peer], a.peer) < std::tie(index_of[b.peer], b.peer);
       });
     }
     // A keeper's heads for one peer arrive from stores in (step, head) order: by head, as
@@ -494,6 +497,52 @@ absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int ran
         return std::tie(a.peer, a.kv_head) < std::tie(b.peer, b.kv_head);
       });
     }
+  }
+
+ private:
+  // The store rows (of a store this rank keeps) that hold the global `rows`.
+  std::vector<TokenRun> RunsInStore(const NodeStore* ns,
+                                    const std::vector<TokenRange>& rows) const {
+    std::vector<TokenRun> runs;
+    AppendRunsIn(rows, store_runs_.at(ns), 0, runs);
+    return runs;
+  }
+
+  const Hierarchy& h_;
+  const int rank_;
+  const int my_node_;
+  std::vector<const NodeStore*> kept_;
+  std::map<const NodeStore*, std::vector<TokenRun>> store_runs_;  // global -> store rows
+};
+
+absl::StatusOr<RankHierarchy> Hierarchy::BuildRank(const Layout& layout, int rank,
+                                                   int64_t block_q) const {
+  if (rank < 0 || rank >= plan_.num_ranks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the plan's ", plan_.num_ranks, " ranks"));
+  }
+  RankBuilder builder(*this, rank);
+  RankHierarchy r;
+  builder.AddMembers(&r);
+  HSAP_ASSIGN_OR_RETURN(Schedule sched,
+                        BuildSchedule(layout, positions_, r.ring_position, block_q));
+  r.group_runs = sched.local_runs;
+  r.group_tokens = sched.local_rows;
+  if (r.q_heads.empty()) return r;  // no heads: only the all-to-all moves this rank's shard
+  r.local_work = std::move(sched.local_work);
+  builder.LayOutStores(&r);
+
+  std::map<int, SubRingStep> steps;
+  for (Stage& st : sched.stages) {
+    SubRingStep& step = steps[st.step];
+    step.step = st.step;
+    if (st.recv_from >= 0) builder.AddReceives(r, st, step);
+    if (st.send_to >= 0) builder.AddSends(r, st, step);
+  }
+  builder.AddStoreSegments(r, steps);
+  builder.AddKeptStores(r, steps);
+  for (auto& [t, step] : steps) {
+    builder.SortTransfers(step);
     if (step.recv_group >= 0 || step.send_group >= 0 || !step.store_send.empty() ||
         !step.store_recv.empty() || !step.store_fan_send.empty() ||
         !step.store_return_send.empty() || !step.store_return_recv.empty()) {

@@ -266,6 +266,8 @@ class Hierarchy {
   absl::flat_hash_map<std::pair<int, int>, int> store_blocks_;
   std::vector<int> store_heads_;
 
+  class RankBuilder;  // BuildRank's steps (hierarchy.cc)
+
   absl::Status PlanStores(const Layout& layout);
 
   // Members of `group` on `node` holding `kv_head` (world ranks, group order).

@@ -246,6 +246,228 @@ int64_t Schedule::rows_received() const {
   return n;
 }
 
+namespace {
+
+// BuildSchedule's state for one rank: what it needs of every peer and every peer of it,
+// the relays across nodes, and the buffers it keeps as a gateway.
+class ScheduleBuilder {
+ public:
+  ScheduleBuilder(const Layout& layout, const Partition& partition, int rank, int64_t block_q,
+                  absl::Span<const int> node_of_rank, bool multi_node)
+      : layout_(layout),
+        partition_(partition),
+        rank_(rank),
+        block_q_(block_q),
+        node_of_rank_(node_of_rank),
+        R_(partition.num_ranks()),
+        multi_node_(multi_node),
+        my_node_(multi_node ? node_of_rank[rank] : 0),
+        recv_(R_),
+        send_(R_),
+        recv_slices_(R_) {}
+
+  // Per peer p: the keys of p that this rank needs (recv), the keys of this rank that p
+  // needs (send), and the slices behind the receives (for the work lists). On several
+  // nodes also every pair across nodes (foreign, keyed owner * R + query rank), which the
+  // relays are planned on.
+  void ScanPeers() {
+    const int R = R_, rank = rank_;
+    ScanNeeds(
+        layout_, partition_,
+        [&](int q, int k) { return k < 0 || q == rank || k == rank || Cross(q, k); },
+        [&](int q, int k, TokenRange r, size_t slice) {
+          if (q == rank) {
+            recv_[k].push_back(r);
+            recv_slices_[k].push_back(slice);
+          } else if (k == rank) {
+            send_[q].push_back(r);
+          }
+          if (Cross(q, k)) foreign_[int64_t{k} * R + q].push_back(r);
+        });
+    for (auto& [pair, ranges] : foreign_) SortAndMerge(ranges);
+    if (multi_node_) relays_ = PlanRelays(R, node_of_rank_, foreign_);
+  }
+
+  // The schedule's rows and its local work.
+  absl::Status AddLocal(Schedule* sched) {
+    sched->rank = rank_;
+    sched->num_ranks = R_;
+    sched->local_rows = partition_.local_tokens(rank_);
+    sched->local_runs = partition_.Runs(rank_);
+    SortUnique(recv_slices_[rank_]);
+    HSAP_ASSIGN_OR_RETURN(WorkList local,
+                          BuildWorkList(Pick(layout_.slices(), recv_slices_[rank_]),
+                                        sched->local_runs, sched->local_runs, block_q_));
+    sched->local_work = std::move(local);
+    return absl::OkStatus();
+  }
+
+  // The ring's steps t = 1 .. R-1: from rank - t, to rank + t.
+  absl::Status AddRingStages(Schedule* sched) {
+    for (int t = 1; t < R_; ++t) {
+      const int src = (rank_ - t + R_) % R_, dst = (rank_ + t) % R_;
+      Stage stage;
+      stage.step = t;
+      HSAP_RETURN_IF_ERROR(AddRingReceive(src, &stage, sched));
+      AddRingSend(dst, &stage);
+      if (stage.recv_from >= 0 || stage.send_to >= 0) sched->stages.push_back(std::move(stage));
+    }
+    return absl::OkStatus();
+  }
+
+  // Fan-out (several nodes only): the relays into this rank's node, by gateway; steps
+  // R + d, from rank - d and to rank + d on this node.
+  absl::Status AddFanOutStages(Schedule* sched) {
+    std::vector<std::pair<int, const Relay*>> into_node;  // (owner, relay), increasing owner
+    for (const auto& [key, relay] : relays_) {
+      if (key.second == my_node_) into_node.push_back({key.first, &relay});
+    }
+    for (int d = 1; d < R_; ++d) {
+      const int from = (rank_ - d + R_) % R_, to = (rank_ + d) % R_;
+      Stage stage;
+      stage.step = R_ + d;
+      if (!Cross(from, rank_))
+        HSAP_RETURN_IF_ERROR(AddFanOutReceive(into_node, from, &stage, *sched));
+      if (!Cross(rank_, to)) AddFanOutSend(into_node, to, &stage);
+      if (stage.recv_from >= 0 || stage.send_to >= 0) sched->stages.push_back(std::move(stage));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool Cross(int a, int b) const { return multi_node_ && node_of_rank_[a] != node_of_rank_[b]; }
+
+  // The rows of `src` this rank receives at its ring step (less those a relay brings, plus
+  // the relay's shared rows when this rank is its gateway, which it keeps) and their work.
+  absl::Status AddRingReceive(int src, Stage* stage, Schedule* sched) {
+    SortAndMerge(recv_[src]);
+    SortUnique(recv_slices_[src]);
+    std::vector<TokenRange> recv_rows = recv_[src];
+    bool keep = false;
+    if (const Relay* relay = Cross(src, rank_) ? FindRelay(relays_, src, my_node_) : nullptr) {
+      recv_rows = Subtract(recv_rows, relay->shared);
+      if (relay->gateway == rank_) {
+        recv_rows.insert(recv_rows.end(), relay->shared.begin(), relay->shared.end());
+        SortAndMerge(recv_rows);
+        keep = true;
+      }
+    }
+    if (recv_rows.empty()) return absl::OkStatus();
+    stage->recv_from = src;
+    for (const TokenRange& r : recv_rows) {
+      stage->recv_runs.push_back({r.begin, stage->recv_rows, r.size()});
+      stage->recv_rows += r.size();
+    }
+    HSAP_ASSIGN_OR_RETURN(
+        WorkList work, BuildWorkList(Pick(layout_.slices(), recv_slices_[src]), sched->local_runs,
+                                     stage->recv_runs, block_q_));
+    stage->recv_work = std::move(work);
+    if (keep) {
+      stage->store_begin = sched->store_rows;
+      sched->store_rows += stage->recv_rows;
+      kept_[src] = Kept{stage->recv_runs, stage->store_begin};
+    }
+    return absl::OkStatus();
+  }
+
+  // The rows of this rank `dst` needs at its ring step (less those a relay brings, plus the
+  // relay's shared rows when `dst` is its gateway, whose gradients come back later).
+  void AddRingSend(int dst, Stage* stage) {
+    SortAndMerge(send_[dst]);
+    std::vector<TokenRange> send_rows = send_[dst];
+    if (const Relay* relay =
+            Cross(rank_, dst) ? FindRelay(relays_, rank_, node_of_rank_[dst]) : nullptr) {
+      send_rows = Subtract(send_rows, relay->shared);
+      if (relay->gateway == dst) {
+        send_rows.insert(send_rows.end(), relay->shared.begin(), relay->shared.end());
+        SortAndMerge(send_rows);
+        stage->send_grads_deferred = true;
+      }
+    }
+    if (send_rows.empty()) return;
+    const std::vector<Placement>& pls = partition_.placements();
+    size_t hint = 0;
+    stage->send_to = dst;
+    for (const TokenRange& r : send_rows) {
+      // A merged range of this rank's keys lies inside one of its placements (adjacent
+      // placements of one rank are merged by the partition).
+      const Placement& pl = pls[partition_.PlacementIndexOf(r.begin, hint)];
+      hint = static_cast<size_t>(&pl - pls.data());
+      stage->send_runs.push_back({r.begin, pl.local_begin + (r.begin - pl.begin), r.size()});
+      stage->send_rows += r.size();
+    }
+  }
+
+  // From the gateway `from` on this node: this rank's rows of the relays it kept.
+  absl::Status AddFanOutReceive(const std::vector<std::pair<int, const Relay*>>& into_node,
+                                int from, Stage* stage, const Schedule& sched) const {
+    std::vector<TokenRange> rows;
+    std::vector<size_t> used;
+    for (const auto& [owner, relay] : into_node) {
+      if (relay->gateway != from) continue;
+      std::vector<TokenRange> mine = Intersect(recv_[owner], relay->shared);
+      if (mine.empty()) continue;
+      rows.insert(rows.end(), mine.begin(), mine.end());
+      used.insert(used.end(), recv_slices_[owner].begin(), recv_slices_[owner].end());
+    }
+    SortAndMerge(rows);
+    if (rows.empty()) return absl::OkStatus();
+    stage->recv_from = from;
+    for (const TokenRange& r : rows) {
+      stage->recv_runs.push_back({r.begin, stage->recv_rows, r.size()});
+      stage->recv_rows += r.size();
+    }
+    SortUnique(used);
+    HSAP_ASSIGN_OR_RETURN(
+        WorkList work,
+        BuildWorkList(Pick(layout_.slices(), used), sched.local_runs, stage->recv_runs, block_q_));
+    stage->recv_work = std::move(work);
+    return absl::OkStatus();
+  }
+
+  // As a gateway: the rows of the relays it kept that `to` (on this node) needs, from the
+  // store.
+  void AddFanOutSend(const std::vector<std::pair<int, const Relay*>>& into_node, int to,
+                     Stage* stage) const {
+    for (const auto& [owner, relay] : into_node) {
+      if (relay->gateway != rank_) continue;
+      auto it = foreign_.find(int64_t{owner} * R_ + to);
+      if (it == foreign_.end()) continue;
+      const Kept& k = kept_.at(owner);
+      AppendRunsIn(Intersect(it->second, relay->shared), k.runs, k.store_begin, stage->send_runs);
+    }
+    std::sort(stage->send_runs.begin(), stage->send_runs.end(),
+              [](const TokenRun& a, const TokenRun& b) { return a.global_begin < b.global_begin; });
+    for (const TokenRun& run : stage->send_runs) stage->send_rows += run.length;
+    if (!stage->send_runs.empty()) {
+      stage->send_to = to;
+      stage->send_from_store = true;
+    }
+  }
+
+  // A receive buffer this rank keeps as a gateway: its layout and store offset.
+  struct Kept {
+    std::vector<TokenRun> runs;
+    int64_t store_begin = 0;
+  };
+
+  const Layout& layout_;
+  const Partition& partition_;
+  const int rank_;
+  const int64_t block_q_;
+  const absl::Span<const int> node_of_rank_;
+  const int R_;
+  const bool multi_node_;
+  const int my_node_;
+  std::vector<std::vector<TokenRange>> recv_, send_;
+  std::vector<std::vector<size_t>> recv_slices_;
+  absl::flat_hash_map<int64_t, std::vector<TokenRange>> foreign_;
+  std::map<std::pair<int, int>, Relay> relays_;
+  std::map<int, Kept> kept_;  // by owner
+};
+
+}  // namespace
+
 absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& partition, int rank,
                                        int64_t block_q, absl::Span<const int> node_of_rank) {
   const int R = partition.num_ranks();
@@ -264,161 +486,13 @@ absl::StatusOr<Schedule> BuildSchedule(const Layout& layout, const Partition& pa
     return absl::InvalidArgumentError(
         absl::StrCat(R, " ranks on several nodes: fan-out steps (R + d) must stay below 2^20"));
   }
-  auto cross = [&](int a, int b) { return multi_node && node_of_rank[a] != node_of_rank[b]; };
-  // Per peer p: the keys of p that this rank needs (recv), the keys of this rank that p
-  // needs (send), and the slices behind the receives (for the work lists). On several
-  // nodes also every pair across nodes (foreign, keyed owner * R + query rank), which the
-  // relays are planned on.
-  std::vector<std::vector<TokenRange>> recv(R), send(R);
-  std::vector<std::vector<size_t>> recv_slices(R);
-  absl::flat_hash_map<int64_t, std::vector<TokenRange>> foreign;
-  ScanNeeds(
-      layout, partition,
-      [&](int q, int k) { return k < 0 || q == rank || k == rank || cross(q, k); },
-      [&](int q, int k, TokenRange r, size_t slice) {
-        if (q == rank) {
-          recv[k].push_back(r);
-          recv_slices[k].push_back(slice);
-        } else if (k == rank) {
-          send[q].push_back(r);
-        }
-        if (cross(q, k)) foreign[int64_t{k} * R + q].push_back(r);
-      });
-  for (auto& [pair, ranges] : foreign) SortAndMerge(ranges);
-  const std::map<std::pair<int, int>, Relay> relays =
-      multi_node ? PlanRelays(R, node_of_rank, foreign) : std::map<std::pair<int, int>, Relay>{};
-
+  ScheduleBuilder builder(layout, partition, rank, block_q, node_of_rank, multi_node);
+  builder.ScanPeers();
   Schedule sched;
-  sched.rank = rank;
-  sched.num_ranks = R;
-  sched.local_rows = partition.local_tokens(rank);
-  sched.local_runs = partition.Runs(rank);
-  const std::vector<MaskSlice>& slices = layout.slices();
-  {
-    SortUnique(recv_slices[rank]);
-    HSAP_ASSIGN_OR_RETURN(WorkList local,
-                          BuildWorkList(Pick(slices, recv_slices[rank]), sched.local_runs,
-                                        sched.local_runs, block_q));
-    sched.local_work = std::move(local);
-  }
-  const std::vector<Placement>& pls = partition.placements();
-  const int my_node = multi_node ? node_of_rank[rank] : 0;
-  // The receive buffers this rank keeps as a gateway, by owner: layout and store offset.
-  struct Kept {
-    std::vector<TokenRun> runs;
-    int64_t store_begin = 0;
-  };
-  std::map<int, Kept> kept;
-  for (int t = 1; t < R; ++t) {
-    const int src = (rank - t + R) % R, dst = (rank + t) % R;
-    Stage stage;
-    stage.step = t;
-    SortAndMerge(recv[src]);
-    SortUnique(recv_slices[src]);
-    std::vector<TokenRange> recv_rows = recv[src];
-    bool keep = false;
-    if (const Relay* relay = cross(src, rank) ? FindRelay(relays, src, my_node) : nullptr) {
-      recv_rows = Subtract(recv_rows, relay->shared);
-      if (relay->gateway == rank) {
-        recv_rows.insert(recv_rows.end(), relay->shared.begin(), relay->shared.end());
-        SortAndMerge(recv_rows);
-        keep = true;
-      }
-    }
-    if (!recv_rows.empty()) {
-      stage.recv_from = src;
-      for (const TokenRange& r : recv_rows) {
-        stage.recv_runs.push_back({r.begin, stage.recv_rows, r.size()});
-        stage.recv_rows += r.size();
-      }
-      HSAP_ASSIGN_OR_RETURN(WorkList work,
-                            BuildWorkList(Pick(slices, recv_slices[src]), sched.local_runs,
-                                          stage.recv_runs, block_q));
-      stage.recv_work = std::move(work);
-      if (keep) {
-        stage.store_begin = sched.store_rows;
-        sched.store_rows += stage.recv_rows;
-        kept[src] = Kept{stage.recv_runs, stage.store_begin};
-      }
-    }
-    SortAndMerge(send[dst]);
-    std::vector<TokenRange> send_rows = send[dst];
-    if (const Relay* relay =
-            cross(rank, dst) ? FindRelay(relays, rank, node_of_rank[dst]) : nullptr) {
-      send_rows = Subtract(send_rows, relay->shared);
-      if (relay->gateway == dst) {
-        send_rows.insert(send_rows.end(), relay->shared.begin(), relay->shared.end());
-        SortAndMerge(send_rows);
-        stage.send_grads_deferred = true;
-      }
-    }
-    if (!send_rows.empty()) {
-      size_t hint = 0;
-      stage.send_to = dst;
-      for (const TokenRange& r : send_rows) {
-        // A merged range of this rank's keys lies inside one of its placements (adjacent
-        // placements of one rank are merged by the partition).
-        const Placement& pl = pls[partition.PlacementIndexOf(r.begin, hint)];
-        hint = static_cast<size_t>(&pl - pls.data());
-        stage.send_runs.push_back({r.begin, pl.local_begin + (r.begin - pl.begin), r.size()});
-        stage.send_rows += r.size();
-      }
-    }
-    if (stage.recv_from >= 0 || stage.send_to >= 0) sched.stages.push_back(std::move(stage));
-  }
+  HSAP_RETURN_IF_ERROR(builder.AddLocal(&sched));
+  HSAP_RETURN_IF_ERROR(builder.AddRingStages(&sched));
   if (!multi_node) return sched;
-
-  // Fan-out: the relays into this rank's node, by gateway.
-  std::vector<std::pair<int, const Relay*>> into_node;  // (owner, relay), increasing owner
-  for (const auto& [key, relay] : relays) {
-    if (key.second == my_node) into_node.push_back({key.first, &relay});
-  }
-  for (int d = 1; d < R; ++d) {
-    const int from = (rank - d + R) % R, to = (rank + d) % R;
-    Stage stage;
-    stage.step = R + d;
-    if (!cross(from, rank)) {
-      std::vector<TokenRange> rows;
-      std::vector<size_t> used;
-      for (const auto& [owner, relay] : into_node) {
-        if (relay->gateway != from) continue;
-        std::vector<TokenRange> mine = Intersect(recv[owner], relay->shared);
-        if (mine.empty()) continue;
-        rows.insert(rows.end(), mine.begin(), mine.end());
-        used.insert(used.end(), recv_slices[owner].begin(), recv_slices[owner].end());
-      }
-      SortAndMerge(rows);
-      if (!rows.empty()) {
-        stage.recv_from = from;
-        for (const TokenRange& r : rows) {
-          stage.recv_runs.push_back({r.begin, stage.recv_rows, r.size()});
-          stage.recv_rows += r.size();
-        }
-        SortUnique(used);
-        HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(Pick(slices, used), sched.local_runs,
-                                                           stage.recv_runs, block_q));
-        stage.recv_work = std::move(work);
-      }
-    }
-    if (!cross(rank, to)) {
-      for (const auto& [owner, relay] : into_node) {
-        if (relay->gateway != rank) continue;
-        auto it = foreign.find(int64_t{owner} * R + to);
-        if (it == foreign.end()) continue;
-        const Kept& k = kept.at(owner);
-        AppendRunsIn(Intersect(it->second, relay->shared), k.runs, k.store_begin, stage.send_runs);
-      }
-      std::sort(
-          stage.send_runs.begin(), stage.send_runs.end(),
-          [](const TokenRun& a, const TokenRun& b) { return a.global_begin < b.global_begin; });
-      for (const TokenRun& run : stage.send_runs) stage.send_rows += run.length;
-      if (!stage.send_runs.empty()) {
-        stage.send_to = to;
-        stage.send_from_store = true;
-      }
-    }
-    if (stage.recv_from >= 0 || stage.send_to >= 0) sched.stages.push_back(std::move(stage));
-  }
+  HSAP_RETURN_IF_ERROR(builder.AddFanOutStages(&sched));
   return sched;
 }
 

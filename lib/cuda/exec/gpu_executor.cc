@@ -335,6 +335,238 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   return absl::OkStatus();
 }
 
+namespace {
+
+// The backward of one rank's ring schedule on the device: the pool regions after the K/V
+// slots (PoolLayout order), the stages (RunBackwardStagesThenFanOuts) with the fp32 dK/dV
+// partials of received rows back to their owner, then the relays' return phase.
+class GpuRingBackward {
+ public:
+  GpuRingBackward(const GpuExecContext& ctx, GpuCall& call, const void* k, const void* v)
+      : ctx_(ctx),
+        call_(call),
+        sched_(ctx.program->schedule()),
+        k_(k),
+        v_(v),
+        rows_(sched_.local_rows),
+        q_elems_(static_cast<size_t>(rows_) * ctx.program->dims().heads_q *
+                 ctx.program->dims().head_dim),
+        kv_elems_(static_cast<size_t>(rows_) * call.kv_row32()) {}
+
+  // Carves the regions, zeroes the accumulators and computes delta = rowsum(dout * out).
+  absl::Status Prepare(const void* dout, const void* q, const void* out, const float* lse) {
+    const PoolLayout& layout = ctx_.program->pool_layout();
+    const AttentionDims& dims = ctx_.program->dims();
+    const size_t stat_elems = static_cast<size_t>(rows_) * dims.heads_q;
+    // Regions after the K/V slots, in PoolLayout order.
+    PoolCursor cursor(static_cast<char*>(ctx_.pool) + call_.pool_cursor());
+    dq32_ = reinterpret_cast<float*>(cursor.Take(q_elems_ * sizeof(float)));
+    dk32_ = reinterpret_cast<float*>(cursor.Take(kv_elems_ * sizeof(float)));
+    dv32_ = reinterpret_cast<float*>(cursor.Take(kv_elems_ * sizeof(float)));
+    float* delta = reinterpret_cast<float*>(cursor.Take(stat_elems * sizeof(float)));
+    const size_t partial = layout.grad_partial / 4, returned = layout.grad_returned / 4;
+    for (int s = 0; s < 2; ++s) {
+      part_k_[s] = reinterpret_cast<float*>(cursor.Take(partial));
+      part_v_[s] = reinterpret_cast<float*>(cursor.Take(partial));
+    }
+    for (int s = 0; s < 2; ++s) {
+      back_k_[s] = reinterpret_cast<float*>(cursor.Take(returned));
+      back_v_[s] = reinterpret_cast<float*>(cursor.Take(returned));
+    }
+    // Relays: the store's summed partials, and the partials that come back in the return
+    // phase (one region per deferred stage, in stage order).
+    const size_t store_elems = static_cast<size_t>(sched_.store_rows) * call_.kv_row32();
+    store_gk_ = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
+    store_gv_ = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
+    deferred_k_.assign(sched_.stages.size(), nullptr);
+    deferred_v_.assign(sched_.stages.size(), nullptr);
+    for (size_t i = 0; i < sched_.stages.size(); ++i) {
+      const Stage& st = sched_.stages[i];
+      if (st.send_to < 0 || !st.send_grads_deferred) continue;
+      const size_t bytes = static_cast<size_t>(st.send_rows) * call_.kv_row32() * sizeof(float);
+      deferred_k_[i] = reinterpret_cast<float*>(cursor.Take(bytes));
+      deferred_v_[i] = reinterpret_cast<float*>(cursor.Take(bytes));
+    }
+    for (cudaEvent* e : {&grads_ready_[0], &grads_ready_[1], &store_ready_}) {
+      HSAP_ASSIGN_OR_RETURN(cudaEvent ev, call_.events().New());
+      *e = ev;
+    }
+
+    for (auto [ptr, count] : {std::pair{dq32_, q_elems_},
+                              {dk32_, kv_elems_},
+                              {dv32_, kv_elems_},
+                              {store_gk_, store_elems},
+                              {store_gv_, store_elems}}) {
+      HSAP_RETURN_IF_ERROR(ctx_.device->ZeroAsync(ptr, count * sizeof(float), ctx_.stream));
+    }
+    if (rows_ > 0) {
+      HSAP_RETURN_IF_ERROR(
+          ctx_.kernels->Delta({dout, out, delta, rows_, dims.heads_q}, ctx_.stream));
+    }
+    const QuerySide side{rows_, dims.heads_q, dims.heads_kv, dims.scale};
+    params_ = BackwardParams(side, q, dout, lse, delta, dq32_);
+    return absl::OkStatus();
+  }
+
+  // The stages, then the return phase.
+  absl::Status Run() {
+    std::vector<int> steps;
+    for (const Stage& st : sched_.stages) steps.push_back(st.step);
+    BackwardStages hooks;
+    hooks.post_kv = [&](size_t i) { return call_.PostKv(i, k_, v_); };
+    hooks.local = [&] {
+      return Backward(ctx_.program->lists().local(), k_, v_, rows_, dk32_, dv32_);
+    };
+    hooks.compute = [&](size_t i) { return Compute(i); };
+    hooks.post_grad = [&](size_t i) { return PostGrad(i); };
+    // The partials returned for stage j, added in step order.
+    hooks.add_returned = [&](size_t j) -> absl::Status {
+      const Stage& st = sched_.stages[j];
+      if (st.send_to < 0 || st.send_grads_deferred) return absl::OkStatus();
+      return AddRows(st, back_k_[j % 2], back_v_[j % 2]);
+    };
+    // The direct stages, then (relays only) the fan-outs, which send what the former kept.
+    const size_t fan = sched_.first_fan_out();
+    HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
+    return ReturnRelayGrads(fan);
+  }
+
+  // dQ, dK, dV in the storage dtype.
+  absl::Status Store(void* dq, void* dk, void* dv) const {
+    HSAP_RETURN_IF_ERROR(cuda::Store(ctx_, dq32_, dq, q_elems_));
+    HSAP_RETURN_IF_ERROR(cuda::Store(ctx_, dk32_, dk, kv_elems_));
+    return cuda::Store(ctx_, dv32_, dv, kv_elems_);
+  }
+
+  const ExecTraffic& grad_moved() const { return grad_moved_; }
+
+ private:
+  absl::Status Backward(const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                        int64_t k_rows, float* gk, float* gv) const {
+    return LaunchBackward(*ctx_.kernels, params_, list, kk, vv, k_rows, gk, gv, ctx_.stream);
+  }
+
+  // Stage i's received rows: their partials into the slot (zeroed first), or into the
+  // store for a kept buffer, whose partials are summed there.
+  absl::Status Compute(size_t i) {
+    const Stage& st = sched_.stages[i];
+    const int slot = static_cast<int>(i % 2);
+    if (st.recv_from < 0) return absl::OkStatus();
+    if (st.store_begin >= 0) {  // a kept buffer: its partials are summed in the store
+      const size_t at = static_cast<size_t>(st.store_begin) * call_.kv_row32();
+      return Backward(ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i),
+                      st.recv_rows, store_gk_ + at, store_gv_ + at);
+    }
+    const size_t bytes = static_cast<size_t>(st.recv_rows) * call_.kv_row32() * sizeof(float);
+    for (float* g : {part_k_[slot], part_v_[slot]}) {
+      HSAP_RETURN_IF_ERROR(ctx_.device->ZeroAsync(g, bytes, ctx_.stream));
+    }
+    return Backward(ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i), st.recv_rows,
+                    part_k_[slot], part_v_[slot]);
+  }
+
+  // Stage i's partials to the owner of its received rows, and those of this rank's rows
+  // from the stage's destination (unless they come in the return phase).
+  absl::StatusOr<std::unique_ptr<Transport::Pending>> PostGrad(size_t i) {
+    const Stage& st = sched_.stages[i];
+    const int slot = static_cast<int>(i % 2);
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    if (st.recv_from >= 0 && st.store_begin < 0) {
+      const size_t bytes = static_cast<size_t>(st.recv_rows) * call_.kv_row32() * sizeof(float);
+      call_.Tally(grad_moved_, st.recv_from, 2 * bytes, /*sent=*/true);
+      sends.push_back(
+          {st.recv_from, part_k_[slot], bytes, RingTag(ctx_.call_id, Payload::kKeyGrad, st.step)});
+      sends.push_back({st.recv_from, part_v_[slot], bytes,
+                       RingTag(ctx_.call_id, Payload::kValueGrad, st.step)});
+    }
+    if (st.send_to >= 0 && !st.send_grads_deferred) {
+      const size_t bytes = static_cast<size_t>(st.send_rows) * call_.kv_row32() * sizeof(float);
+      call_.Tally(grad_moved_, st.send_to, 2 * bytes, /*sent=*/false);
+      recvs.push_back(
+          {st.send_to, back_k_[slot], bytes, RingTag(ctx_.call_id, Payload::kKeyGrad, st.step)});
+      recvs.push_back(
+          {st.send_to, back_v_[slot], bytes, RingTag(ctx_.call_id, Payload::kValueGrad, st.step)});
+    }
+    HSAP_RETURN_IF_ERROR(call_.FenceTransfers(grads_ready_[slot]));
+    return ctx_.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
+  }
+
+  // Adds the partials `gk`, `gv` of stage j's sent rows into their rows: of dk/dv, or of the
+  // relay store's sums for a fan-out.
+  absl::Status AddRows(const Stage& st, const float* gk, const float* gv) const {
+    float* to_k = st.send_from_store ? store_gk_ : dk32_;
+    float* to_v = st.send_from_store ? store_gv_ : dv32_;
+    size_t offset = 0;
+    for (const TokenRun& run : st.send_runs) {
+      const long long count = static_cast<long long>(run.length * call_.kv_row32());
+      const size_t at = static_cast<size_t>(run.local_begin) * call_.kv_row32();
+      for (auto [to, from] : {std::pair{to_k, gk}, {to_v, gv}}) {
+        HSAP_RETURN_IF_ERROR(
+            ctx_.kernels->Accumulate({to + at, from + offset, count}, ctx_.stream));
+      }
+      offset += static_cast<size_t>(count);
+    }
+    return absl::OkStatus();
+  }
+
+  // The return phase: each kept buffer's summed partials go back to its owner, which adds
+  // them in stage order after all its other partials.
+  absl::Status ReturnRelayGrads(size_t fan) {
+    std::vector<SendOp> sends;
+    std::vector<RecvOp> recvs;
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched_.stages[i];
+      if (st.recv_from >= 0 && st.store_begin >= 0) {
+        const size_t bytes = static_cast<size_t>(st.recv_rows) * call_.kv_row32() * sizeof(float);
+        const size_t at = static_cast<size_t>(st.store_begin) * call_.kv_row32();
+        call_.Tally(grad_moved_, st.recv_from, 2 * bytes, /*sent=*/true);
+        sends.push_back({st.recv_from, store_gk_ + at, bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayKeyGrad, st.step)});
+        sends.push_back({st.recv_from, store_gv_ + at, bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        const size_t bytes = static_cast<size_t>(st.send_rows) * call_.kv_row32() * sizeof(float);
+        call_.Tally(grad_moved_, st.send_to, 2 * bytes, /*sent=*/false);
+        recvs.push_back({st.send_to, deferred_k_[i], bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayKeyGrad, st.step)});
+        recvs.push_back({st.send_to, deferred_v_[i], bytes,
+                         RingTag(ctx_.call_id, Payload::kRelayValueGrad, st.step)});
+      }
+    }
+    if (sends.empty() && recvs.empty()) return absl::OkStatus();
+    HSAP_RETURN_IF_ERROR(call_.FenceTransfers(store_ready_));
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> pending,
+                          ctx_.transport->Start(sends, recvs, "backward relay dk/dv return"));
+    HSAP_RETURN_IF_ERROR(pending->Wait());
+    for (size_t i = 0; i < fan; ++i) {
+      const Stage& st = sched_.stages[i];
+      if (st.send_to >= 0 && st.send_grads_deferred) {
+        HSAP_RETURN_IF_ERROR(AddRows(st, deferred_k_[i], deferred_v_[i]));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const GpuExecContext& ctx_;
+  GpuCall& call_;
+  const Schedule& sched_;
+  const void* const k_;
+  const void* const v_;
+  const int64_t rows_;
+  const size_t q_elems_, kv_elems_;
+  hsap_dev::BwdParams params_{};
+  float *dq32_ = nullptr, *dk32_ = nullptr, *dv32_ = nullptr;
+  float *part_k_[2] = {}, *part_v_[2] = {}, *back_k_[2] = {}, *back_v_[2] = {};
+  float *store_gk_ = nullptr, *store_gv_ = nullptr;
+  std::vector<float*> deferred_k_, deferred_v_;
+  cudaEvent grads_ready_[2] = {}, store_ready_ = nullptr;
+  ExecTraffic grad_moved_;
+};
+
+}  // namespace
+
 absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, const void* q,
                                 const void* k, const void* v, const void* out, const float* lse,
                                 void* dq, void* dk, void* dv, ExecTraffic* traffic) {
@@ -342,182 +574,14 @@ absl::Status GpuExecuteBackward(const GpuExecContext& ctx_in, const void* dout, 
   std::unique_ptr<SkippedTransport> skipped_transport;
   const GpuExecContext ctx = ForMode(ctx_in, skipped_kernels, skipped_transport);
   GpuCall call(ctx, "backward");
-  const PoolLayout& layout = ctx.program->pool_layout();
   HSAP_RETURN_IF_ERROR(call.Init());
-  const Schedule& sched = ctx.program->schedule();
-  const int64_t rows = sched.local_rows;
-  const AttentionDims& dims = ctx.program->dims();
-  const size_t q_elems = static_cast<size_t>(rows) * dims.heads_q * dims.head_dim;
-  const size_t kv_elems = static_cast<size_t>(rows) * call.kv_row32();
-  const size_t stat_elems = static_cast<size_t>(rows) * dims.heads_q;
-
-  // Regions after the K/V slots, in PoolLayout order.
-  PoolCursor cursor(static_cast<char*>(ctx.pool) + call.pool_cursor());
-  float* dq32 = reinterpret_cast<float*>(cursor.Take(q_elems * sizeof(float)));
-  float* dk32 = reinterpret_cast<float*>(cursor.Take(kv_elems * sizeof(float)));
-  float* dv32 = reinterpret_cast<float*>(cursor.Take(kv_elems * sizeof(float)));
-  float* delta = reinterpret_cast<float*>(cursor.Take(stat_elems * sizeof(float)));
-  const size_t partial = layout.grad_partial / 4, returned = layout.grad_returned / 4;
-  float *part_k[2], *part_v[2], *back_k[2], *back_v[2];
-  for (int s = 0; s < 2; ++s) {
-    part_k[s] = reinterpret_cast<float*>(cursor.Take(partial));
-    part_v[s] = reinterpret_cast<float*>(cursor.Take(partial));
-  }
-  for (int s = 0; s < 2; ++s) {
-    back_k[s] = reinterpret_cast<float*>(cursor.Take(returned));
-    back_v[s] = reinterpret_cast<float*>(cursor.Take(returned));
-  }
-  // Relays: the store's summed partials, and the partials that come back in the return
-  // phase (one region per deferred stage, in stage order).
-  const size_t store_elems = static_cast<size_t>(sched.store_rows) * call.kv_row32();
-  float* store_gk = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
-  float* store_gv = reinterpret_cast<float*>(cursor.Take(layout.relay_grad / 2));
-  std::vector<float*> deferred_k(sched.stages.size()), deferred_v(sched.stages.size());
-  for (size_t i = 0; i < sched.stages.size(); ++i) {
-    const Stage& st = sched.stages[i];
-    if (st.send_to < 0 || !st.send_grads_deferred) continue;
-    const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
-    deferred_k[i] = reinterpret_cast<float*>(cursor.Take(bytes));
-    deferred_v[i] = reinterpret_cast<float*>(cursor.Take(bytes));
-  }
-  cudaEvent grads_ready[2], store_ready;
-  for (cudaEvent* e : {&grads_ready[0], &grads_ready[1], &store_ready}) {
-    HSAP_ASSIGN_OR_RETURN(cudaEvent ev, call.events().New());
-    *e = ev;
-  }
-
-  for (auto [ptr, count] : {std::pair{dq32, q_elems},
-                            {dk32, kv_elems},
-                            {dv32, kv_elems},
-                            {store_gk, store_elems},
-                            {store_gv, store_elems}}) {
-    HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(ptr, count * sizeof(float), ctx.stream));
-  }
-  if (rows > 0) {
-    HSAP_RETURN_IF_ERROR(ctx.kernels->Delta({dout, out, delta, rows, dims.heads_q}, ctx.stream));
-  }
-
-  const QuerySide side{rows, dims.heads_q, dims.heads_kv, dims.scale};
-  const hsap_dev::BwdParams p = BackwardParams(side, q, dout, lse, delta, dq32);
-  auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                      int64_t k_rows, float* gk, float* gv) {
-    return LaunchBackward(*ctx.kernels, p, list, kk, vv, k_rows, gk, gv, ctx.stream);
-  };
-
-  std::vector<int> steps;
-  for (const Stage& st : sched.stages) steps.push_back(st.step);
-  ExecTraffic grad_moved;
-  BackwardStages hooks;
-  hooks.post_kv = [&](size_t i) { return call.PostKv(i, k, v); };
-  hooks.local = [&] { return backward(ctx.program->lists().local(), k, v, rows, dk32, dv32); };
-  hooks.compute = [&](size_t i) -> absl::Status {
-    const Stage& st = sched.stages[i];
-    const int slot = static_cast<int>(i % 2);
-    if (st.recv_from < 0) return absl::OkStatus();
-    if (st.store_begin >= 0) {  // a kept buffer: its partials are summed in the store
-      const size_t at = static_cast<size_t>(st.store_begin) * call.kv_row32();
-      return backward(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows,
-                      store_gk + at, store_gv + at);
-    }
-    const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
-    for (float* g : {part_k[slot], part_v[slot]}) {
-      HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(g, bytes, ctx.stream));
-    }
-    return backward(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows,
-                    part_k[slot], part_v[slot]);
-  };
-  hooks.post_grad = [&](size_t i) -> absl::StatusOr<std::unique_ptr<Transport::Pending>> {
-    const Stage& st = sched.stages[i];
-    const int slot = static_cast<int>(i % 2);
-    std::vector<SendOp> sends;
-    std::vector<RecvOp> recvs;
-    if (st.recv_from >= 0 && st.store_begin < 0) {
-      const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
-      call.Tally(grad_moved, st.recv_from, 2 * bytes, /*sent=*/true);
-      sends.push_back(
-          {st.recv_from, part_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
-      sends.push_back(
-          {st.recv_from, part_v[slot], bytes, RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
-    }
-    if (st.send_to >= 0 && !st.send_grads_deferred) {
-      const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
-      call.Tally(grad_moved, st.send_to, 2 * bytes, /*sent=*/false);
-      recvs.push_back(
-          {st.send_to, back_k[slot], bytes, RingTag(ctx.call_id, Payload::kKeyGrad, st.step)});
-      recvs.push_back(
-          {st.send_to, back_v[slot], bytes, RingTag(ctx.call_id, Payload::kValueGrad, st.step)});
-    }
-    HSAP_RETURN_IF_ERROR(call.FenceTransfers(grads_ready[slot]));
-    return ctx.transport->Start(sends, recvs, StageName("backward", st, "dk/dv"));
-  };
-  // Adds the partials `gk`, `gv` of stage j's sent rows into their rows: of dk/dv, or of the
-  // relay store's sums for a fan-out.
-  auto add_rows = [&](const Stage& st, const float* gk, const float* gv) -> absl::Status {
-    float* to_k = st.send_from_store ? store_gk : dk32;
-    float* to_v = st.send_from_store ? store_gv : dv32;
-    size_t offset = 0;
-    for (const TokenRun& run : st.send_runs) {
-      const long long count = static_cast<long long>(run.length * call.kv_row32());
-      const size_t at = static_cast<size_t>(run.local_begin) * call.kv_row32();
-      for (auto [to, from] : {std::pair{to_k, gk}, {to_v, gv}}) {
-        HSAP_RETURN_IF_ERROR(ctx.kernels->Accumulate({to + at, from + offset, count}, ctx.stream));
-      }
-      offset += static_cast<size_t>(count);
-    }
-    return absl::OkStatus();
-  };
-  // The partials returned for stage j, added in step order.
-  hooks.add_returned = [&](size_t j) -> absl::Status {
-    const Stage& st = sched.stages[j];
-    if (st.send_to < 0 || st.send_grads_deferred) return absl::OkStatus();
-    return add_rows(st, back_k[j % 2], back_v[j % 2]);
-  };
-  // The direct stages, then (relays only) the fan-outs, which send what the former kept.
-  const size_t fan = sched.first_fan_out();
-  HSAP_RETURN_IF_ERROR(RunBackwardStagesThenFanOuts(steps, fan, hooks));
-  // The return phase: each kept buffer's summed partials go back to its owner, which adds
-  // them in stage order after all its other partials.
-  {
-    std::vector<SendOp> sends;
-    std::vector<RecvOp> recvs;
-    for (size_t i = 0; i < fan; ++i) {
-      const Stage& st = sched.stages[i];
-      if (st.recv_from >= 0 && st.store_begin >= 0) {
-        const size_t bytes = static_cast<size_t>(st.recv_rows) * call.kv_row32() * sizeof(float);
-        const size_t at = static_cast<size_t>(st.store_begin) * call.kv_row32();
-        call.Tally(grad_moved, st.recv_from, 2 * bytes, /*sent=*/true);
-        sends.push_back({st.recv_from, store_gk + at, bytes,
-                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
-        sends.push_back({st.recv_from, store_gv + at, bytes,
-                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
-      }
-      if (st.send_to >= 0 && st.send_grads_deferred) {
-        const size_t bytes = static_cast<size_t>(st.send_rows) * call.kv_row32() * sizeof(float);
-        call.Tally(grad_moved, st.send_to, 2 * bytes, /*sent=*/false);
-        recvs.push_back({st.send_to, deferred_k[i], bytes,
-                         RingTag(ctx.call_id, Payload::kRelayKeyGrad, st.step)});
-        recvs.push_back({st.send_to, deferred_v[i], bytes,
-                         RingTag(ctx.call_id, Payload::kRelayValueGrad, st.step)});
-      }
-    }
-    if (!sends.empty() || !recvs.empty()) {
-      HSAP_RETURN_IF_ERROR(call.FenceTransfers(store_ready));
-      HSAP_ASSIGN_OR_RETURN(std::unique_ptr<Transport::Pending> pending,
-                            ctx.transport->Start(sends, recvs, "backward relay dk/dv return"));
-      HSAP_RETURN_IF_ERROR(pending->Wait());
-      for (size_t i = 0; i < fan; ++i) {
-        const Stage& st = sched.stages[i];
-        if (st.send_to >= 0 && st.send_grads_deferred) {
-          HSAP_RETURN_IF_ERROR(add_rows(st, deferred_k[i], deferred_v[i]));
-        }
-      }
-    }
-  }
-  HSAP_RETURN_IF_ERROR(Store(ctx, dq32, dq, q_elems));
-  HSAP_RETURN_IF_ERROR(Store(ctx, dk32, dk, kv_elems));
-  HSAP_RETURN_IF_ERROR(Store(ctx, dv32, dv, kv_elems));
+  GpuRingBackward backward(ctx, call, k, v);
+  HSAP_RETURN_IF_ERROR(backward.Prepare(dout, q, out, lse));
+  HSAP_RETURN_IF_ERROR(backward.Run());
+  HSAP_RETURN_IF_ERROR(backward.Store(dq, dk, dv));
   if (traffic != nullptr) {
     const ExecTraffic& kv = call.moved();
+    const ExecTraffic& grad_moved = backward.grad_moved();
     traffic->bytes_sent = kv.bytes_sent + grad_moved.bytes_sent;
     traffic->bytes_received = kv.bytes_received + grad_moved.bytes_received;
     traffic->intra_node_sent = kv.intra_node_sent + grad_moved.intra_node_sent;
