@@ -32,6 +32,10 @@ using cudaStream = struct CUstream_st*;
 using cudaEvent = struct CUevent_st*;
 inline constexpr cudaError kCudaSuccess = 0;
 inline constexpr cudaError kCudaErrorNotReady = 600;
+// cudaMemcpyKind.
+inline constexpr int kCudaMemcpyHostToHost = 0;
+inline constexpr int kCudaMemcpyHostToDevice = 1;
+inline constexpr int kCudaMemcpyDeviceToHost = 2;
 inline constexpr int kCudaMemcpyDeviceToDevice = 3;
 inline constexpr int kCudaMemcpyDefault = 4;
 inline constexpr unsigned kCudaStreamNonBlocking = 1;
