@@ -15,7 +15,8 @@ namespace {
 
 class CudaDevice : public Device {
  public:
-  CudaDevice(const CudaRuntimeApi* rt, int ordinal) : rt_(rt), ordinal_(ordinal) {}
+  CudaDevice(const CudaRuntimeApi* rt, const CudaDriverApi* driver, int ordinal)
+      : rt_(rt), driver_(driver), ordinal_(ordinal) {}
 
   absl::StatusOr<int> MakeCurrent() override {
     int previous = 0;
@@ -50,19 +51,19 @@ class CudaDevice : public Device {
                       absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
   }
   absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     return d->Check(d->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
                                           kCuStreamWriteValueDefault),
                     "cuStreamWriteValue32");
   }
   absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     return d->Check(
         d->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
         "cuStreamWaitValue32 (GEQ)");
   }
   absl::StatusOr<DeviceIdentity> Identity() override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     int device = 0;
     HSAP_RETURN_IF_ERROR(
         d->Check(d->DeviceGet(&device, ordinal_), absl::StrCat("cuDeviceGet(", ordinal_, ")")));
@@ -178,6 +179,7 @@ class CudaDevice : public Device {
 
  private:
   const CudaRuntimeApi* rt_;
+  const CudaDriverApi* driver_;
   int ordinal_;
 };
 
@@ -186,9 +188,15 @@ class CudaDevice : public Device {
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
+  HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* driver, LoadCudaDriver());
+  return CreateCudaDevice(*rt, *driver);
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaRuntimeApi& rt,
+                                                         const CudaDriverApi& driver) {
   int ordinal = 0;
-  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&ordinal), "cudaGetDevice"));
-  return std::unique_ptr<Device>(new CudaDevice(rt, ordinal));
+  HSAP_RETURN_IF_ERROR(rt.Check(rt.GetDevice(&ordinal), "cudaGetDevice"));
+  return std::unique_ptr<Device>(new CudaDevice(&rt, &driver, ordinal));
 }
 
 absl::StatusOr<std::string> CurrentCudaArch() {

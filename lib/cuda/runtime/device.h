@@ -175,6 +175,10 @@ class DeviceKernels {
 // The current CUDA device through the CUDA runtime (remembered: MakeCurrent selects it
 // again). Unimplemented without one.
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
+// The same through the CUDA runtime `rt` and driver `driver` (the ones CreateCudaDevice
+// loads, or a test's emulated ones), which must outlive the device.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaRuntimeApi& rt,
+                                                         const CudaDriverApi& driver);
 
 // "sm_90" for the current CUDA device (its compute capability).
 absl::StatusOr<std::string> CurrentCudaArch();

@@ -253,10 +253,8 @@ class LoopbackTransport : public DeviceTransport {
   TrafficCounters counters_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
-    int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams) {
+absl::Status CheckArguments(int nranks, absl::Duration timeout,
+                            const std::vector<cudaStream>& streams) {
   if (nranks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
   }
@@ -267,9 +265,24 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   if (timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the loopback timeout must be positive");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams) {
+  HSAP_RETURN_IF_ERROR(CheckArguments(nranks, timeout, streams));
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
+  return CreateLoopbackTransports(**LoadCudaRuntime(), nranks, timeout, streams);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    const CudaRuntimeApi& rt, int nranks, absl::Duration timeout,
+    const std::vector<cudaStream>& streams) {
+  HSAP_RETURN_IF_ERROR(CheckArguments(nranks, timeout, streams));
   auto w = std::make_shared<World>();
-  w->rt = *LoadCudaRuntime();
+  w->rt = &rt;
   w->timeout = timeout;
   w->streams = streams;
   const bool own = streams.empty();

@@ -30,6 +30,13 @@ namespace hsap::cuda {
 absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
     int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams = {});
 
+// The same through the CUDA runtime `rt` (the one CreateLoopbackTransports loads, or a
+// test's emulated one), on the calling thread's current device of `rt`. `rt` must outlive
+// the transports.
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    const CudaRuntimeApi& rt, int nranks, absl::Duration timeout,
+    const std::vector<cudaStream>& streams = {});
+
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_TRANSPORT_LOOPBACK_TRANSPORT_H_
