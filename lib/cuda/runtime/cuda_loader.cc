@@ -170,6 +170,18 @@ absl::Status CudaRuntimeApi::Check(cudaError e, absl::string_view what) const {
   return absl::InternalError(msg);
 }
 
+CudaDeviceScope::CudaDeviceScope(const CudaRuntimeApi& rt, int device) : rt_(rt) {
+  int current = -1;
+  status_ = rt.Check(rt.GetDevice(&current), "cudaGetDevice");
+  if (!status_.ok() || current == device) return;
+  status_ = rt.Check(rt.SetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  if (status_.ok()) previous_ = current;
+}
+
+CudaDeviceScope::~CudaDeviceScope() {
+  if (previous_ >= 0) rt_.SetDevice(previous_);
+}
+
 absl::Status CudaDriverApi::Check(CUresult r, absl::string_view what) const {
   if (r == 0) return absl::OkStatus();
   const char* text = nullptr;

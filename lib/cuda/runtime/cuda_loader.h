@@ -86,6 +86,26 @@ struct CudaRuntimeApi {
   absl::Status Check(cudaError e, absl::string_view what) const;
 };
 
+// Makes `device` the calling thread's current CUDA device (cudaSetDevice of `rt`) for the
+// scope, and the device current before again at its end. A device's streams and events are
+// its own ("streams and events are created in association with the currently set device",
+// and an event is recorded only on a stream of its device), so code that owns streams of one
+// device makes that device current before it creates or records events for them, whatever
+// device the calling thread had current. status(): the cudaGetDevice / cudaSetDevice result.
+class CudaDeviceScope {
+ public:
+  CudaDeviceScope(const CudaRuntimeApi& rt, int device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  const CudaRuntimeApi& rt_;
+  int previous_ = -1;  // -1: nothing to restore
+  absl::Status status_;
+};
+
 // CUDA driver API (kernels of the JIT: module load and launch).
 using CUresult = int;
 using CUmodule = struct CUmod_st*;

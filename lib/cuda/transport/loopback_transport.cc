@@ -33,6 +33,7 @@ struct Op {
 
 struct World {
   const CudaRuntimeApi* rt = nullptr;
+  int device = 0;  // the ranks' GPU: their streams, events and copies are its
   absl::Duration timeout;
   std::vector<cudaStream> streams;
   std::mutex mu;
@@ -66,9 +67,11 @@ void Connect(World& w, const std::shared_ptr<Op>& send, const std::shared_ptr<Op
   const cudaStream stream = w.streams[recv->owner];
   absl::Status s =
       w.rt->Check(w.rt->StreamWaitEvent(stream, send->ready.get(), 0), "cudaStreamWaitEvent");
+  // Either side may be device, pinned or pageable host memory (the AllGather of batch
+  // creation sends host records): the direction comes from the pointers.
   if (s.ok() && send->bytes > 0) {
     s = w.rt->Check(
-        w.rt->MemcpyAsync(recv->data, send->data, send->bytes, kCudaMemcpyDeviceToDevice, stream),
+        w.rt->MemcpyAsync(recv->data, send->data, send->bytes, kCudaMemcpyDefault, stream),
         "cudaMemcpyAsync (loopback)");
   }
   std::shared_ptr<CUevent_st> done;
@@ -88,6 +91,7 @@ class LoopbackTransport : public DeviceTransport {
       : w_(std::move(w)), rank_(rank), owns_stream_(owns_stream) {}
   ~LoopbackTransport() override {
     if (owns_stream_) {
+      CudaDeviceScope on(*w_->rt, w_->device);
       w_->rt->StreamSynchronize(w_->streams[rank_]);
       w_->rt->StreamDestroy(w_->streams[rank_]);
     }
@@ -123,6 +127,10 @@ class LoopbackTransport : public DeviceTransport {
                                                  absl::Span<const RecvOp> recvs,
                                                  std::string stage) override {
     World& w = *w_;
+    // The events made here and in Connect are recorded on the ranks' streams: they must be
+    // of the ranks' device, whichever device the calling thread has current.
+    CudaDeviceScope on(*w.rt, w.device);
+    HSAP_RETURN_IF_ERROR(on.status());
     std::shared_ptr<CUevent_st> ready;
     if (!sends.empty()) {
       HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> e, w.NewEvent());
@@ -283,6 +291,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   HSAP_RETURN_IF_ERROR(CheckArguments(nranks, timeout, streams));
   auto w = std::make_shared<World>();
   w->rt = &rt;
+  HSAP_RETURN_IF_ERROR(rt.Check(rt.GetDevice(&w->device), "cudaGetDevice"));
   w->timeout = timeout;
   w->streams = streams;
   const bool own = streams.empty();
