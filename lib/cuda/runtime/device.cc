@@ -32,6 +32,8 @@ class CudaDevice : public Device {
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
+    CudaDeviceScope on(*rt_, ordinal_);  // cudaMalloc allocates on the current device
+    HSAP_RETURN_IF_ERROR(on.status());
     void* p = nullptr;
     HSAP_RETURN_IF_ERROR(
         rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)")));
@@ -47,6 +49,8 @@ class CudaDevice : public Device {
   }
   absl::Status ZeroAsync(void* dst, size_t bytes, cudaStream s) override {
     if (bytes == 0) return absl::OkStatus();
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     return rt_->Check(rt_->MemsetAsync(dst, 0, bytes, s),
                       absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
   }
@@ -120,6 +124,9 @@ class CudaDevice : public Device {
     }
     CudaIpcMemHandle h;
     std::memcpy(h.reserved, handle.data(), handle.size());
+    // cudaIpcOpenMemHandle maps "into the current device address space".
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     void* p = nullptr;
     if (absl::Status s = rt_->Check(rt_->IpcOpenMemHandle(&p, h, kCudaIpcMemLazyEnablePeerAccess),
                                     "cudaIpcOpenMemHandle");
@@ -132,6 +139,8 @@ class CudaDevice : public Device {
     if (p != nullptr) rt_->IpcCloseMemHandle(p);
   }
   absl::StatusOr<cudaStream> CreateStream() override {
+    CudaDeviceScope on(*rt_, ordinal_);  // a stream is the device's current at creation
+    HSAP_RETURN_IF_ERROR(on.status());
     cudaStream s = nullptr;
     HSAP_RETURN_IF_ERROR(rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
                                     "cudaStreamCreateWithFlags"));
@@ -141,6 +150,10 @@ class CudaDevice : public Device {
     if (s != nullptr) rt_->StreamDestroy(s);
   }
   absl::StatusOr<cudaEvent> CreateEvent() override {
+    // An event is the device's current at creation, and records only on that device's
+    // streams.
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     cudaEvent e = nullptr;
     HSAP_RETURN_IF_ERROR(rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
                                     "cudaEventCreateWithFlags"));
