@@ -224,5 +224,35 @@ TEST(EmulatedLoopbackBatch, RanksOnAnotherGpuThanTheCallers) {
                                                                /*device=*/1, /*caller_device=*/0);
 }
 
+// A caller's stream (hsapCommConfig_t::cudaStream) must be a stream of the communicator's
+// GPU: kernels launch only there. Refused at creation rather than at every call.
+TEST(EmulatedGpuComm, ACallersStreamOfAnotherGpuIsRefused) {
+  EmulatedCudaRuntime::Options options;
+  options.devices = 2;
+  EmulatedCudaRuntime emu(options);
+  const CudaRuntimeApi& rt = emu.runtime();
+  cudaStream on_1 = nullptr, on_0 = nullptr;
+  ASSERT_EQ(rt.SetDevice(1), 0);
+  ASSERT_EQ(rt.StreamCreateWithFlags(&on_1, kCudaStreamNonBlocking), 0);
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  ASSERT_EQ(rt.StreamCreateWithFlags(&on_0, kCudaStreamNonBlocking), 0);
+  absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
+  ASSERT_TRUE(d.ok());
+  absl::StatusOr<std::shared_ptr<GpuComm>> wrong =
+      GpuComm::Create(*std::move(d), on_1, absl::Seconds(10));
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong.status().message(), ::testing::HasSubstr("not a stream of its device"));
+  d = CreateCudaDevice(rt, emu.driver());
+  ASSERT_TRUE(d.ok());
+  absl::StatusOr<std::shared_ptr<GpuComm>> right =
+      GpuComm::Create(*std::move(d), on_0, absl::Seconds(10));
+  EXPECT_TRUE(right.ok()) << right.status();
+  EXPECT_EQ((*right)->stream(), on_0);
+  right->reset();
+  EXPECT_EQ(rt.StreamDestroy(on_0), 0);
+  EXPECT_EQ(rt.StreamDestroy(on_1), 0);
+  EXPECT_EQ(emu.live_events(), 0);
+}
+
 }  // namespace
 }  // namespace hsap::cuda
