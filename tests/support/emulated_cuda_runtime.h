@@ -781,6 +781,7 @@ inline cuda::cudaError EmulatedCudaRuntime::Malloc(void** p, size_t bytes) {
 inline cuda::cudaError EmulatedCudaRuntime::Free(void* p) {
   // "If devPtr is 0, no operation is performed."
   if (p == nullptr) return 0;
+  std::vector<std::pair<Stream*, uint64_t>> tails;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = allocations_.find(reinterpret_cast<uintptr_t>(p));
@@ -790,9 +791,15 @@ inline cuda::cudaError EmulatedCudaRuntime::Free(void* p) {
     if (it == allocations_.end() || it->second.memory != Memory::kDevice) {
       return kCudaErrorInvalidValue;
     }
+    // cudaFree synchronizes the device that owns the memory, so it is not released under
+    // work still using it (device.h relies on that). The emulator waits for that device's
+    // streams only: work of other GPUs may wait for this thread (a peer that has not posted
+    // yet), and waiting for it would deadlock where a GPU does not.
+    for (auto& s : streams_) {
+      if (s->device == it->second.device) tails.emplace_back(s.get(), s->enqueued);
+    }
   }
-  // cudaFree synchronizes: the memory is not released under work still using it.
-  Drain();
+  for (const auto& [s, seq] : tails) WaitFor(s, seq, "cudaFree", true);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.find(reinterpret_cast<uintptr_t>(p));
   if (it == allocations_.end()) return kCudaErrorInvalidValue;  // freed meanwhile
