@@ -40,8 +40,17 @@ class NcclTransport : public DeviceTransport {
  public:
   // Adopts `comm` (destroyed with the transport when owns_comm). `stream`: the caller's
   // CUDA stream for communication; null creates a non-blocking stream of our own. The
-  // current CUDA device must be the communicator's.
+  // current CUDA device must be the communicator's: the transport remembers it and makes it
+  // current for its own CUDA calls (staging memory, events), restoring the caller's, so
+  // later calls may come from a thread whose current device is another GPU.
   static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(ncclComm comm, bool owns_comm,
+                                                               cudaStream stream,
+                                                               absl::Duration timeout);
+  // The same through `nccl` and the CUDA runtime `rt` (the ones Create loads, or a test's
+  // stand-ins), which must outlive the transport.
+  static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(const NcclApi& nccl,
+                                                               const CudaRuntimeApi& rt,
+                                                               ncclComm comm, bool owns_comm,
                                                                cudaStream stream,
                                                                absl::Duration timeout);
   ~NcclTransport() override;
@@ -73,6 +82,7 @@ class NcclTransport : public DeviceTransport {
 
   const NcclApi* nccl_ = nullptr;
   const CudaRuntimeApi* rt_ = nullptr;
+  int device_ = 0;  // the communicator's GPU: its stream, staging and events are this GPU's
   ncclComm comm_ = nullptr;
   bool owns_comm_ = false;
   cudaStream stream_ = nullptr;
