@@ -148,6 +148,7 @@ absl::StatusOr<std::unique_ptr<NcclApi>> LoadNcclImpl() {
   HSAP_BIND(handle, api, CommGetAsyncError, "ncclCommGetAsyncError");
   HSAP_BIND(handle, api, CommCount, "ncclCommCount");
   HSAP_BIND(handle, api, CommUserRank, "ncclCommUserRank");
+  HSAP_BIND(handle, api, CommCuDevice, "ncclCommCuDevice");
   HSAP_BIND(handle, api, CommSplit, "ncclCommSplit");
   HSAP_BIND(handle, api, Send, "ncclSend");
   HSAP_BIND(handle, api, Recv, "ncclRecv");

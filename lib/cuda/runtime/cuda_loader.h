@@ -165,6 +165,7 @@ struct NcclApi {
   ncclResult (*CommGetAsyncError)(ncclComm, ncclResult*) = nullptr;
   ncclResult (*CommCount)(ncclComm, int*) = nullptr;
   ncclResult (*CommUserRank)(ncclComm, int*) = nullptr;
+  ncclResult (*CommCuDevice)(ncclComm, int*) = nullptr;  // the communicator's CUDA device
   // ncclCommSplit(comm, color, key, newcomm, config): config may be null.
   ncclResult (*CommSplit)(ncclComm, int, int, ncclComm*, void*) = nullptr;
   ncclResult (*Send)(const void*, size_t, int, int, ncclComm, cudaStream) = nullptr;

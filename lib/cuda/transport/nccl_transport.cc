@@ -135,7 +135,13 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(const NcclA
   t->nccl_ = &nccl;
   t->rt_ = &rt;
   t->timeout_ = timeout;
-  HSAP_RETURN_IF_ERROR(rt.Check(rt.GetDevice(&t->device_), "cudaGetDevice"));
+  // The communicator's GPU as NCCL knows it, not whichever device the calling thread has
+  // current (hsapCommSplit and hsapCommInitFromNccl may be called from any thread): the
+  // transport's stream, staging memory and events are made on it.
+  HSAP_RETURN_IF_ERROR(
+      t->nccl_->Check(t->nccl_->CommCuDevice(comm, &t->device_), "ncclCommCuDevice"));
+  CudaDeviceScope on(rt, t->device_);
+  HSAP_RETURN_IF_ERROR(on.status());
   HSAP_RETURN_IF_ERROR(
       t->nccl_->Check(t->nccl_->CommUserRank(comm, &t->rank_), "ncclCommUserRank"));
   HSAP_RETURN_IF_ERROR(t->nccl_->Check(t->nccl_->CommCount(comm, &t->size_), "ncclCommCount"));

@@ -39,10 +39,11 @@ namespace hsap::cuda {
 class NcclTransport : public DeviceTransport {
  public:
   // Adopts `comm` (destroyed with the transport when owns_comm). `stream`: the caller's
-  // CUDA stream for communication; null creates a non-blocking stream of our own. The
-  // current CUDA device must be the communicator's: the transport remembers it and makes it
-  // current for its own CUDA calls (staging memory, events), restoring the caller's, so
-  // later calls may come from a thread whose current device is another GPU.
+  // CUDA stream for communication, a stream of the communicator's GPU; null creates a
+  // non-blocking stream of our own. The transport works on the communicator's GPU
+  // (ncclCommCuDevice), which it makes current for its own CUDA calls (its stream, staging
+  // memory, events) and then restores the caller's: it may be created and used from a thread
+  // whose current device is another GPU.
   static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(ncclComm comm, bool owns_comm,
                                                                cudaStream stream,
                                                                absl::Duration timeout);
@@ -67,6 +68,7 @@ class NcclTransport : public DeviceTransport {
 
   ncclComm comm() const { return comm_; }
   cudaStream stream() const { return stream_; }
+  int device() const { return device_; }  // the communicator's GPU
   cudaStream transfer_stream() const override { return stream_; }
   bool offers_peer_windows() const override { return true; }
   const NcclApi& nccl() const { return *nccl_; }

@@ -70,6 +70,10 @@ class FakeNccl {
       *r = Of(c)->rank;
       return kNcclSuccess;
     };
+    api_.CommCuDevice = [](ncclComm c, int* d) {
+      *d = Of(c)->device;
+      return kNcclSuccess;
+    };
     api_.GroupStart = [] {
       ++group().depth;
       return kNcclSuccess;
@@ -326,6 +330,35 @@ TEST(NcclTransport, CallersWhoseCurrentDeviceIsAnotherGpu) {
   });
   for (int r = 0; r < R; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
   EXPECT_EQ(w.nccl.refused(), "");
+}
+
+// A transport made from a thread whose current device is another GPU (hsapCommSplit and
+// hsapCommInitFromNccl may be called from any thread) works on the communicator's GPU.
+TEST(NcclTransport, CreatedFromAThreadOnAnotherGpu) {
+  const int R = 2;
+  World w(R);
+  const CudaRuntimeApi& rt = w.emu.runtime();
+  std::vector<std::unique_ptr<NcclTransport>> split(R);
+  std::vector<std::string> failures(R);
+  OnEveryRank(R, [&](int r) {
+    ASSERT_EQ(rt.SetDevice(1 - r), 0);
+    auto t = NcclTransport::Create(w.nccl.api(), rt, w.nccl.comm(r), false, nullptr,
+                                   absl::Seconds(10));
+    ASSERT_TRUE(t.ok()) << t.status();
+    split[r] = *std::move(t);
+    EXPECT_EQ(split[r]->device(), r);
+    EXPECT_EQ(w.emu.DeviceOfStream(split[r]->stream()), r) << "rank " << r;
+    uint64_t mine = 7 + r, all[2] = {0, 0};
+    if (absl::Status s = split[r]->AllGather(&mine, all, sizeof(mine), "gather"); !s.ok()) {
+      failures[r] = std::string(s.message());
+    } else if (all[0] != 7 || all[1] != 8) {
+      failures[r] = "wrong records";
+    }
+    int device = -1;
+    rt.GetDevice(&device);
+    EXPECT_EQ(device, 1 - r) << "rank " << r << ": the current device changed";
+  });
+  for (int r = 0; r < R; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
 TEST(NcclTransport, HostBuffersOutsideTheAllGatherAreRefusedByNccl) {
