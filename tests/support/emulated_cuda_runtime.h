@@ -86,7 +86,7 @@ struct EmulatedCudaRuntimeOptions {
   // cudaErrorMemoryAllocation.
   size_t memory_bytes = size_t{1} << 30;
   std::string name = "Emulated GPU";
-  bool peer_access = true;        // cudaDeviceCanAccessPeer between distinct devices
+  bool peer_access = true;         // cudaDeviceCanAccessPeer between distinct devices
   bool p2p_native_atomics = true;  // cudaDevP2PAttrNativeAtomicSupported
   // The longest any emulated wait blocks (a wait on the device that never ends, on a GPU).
   absl::Duration watchdog = absl::Seconds(30);
@@ -249,12 +249,12 @@ class EmulatedCudaRuntime {
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  std::vector<std::unique_ptr<Stream>> streams_;  // every stream ever made, legacy included
-  std::set<Stream*> live_streams_;                // handles that name a stream now
-  std::vector<Stream*> legacy_;                   // per device, created on first use
+  std::vector<std::unique_ptr<Stream>> streams_;     // every stream ever made, legacy included
+  std::set<Stream*> live_streams_;                   // handles that name a stream now
+  std::vector<Stream*> legacy_;                      // per device, created on first use
   std::map<Event*, std::unique_ptr<Event>> events_;  // destroyed ones stay (stale handles)
-  std::map<uintptr_t, Allocation> allocations_;  // by base address
-  std::vector<size_t> used_;                     // device bytes per device
+  std::map<uintptr_t, Allocation> allocations_;      // by base address
+  std::vector<size_t> used_;                         // device bytes per device
   std::vector<std::string> failures_;
 };
 
@@ -581,8 +581,8 @@ inline void EmulatedCudaRuntime::Work(Stream* s) {
 inline bool EmulatedCudaRuntime::WaitFor(Stream* s, uint64_t seq, const std::string& what,
                                          bool record_failure) {
   std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = std::chrono::steady_clock::now() +
-                        absl::ToChronoMilliseconds(options_.watchdog);
+  const auto deadline =
+      std::chrono::steady_clock::now() + absl::ToChronoMilliseconds(options_.watchdog);
   if (cv_.wait_until(lock, deadline, [&] { return s->completed >= seq; })) return true;
   if (record_failure) {
     failures_.push_back(absl::StrCat(what, ": waited ", absl::FormatDuration(options_.watchdog),
@@ -845,9 +845,8 @@ inline cuda::cudaError EmulatedCudaRuntime::FreeHost(void* p) {
 
 // cudaMemcpy (synchronous_api, on the current device's legacy default stream) and
 // cudaMemcpyAsync.
-inline cuda::cudaError EmulatedCudaRuntime::Copy(void* dst, const void* src, size_t bytes,
-                                                 int kind, cuda::cudaStream h,
-                                                 bool synchronous_api) {
+inline cuda::cudaError EmulatedCudaRuntime::Copy(void* dst, const void* src, size_t bytes, int kind,
+                                                 cuda::cudaStream h, bool synchronous_api) {
   if (kind < cuda::kCudaMemcpyHostToHost || kind > cuda::kCudaMemcpyDefault) {
     return kCudaErrorInvalidMemcpyDirection;
   }
@@ -916,7 +915,8 @@ inline cuda::cudaError EmulatedCudaRuntime::Copy(void* dst, const void* src, siz
     if (staged) {
       auto staging = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                          static_cast<const char*>(src) + bytes);
-      seq = EnqueueLocked(s, [dst, staging] { std::memcpy(dst, staging->data(), staging->size()); });
+      seq =
+          EnqueueLocked(s, [dst, staging] { std::memcpy(dst, staging->data(), staging->size()); });
     } else {
       seq = EnqueueLocked(s, [dst, src, bytes] { std::memmove(dst, src, bytes); });
     }
@@ -934,8 +934,7 @@ inline cuda::cudaError EmulatedCudaRuntime::Memset(void* dst, int value, size_t 
   // "Fills the first count bytes of the memory area pointed to by devPtr" -- device memory,
   // inside its allocation.
   const Pointer to = QueryLocked(dst);
-  if (to.memory != Memory::kDevice ||
-      static_cast<const char*>(dst) + bytes > to.base + to.bytes) {
+  if (to.memory != Memory::kDevice || static_cast<const char*>(dst) + bytes > to.base + to.bytes) {
     return kCudaErrorInvalidValue;
   }
   EnqueueLocked(s, [dst, value, bytes] { std::memset(dst, value, bytes); });
@@ -1056,8 +1055,7 @@ inline cuda::cudaError EmulatedCudaRuntime::IpcGetMemHandle(cuda::CudaIpcMemHand
 // ---- Driver stream memory operations ------------------------------------------------------
 
 inline cuda::CUresult EmulatedCudaRuntime::StreamMemOp(cuda::cudaStream h, unsigned long long addr,
-                                                       unsigned value, unsigned flags,
-                                                       bool write) {
+                                                       unsigned value, unsigned flags, bool write) {
   std::lock_guard<std::mutex> lock(mu_);
   Stream* s = ResolveLocked(h);
   if (s == nullptr) return kCuErrorInvalidHandle;

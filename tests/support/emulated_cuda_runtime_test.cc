@@ -108,18 +108,16 @@ TEST(EmulatedCudaRuntime, CopyKindMustMatchThePointers) {
     void* p;
     bool device;
   };
-  const std::vector<Place> places = {{"device", dev_a, true},
-                                     {"pinned", pinned, false},
-                                     {"pageable", pageable_a.data(), false}};
-  const std::vector<Place> targets = {{"device", dev_b, true},
-                                      {"pinned", pinned, false},
-                                      {"pageable", pageable_b.data(), false}};
+  const std::vector<Place> places = {
+      {"device", dev_a, true}, {"pinned", pinned, false}, {"pageable", pageable_a.data(), false}};
+  const std::vector<Place> targets = {
+      {"device", dev_b, true}, {"pinned", pinned, false}, {"pageable", pageable_b.data(), false}};
   for (const Place& from : places) {
     for (const Place& to : targets) {
       if (from.p == to.p) continue;
       for (int kind = kCudaMemcpyHostToHost; kind <= kCudaMemcpyDefault; ++kind) {
-        const bool ok = kind == kCudaMemcpyDefault ||
-                        kind == (from.device ? 2 : 0) + (to.device ? 1 : 0);
+        const bool ok =
+            kind == kCudaMemcpyDefault || kind == (from.device ? 2 : 0) + (to.device ? 1 : 0);
         SCOPED_TRACE(::testing::Message() << from.name << " -> " << to.name << ", kind " << kind);
         EXPECT_EQ(rt.MemcpyAsync(to.p, from.p, 64, kind, s), ok ? 0 : kCudaErrorInvalidValue);
         EXPECT_EQ(rt.Memcpy(to.p, from.p, 64, kind), ok ? 0 : kCudaErrorInvalidValue);

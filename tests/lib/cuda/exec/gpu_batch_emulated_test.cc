@@ -46,7 +46,9 @@ constexpr int kHeadsQ = 4, kHeadsKv = 2, kDim = 32;
 template <class Cfg>
 class RuntimeKernels : public DeviceKernels {
  public:
-  explicit RuntimeKernels(EmulatedCudaRuntime& emu) : emu_(emu) { emu.runtime().GetDevice(&device_); }
+  explicit RuntimeKernels(EmulatedCudaRuntime& emu) : emu_(emu) {
+    emu.runtime().GetDevice(&device_);
+  }
 
   absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
     return Launch(s, [this, p, s] { (void)inner_.Forward(p, s); });
@@ -119,7 +121,8 @@ class OnDevice {
 
 std::vector<TokenRange> ShardOf(const Schedule& s) {
   std::vector<TokenRange> shard;
-  for (const TokenRun& r : s.local_runs) shard.push_back({r.global_begin, r.global_begin + r.length});
+  for (const TokenRun& r : s.local_runs)
+    shard.push_back({r.global_begin, r.global_begin + r.length});
   return shard;
 }
 
@@ -127,8 +130,7 @@ std::vector<TokenRange> ShardOf(const Schedule& s) {
 // from threads whose current device is `caller_device`: two batches (the second needs
 // larger peer windows), each forward twice and backward once, against the reference.
 template <class Cfg>
-void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0,
-                        int caller_device = 0) {
+void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0, int caller_device = 0) {
   EmulatedCudaRuntime::Options options;
   options.devices = devices;
   options.watchdog = absl::Seconds(60);

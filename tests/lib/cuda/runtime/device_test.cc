@@ -64,13 +64,13 @@ TEST(CudaDevice, CopiesZeroesAndOrdersWork) {
   for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<char>(i * 13);
   void* pinned = nullptr;
   ASSERT_EQ(emu.MallocHost(&pinned, 1000), 0);
-  ASSERT_TRUE(dev->CopyAsync(*a, in.data(), 1000, *s1).ok());     // pageable -> device
-  ASSERT_TRUE(dev->CopyAsync(pinned, *a, 1000, *s1).ok());        // device -> pinned
+  ASSERT_TRUE(dev->CopyAsync(*a, in.data(), 1000, *s1).ok());  // pageable -> device
+  ASSERT_TRUE(dev->CopyAsync(pinned, *a, 1000, *s1).ok());     // device -> pinned
   ASSERT_TRUE(dev->ZeroAsync(static_cast<char*>(*a) + 500, 500, *s1).ok());
   ASSERT_TRUE(dev->RecordEvent(*e, *s1).ok());
   ASSERT_TRUE(dev->StreamWaitEvent(*s2, *e).ok());
-  ASSERT_TRUE(dev->CopyAsync(*b, *a, 1000, *s2).ok());            // device -> device
-  ASSERT_TRUE(dev->CopyAsync(out.data(), *b, 1000, *s2).ok());    // device -> pageable
+  ASSERT_TRUE(dev->CopyAsync(*b, *a, 1000, *s2).ok());          // device -> device
+  ASSERT_TRUE(dev->CopyAsync(out.data(), *b, 1000, *s2).ok());  // device -> pageable
   ASSERT_TRUE(dev->Synchronize(*s2, absl::Now() + absl::Seconds(10), "test").ok());
   EXPECT_EQ(std::memcmp(out.data(), in.data(), 500), 0);
   EXPECT_EQ(out[500], 0);

@@ -122,9 +122,10 @@ TEST(LoopbackTransport, DevicePinnedAndPageableBuffers) {
     std::memcpy(pinned, Pattern(256, 10 + r).data(), 256);
     std::vector<char> pageable_in = Pattern(128, 20 + r), pageable_out(256);
     DeviceBytes from_pageable(rt, 128);
-    std::vector<SendOp> sends = {{next, k.p, kb, 7}, {next, pinned, 256, 8},
-                                 {next, pageable_in.data(), 128, 9}};
-    std::vector<RecvOp> recvs = {{prev, rk.p, rk.bytes, 7}, {prev, pageable_out.data(), 256, 8},
+    std::vector<SendOp> sends = {
+        {next, k.p, kb, 7}, {next, pinned, 256, 8}, {next, pageable_in.data(), 128, 9}};
+    std::vector<RecvOp> recvs = {{prev, rk.p, rk.bytes, 7},
+                                 {prev, pageable_out.data(), 256, 8},
                                  {prev, from_pageable.p, 128, 9}};
     if (absl::Status s = t.Exchange(sends, recvs, "ring"); !s.ok()) {
       failures[r] = std::string(s.message());

@@ -43,8 +43,8 @@ class FakeNccl {
  public:
   FakeNccl(EmulatedCudaRuntime& emu, std::vector<int> devices) : emu_(emu) {
     for (int r = 0; r < static_cast<int>(devices.size()); ++r) {
-      comms_.push_back(std::make_unique<Comm>(Comm{r, static_cast<int>(devices.size()),
-                                                   devices[r]}));
+      comms_.push_back(
+          std::make_unique<Comm>(Comm{r, static_cast<int>(devices.size()), devices[r]}));
     }
     active() = this;
     api_.path = "fake nccl";
@@ -145,12 +145,14 @@ class FakeNccl {
     if (op.peer < 0 || op.peer >= op.comm->size) return Refuse("peer out of range");
     const EmulatedCudaRuntime::Pointer at = emu_.Query(op.buf);
     if (at.memory == EmulatedCudaRuntime::Memory::kPageable) {
-      return Refuse(absl::StrCat(op.send ? "ncclSend" : "ncclRecv", " : buffer ", absl::Hex(reinterpret_cast<uintptr_t>(op.buf)),
+      return Refuse(absl::StrCat(op.send ? "ncclSend" : "ncclRecv", " : buffer ",
+                                 absl::Hex(reinterpret_cast<uintptr_t>(op.buf)),
                                  " is not a valid pointer"));
     }
     if (at.memory == EmulatedCudaRuntime::Memory::kDevice && at.device != op.comm->device) {
-      return Refuse(absl::StrCat(op.send ? "ncclSend" : "ncclRecv", " : buffer allocated on device ",
-                                 at.device, " mismatchs with NCCL device ", op.comm->device));
+      return Refuse(absl::StrCat(op.send ? "ncclSend" : "ncclRecv",
+                                 " : buffer allocated on device ", at.device,
+                                 " mismatchs with NCCL device ", op.comm->device));
     }
     if (group().depth > 0) {
       group().ops.push_back(op);
@@ -342,8 +344,8 @@ TEST(NcclTransport, CreatedFromAThreadOnAnotherGpu) {
   std::vector<std::string> failures(R);
   OnEveryRank(R, [&](int r) {
     ASSERT_EQ(rt.SetDevice(1 - r), 0);
-    auto t = NcclTransport::Create(w.nccl.api(), rt, w.nccl.comm(r), false, nullptr,
-                                   absl::Seconds(10));
+    auto t =
+        NcclTransport::Create(w.nccl.api(), rt, w.nccl.comm(r), false, nullptr, absl::Seconds(10));
     ASSERT_TRUE(t.ok()) << t.status();
     split[r] = *std::move(t);
     EXPECT_EQ(split[r]->device(), r);
