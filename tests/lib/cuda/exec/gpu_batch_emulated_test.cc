@@ -126,13 +126,22 @@ std::vector<TokenRange> ShardOf(const Schedule& s) {
   return shard;
 }
 
-// R loopback ranks on device `device` of an emulated runtime with `devices` GPUs, driven
-// from threads whose current device is `caller_device`: two batches (the second needs
-// larger peer windows), each forward twice and backward once, against the reference.
+struct RankSetup {
+  int devices = 1;        // emulated GPUs
+  int device = 0;         // the communicators'
+  int caller_device = 0;  // current on the threads that drive the ranks
+  // Each communicator gets a non-blocking stream of the caller's (hsapCommConfig_t::
+  // cudaStream): calls return once enqueued, and the results are read after that stream.
+  bool caller_streams = false;
+};
+
+// R loopback ranks as `setup` says: two batches (the second needs larger peer windows), each
+// forward twice and backward once, against the reference.
 template <class Cfg>
-void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0, int caller_device = 0) {
+void RunLoopbackBatches(int R, bool fused, RankSetup setup = RankSetup()) {
+  const int device = setup.device, caller_device = setup.caller_device;
   EmulatedCudaRuntime::Options options;
-  options.devices = devices;
+  options.devices = setup.devices;
   options.watchdog = absl::Seconds(60);
   EmulatedCudaRuntime emu(options);
   const CudaRuntimeApi& rt = emu.runtime();
@@ -143,17 +152,21 @@ void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0, int 
     ASSERT_TRUE(transports.ok()) << transports.status();
     std::vector<std::unique_ptr<Communicator>> comms;
     std::vector<std::shared_ptr<GpuComm>> gpus;
+    std::vector<cudaStream> streams(R, nullptr);
     for (int r = 0; r < R; ++r) {
       comms.push_back(std::make_unique<Communicator>(std::move((*transports)[r]), timeout, 1));
       absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
       ASSERT_TRUE(d.ok()) << d.status();
-      auto gpu = GpuComm::Create(*std::move(d), nullptr, timeout);
+      if (setup.caller_streams) {
+        ASSERT_EQ(rt.StreamCreateWithFlags(&streams[r], kCudaStreamNonBlocking), 0);
+      }
+      auto gpu = GpuComm::Create(*std::move(d), streams[r], timeout);
       ASSERT_TRUE(gpu.ok()) << gpu.status();
       gpus.push_back(*std::move(gpu));
     }
     auto kernels = std::make_shared<const RuntimeKernels<Cfg>>(emu);
     const bool expect_fused = fused && Cfg::kMaxSteps > 0;
-    for (auto [tokens, seed] : {std::pair{90, 61}, {130, 62}}) {
+    for (auto [tokens, seed] : {std::pair{64, 61}, {100, 62}}) {
       SCOPED_TRACE(::testing::Message() << tokens << " tokens");
       const Layout layout = testing::RandomLayout(tokens, DocMix::kLongTail, seed, false);
       BatchOptions opts;
@@ -189,6 +202,9 @@ void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0, int 
         absl::Status b = (*batch)->Backward(dout.get(), q.get(), k.get(), v.get(), out.get(),
                                             lse.f(), dq.get(), dk.get(), dv.get());
         ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b;
+        if (streams[r] != nullptr) {
+          ASSERT_EQ(rt.StreamSynchronize(streams[r]), 0);
+        }
         out.Download(t.out);
         lse.Download(t.lse);
         dq.Download(t.dq);
@@ -203,6 +219,12 @@ void RunLoopbackBatches(int R, bool fused, int devices = 1, int device = 0, int 
       const ReferenceInputs ri = in.Reference(*DimsFromOptions(opts), DType::kF32);
       testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
                                       testing::kCudaKernelFloor);
+    }
+    gpus.clear();
+    for (cudaStream s : streams) {
+      if (s != nullptr) {
+        EXPECT_EQ(rt.StreamDestroy(s), 0);
+      }
     }
   }
   // Batches, communicators and transports gone: nothing left on the device.
@@ -222,8 +244,25 @@ TEST(EmulatedLoopbackBatch, FusedForwardThroughPeerWindowsMatchesTheReference) {
 
 // The communicator on GPU 1 of two, its ranks driven from threads bound to GPU 0.
 TEST(EmulatedLoopbackBatch, RanksOnAnotherGpuThanTheCallers) {
-  RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(2, /*fused=*/true, /*devices=*/2,
-                                                               /*device=*/1, /*caller_device=*/0);
+  RankSetup setup;
+  setup.devices = 2;
+  setup.device = 1;
+  setup.caller_device = 0;
+  RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(2, /*fused=*/true, setup);
+}
+
+// Communicators with a caller's stream: forward and backward return once enqueued, and the
+// transfers meet that stream through events only.
+TEST(EmulatedLoopbackBatch, CallersStreamsWithStages) {
+  RankSetup setup;
+  setup.caller_streams = true;
+  RunLoopbackBatches<testing::SmallTileCfg<float, 2, true>>(3, /*fused=*/false, setup);
+}
+
+TEST(EmulatedLoopbackBatch, CallersStreamsWithTheFusedForward) {
+  RankSetup setup;
+  setup.caller_streams = true;
+  RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(3, /*fused=*/true, setup);
 }
 
 // A caller's stream (hsapCommConfig_t::cudaStream) must be a stream of the communicator's
