@@ -11,10 +11,12 @@
 // clang-format on
 
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "attention/reference.h"
 #include "gmock/gmock.h"
@@ -42,7 +44,10 @@ constexpr int kHeadsQ = 4, kHeadsKv = 2, kDim = 32;
 
 // The emulated kernels as launches of a module loaded on the device current at construction
 // (as LoadJitDeviceKernels loads into the current device's context): each runs when its
-// stream reaches it, and a launch on a stream of another device fails as on the driver.
+// stream reaches it, and a launch on a stream of another device fails as on the driver. The
+// buffers a kernel is handed must be memory a GPU kernel can dereference -- device memory of
+// that device or pinned host memory; pageable host memory faults on a GPU ("an illegal
+// memory access was encountered"), here the launch fails.
 template <class Cfg>
 class RuntimeKernels : public DeviceKernels {
  public:
@@ -51,39 +56,74 @@ class RuntimeKernels : public DeviceKernels {
   }
 
   absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(
+        Reachable("forward", {p.q, p.k, p.v, p.out, p.lse, p.blocks, p.segments, p.kv_head_of_q}));
     return Launch(s, [this, p, s] { (void)inner_.Forward(p, s); });
   }
   absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("backward", {p.q, p.k, p.v, p.dout, p.lse, p.delta, p.dq, p.dk,
+                                                p.dv, p.blocks, p.segments, p.kv_head_of_q}));
     return Launch(s, [this, p, s] { (void)inner_.Backward(p, s); });
   }
   absl::Status Delta(const hsap_dev::DeltaParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("delta", {p.dout, p.out, p.delta}));
     return Launch(s, [this, p, s] { (void)inner_.Delta(p, s); });
   }
   absl::Status Init(const hsap_dev::InitParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("init", {p.out, p.lse}));
     return Launch(s, [this, p, s] { (void)inner_.Init(p, s); });
   }
   absl::Status Convert(const hsap_dev::ConvertParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("convert", {p.src, p.dst}));
     return Launch(s, [this, p, s] { (void)inner_.Convert(p, s); });
   }
   absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("accumulate", {p.dst, p.src}));
     return Launch(s, [this, p, s] { (void)inner_.Accumulate(p, s); });
   }
   absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("copy chunks", {p.src, p.dst, p.chunks}));
     return Launch(s, [this, p, s] { (void)inner_.CopyChunks(p, s); });
   }
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("add chunks", {p.src, p.dst, p.chunks}));
     return Launch(s, [this, p, s] { (void)inner_.AddChunks(p, s); });
   }
   int max_fused_steps() const override { return inner_.max_fused_steps(); }
   int fused_copy_ctas() const override { return inner_.fused_copy_ctas(); }
   int fused_resident_ctas() const override { return inner_.fused_resident_ctas(); }
   absl::Status FusedForward(const FusedForwardLaunch& launch, cudaStream s) const override {
+    for (const hsap_dev::FusedStep& step : launch.steps) {
+      HSAP_RETURN_IF_ERROR(Reachable(
+          "fused forward", {step.k_src, step.v_src, step.ready_flag, step.consumed_flag}));
+    }
     return Launch(s, [this, launch, s] { (void)inner_.FusedForward(launch, s); });
   }
   // The first error a kernel reported ("" when none).
   std::string error() const { return inner_.error(); }
 
  private:
+  // Every non-null pointer is device memory of this device or pinned host memory (a pointer
+  // just past an allocation's end stands for an empty range).
+  absl::Status Reachable(const char* what, std::initializer_list<const void*> pointers) const {
+    int i = 0;
+    for (const void* p : pointers) {
+      ++i;
+      if (p == nullptr) continue;
+      EmulatedCudaRuntime::Pointer at = emu_.Query(p);
+      if (at.memory == EmulatedCudaRuntime::Memory::kPageable) {
+        at = emu_.Query(static_cast<const char*>(p) - 1);
+      }
+      const bool ok = at.memory == EmulatedCudaRuntime::Memory::kPinnedHost ||
+                      (at.memory == EmulatedCudaRuntime::Memory::kDevice && at.device == device_);
+      if (!ok) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, " kernel: pointer argument ", i, " (", absl::Hex(reinterpret_cast<uintptr_t>(p)),
+            ") is not memory of device ", device_, " (an illegal address on a GPU)"));
+      }
+    }
+    return absl::OkStatus();
+  }
   absl::Status Launch(cudaStream s, std::function<void()> kernel) const {
     return emu_.runtime().Check(emu_.Launch(device_, s, std::move(kernel)), "kernel launch");
   }
@@ -193,8 +233,12 @@ void RunLoopbackBatches(int R, bool fused, RankSetup setup = RankSetup()) {
         ASSERT_TRUE(batch.ok()) << "rank " << r << ": " << batch.status();
         EXPECT_EQ(UsesFusedForward((*batch)->runner()), expect_fused) << "rank " << r;
         testing::ShardTensors t(in, got, ShardOf(*(*batch)->schedule()), kHeadsQ);
+        // The tensors live on the communicator's GPU (the kernels there cannot read another
+        // GPU's memory); the calls come from the caller's device.
+        ASSERT_EQ(rt.SetDevice(device), 0);
         OnDevice q(rt, t.q), k(rt, t.k), v(rt, t.v), dout(rt, t.dout), out(rt, t.out),
             lse(rt, t.lse), dq(rt, t.dq), dk(rt, t.dk), dv(rt, t.dv);
+        ASSERT_EQ(rt.SetDevice(caller_device), 0);
         for (int call = 0; call < 2; ++call) {
           absl::Status f = (*batch)->Forward(q.get(), k.get(), v.get(), out.get(), lse.f());
           ASSERT_TRUE(f.ok()) << "rank " << r << ": " << f;
