@@ -295,6 +295,17 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   w->timeout = timeout;
   w->streams = streams;
   const bool own = streams.empty();
+  // The caller's streams must be of this device: the ranks' events are, and an event records
+  // only on a stream of its own device. One record each tells here rather than at each stage.
+  for (size_t r = 0; r < streams.size(); ++r) {
+    HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> probe, w->NewEvent());
+    if (absl::Status s = rt.Check(rt.EventRecord(probe.get(), streams[r]), "cudaEventRecord");
+        !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("streams[", r, "] is not a stream of GPU ",
+                                                     w->device,
+                                                     " (the current device): ", s.message()));
+    }
+  }
   if (own) {
     w->streams.assign(nranks, nullptr);
     for (int r = 0; r < nranks; ++r) {

@@ -32,7 +32,7 @@ namespace hsap::cuda {
 // Creates nranks loopback ranks on the current CUDA device. streams: one per rank (the
 // caller's, of that device), or empty to create non-blocking streams owned by the
 // transports. Errors: Unimplemented without a CUDA device; InvalidArgument for nranks < 1, a
-// wrong number of streams or a non-positive timeout.
+// wrong number of streams, a stream of another device or a non-positive timeout.
 absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
     int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams = {});
 

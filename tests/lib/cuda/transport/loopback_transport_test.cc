@@ -244,6 +244,24 @@ TEST(LoopbackTransport, ReleasesItsStreamsAndEvents) {
   EXPECT_EQ(emu.live_events(), 0);
 }
 
+// The caller's streams must be streams of the ranks' device (the current one).
+TEST(LoopbackTransport, CallersStreamsOfAnotherGpuAreRefused) {
+  EmulatedCudaRuntime emu(Devices(2));
+  const CudaRuntimeApi& rt = emu.runtime();
+  cudaStream on_0 = nullptr, on_1 = nullptr;
+  ASSERT_EQ(rt.StreamCreateWithFlags(&on_0, kCudaStreamNonBlocking), 0);
+  ASSERT_EQ(rt.SetDevice(1), 0);
+  ASSERT_EQ(rt.StreamCreateWithFlags(&on_1, kCudaStreamNonBlocking), 0);
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  auto world = CreateLoopbackTransports(rt, 2, absl::Seconds(10), {on_0, on_1});
+  EXPECT_EQ(world.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(world.status().message(), HasSubstr("streams[1] is not a stream of GPU 0"));
+  EXPECT_TRUE(CreateLoopbackTransports(rt, 2, absl::Seconds(10), {on_0, on_0}).ok());
+  EXPECT_EQ(rt.StreamDestroy(on_0), 0);
+  EXPECT_EQ(rt.StreamDestroy(on_1), 0);
+  EXPECT_EQ(emu.live_events(), 0);
+}
+
 TEST(LoopbackTransport, Arguments) {
   EmulatedCudaRuntime emu(Devices(1));
   EXPECT_EQ(CreateLoopbackTransports(emu.runtime(), 0, absl::Seconds(1)).status().code(),
