@@ -23,9 +23,12 @@
 //                Modules and kernel launches are not emulated (Unsupported): kernels run through
 //                Launch() below, with the driver's stream rule.
 //
-// Each rule carries the sentence of NVIDIA's documentation it follows. Where the
-// documentation calls a misuse "undefined behavior", the emulator fails the call: code that
-// is right on the driver never depends on undefined behaviour.
+// Each rule carries the sentence of NVIDIA's documentation it follows (CUDA Runtime API
+// reference, its "API synchronization behavior" page, the CUDA C++ Programming Guide's
+// "Stream and Event Behavior", the Driver API reference); the few rules the documentation
+// does not state say so. Where the documentation calls a misuse "undefined behavior", the
+// emulator fails the call: code that is right on the driver never depends on undefined
+// behaviour.
 //
 // One emulator may exist at a time (the tables' functions are plain C function pointers and
 // reach it through a process-wide pointer). A wait that exceeds the watchdog (Options) gives
@@ -862,8 +865,9 @@ inline cuda::cudaError EmulatedCudaRuntime::Copy(void* dst, const void* src, siz
     s = ResolveLocked(h);
     if (s == nullptr) return kCudaErrorInvalidResourceHandle;
     const Pointer from = QueryLocked(src), to = QueryLocked(dst);
-    // A range that starts in an allocation must end in it: the driver refuses a copy past
-    // the end of an allocation with cudaErrorInvalidValue.
+    // A range that starts in an allocation must end in it. (Not stated by the documentation:
+    // past the end a GPU faults or corrupts a neighbour; the emulator refuses the copy with
+    // cudaErrorInvalidValue.)
     const auto past_end = [bytes](const Pointer& p, const void* at) {
       return p.base != nullptr && static_cast<const char*>(at) + bytes > p.base + p.bytes;
     };
@@ -1063,7 +1067,8 @@ inline cuda::CUresult EmulatedCudaRuntime::StreamMemOp(cuda::cudaStream h, unsig
   // "addr - The device address to write to." "If the memory was registered via
   // cuMemHostRegister(), the device pointer should be obtained with
   // cuMemHostGetDevicePointer()." (cuStreamWriteValue32): device memory or pinned host
-  // memory, 4-byte aligned, never pageable memory.
+  // memory, never pageable memory; the word inside its allocation and 4-byte aligned (the
+  // emulator's reading of a 32-bit operation; the documentation does not say).
   const Pointer at = QueryLocked(word);
   if (at.memory == Memory::kPageable || addr % 4 != 0 ||
       reinterpret_cast<const char*>(word) + 4 > at.base + at.bytes) {
