@@ -209,8 +209,9 @@ typedef struct {
    * told apart by `size`): the caller's cudaStream_t. A CUDA communicator enqueues the
    * kernels of hsapAttentionForward/Backward on it and returns once they are enqueued
    * (inputs are read, and outputs are ready, in that stream's order; transfers run on a
-   * stream of the communicator's, ordered with it by events). NULL: a stream of its own,
-   * and the calls return after their work finished. Ignored by the host backend. */
+   * stream of the communicator's, ordered with it by events). It must be a stream of the
+   * communicator's GPU (a stream of another GPU is hsapInvalidArgument). NULL: a stream of
+   * its own, and the calls return after their work finished. Ignored by the host backend. */
   void* cudaStream;
   /* Added in 0.1 for ranks as processes (older, shorter structs read as
    * hsapBackendDefault): which backend hsapCommInitRank creates (see there).

@@ -167,6 +167,10 @@ absl::Status Publish(std::unique_ptr<hsap::cuda::NcclTransport> transport,
   HSAP_ASSIGN_OR_RETURN(hsap::Topology topology,
                         hsap::DiscoverTopology(*transport, hsap::LocalHostHash(), described,
                                                "communicator initialisation (node discovery)"));
+  // The communicator's device and stream on the NCCL communicator's GPU, whichever device the
+  // calling thread has current.
+  hsap::cuda::CudaDeviceScope on(transport->runtime(), transport->device());
+  HSAP_RETURN_IF_ERROR(on.status());
   HSAP_ASSIGN_OR_RETURN(
       std::unique_ptr<hsapComm_st> handle,
       NewCudaComm(std::move(transport), settings.stream, settings.timeout, std::move(topology)));

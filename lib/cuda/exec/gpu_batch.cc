@@ -262,6 +262,18 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
   comm->pool_ = std::make_unique<DeviceBufferPool>(*comm->device_);
   comm->timeout_ = timeout;
   if (stream != nullptr) {
+    // Kernels launch only on a stream of their device: a caller's stream of another GPU
+    // would fail every call. An event of the device records only on its streams, so one
+    // record tells, here, once.
+    HSAP_ASSIGN_OR_RETURN(cudaEvent probe, comm->device_->CreateEvent());
+    const absl::Status same_device = comm->device_->RecordEvent(probe, stream);
+    comm->device_->DestroyEvent(probe);
+    if (!same_device.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the communicator's CUDA stream is not a stream of its device (the device current "
+          "when the communicator was created): ",
+          same_device.message()));
+    }
     comm->stream_ = stream;
   } else {
     HSAP_ASSIGN_OR_RETURN(cudaStream s, comm->device_->CreateStream());

@@ -42,7 +42,8 @@ namespace hsap::cuda {
 class GpuComm {
  public:
   // `stream`: the caller's compute stream, or null for one of our own (then calls are
-  // synchronous). `timeout`: the deadline of every host wait on the device.
+  // synchronous); InvalidArgument when it is a stream of another device than `device`.
+  // `timeout`: the deadline of every host wait on the device.
   static absl::StatusOr<std::shared_ptr<GpuComm>> Create(std::unique_ptr<Device> device,
                                                          cudaStream stream, absl::Duration timeout);
   ~GpuComm();

@@ -148,6 +148,7 @@ absl::StatusOr<std::unique_ptr<NcclApi>> LoadNcclImpl() {
   HSAP_BIND(handle, api, CommGetAsyncError, "ncclCommGetAsyncError");
   HSAP_BIND(handle, api, CommCount, "ncclCommCount");
   HSAP_BIND(handle, api, CommUserRank, "ncclCommUserRank");
+  HSAP_BIND(handle, api, CommCuDevice, "ncclCommCuDevice");
   HSAP_BIND(handle, api, CommSplit, "ncclCommSplit");
   HSAP_BIND(handle, api, Send, "ncclSend");
   HSAP_BIND(handle, api, Recv, "ncclRecv");
@@ -168,6 +169,18 @@ absl::Status CudaRuntimeApi::Check(cudaError e, absl::string_view what) const {
                                  " (cudaError ", e, ")");
   if (e == 2) return absl::ResourceExhaustedError(msg);  // cudaErrorMemoryAllocation
   return absl::InternalError(msg);
+}
+
+CudaDeviceScope::CudaDeviceScope(const CudaRuntimeApi& rt, int device) : rt_(rt) {
+  int current = -1;
+  status_ = rt.Check(rt.GetDevice(&current), "cudaGetDevice");
+  if (!status_.ok() || current == device) return;
+  status_ = rt.Check(rt.SetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
+  if (status_.ok()) previous_ = current;
+}
+
+CudaDeviceScope::~CudaDeviceScope() {
+  if (previous_ >= 0) rt_.SetDevice(previous_);
 }
 
 absl::Status CudaDriverApi::Check(CUresult r, absl::string_view what) const {

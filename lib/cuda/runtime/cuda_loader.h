@@ -32,6 +32,10 @@ using cudaStream = struct CUstream_st*;
 using cudaEvent = struct CUevent_st*;
 inline constexpr cudaError kCudaSuccess = 0;
 inline constexpr cudaError kCudaErrorNotReady = 600;
+// cudaMemcpyKind.
+inline constexpr int kCudaMemcpyHostToHost = 0;
+inline constexpr int kCudaMemcpyHostToDevice = 1;
+inline constexpr int kCudaMemcpyDeviceToHost = 2;
 inline constexpr int kCudaMemcpyDeviceToDevice = 3;
 inline constexpr int kCudaMemcpyDefault = 4;
 inline constexpr unsigned kCudaStreamNonBlocking = 1;
@@ -80,6 +84,26 @@ struct CudaRuntimeApi {
 
   // "cudaMalloc(1024 bytes) failed: out of memory (2)" style message; OK for success.
   absl::Status Check(cudaError e, absl::string_view what) const;
+};
+
+// Makes `device` the calling thread's current CUDA device (cudaSetDevice of `rt`) for the
+// scope, and the device current before again at its end. A device's streams and events are
+// its own ("streams and events are created in association with the currently set device",
+// and an event is recorded only on a stream of its device), so code that owns streams of one
+// device makes that device current before it creates or records events for them, whatever
+// device the calling thread had current. status(): the cudaGetDevice / cudaSetDevice result.
+class CudaDeviceScope {
+ public:
+  CudaDeviceScope(const CudaRuntimeApi& rt, int device);
+  ~CudaDeviceScope();
+  CudaDeviceScope(const CudaDeviceScope&) = delete;
+  CudaDeviceScope& operator=(const CudaDeviceScope&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  const CudaRuntimeApi& rt_;
+  int previous_ = -1;  // -1: nothing to restore
+  absl::Status status_;
 };
 
 // CUDA driver API (kernels of the JIT: module load and launch).
@@ -141,6 +165,7 @@ struct NcclApi {
   ncclResult (*CommGetAsyncError)(ncclComm, ncclResult*) = nullptr;
   ncclResult (*CommCount)(ncclComm, int*) = nullptr;
   ncclResult (*CommUserRank)(ncclComm, int*) = nullptr;
+  ncclResult (*CommCuDevice)(ncclComm, int*) = nullptr;  // the communicator's CUDA device
   // ncclCommSplit(comm, color, key, newcomm, config): config may be null.
   ncclResult (*CommSplit)(ncclComm, int, int, ncclComm*, void*) = nullptr;
   ncclResult (*Send)(const void*, size_t, int, int, ncclComm, cudaStream) = nullptr;

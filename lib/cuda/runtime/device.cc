@@ -15,7 +15,8 @@ namespace {
 
 class CudaDevice : public Device {
  public:
-  CudaDevice(const CudaRuntimeApi* rt, int ordinal) : rt_(rt), ordinal_(ordinal) {}
+  CudaDevice(const CudaRuntimeApi* rt, const CudaDriverApi* driver, int ordinal)
+      : rt_(rt), driver_(driver), ordinal_(ordinal) {}
 
   absl::StatusOr<int> MakeCurrent() override {
     int previous = 0;
@@ -31,6 +32,8 @@ class CudaDevice : public Device {
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (bytes == 0) return nullptr;
+    CudaDeviceScope on(*rt_, ordinal_);  // cudaMalloc allocates on the current device
+    HSAP_RETURN_IF_ERROR(on.status());
     void* p = nullptr;
     HSAP_RETURN_IF_ERROR(
         rt_->Check(rt_->Malloc(&p, bytes), absl::StrCat("cudaMalloc(", bytes, " B)")));
@@ -46,23 +49,25 @@ class CudaDevice : public Device {
   }
   absl::Status ZeroAsync(void* dst, size_t bytes, cudaStream s) override {
     if (bytes == 0) return absl::OkStatus();
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     return rt_->Check(rt_->MemsetAsync(dst, 0, bytes, s),
                       absl::StrCat("cudaMemsetAsync(", bytes, " B)"));
   }
   absl::Status WriteValueAsync(uint32_t* flag, uint32_t value, cudaStream s) override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     return d->Check(d->StreamWriteValue32(s, reinterpret_cast<uintptr_t>(flag), value,
                                           kCuStreamWriteValueDefault),
                     "cuStreamWriteValue32");
   }
   absl::Status WaitValueAsync(const uint32_t* flag, uint32_t value, cudaStream s) override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     return d->Check(
         d->StreamWaitValue32(s, reinterpret_cast<uintptr_t>(flag), value, kCuStreamWaitValueGeq),
         "cuStreamWaitValue32 (GEQ)");
   }
   absl::StatusOr<DeviceIdentity> Identity() override {
-    HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* d, LoadCudaDriver());
+    const CudaDriverApi* d = driver_;
     int device = 0;
     HSAP_RETURN_IF_ERROR(
         d->Check(d->DeviceGet(&device, ordinal_), absl::StrCat("cuDeviceGet(", ordinal_, ")")));
@@ -119,6 +124,9 @@ class CudaDevice : public Device {
     }
     CudaIpcMemHandle h;
     std::memcpy(h.reserved, handle.data(), handle.size());
+    // cudaIpcOpenMemHandle maps "into the current device address space".
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     void* p = nullptr;
     if (absl::Status s = rt_->Check(rt_->IpcOpenMemHandle(&p, h, kCudaIpcMemLazyEnablePeerAccess),
                                     "cudaIpcOpenMemHandle");
@@ -131,6 +139,8 @@ class CudaDevice : public Device {
     if (p != nullptr) rt_->IpcCloseMemHandle(p);
   }
   absl::StatusOr<cudaStream> CreateStream() override {
+    CudaDeviceScope on(*rt_, ordinal_);  // a stream is the device's current at creation
+    HSAP_RETURN_IF_ERROR(on.status());
     cudaStream s = nullptr;
     HSAP_RETURN_IF_ERROR(rt_->Check(rt_->StreamCreateWithFlags(&s, kCudaStreamNonBlocking),
                                     "cudaStreamCreateWithFlags"));
@@ -140,6 +150,10 @@ class CudaDevice : public Device {
     if (s != nullptr) rt_->StreamDestroy(s);
   }
   absl::StatusOr<cudaEvent> CreateEvent() override {
+    // An event is the device's current at creation, and records only on that device's
+    // streams.
+    CudaDeviceScope on(*rt_, ordinal_);
+    HSAP_RETURN_IF_ERROR(on.status());
     cudaEvent e = nullptr;
     HSAP_RETURN_IF_ERROR(rt_->Check(rt_->EventCreateWithFlags(&e, kCudaEventDisableTiming),
                                     "cudaEventCreateWithFlags"));
@@ -178,6 +192,7 @@ class CudaDevice : public Device {
 
  private:
   const CudaRuntimeApi* rt_;
+  const CudaDriverApi* driver_;
   int ordinal_;
 };
 
@@ -186,9 +201,15 @@ class CudaDevice : public Device {
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice() {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
+  HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* driver, LoadCudaDriver());
+  return CreateCudaDevice(*rt, *driver);
+}
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaRuntimeApi& rt,
+                                                         const CudaDriverApi& driver) {
   int ordinal = 0;
-  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&ordinal), "cudaGetDevice"));
-  return std::unique_ptr<Device>(new CudaDevice(rt, ordinal));
+  HSAP_RETURN_IF_ERROR(rt.Check(rt.GetDevice(&ordinal), "cudaGetDevice"));
+  return std::unique_ptr<Device>(new CudaDevice(&rt, &driver, ordinal));
 }
 
 absl::StatusOr<std::string> CurrentCudaArch() {

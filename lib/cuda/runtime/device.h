@@ -173,8 +173,14 @@ class DeviceKernels {
 };
 
 // The current CUDA device through the CUDA runtime (remembered: MakeCurrent selects it
-// again). Unimplemented without one.
+// again, and the device makes it current itself, restoring the caller's, for what belongs to
+// a device: allocations, streams, events, memsets, opened peer memory -- so it works from a
+// thread whose current device is another GPU). Unimplemented without one.
 absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice();
+// The same through the CUDA runtime `rt` and driver `driver` (the ones CreateCudaDevice
+// loads, or a test's emulated ones), which must outlive the device.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaRuntimeApi& rt,
+                                                         const CudaDriverApi& driver);
 
 // "sm_90" for the current CUDA device (its compute capability).
 absl::StatusOr<std::string> CurrentCudaArch();

@@ -33,6 +33,7 @@ struct Op {
 
 struct World {
   const CudaRuntimeApi* rt = nullptr;
+  int device = 0;  // the ranks' GPU: their streams, events and copies are its
   absl::Duration timeout;
   std::vector<cudaStream> streams;
   std::mutex mu;
@@ -66,9 +67,11 @@ void Connect(World& w, const std::shared_ptr<Op>& send, const std::shared_ptr<Op
   const cudaStream stream = w.streams[recv->owner];
   absl::Status s =
       w.rt->Check(w.rt->StreamWaitEvent(stream, send->ready.get(), 0), "cudaStreamWaitEvent");
+  // Either side may be device, pinned or pageable host memory (the AllGather of batch
+  // creation sends host records): the direction comes from the pointers.
   if (s.ok() && send->bytes > 0) {
     s = w.rt->Check(
-        w.rt->MemcpyAsync(recv->data, send->data, send->bytes, kCudaMemcpyDeviceToDevice, stream),
+        w.rt->MemcpyAsync(recv->data, send->data, send->bytes, kCudaMemcpyDefault, stream),
         "cudaMemcpyAsync (loopback)");
   }
   std::shared_ptr<CUevent_st> done;
@@ -88,6 +91,7 @@ class LoopbackTransport : public DeviceTransport {
       : w_(std::move(w)), rank_(rank), owns_stream_(owns_stream) {}
   ~LoopbackTransport() override {
     if (owns_stream_) {
+      CudaDeviceScope on(*w_->rt, w_->device);
       w_->rt->StreamSynchronize(w_->streams[rank_]);
       w_->rt->StreamDestroy(w_->streams[rank_]);
     }
@@ -123,6 +127,10 @@ class LoopbackTransport : public DeviceTransport {
                                                  absl::Span<const RecvOp> recvs,
                                                  std::string stage) override {
     World& w = *w_;
+    // The events made here and in Connect are recorded on the ranks' streams: they must be
+    // of the ranks' device, whichever device the calling thread has current.
+    CudaDeviceScope on(*w.rt, w.device);
+    HSAP_RETURN_IF_ERROR(on.status());
     std::shared_ptr<CUevent_st> ready;
     if (!sends.empty()) {
       HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> e, w.NewEvent());
@@ -253,10 +261,8 @@ class LoopbackTransport : public DeviceTransport {
   TrafficCounters counters_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
-    int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams) {
+absl::Status CheckArguments(int nranks, absl::Duration timeout,
+                            const std::vector<cudaStream>& streams) {
   if (nranks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("nranks = ", nranks, " must be at least 1"));
   }
@@ -267,12 +273,39 @@ absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports
   if (timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("the loopback timeout must be positive");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    int nranks, absl::Duration timeout, const std::vector<cudaStream>& streams) {
+  HSAP_RETURN_IF_ERROR(CheckArguments(nranks, timeout, streams));
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
+  return CreateLoopbackTransports(**LoadCudaRuntime(), nranks, timeout, streams);
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Transport>>> CreateLoopbackTransports(
+    const CudaRuntimeApi& rt, int nranks, absl::Duration timeout,
+    const std::vector<cudaStream>& streams) {
+  HSAP_RETURN_IF_ERROR(CheckArguments(nranks, timeout, streams));
   auto w = std::make_shared<World>();
-  w->rt = *LoadCudaRuntime();
+  w->rt = &rt;
+  HSAP_RETURN_IF_ERROR(rt.Check(rt.GetDevice(&w->device), "cudaGetDevice"));
   w->timeout = timeout;
   w->streams = streams;
   const bool own = streams.empty();
+  // The caller's streams must be of this device: the ranks' events are, and an event records
+  // only on a stream of its own device. One record each tells here rather than at each stage.
+  for (size_t r = 0; r < streams.size(); ++r) {
+    HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CUevent_st> probe, w->NewEvent());
+    if (absl::Status s = rt.Check(rt.EventRecord(probe.get(), streams[r]), "cudaEventRecord");
+        !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("streams[", r, "] is not a stream of GPU ",
+                                                     w->device,
+                                                     " (the current device): ", s.message()));
+    }
+  }
   if (own) {
     w->streams.assign(nranks, nullptr);
     for (int r = 0; r < nranks; ++r) {

@@ -86,6 +86,9 @@ class NcclTransport::NcclPending : public Transport::Pending {
     if (waited_) return result_;
     waited_ = true;
     result_ = t_->WaitEvent(event_, stage_);
+    // cudaMemcpy runs on the current device's legacy stream: the staging buffer's device.
+    CudaDeviceScope on(*t_->rt_, t_->device_);
+    if (result_.ok()) result_ = on.status();
     if (result_.ok()) {
       for (const auto& [host, device, bytes] : unstage_) {
         result_ = t_->rt_->Check(t_->rt_->Memcpy(host, device, bytes, kCudaMemcpyDefault),
@@ -116,10 +119,29 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(ncclComm co
     return absl::InvalidArgumentError("the NCCL transport's timeout must be positive");
   }
   HSAP_RETURN_IF_ERROR(CheckNcclDevice());
+  return Create(**LoadNccl(), **LoadCudaRuntime(), comm, owns_comm, stream, timeout);
+}
+
+absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(const NcclApi& nccl,
+                                                                     const CudaRuntimeApi& rt,
+                                                                     ncclComm comm, bool owns_comm,
+                                                                     cudaStream stream,
+                                                                     absl::Duration timeout) {
+  if (comm == nullptr) return absl::InvalidArgumentError("ncclComm is null");
+  if (timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("the NCCL transport's timeout must be positive");
+  }
   auto t = std::unique_ptr<NcclTransport>(new NcclTransport());
-  t->nccl_ = *LoadNccl();
-  t->rt_ = *LoadCudaRuntime();
+  t->nccl_ = &nccl;
+  t->rt_ = &rt;
   t->timeout_ = timeout;
+  // The communicator's GPU as NCCL knows it, not whichever device the calling thread has
+  // current (hsapCommSplit and hsapCommInitFromNccl may be called from any thread): the
+  // transport's stream, staging memory and events are made on it.
+  HSAP_RETURN_IF_ERROR(
+      t->nccl_->Check(t->nccl_->CommCuDevice(comm, &t->device_), "ncclCommCuDevice"));
+  CudaDeviceScope on(rt, t->device_);
+  HSAP_RETURN_IF_ERROR(on.status());
   HSAP_RETURN_IF_ERROR(
       t->nccl_->Check(t->nccl_->CommUserRank(comm, &t->rank_), "ncclCommUserRank"));
   HSAP_RETURN_IF_ERROR(t->nccl_->Check(t->nccl_->CommCount(comm, &t->size_), "ncclCommCount"));
@@ -138,6 +160,7 @@ absl::StatusOr<std::unique_ptr<NcclTransport>> NcclTransport::Create(ncclComm co
 }
 
 NcclTransport::~NcclTransport() {
+  CudaDeviceScope on(*rt_, device_);
   if (stream_ != nullptr && !aborted_.load()) rt_->StreamSynchronize(stream_);
   if (staging_ != nullptr) rt_->Free(staging_);
   if (owns_stream_ && stream_ != nullptr) rt_->StreamDestroy(stream_);
@@ -157,6 +180,10 @@ absl::StatusOr<std::unique_ptr<Transport::Pending>> NcclTransport::Start(
     return absl::AbortedError(absl::StrCat("stage '", stage, "': ", abort_reason_));
   }
   HSAP_RETURN_IF_ERROR(CheckPeers(sends, recvs, size_, stage));
+  // Staging memory and the stage's event are the communicator's GPU's, whatever device the
+  // calling thread has current (NCCL takes buffers on its own device only).
+  CudaDeviceScope on(*rt_, device_);
+  HSAP_RETURN_IF_ERROR(on.status());
   // Host buffers of the AllGather go through device staging: sends first, then receives.
   size_t staged = 0;
   for (const SendOp& s : sends) staged += IsHostCollective(s.tag) ? AlignUp(s.bytes) : 0;

@@ -39,9 +39,19 @@ namespace hsap::cuda {
 class NcclTransport : public DeviceTransport {
  public:
   // Adopts `comm` (destroyed with the transport when owns_comm). `stream`: the caller's
-  // CUDA stream for communication; null creates a non-blocking stream of our own. The
-  // current CUDA device must be the communicator's.
+  // CUDA stream for communication, a stream of the communicator's GPU; null creates a
+  // non-blocking stream of our own. The transport works on the communicator's GPU
+  // (ncclCommCuDevice), which it makes current for its own CUDA calls (its stream, staging
+  // memory, events) and then restores the caller's: it may be created and used from a thread
+  // whose current device is another GPU.
   static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(ncclComm comm, bool owns_comm,
+                                                               cudaStream stream,
+                                                               absl::Duration timeout);
+  // The same through `nccl` and the CUDA runtime `rt` (the ones Create loads, or a test's
+  // stand-ins), which must outlive the transport.
+  static absl::StatusOr<std::unique_ptr<NcclTransport>> Create(const NcclApi& nccl,
+                                                               const CudaRuntimeApi& rt,
+                                                               ncclComm comm, bool owns_comm,
                                                                cudaStream stream,
                                                                absl::Duration timeout);
   ~NcclTransport() override;
@@ -58,6 +68,7 @@ class NcclTransport : public DeviceTransport {
 
   ncclComm comm() const { return comm_; }
   cudaStream stream() const { return stream_; }
+  int device() const { return device_; }  // the communicator's GPU
   cudaStream transfer_stream() const override { return stream_; }
   bool offers_peer_windows() const override { return true; }
   const NcclApi& nccl() const { return *nccl_; }
@@ -73,6 +84,7 @@ class NcclTransport : public DeviceTransport {
 
   const NcclApi* nccl_ = nullptr;
   const CudaRuntimeApi* rt_ = nullptr;
+  int device_ = 0;  // the communicator's GPU: its stream, staging and events are this GPU's
   ncclComm comm_ = nullptr;
   bool owns_comm_ = false;
   cudaStream stream_ = nullptr;

@@ -192,8 +192,11 @@ struct GpuBuffer {
     EXPECT_TRUE(rt->Check(rt->Malloc(&p, n), "cudaMalloc").ok());
   }
   ~GpuBuffer() { rt->Free(p); }
+  // cudaMemcpy from pageable memory may return before its DMA is done, and the transports'
+  // streams are non-blocking: wait for the legacy stream before they read the data.
   void Upload(const std::vector<uint8_t>& h) {
     EXPECT_TRUE(rt->Check(rt->Memcpy(p, h.data(), bytes, kCudaMemcpyDefault), "upload").ok());
+    EXPECT_TRUE(rt->Check(rt->StreamSynchronize(nullptr), "upload (sync)").ok());
   }
   std::vector<uint8_t> Download() const {
     std::vector<uint8_t> h(bytes);
@@ -395,6 +398,8 @@ class DevicePlacement : public testing::TensorPlacement {
     void* p = nullptr;
     EXPECT_TRUE(rt_->Check(rt_->Malloc(&p, bytes), "cudaMalloc").ok());
     EXPECT_TRUE(rt_->Check(rt_->Memcpy(p, host, bytes, kCudaMemcpyDefault), "upload").ok());
+    // The DMA of a pageable upload may still run; the communicators' streams do not wait.
+    EXPECT_TRUE(rt_->Check(rt_->StreamSynchronize(nullptr), "upload (sync)").ok());
     std::lock_guard<std::mutex> lock(mu_);
     placed_.push_back(p);
     return p;
