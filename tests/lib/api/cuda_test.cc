@@ -20,6 +20,7 @@
 #include "tests/support/distributed_harness.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/scoped_env.h"
+#include "tests/support/sweep.h"
 
 namespace hsap::cuda {
 namespace {
@@ -422,30 +423,34 @@ struct GpuCase {
   int64_t tokens;
 };
 
-// Loopback ranks on GPU 0: forward and backward against the fp64 reference.
+// Loopback ranks on GPU 0: forward and backward against the fp64 reference, forward through
+// the peer windows (the default for loopback ranks) or through transfer stages
+// ($HSAP_FUSED_FORWARD=0). A sweep (tests/support/sweep.h): its subset, the first and the
+// last case, is what bench/device_check.sh runs under compute-sanitizer.
 TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
   SKIP_WITHOUT_GPU();
   const CudaRuntimeApi* rt = *LoadCudaRuntime();
   using hsap::testing::DocMix;
-  const GpuCase cases[] = {
-      {1, DType::kF32, 2, 1, 64, DocMix::kUniform, 700},
-      {2, DType::kBF16, 8, 2, 128, DocMix::kSingle, 1500},
-      {3, DType::kF16, 4, 4, 64, DocMix::kLongTail, 1300},
-      {4, DType::kBF16, 8, 1, 128, DocMix::kLongTail, 2000},
-      {8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 1600},
+  struct LoopbackCase {
+    GpuCase g;
+    bool fused;
+    uint64_t seed;
   };
-  uint64_t seed = 500;
-  // Forward through the peer windows (the default for loopback ranks) and through transfer
-  // stages ($HSAP_FUSED_FORWARD=0), alternately.
-  bool fused = false;
+  const std::vector<LoopbackCase> cases = {
+      {{2, DType::kBF16, 8, 2, 128, DocMix::kSingle, 1500}, false, 502},
+      {{1, DType::kF32, 2, 1, 64, DocMix::kUniform, 700}, true, 501},
+      {{3, DType::kF16, 4, 4, 64, DocMix::kLongTail, 1300}, true, 503},
+      {{4, DType::kBF16, 8, 1, 128, DocMix::kLongTail, 2000}, false, 504},
+      {{8, DType::kF32, 4, 2, 96, DocMix::kOneHuge, 1600}, true, 505},
+  };
   testing::ScopedEnv fused_env("HSAP_FUSED_FORWARD", nullptr);
-  for (const GpuCase& g : cases) {
-    fused = !fused;
-    fused_env.Set(fused ? "1" : "0");
+  for (const LoopbackCase& lc : hsap::testing::Sweep(cases, 2)) {
+    const GpuCase& g = lc.g;
+    fused_env.Set(lc.fused ? "1" : "0");
     SCOPED_TRACE(::testing::Message()
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
                  << ", " << g.heads_q << "/" << g.heads_kv << " heads, forward "
-                 << (fused ? "fused" : "staged"));
+                 << (lc.fused ? "fused" : "staged"));
     DevicePlacement placement(rt);
     hsap::testing::DistCase c;
     c.ranks = g.ranks;
@@ -456,8 +461,8 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
     c.init_comms = hsapCommInitLoopback;
     c.placement = &placement;
     c.enter_rank = [rt](int) { rt->SetDevice(0); };
-    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, ++seed, false);
-    hsap::testing::CheckAgainstReference(layout, c, seed, hsap::testing::kCudaKernelFloor);
+    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, lc.seed, false);
+    hsap::testing::CheckAgainstReference(layout, c, lc.seed, hsap::testing::kCudaKernelFloor);
   }
 }
 
