@@ -80,7 +80,10 @@ def check_command(command: str, problems: list[str]) -> None:
         if not source.exists():
             problems.append(f"README.md: `{command}`: no bench/{binary}.cc")
             continue
-        code = source.read_text()
+        # A bench's source: bench/NAME.cc and its parts, bench/<NAME without hsap_>_*.cc
+        # (hsap_attn_perf: attn_perf_options.cc, ...).
+        parts = glob.glob(str(ROOT / "bench" / f"{binary.removeprefix('hsap_')}_*.cc"))
+        code = source.read_text() + "".join(Path(p).read_text() for p in sorted(parts))
         for flag in re.findall(r"(?<!\S)(--[\w-]+)", args):
             if f'"{flag}"' not in code and f'"{flag[2:]}"' not in code:
                 problems.append(f"README.md: `{command}`: {binary} has no flag {flag}")
