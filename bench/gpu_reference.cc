@@ -93,4 +93,69 @@ absl::StatusOr<RowReference> ComputeRowReference(ReferenceSite site, const Layou
   return r;
 }
 
+namespace {
+
+// Why PickReference left a row of `fwd_gflop` unchecked: the limit it is beyond.
+std::string BeyondLimitNote(const ReferencePolicy& policy, bool cuda_backend, double fwd_gflop) {
+  const std::string host = absl::StrFormat("--ref-max-gflop %g", policy.host_max_gflop);
+  const std::string gpu = absl::StrFormat("--gpu-ref-max-gflop %g", policy.gpu_max_gflop);
+  std::string limit;
+  switch (policy.choice) {
+    case ReferenceChoice::kHost:
+      limit = host;
+      break;
+    case ReferenceChoice::kGpu:
+      limit = gpu;
+      break;
+    case ReferenceChoice::kAuto:
+      limit = cuda_backend ? absl::StrCat(host, " and ", gpu) : host;
+      if (!cuda_backend && fwd_gflop <= policy.gpu_max_gflop) {
+        absl::StrAppend(&limit, "; --reference gpu checks it on a GPU");
+      }
+      break;
+  }
+  return absl::StrFormat("not checked: %.6g GFLOP of forward work, above %s", fwd_gflop, limit);
+}
+
+}  // namespace
+
+ObtainedReference ObtainRowReference(
+    const ReferencePolicy& policy, bool cuda_backend, double fwd_gflop,
+    absl::FunctionRef<absl::StatusOr<RowReference>(ReferenceSite)> compute,
+    std::string* gpu_error) {
+  ObtainedReference out;
+  const ReferenceSite site = PickReference(policy, cuda_backend, fwd_gflop);
+  if (site == ReferenceSite::kNone) {
+    out.note = BeyondLimitNote(policy, cuda_backend, fwd_gflop);
+    return out;
+  }
+  if (site == ReferenceSite::kGpu) {
+    // The first failure is said in full; later rows refer to it.
+    std::string failed = "the GPU reference failed on an earlier row";
+    if (gpu_error->empty()) {
+      absl::StatusOr<RowReference> gpu = compute(ReferenceSite::kGpu);
+      if (gpu.ok()) {
+        out.ref = *std::move(gpu);
+        return out;
+      }
+      *gpu_error = gpu.status().ToString();
+      failed = absl::StrCat("the GPU reference failed (", *gpu_error, ")");
+    }
+    if (fwd_gflop > policy.host_max_gflop) {
+      out.note = absl::StrFormat("not checked: %s, and %.6g GFLOP is above --ref-max-gflop %g",
+                                 failed, fwd_gflop, policy.host_max_gflop);
+      return out;
+    }
+    out.note = absl::StrCat(failed, "; the host's instead");
+  }
+  absl::StatusOr<RowReference> host = compute(ReferenceSite::kHost);
+  if (!host.ok()) {
+    out.note = absl::StrCat("not checked: the host reference failed (", host.status().ToString(),
+                            ")", out.note.empty() ? "" : "; ", out.note);
+    return out;
+  }
+  out.ref = *std::move(host);
+  return out;
+}
+
 }  // namespace hsap::bench

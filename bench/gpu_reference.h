@@ -25,8 +25,10 @@
 #ifndef HSAP_BENCH_GPU_REFERENCE_H_
 #define HSAP_BENCH_GPU_REFERENCE_H_
 
+#include <optional>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attention/layout.h"
@@ -70,6 +72,21 @@ struct RowReference {
 // machine without one; the device's error otherwise.
 absl::StatusOr<RowReference> ComputeRowReference(ReferenceSite site, const Layout& layout,
                                                  const ReferenceInputs& in, const void* dout);
+
+// A row's reference under `policy`, what the bench checks the row against: the one
+// PickReference chooses, computed by `compute` (ComputeRowReference for the row, in the
+// bench). When the GPU's fails, *gpu_error keeps its message and the GPU is not tried again
+// on later rows (they are larger); such rows get the host's when within
+// policy.host_max_gflop. `ref` is empty when the row is not checked; `note` says why, or why
+// the host stood in for the GPU (empty otherwise): the GPU's error on the row it failed on,
+// "failed on an earlier row" after.
+struct ObtainedReference {
+  std::optional<RowReference> ref;
+  std::string note;
+};
+ObtainedReference ObtainRowReference(
+    const ReferencePolicy& policy, bool cuda_backend, double fwd_gflop,
+    absl::FunctionRef<absl::StatusOr<RowReference>(ReferenceSite)> compute, std::string* gpu_error);
 
 }  // namespace hsap::bench
 
