@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "attention/reference.h"
 #include "attention/tolerance.h"
 #include "bench/bench_util.h"
@@ -37,7 +40,18 @@ double MaxAbsError(DType dtype, const uint8_t* got, const std::vector<double>& r
   return max_err;
 }
 
-int64_t CheckRow(const Setup& s, Row& row, CudnnRow* cudnn) {
+double MaxAbsDiff(const std::vector<double>& a, const std::vector<double>& b) {
+  double max_err = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double e = std::abs(a[i] - b[i]);
+    if (std::isnan(e)) return e;
+    max_err = std::max(max_err, e);
+  }
+  return max_err;
+}
+
+RowCheck CheckRow(const Setup& s, Row& row, double fwd_gflop, std::string* gpu_error,
+                  CudnnRow* cudnn) {
   const Options& o = *s.o;
   const DType dtype = s.dtype;
   const int R = s.R;
@@ -46,16 +60,6 @@ int64_t CheckRow(const Setup& s, Row& row, CudnnRow* cudnn) {
   const hsapPartition_t part = row.part;
   const hsapLayout_t layout = row.layout;
   Bytes &q = row.q, &k = row.k, &v = row.v, &dout = row.dout;
-  Bytes out(T * q_row), dq(T * q_row), dk(T * kv_row), dv(T * kv_row);
-  std::vector<const void*> ptrs(R);
-  auto gather = [&](Shards& shards, size_t row_bytes, Bytes& into) {
-    for (int r = 0; r < R; ++r) ptrs[r] = shards.p[r];
-    Must(hsapPartitionGather(part, ptrs.data(), row_bytes, into.ptr()), "hsapPartitionGather");
-  };
-  gather(row.sout, q_row, out);
-  gather(row.sdq, q_row, dq);
-  gather(row.sdk, kv_row, dk);
-  gather(row.sdv, kv_row, dv);
   hsap::ReferenceInputs in;
   in.dims.heads_q = o.heads;
   in.dims.heads_kv = o.kv_heads;
@@ -66,14 +70,38 @@ int64_t CheckRow(const Setup& s, Row& row, CudnnRow* cudnn) {
   in.k = k.ptr();
   in.v = v.ptr();
   const hsap::Layout& l = layout->layout;
-  const hsap::ReferenceForwardResult ref = hsap::ReferenceForward(l, in);
-  const hsap::ReferenceForwardResult naive = hsap::NaiveForward(l, in);
-  const hsap::ReferenceGradients gref = hsap::ReferenceBackward(l, in, dout.ptr());
-  const hsap::ReferenceGradients gnaive = hsap::NaiveBackward(l, in, dout.ptr());
-  const int64_t wrong = CountWrong(dtype, out.data.data(), ref.out, naive.out) +
-                        CountWrong(dtype, dq.data.data(), gref.dq, gnaive.dq) +
-                        CountWrong(dtype, dk.data.data(), gref.dk, gnaive.dk) +
-                        CountWrong(dtype, dv.data.data(), gref.dv, gnaive.dv);
+  RowCheck c;
+  ObtainedReference got = ObtainRowReference(
+      o.reference_policy(), s.on_gpu, fwd_gflop,
+      [&](ReferenceSite site) { return ComputeRowReference(site, l, in, dout.ptr()); }, gpu_error);
+  c.note = std::move(got.note);
+  if (!got.ref.has_value()) return c;
+  const RowReference& reference = *got.ref;
+  c.site = reference.site;
+  c.seconds = reference.seconds;
+  Bytes out(T * q_row), dq(T * q_row), dk(T * kv_row), dv(T * kv_row);
+  std::vector<const void*> ptrs(R);
+  auto gather = [&](Shards& shards, size_t row_bytes, Bytes& into) {
+    for (int r = 0; r < R; ++r) ptrs[r] = shards.p[r];
+    Must(hsapPartitionGather(part, ptrs.data(), row_bytes, into.ptr()), "hsapPartitionGather");
+  };
+  gather(row.sout, q_row, out);
+  gather(row.sdq, q_row, dq);
+  gather(row.sdk, kv_row, dk);
+  gather(row.sdv, kv_row, dv);
+  const hsap::ReferenceForwardResult &ref = reference.ref, &naive = reference.naive;
+  const hsap::ReferenceGradients &gref = reference.gref, &gnaive = reference.gnaive;
+  c.wrong = CountWrong(dtype, out.data.data(), ref.out, naive.out) +
+            CountWrong(dtype, dq.data.data(), gref.dq, gnaive.dq) +
+            CountWrong(dtype, dk.data.data(), gref.dk, gnaive.dk) +
+            CountWrong(dtype, dv.data.data(), gref.dv, gnaive.dv);
+  const Bytes* ours[4] = {&out, &dq, &dk, &dv};
+  const std::vector<double>* refs[4] = {&ref.out, &gref.dq, &gref.dk, &gref.dv};
+  const std::vector<double>* naives[4] = {&naive.out, &gnaive.dq, &gnaive.dk, &gnaive.dv};
+  for (int t = 0; t < 4; ++t) {
+    c.ours_err[t] = MaxAbsError(dtype, ours[t]->data.data(), *refs[t]);
+    c.naive_err[t] = MaxAbsDiff(*naives[t], *refs[t]);
+  }
   if (cudnn->fwd_ran) {
     // cuDNN's out under the same rule (not added to the table's #wrong).
     const int64_t cw = CountWrong(dtype, cudnn->out.data.data(), ref.out, naive.out);
@@ -95,7 +123,20 @@ int64_t CheckRow(const Setup& s, Row& row, CudnnRow* cudnn) {
     }
     std::snprintf(cudnn->bwd_err, sizeof(cudnn->bwd_err), "%.3g", max_err);
   }
-  return wrong;
+  return c;
+}
+
+std::string CheckLine(int64_t T, const RowCheck& c) {
+  if (c.site == ReferenceSite::kNone) {
+    return absl::StrFormat("# check %9d ref -     %s", T, c.note);
+  }
+  std::string line = absl::StrFormat("# check %9d ref %-4s %8.3fs max|err| out,dq,dk,dv: ours", T,
+                                     ReferenceSiteName(c.site), c.seconds);
+  for (double e : c.ours_err) absl::StrAppendFormat(&line, " %.2e", e);
+  absl::StrAppend(&line, " same-precision");
+  for (double e : c.naive_err) absl::StrAppendFormat(&line, " %.2e", e);
+  if (!c.note.empty()) absl::StrAppend(&line, "; ", c.note);
+  return line;
 }
 
 }  // namespace hsap::bench::attn_perf

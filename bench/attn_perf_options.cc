@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/status/statusor.h"
 #include "bench/bench_util.h"
 
 namespace hsap::bench::attn_perf {
@@ -21,8 +22,8 @@ namespace hsap::bench::attn_perf {
       "  -f, --stepfactor X     multiply the row length by X per step (default 2)\n"
       "  -n, --iters N          timed iterations (default 5)\n"
       "  -w, --warmup_iters N   warmup iterations (default 1)\n"
-      "  -c, --check 0|1        check against the fp64 reference (default 1), on rows up to\n"
-      "                         --ref-max-gflop of forward work\n"
+      "  -c, --check 0|1        check against the fp64 reference (default 1), on rows within\n"
+      "                         the reference's limit (--ref-max-gflop, --gpu-ref-max-gflop)\n"
       "      --ranks N          host ranks, one thread each (default 4)\n"
       "      --docs-dist D      longtail | uniform | single | tiny (default longtail)\n"
       "      --tokens-per-doc N mean document length for longtail/uniform (default 1024)\n"
@@ -37,7 +38,14 @@ namespace hsap::bench::attn_perf {
       "                         backend, ring batches): K/V rows needed by several ranks of a\n"
       "                         node cross into it once; prints intra/inter-node bytes beside\n"
       "                         the inter-node bytes of direct delivery\n"
-      "      --ref-max-gflop X  check only rows up to X GFLOP of forward work (default 4)\n"
+      "      --reference R      where rows are checked: auto (default: the GPU on\n"
+      "                         cuda-loopback for rows above 0.5 GFLOP of forward work, else\n"
+      "                         the host) | host | gpu (the fp64 reference on GPU 0; a row\n"
+      "                         falls back to the host if it fails and the row is within\n"
+      "                         --ref-max-gflop)\n"
+      "      --ref-max-gflop X  the host checks rows up to X GFLOP of forward work (default 4)\n"
+      "      --gpu-ref-max-gflop X  the GPU checks rows up to X GFLOP of forward work\n"
+      "                         (default 20000; 32K tokens x 16 heads x d 128 causal: 4400)\n"
       "      --timeout-ms N     communicator timeout (default 600000)\n"
       "      --seed N           seed of lengths and data (default 1)\n"
       "  Rank arrangement (runs hsapBatchCreateWithPlan):\n"
@@ -88,6 +96,13 @@ bool ApplyRunOption(const Arg& a, Options& o, bool& end_set) {
   } else if (arg == "--ref-max-gflop") {
     if (!numeric || num < 0) Usage("--ref-max-gflop needs a number >= 0");
     o.ref_max_gflop = num;
+  } else if (arg == "--gpu-ref-max-gflop") {
+    if (!numeric || num < 0) Usage("--gpu-ref-max-gflop needs a number >= 0");
+    o.gpu_ref_max_gflop = num;
+  } else if (arg == "--reference") {
+    absl::StatusOr<ReferenceChoice> choice = ParseReferenceChoice(a.value);
+    if (!choice.ok()) Usage(std::string(choice.status().message()).c_str());
+    o.reference = *choice;
   } else if (arg == "--timeout-ms") {
     o.timeout_ms = static_cast<int>(need_int(1));
   } else if (arg == "--seed") {

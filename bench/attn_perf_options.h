@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpu_reference.h"
 #include "hsap/hsap.h"
 
 namespace hsap::bench::attn_perf {
@@ -30,7 +31,9 @@ struct Options {
   int iters = 5;
   int warmup = 1;
   int check = 1;
-  double ref_max_gflop = 4.0;
+  double ref_max_gflop = ReferencePolicy{}.host_max_gflop;
+  ReferenceChoice reference = ReferenceChoice::kAuto;  // where rows are checked
+  double gpu_ref_max_gflop = ReferencePolicy{}.gpu_max_gflop;
   int timeout_ms = 600000;
   uint32_t seed = 1;
   // Rank arrangement (a plan): group sizes, per-rank query head counts per group (heads
@@ -45,6 +48,10 @@ struct Options {
   int fused = 1;                 // cuda-loopback: forward through peer windows
   bool ranks_set = false;
   bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
+  // The choice of reference of --reference, --ref-max-gflop and --gpu-ref-max-gflop.
+  ReferencePolicy reference_policy() const {
+    return ReferencePolicy{reference, ref_max_gflop, gpu_ref_max_gflop};
+  }
 };
 
 // Prints the error (or, for null, the usage on stderr) and exits: 2 after an error, else 0.

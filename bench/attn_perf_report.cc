@@ -6,6 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "bench/bench_util.h"
+#include "bench/gpu_reference.h"
 #include "lib/api/handles.h"
 #include "lib/sched/plan_json.h"
 #include "lib/sched/schedule.h"
@@ -121,14 +122,21 @@ void PrintTableHeader(const Setup& s) {
       "%s"
       "# #wrong: elements of out, dq, dk, dv (gathered from the ranks) with |x - ref| > 2 * (max "
       "error of the same-precision single-device NaiveForward/Backward) + 4 rounding units; '-' "
-      "when not checked (-c 0, or above %.3g GFLOP of forward work)\n",
+      "when not checked (-c 0, or a row beyond the reference's limit); %s\n",
       o.nodes > 0
           ? "# intra, inter: forward K/V bytes received per rank (mean) from ranks of the same / "
             "another node (hsapBatchGetLinkTraffic); direct: the inter-node bytes per rank (mean) "
             "of direct delivery (each row sent from its owner to every rank that needs it, what "
             "the runtime does without rankNodes), from the direct schedules\n"
           : "",
-      o.ref_max_gflop);
+      DescribeReferencePolicy(o.reference_policy(), on_gpu).c_str());
+  if (o.check != 0) {
+    std::printf(
+        "# reference: after each row, '# check T ref SITE TIME': the reference that checked it "
+        "(host or gpu; '-' and why when none did, or why the host stood in for the GPU) and its "
+        "time, then max|err| against fp64 of out, dq, dk, dv: ours, and the same-precision "
+        "single-device baseline's (the scale of the tolerance)\n");
+  }
   std::printf("#\n# %9s %6s %6s %10s %10s %9s %9s %10s %10s %10s %7s", "tokens", "docs", "split",
               "fwd(ms)", "bwd(ms)", "fwdTF/s", "bwdTF/s", "bytes max", "bytes mean", "ring",
               "ratio");

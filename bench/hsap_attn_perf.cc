@@ -3,7 +3,8 @@
 // runs hsapAttentionForward and hsapAttentionBackward on every rank, and reports time,
 // achieved FLOP/s over visible pairs, the K/V bytes each rank moved against the bytes a
 // naive ring would move, and (with -c 1) the elements outside the tolerance rule against
-// the single-device fp64 reference.
+// the single-device fp64 reference: the host's, or for GPU-sized rows the GPU's
+// (--reference, bench/gpu_reference.h), with a '# check' line after each row.
 //
 //   hsap_attn_perf -b 4096 -e 65536 -f 2 --ranks 4 --docs-dist longtail --heads 8
 //       --kv-heads 2 --head-dim 64 --dtype bf16 --weights 3,1,1,3 -n 5 -w 1 -c 1
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,12 +35,16 @@
 #include "bench/attn_perf_report.h"
 #include "bench/attn_perf_row.h"
 #include "bench/bench_util.h"
+#include "bench/gpu_reference.h"
 #include "hsap/hsap.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 
 namespace {
 
 using ::hsap::bench::Must;
+using ::hsap::bench::PickReference;
+using ::hsap::bench::ReferenceSite;
+using ::hsap::bench::attn_perf::CheckLine;
 using ::hsap::bench::attn_perf::CheckRow;
 using ::hsap::bench::attn_perf::CudnnComparisonOn;
 using ::hsap::bench::attn_perf::CudnnRow;
@@ -54,6 +60,7 @@ using ::hsap::bench::attn_perf::PrintRowLine;
 using ::hsap::bench::attn_perf::PrintTableHeader;
 using ::hsap::bench::attn_perf::RankRuns;
 using ::hsap::bench::attn_perf::Row;
+using ::hsap::bench::attn_perf::RowCheck;
 using ::hsap::bench::attn_perf::RowFigures;
 using ::hsap::bench::attn_perf::RunCudnnOnRow;
 using ::hsap::bench::attn_perf::RunRanks;
@@ -78,29 +85,36 @@ void InitComms(const Options& o, Setup* s) {
   s->cuda_rt = s->on_gpu ? *hsap::cuda::LoadCudaRuntime() : nullptr;  // the communicators exist
 }
 
-// One row of T tokens: the ranks' runs, cuDNN's, the check, the table line and the cuDNN
-// lines. False (after printing why) when the row cannot run.
+// One row of T tokens: the ranks' runs, cuDNN's, the check, the table line, the '# check'
+// line and the cuDNN lines. False (after printing why) when the row cannot run.
+// *gpu_ref_error: the GPU reference's failure, kept across rows (bench/gpu_reference.h).
 bool RunRow(const Setup& s, int64_t T, bool fused_forward, bool* use_cudnn, bool* use_cudnn_bwd,
-            Totals* totals) {
+            std::string* gpu_ref_error, Totals* totals) {
   const Options& o = *s.o;
   Row row;
   if (!MakeRow(s, T, &row)) return false;
   RankRuns runs;
   if (!RunRanks(s, row, &runs)) return false;
   const RowFigures f = FiguresOf(s, row, runs);
-  const bool check_row = o.check != 0 && f.fwd_flop * 1e-9 <= o.ref_max_gflop;
+  const double fwd_gflop = f.fwd_flop * 1e-9;
+  const bool check_row = o.check != 0 && PickReference(o.reference_policy(), s.on_gpu, fwd_gflop) !=
+                                             ReferenceSite::kNone;
   // cuDNN on the whole row (same inputs, one GPU), after our row.
   CudnnRow cudnn;
   RunCudnnOnRow(s, row, check_row, use_cudnn, use_cudnn_bwd, &cudnn);
   totals->max_pool =
       std::max(totals->max_pool, *std::max_element(runs.pool_bytes.begin(), runs.pool_bytes.end()));
   char wrong_col[32] = "-";
-  if (check_row) {
-    const int64_t wrong = CheckRow(s, row, &cudnn);
-    totals->wrong += wrong;
-    std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)wrong);
+  RowCheck check;
+  if (o.check != 0) {
+    check = CheckRow(s, row, fwd_gflop, gpu_ref_error, &cudnn);
+    if (check.site != ReferenceSite::kNone) {
+      totals->wrong += check.wrong;
+      std::snprintf(wrong_col, sizeof(wrong_col), "%lld", (long long)check.wrong);
+    }
   }
   if (!PrintRowLine(s, row, runs, f, fused_forward, wrong_col)) return false;
+  if (o.check != 0) std::printf("%s\n", CheckLine(T, check).c_str());
   PrintCudnnLines(cudnn, T, f.fwd_flop, f.fwd_tflops, f.bwd_tflops, &totals->cudnn);
   std::fflush(stdout);
   totals->sum_fwd_tflops += f.fwd_tflops;
@@ -146,10 +160,13 @@ int main(int argc, char** argv) {
 
   Totals totals;
   bool use_cudnn_bwd = true;  // off after the backward graph fails once
+  std::string gpu_ref_error;  // the GPU reference's failure: not tried again
   for (double t = static_cast<double>(o.tokens_begin);
        t <= static_cast<double>(o.tokens_end) * 1.0000001; t *= o.factor) {
     const int64_t T = static_cast<int64_t>(std::llround(t));
-    if (!RunRow(s, T, fused_forward, &use_cudnn, &use_cudnn_bwd, &totals)) return 1;
+    if (!RunRow(s, T, fused_forward, &use_cudnn, &use_cudnn_bwd, &gpu_ref_error, &totals)) {
+      return 1;
+    }
   }
   for (hsapComm_t c : s.comms) Must(hsapCommDestroy(c), "hsapCommDestroy");
   if (s.plan != nullptr) Must(hsapPlanDestroy(s.plan), "hsapPlanDestroy");
