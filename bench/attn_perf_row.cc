@@ -35,6 +35,9 @@ class DeviceCopies {
     placed_.push_back({&host, device});
     Check(rt_->Memcpy(device, host.data(), host.size(), hsap::cuda::kCudaMemcpyDefault),
           "cudaMemcpy (upload)");
+    // From pageable memory cudaMemcpy may return before its DMA lands, and the ranks'
+    // non-blocking streams do not wait for it: the upload is complete when Place returns.
+    Check(rt_->DeviceSynchronize(), "cudaDeviceSynchronize (upload)");
     return device;
   }
   void Fetch(std::vector<uint8_t>& host) {

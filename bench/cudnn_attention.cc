@@ -329,6 +329,10 @@ absl::Status CudnnAttention::Impl::FinishBuild(const CudnnAttentionShape& shape,
   HSAP_CUDNN_RETURN_IF_ERROR(
       rt->Check(rt->Memcpy(index.get(), host.data(), host.size(), cuda::kCudaMemcpyDefault),
                 "cudaMemcpy (seq lens and ragged offsets)"));
+  // A copy from pageable memory may return before its DMA lands; the graph's stream is
+  // non-blocking.
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      rt->Check(rt->DeviceSynchronize(), "cudaDeviceSynchronize (seq lens and ragged offsets)"));
   uint8_t* base = static_cast<uint8_t*>(index.get());
   seq_lens_dev = base;
   qo_offsets_dev = base + seq_bytes;

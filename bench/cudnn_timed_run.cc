@@ -97,6 +97,9 @@ absl::StatusOr<CudnnForwardRun> RunCudnnForward(const CudnnAttentionShape& shape
     HSAP_RETURN_IF_ERROR(
         check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault), "cudaMemcpy (cuDNN inputs)"));
   }
+  // Copies from pageable memory may return before their DMA lands; the stream below is
+  // non-blocking.
+  HSAP_RETURN_IF_ERROR(check(rt->DeviceSynchronize(), "cudaDeviceSynchronize (cuDNN inputs)"));
   HSAP_RETURN_IF_ERROR(check(rt->StreamCreateWithFlags(&res.stream, cuda::kCudaStreamNonBlocking),
                              "cudaStreamCreateWithFlags"));
   HSAP_RETURN_IF_ERROR(check(rt->EventCreateWithFlags(&res.start, 0), "cudaEventCreate"));
@@ -160,6 +163,8 @@ absl::StatusOr<CudnnBackwardRun> RunCudnnBackward(const CudnnAttentionShape& sha
     HSAP_RETURN_IF_ERROR(rt->Check(rt->Memcpy(dst, src, bytes, cuda::kCudaMemcpyDefault),
                                    "cudaMemcpy (cuDNN backward inputs)"));
   }
+  HSAP_RETURN_IF_ERROR(
+      rt->Check(rt->DeviceSynchronize(), "cudaDeviceSynchronize (cuDNN backward inputs)"));
   HSAP_RETURN_IF_ERROR(res.StartTiming());
   float* stats_f = static_cast<float*>(stats);
   HSAP_RETURN_IF_ERROR(forward->Forward(q, k, v, o, stats_f, res.stream));
