@@ -77,6 +77,92 @@ HSAP_DEV void load_tile(float* dst, const void* src, long long row0, int valid, 
   }
 }
 
+// One key tile of the FMA forward, its K/V in Ks/Vs: row r's scores against the tile's
+// columns c_j = tc + j * kTPR (visible: row < rows, column < cols, inside the band when
+// `masked`), the online softmax update (P through Ps), and acc += P V. saw_key and
+// non_finite note a visible key and a NaN or +inf score.
+template <class Cfg>
+HSAP_DEV void fma_fwd_tile(const float* Qs, const float* Ks, const float* Vs, float* Ps,
+                           float (&acc)[FwdShape<Cfg>::kDT], OnlineSoftmax& sm, bool& saw_key,
+                           bool& non_finite, const KeySegment& seg, bool masked, long long q0,
+                           int rows, long long k0, int cols, int r, int tc, float scale_log2) {
+  using S = FwdShape<Cfg>;
+  constexpr int kD = S::kD, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd, kPLd = S::kPLd;
+  // Scores of row r against key columns c_j = tc + j * kTPR.
+  float x[S::kNT];
+  HSAP_UNROLL
+  for (int j = 0; j < S::kNT; ++j) x[j] = 0.0f;
+  HSAP_UNROLL_N(4)
+  for (int kk = 0; kk < kD; ++kk) {
+    const float qv = Qs[r * kLd + kk];
+    HSAP_UNROLL
+    for (int j = 0; j < S::kNT; ++j) x[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
+  }
+  float tile_max = neg_inf();
+  HSAP_UNROLL
+  for (int j = 0; j < S::kNT; ++j) {
+    const int c = tc + j * kTPR;
+    bool visible = r < rows && c < cols;
+    if (masked && visible) {
+      const long long diag = (k0 + c) - (q0 + r);
+      visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+    }
+    x[j] = visible ? x[j] * scale_log2 : neg_inf();
+    saw_key = saw_key || visible;
+    non_finite = non_finite || !(x[j] < pos_inf());  // NaN or +inf
+    tile_max = fmaxf(tile_max, x[j]);
+  }
+  tile_max = group_max<kTPR>(tile_max);
+  const float rescale = sm.begin_tile(tile_max);
+  float tile_sum = 0.0f;
+  HSAP_UNROLL
+  for (int j = 0; j < S::kNT; ++j) {
+    const float p = sm.weight(x[j]);
+    tile_sum += p;
+    Ps[r * kPLd + tc + j * kTPR] = p;
+  }
+  sm.end_tile(group_sum<kTPR>(tile_sum));
+  __syncwarp();  // the row's P entries come from the kTPR lanes of this warp
+
+  HSAP_UNROLL
+  for (int j = 0; j < S::kDT; ++j) acc[j] *= rescale;
+  for (int c = 0; c < kBN; ++c) {  // P and V are 0 beyond `cols`
+    const float p = Ps[r * kPLd + c];
+    HSAP_UNROLL
+    for (int j = 0; j < S::kDT; ++j) acc[j] += p * Vs[c * kLd + tc + j * kTPR];
+  }
+}
+
+// Merges the partial result of a chunk (row r of the chunk at q0: acc, sm) into out/lse; a
+// NaN partial makes the row NaN.
+template <class Cfg>
+HSAP_DEV void fma_fwd_merge(const float (&acc)[FwdShape<Cfg>::kDT], const OnlineSoftmax& sm,
+                            bool saw_key, bool non_finite, float* out, float* lse, long long q_rows,
+                            int heads_q, int h, long long q0, int rows, int r, int tc) {
+  using S = FwdShape<Cfg>;
+  constexpr int kD = S::kD, kTPR = S::kTPR;
+  const bool row_saw_key = group_max<kTPR>(saw_key ? 1.0f : 0.0f) > 0.0f;
+  const bool row_is_nan =
+      group_max<kTPR>(non_finite ? 1.0f : 0.0f) > 0.0f || (row_saw_key && sm.lse() == neg_inf());
+  const float lse2 = row_is_nan ? quiet_nan() : sm.lse();
+  const float inv_l = row_is_nan ? lse2 : sm.inv_l();
+  float* lse_ptr = lse + static_cast<long long>(h) * q_rows + (q0 + r);
+  LseMerge merged{0.0f, 1.0f, 0.0f};
+  if (r < rows) {
+    merged = merge_lse(*lse_ptr, lse2);
+    if (lse2 != neg_inf()) {
+      float* o = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
+      HSAP_UNROLL
+      for (int j = 0; j < S::kDT; ++j) {
+        const int d = tc + j * kTPR;
+        o[d] = merged.w1 * o[d] + merged.w2 * (acc[j] * inv_l);
+      }
+    }
+  }
+  __syncwarp();  // every lane of the row has read the old lse
+  if (r < rows && tc == 0 && lse2 != neg_inf()) *lse_ptr = merged.lse;
+}
+
 // ---------------------------------------------------------------------------------------
 // Forward over one query block of one head: online softmax over the block's segments, then
 // the merge of the partial (o, lse) into out/lse. kStaged: K/V were written by other CTAs of
@@ -89,8 +175,7 @@ __device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, 
                                      unsigned int* error_flag) {
   using S = FwdShape<Cfg>;
   using T = typename Cfg::T;
-  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd,
-                kPLd = S::kPLd;
+  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kTPR = S::kTPR, kLd = S::kLd;
   float* Qs = smem;
   float* Ks = Qs + kBM * kLd;
   float* Vs = Ks + kBN * kLd;
@@ -137,74 +222,11 @@ __device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, 
         load_tile<T, kBN, kD, kLd, S::kThreads, kStaged>(Vs, v, k0, cols, heads_kv, kvh);
         __syncthreads();
         const bool masked = Cfg::kHasBand && !full && !tile_inside_band(seg, q0, rows, k0, cols);
-
-        // Scores of row r against key columns c_j = tc + j * kTPR.
-        float x[S::kNT];
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNT; ++j) x[j] = 0.0f;
-        HSAP_UNROLL_N(4)
-        for (int kk = 0; kk < kD; ++kk) {
-          const float qv = Qs[r * kLd + kk];
-          HSAP_UNROLL
-          for (int j = 0; j < S::kNT; ++j) x[j] += qv * Ks[(tc + j * kTPR) * kLd + kk];
-        }
-        float tile_max = neg_inf();
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNT; ++j) {
-          const int c = tc + j * kTPR;
-          bool visible = r < rows && c < cols;
-          if (masked && visible) {
-            const long long diag = (k0 + c) - (q0 + r);
-            visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
-          }
-          x[j] = visible ? x[j] * scale_log2 : neg_inf();
-          saw_key = saw_key || visible;
-          non_finite = non_finite || !(x[j] < pos_inf());  // NaN or +inf
-          tile_max = fmaxf(tile_max, x[j]);
-        }
-        tile_max = group_max<kTPR>(tile_max);
-        const float rescale = sm.begin_tile(tile_max);
-        float tile_sum = 0.0f;
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNT; ++j) {
-          const float p = sm.weight(x[j]);
-          tile_sum += p;
-          Ps[r * kPLd + tc + j * kTPR] = p;
-        }
-        sm.end_tile(group_sum<kTPR>(tile_sum));
-        __syncwarp();  // the row's P entries come from the kTPR lanes of this warp
-
-        HSAP_UNROLL
-        for (int j = 0; j < S::kDT; ++j) acc[j] *= rescale;
-        for (int c = 0; c < kBN; ++c) {  // P and V are 0 beyond `cols`
-          const float p = Ps[r * kPLd + c];
-          HSAP_UNROLL
-          for (int j = 0; j < S::kDT; ++j) acc[j] += p * Vs[c * kLd + tc + j * kTPR];
-        }
+        fma_fwd_tile<Cfg>(Qs, Ks, Vs, Ps, acc, sm, saw_key, non_finite, seg, masked, q0, rows, k0,
+                          cols, r, tc, scale_log2);
       }
     }
-
-    // Merge the partial result of this chunk into out/lse; a NaN partial makes the row NaN.
-    const bool row_saw_key = group_max<kTPR>(saw_key ? 1.0f : 0.0f) > 0.0f;
-    const bool row_is_nan =
-        group_max<kTPR>(non_finite ? 1.0f : 0.0f) > 0.0f || (row_saw_key && sm.lse() == neg_inf());
-    const float lse2 = row_is_nan ? quiet_nan() : sm.lse();
-    const float inv_l = row_is_nan ? lse2 : sm.inv_l();
-    float* lse_ptr = lse + static_cast<long long>(h) * q_rows + (q0 + r);
-    LseMerge merged{0.0f, 1.0f, 0.0f};
-    if (r < rows) {
-      merged = merge_lse(*lse_ptr, lse2);
-      if (lse2 != neg_inf()) {
-        float* o = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
-        HSAP_UNROLL
-        for (int j = 0; j < S::kDT; ++j) {
-          const int d = tc + j * kTPR;
-          o[d] = merged.w1 * o[d] + merged.w2 * (acc[j] * inv_l);
-        }
-      }
-    }
-    __syncwarp();  // every lane of the row has read the old lse
-    if (r < rows && tc == 0 && lse2 != neg_inf()) *lse_ptr = merged.lse;
+    fma_fwd_merge<Cfg>(acc, sm, saw_key, non_finite, out, lse, q_rows, heads_q, h, q0, rows, r, tc);
   }
 }
 

@@ -362,6 +362,100 @@ HSAP_DEV void next_key_tile(MmaKeyWalk& w, const BwdParams& p, int kvh, long lon
   t->valid = 1;
 }
 
+// A key item's query tile t into stage st: its Q and dO rows (cp.async, not committed) and
+// the rows' lse and delta ([stage][lse, delta][kBM]; rows past t.rows: -inf and 0).
+template <class Cfg>
+HSAP_DEV void mma_bwd_issue_stage(const BwdParams& p, typename Cfg::T* stages, float* stats, int st,
+                                  const MmaTile& t) {
+  using S = MmaBwdShape<Cfg>;
+  using T = typename Cfg::T;
+  constexpr int kD = S::kD, kBM = S::kBM, kLd = S::kLd, kThreads = S::kThreads;
+  constexpr int kStage = 2 * kBM * kLd;
+  T* q_tile = stages + st * kStage;
+  cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile, p.q, t.q0, t.rows, p.heads_q, t.h);
+  cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile + kBM * kLd, p.dout, t.q0, t.rows, p.heads_q,
+                                           t.h);
+  float* st_stats = stats + st * 2 * kBM;
+  for (int r = threadIdx.x; r < kBM; r += kThreads) {
+    const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
+    st_stats[r] = r < t.rows ? p.lse[stat] : neg_inf();
+    st_stats[kBM + r] = r < t.rows ? p.delta[stat] : 0.0f;
+  }
+}
+
+// P^T and dS^T of a key item's tile, computed in place from S^T (s) and dP^T (dp) of this
+// warp's 16 keys (key group kg), masked per element (keys: rows of the C fragment). `cur` is
+// taken by value: by reference, ptxas allocated the D = 64 sm_90 backward 25 registers fewer
+// than the code inline, which changes its occupancy.
+template <class S>
+HSAP_DEV void mma_bwd_probs_t(float (&s)[S::kBM / 8][4], float (&dp)[S::kBM / 8][4],
+                              const float* lse_s, const float* delta_s, const MmaTile cur,
+                              const BwdParams& p, int kg, int g, int t4) {
+  constexpr int kQT = S::kBM / 8;
+  HSAP_UNROLL
+  for (int j = 0; j < kQT; ++j) {
+    HSAP_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int kc = 16 * kg + g + 8 * (e >> 1);
+      const int qc = 8 * j + 2 * t4 + (e & 1);
+      const float row_lse = lse_s[qc];
+      const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
+                           kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
+      const float prob = visible ? expf(s[j][e] * p.scale - row_lse) : 0.0f;
+      dp[j][e] = visible ? prob * (dp[j][e] - delta_s[qc]) : 0.0f;
+      s[j][e] = prob;
+    }
+  }
+}
+
+// Atomic dq: dS^T (dp) of the tile to shared memory (dsT), then dq += dS K by rows of the
+// query tile, added atomically. Every thread of the CTA calls it (a barrier inside).
+template <class Cfg>
+HSAP_DEV void mma_bwd_atomic_dq(const BwdParams& p, const float (&dp)[MmaBwdShape<Cfg>::kBM / 8][4],
+                                typename Cfg::T* dsT, const typename Cfg::T* Ks, const MmaTile& cur,
+                                int warp, int kg, int dh, int g, int t4, int lane) {
+  using S = MmaBwdShape<Cfg>;
+  using T = typename Cfg::T;
+  constexpr int kD = S::kD, kBN = S::kBN, kLd = S::kLd, kSLd = S::kSLd;
+  constexpr int kQT = S::kBM / 8;
+  if (dh == 0) {
+    HSAP_UNROLL
+    for (int j = 0; j < kQT; ++j) {
+      T* row = dsT + (16 * kg + g) * kSLd + 8 * j + 2 * t4;
+      *reinterpret_cast<unsigned*>(row) = MmaOps<T>::pack(dp[j][0], dp[j][1]);
+      *reinterpret_cast<unsigned*>(row + 8 * kSLd) = MmaOps<T>::pack(dp[j][2], dp[j][3]);
+    }
+  }
+  __syncthreads();
+  const int rg = warp % S::kRowGroups, part = warp / S::kRowGroups;
+  constexpr int kCT = S::kDQChunkTiles;
+  const int c_end =
+      S::kDqParts == S::kWarpsPerRowGroup || part < S::kDqParts ? (part + 1) * S::kDQW : 0;
+  HSAP_UNROLL_N(1)
+  for (int c0 = part * S::kDQW; c0 < c_end; c0 += 8 * kCT) {
+    float acc[kCT][4];
+    zero_acc(acc);
+    HSAP_UNROLL
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      unsigned a[4];
+      load_a_transposed<T, kSLd>(a, dsT, 16 * rg, 16 * kk, lane);
+      mma_b_cols<T, kCT, kLd>(acc, a, Ks, 16 * kk, c0, lane);
+    }
+    HSAP_UNROLL
+    for (int n = 0; n < kCT; ++n) {
+      HSAP_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * rg + g + 8 * (e >> 1);
+        if (r < cur.rows && acc[n][e] != 0.0f) {
+          const long long idx = ((cur.q0 + r) * p.heads_q + cur.h) * static_cast<long long>(kD) +
+                                c0 + 8 * n + 2 * t4 + (e & 1);
+          atomicAdd(p.dq + idx, acc[n][e] * p.scale);
+        }
+      }
+    }
+  }
+}
+
 // Key item: dK, dV of key rows [kt0, kt1) (tile kt) of kv head kvh; with atomic dq, also the
 // dq contributions of these keys.
 template <class Cfg>
@@ -369,7 +463,7 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
                                  unsigned char* smem) {
   using S = MmaBwdShape<Cfg>;
   using T = typename Cfg::T;
-  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kLd = S::kLd, kSLd = S::kSLd;
+  constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kLd = S::kLd;
   constexpr int kDW = S::kDW, kThreads = S::kThreads;
   constexpr int kQT = kBM / 8;           // n-tiles of S^T (query columns)
   constexpr int kDT = kDW / 8;           // n-tiles of dK/dV (head-dim columns)
@@ -397,24 +491,11 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
   const int g = lane >> 2, t4 = lane & 3;
   const int kg = warp % S::kKeyGroups, dh = warp / S::kKeyGroups;
 
-  auto issue_stage = [&](int st, const MmaTile& t) {
-    T* q_tile = stages + st * kStage;
-    cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile, p.q, t.q0, t.rows, p.heads_q, t.h);
-    cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile + kBM * kLd, p.dout, t.q0, t.rows, p.heads_q,
-                                             t.h);
-    float* st_stats = stats + st * 2 * kBM;
-    for (int r = threadIdx.x; r < kBM; r += kThreads) {
-      const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
-      st_stats[r] = r < t.rows ? p.lse[stat] : neg_inf();
-      st_stats[kBM + r] = r < t.rows ? p.delta[stat] : 0.0f;
-    }
-  };
-
   cp_async_tile<T, kBN, kD, kLd, kThreads>(Ks, p.k, kt0, static_cast<int>(kt1 - kt0), p.heads_kv,
                                            kvh);
   cp_async_tile<T, kBN, kD, kLd, kThreads>(Vs, p.v, kt0, static_cast<int>(kt1 - kt0), p.heads_kv,
                                            kvh);
-  issue_stage(0, cur);
+  mma_bwd_issue_stage<Cfg>(p, stages, stats, 0, cur);
   cp_async_commit();
 
   float dk[kDT][4], dv[kDT][4];
@@ -426,7 +507,7 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
     if (threadIdx.x == 0) next_key_tile<Cfg>(*walk, p, kvh, kt0, kt1, shared_tile);
     __syncthreads();
     const MmaTile nxt = *shared_tile;
-    if (nxt.valid) issue_stage(st ^ 1, nxt);
+    if (nxt.valid) mma_bwd_issue_stage<Cfg>(p, stages, stats, st ^ 1, nxt);
     cp_async_commit();
     cp_async_wait<1>();  // K, V and stage st have landed (stage st ^ 1 may be in flight)
     __syncthreads();
@@ -447,21 +528,7 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
       load_a<T, kLd>(a, Vs, 16 * kg, 16 * kk, lane);
       mma_b_rows<T, kQT, kLd>(dp, a, dOs, 0, 16 * kk, lane);
     }
-    // P^T and dS^T in place, masked per element (keys: rows of the C fragment).
-    HSAP_UNROLL
-    for (int j = 0; j < kQT; ++j) {
-      HSAP_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int kc = 16 * kg + g + 8 * (e >> 1);
-        const int qc = 8 * j + 2 * t4 + (e & 1);
-        const float row_lse = lse_s[qc];
-        const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
-                             kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
-        const float prob = visible ? expf(s[j][e] * p.scale - row_lse) : 0.0f;
-        dp[j][e] = visible ? prob * (dp[j][e] - delta_s[qc]) : 0.0f;
-        s[j][e] = prob;
-      }
-    }
+    mma_bwd_probs_t<S>(s, dp, lse_s, delta_s, cur, p, kg, g, t4);
     // dV += P^T dO, dK += dS^T Q over the tile's queries (k = query).
     HSAP_UNROLL
     for (int kk = 0; kk < kBM / 16; ++kk) {
@@ -472,44 +539,7 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
       mma_b_cols<T, kDT, kLd>(dk, a, Qs, 16 * kk, dh * kDW, lane);
     }
     if constexpr (!Cfg::kDeterministicDq) {
-      // dS^T to shared memory, then dq += dS K by rows of the query tile, added atomically.
-      if (dh == 0) {
-        HSAP_UNROLL
-        for (int j = 0; j < kQT; ++j) {
-          T* row = dsT + (16 * kg + g) * kSLd + 8 * j + 2 * t4;
-          *reinterpret_cast<unsigned*>(row) = MmaOps<T>::pack(dp[j][0], dp[j][1]);
-          *reinterpret_cast<unsigned*>(row + 8 * kSLd) = MmaOps<T>::pack(dp[j][2], dp[j][3]);
-        }
-      }
-      __syncthreads();
-      const int rg = warp % S::kRowGroups, part = warp / S::kRowGroups;
-      constexpr int kCT = S::kDQChunkTiles;
-      const int c_end =
-          S::kDqParts == S::kWarpsPerRowGroup || part < S::kDqParts ? (part + 1) * S::kDQW : 0;
-      HSAP_UNROLL_N(1)
-      for (int c0 = part * S::kDQW; c0 < c_end; c0 += 8 * kCT) {
-        float acc[kCT][4];
-        zero_acc(acc);
-        HSAP_UNROLL
-        for (int kk = 0; kk < kBN / 16; ++kk) {
-          unsigned a[4];
-          load_a_transposed<T, kSLd>(a, dsT, 16 * rg, 16 * kk, lane);
-          mma_b_cols<T, kCT, kLd>(acc, a, Ks, 16 * kk, c0, lane);
-        }
-        HSAP_UNROLL
-        for (int n = 0; n < kCT; ++n) {
-          HSAP_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int r = 16 * rg + g + 8 * (e >> 1);
-            if (r < cur.rows && acc[n][e] != 0.0f) {
-              const long long idx =
-                  ((cur.q0 + r) * p.heads_q + cur.h) * static_cast<long long>(kD) + c0 + 8 * n +
-                  2 * t4 + (e & 1);
-              atomicAdd(p.dq + idx, acc[n][e] * p.scale);
-            }
-          }
-        }
-      }
+      mma_bwd_atomic_dq<Cfg>(p, dp, dsT, Ks, cur, warp, kg, dh, g, t4, lane);
     }
     if (!nxt.valid) break;
     cur = nxt;

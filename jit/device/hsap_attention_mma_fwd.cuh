@@ -123,6 +123,155 @@ struct KeyTileWalk {
   }
 };
 
+// S = Q K^T for one key tile: this warp's 16 query rows (A fragments: qf when kQInRegs, else
+// read from q_row) against the tile's kBN keys of K (k_row: this lane's ldmatrix row).
+// ldmatrix.x4 on K: matrices (keys j*8.., dims +0), (keys j*8.., dims +8), (keys (j+1)*8..,
+// dims +0), (keys (j+1)*8.., dims +8) = b0, b1 of n-tiles j, j + 1.
+template <class S, class Ops>
+HSAP_DEV void mma_fwd_scores(float (&s)[S::kNTiles][4],
+                             const unsigned (&qf)[S::kQInRegs ? S::kKSteps : 1][4],
+                             const unsigned short* q_row, const unsigned short* k_row) {
+  constexpr int kLdh = S::kLdh;
+  HSAP_UNROLL
+  for (int j = 0; j < S::kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+  HSAP_UNROLL
+  for (int kk = 0; kk < S::kKSteps; ++kk) {
+    unsigned a[4];
+    if constexpr (S::kQInRegs) {
+      a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+    } else {
+      ldmatrix_x4(a, q_row + kk * 16);
+    }
+    HSAP_UNROLL
+    for (int j = 0; j < S::kNTiles; j += 2) {
+      unsigned b[4];
+      ldmatrix_x4(b, k_row + j * 8 * kLdh + kk * 16);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      Ops::mma(s[j], a, b0);
+      Ops::mma(s[j + 1], a, b1);
+    }
+  }
+}
+
+// Masks the tile's scores (visible: row < rows, column < cols, inside the band when
+// `masked`), then the online softmax of rows g (hr = 0: c0, c1) and g + 8 (hr = 1: c2, c3):
+// s becomes P, o is rescaled. This lane holds key columns j * 8 + 2t + e. saw_key and
+// non_finite note, per row, a visible key and a NaN or +inf score.
+template <class S>
+HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][4],
+                              OnlineSoftmax (&sm)[2], bool (&saw_key)[2], bool (&non_finite)[2],
+                              const KeySegment seg, bool masked, long long q0, int rows,
+                              long long k0, int cols, int row0, int t, float scale_log2) {
+  HSAP_UNROLL
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = row0 + 8 * hr;
+    float tile_max = neg_inf();
+    HSAP_UNROLL
+    for (int j = 0; j < S::kNTiles; ++j) {
+      HSAP_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int c = j * 8 + 2 * t + e;
+        bool visible = r < rows && c < cols;
+        if (masked && visible) {
+          const long long diag = (k0 + c) - (q0 + r);
+          visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+        }
+        const float x = visible ? s[j][2 * hr + e] * scale_log2 : neg_inf();
+        saw_key[hr] = saw_key[hr] || visible;
+        non_finite[hr] = non_finite[hr] || !(x < pos_inf());  // NaN or +inf
+        s[j][2 * hr + e] = x;
+        tile_max = fmaxf(tile_max, x);
+      }
+    }
+    const float rescale = sm[hr].begin_tile(group_max<4>(tile_max));
+    float tile_sum = 0.0f;
+    HSAP_UNROLL
+    for (int j = 0; j < S::kNTiles; ++j) {
+      HSAP_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const float p = sm[hr].weight(s[j][2 * hr + e]);
+        tile_sum += p;
+        s[j][2 * hr + e] = p;
+      }
+    }
+    sm[hr].end_tile(group_sum<4>(tile_sum));
+    HSAP_UNROLL
+    for (int j = 0; j < S::kDTiles; ++j) {
+      o[j][2 * hr] *= rescale;
+      o[j][2 * hr + 1] *= rescale;
+    }
+  }
+}
+
+// O += P V. The C fragments of n-tiles 2kc and 2kc + 1 are the A fragment of k-step kc.
+// ldmatrix.x4.trans on V (v_row: this lane's row): matrices (keys +0, dims j*8..), (keys +8,
+// dims j*8..), (keys +0, dims (j+1)*8..), (keys +8, dims (j+1)*8..) = b0, b1 of d-tiles j,
+// j + 1.
+template <class S, class Ops>
+HSAP_DEV void mma_fwd_pv(float (&o)[S::kDTiles][4], const float (&s)[S::kNTiles][4],
+                         const unsigned short* v_row) {
+  constexpr int kLdh = S::kLdh;
+  HSAP_UNROLL
+  for (int kc = 0; kc < S::kPSteps; ++kc) {
+    const unsigned a[4] = {Ops::pack(s[2 * kc][0], s[2 * kc][1]),
+                           Ops::pack(s[2 * kc][2], s[2 * kc][3]),
+                           Ops::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
+                           Ops::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+    HSAP_UNROLL
+    for (int j = 0; j < S::kDTiles; j += 2) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, v_row + kc * 16 * kLdh + j * 8);
+      const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+      Ops::mma(o[j], a, b0);
+      Ops::mma(o[j + 1], a, b1);
+    }
+  }
+}
+
+// Merges this chunk's partial rows g and g + 8 of the warp's block (row0 = its row g) into
+// out/lse: the FMA core's epilogue, per quad.
+template <class S>
+HSAP_DEV void mma_fwd_merge(const float (&o)[S::kDTiles][4], const OnlineSoftmax (&sm)[2],
+                            const bool (&saw_key)[2], const bool (&non_finite)[2], float* out,
+                            float* lse, long long q_rows, int heads_q, int h, long long q0,
+                            int rows, int row0, int t) {
+  constexpr int kD = S::kD;
+  LseMerge merged[2];
+  float lse2[2];
+  HSAP_UNROLL
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = row0 + 8 * hr;
+    const bool row_saw_key = group_max<4>(saw_key[hr] ? 1.0f : 0.0f) > 0.0f;
+    const bool row_is_nan = group_max<4>(non_finite[hr] ? 1.0f : 0.0f) > 0.0f ||
+                            (row_saw_key && sm[hr].lse() == neg_inf());
+    lse2[hr] = row_is_nan ? quiet_nan() : sm[hr].lse();
+    const float inv_l = row_is_nan ? lse2[hr] : sm[hr].inv_l();
+    merged[hr] = LseMerge{0.0f, 1.0f, 0.0f};
+    if (r < rows) {
+      merged[hr] = merge_lse(lse[static_cast<long long>(h) * q_rows + (q0 + r)], lse2[hr]);
+      if (lse2[hr] != neg_inf()) {
+        float* orow = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
+        HSAP_UNROLL
+        for (int j = 0; j < S::kDTiles; ++j) {
+          HSAP_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            const int d = j * 8 + 2 * t + e;
+            orow[d] = merged[hr].w1 * orow[d] + merged[hr].w2 * (o[j][2 * hr + e] * inv_l);
+          }
+        }
+      }
+    }
+  }
+  __syncwarp();  // every lane of the quad has read the old lse
+  HSAP_UNROLL
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = row0 + 8 * hr;
+    if (r < rows && t == 0 && lse2[hr] != neg_inf()) {
+      lse[static_cast<long long>(h) * q_rows + (q0 + r)] = merged[hr].lse;
+    }
+  }
+}
+
 // Forward over one query block of one head with tensor cores; the contract of
 // attend_block_fwd_fma (hsap_attention.cuh). kStaged: K/V were written by other CTAs of this
 // kernel (fused path); cp.async.cg reads through L2 like ld.global.cg, so it sees them.
@@ -211,134 +360,21 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
       const int cols = tile.cols();
       const long long k0 = tile.k0;
 
-      // S = Q K^T. ldmatrix.x4 on K: matrices (keys j*8.., dims +0), (keys j*8.., dims +8),
-      // (keys (j+1)*8.., dims +0), (keys (j+1)*8.., dims +8) = b0, b1 of n-tiles j, j + 1.
       float s[S::kNTiles][4];
-      HSAP_UNROLL
-      for (int j = 0; j < S::kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      const unsigned short* k_row =
-          Kt + ((lane >> 4) * 8 + (lane & 7)) * kLdh + ((lane >> 3) & 1) * 8;
-      HSAP_UNROLL
-      for (int kk = 0; kk < S::kKSteps; ++kk) {
-        unsigned a[4];
-        if constexpr (S::kQInRegs) {
-          a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
-        } else {
-          ldmatrix_x4(a, q_row + kk * 16);
-        }
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNTiles; j += 2) {
-          unsigned b[4];
-          ldmatrix_x4(b, k_row + j * 8 * kLdh + kk * 16);
-          const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          Ops::mma(s[j], a, b0);
-          Ops::mma(s[j + 1], a, b1);
-        }
-      }
-
-      // Mask, then the online softmax of rows g (hr = 0: c0, c1) and g + 8 (hr = 1: c2, c3);
-      // this lane holds key columns j * 8 + 2t + e.
+      mma_fwd_scores<S, Ops>(s, qf, q_row,
+                             Kt + ((lane >> 4) * 8 + (lane & 7)) * kLdh + ((lane >> 3) & 1) * 8);
       const bool masked =
           Cfg::kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, k0, cols);
-      HSAP_UNROLL
-      for (int hr = 0; hr < 2; ++hr) {
-        const int r = warp * 16 + g + 8 * hr;
-        float tile_max = neg_inf();
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNTiles; ++j) {
-          HSAP_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const int c = j * 8 + 2 * t + e;
-            bool visible = r < rows && c < cols;
-            if (masked && visible) {
-              const long long diag = (k0 + c) - (q0 + r);
-              visible = diag >= tile.seg.diag_lo && diag <= tile.seg.diag_hi;
-            }
-            const float x = visible ? s[j][2 * hr + e] * scale_log2 : neg_inf();
-            saw_key[hr] = saw_key[hr] || visible;
-            non_finite[hr] = non_finite[hr] || !(x < pos_inf());  // NaN or +inf
-            s[j][2 * hr + e] = x;
-            tile_max = fmaxf(tile_max, x);
-          }
-        }
-        const float rescale = sm[hr].begin_tile(group_max<4>(tile_max));
-        float tile_sum = 0.0f;
-        HSAP_UNROLL
-        for (int j = 0; j < S::kNTiles; ++j) {
-          HSAP_UNROLL
-          for (int e = 0; e < 2; ++e) {
-            const float p = sm[hr].weight(s[j][2 * hr + e]);
-            tile_sum += p;
-            s[j][2 * hr + e] = p;
-          }
-        }
-        sm[hr].end_tile(group_sum<4>(tile_sum));
-        HSAP_UNROLL
-        for (int j = 0; j < S::kDTiles; ++j) {
-          o[j][2 * hr] *= rescale;
-          o[j][2 * hr + 1] *= rescale;
-        }
-      }
-
-      // O += P V. The C fragments of n-tiles 2kc and 2kc + 1 are the A fragment of k-step kc.
-      // ldmatrix.x4.trans on V: matrices (keys +0, dims j*8..), (keys +8, dims j*8..),
-      // (keys +0, dims (j+1)*8..), (keys +8, dims (j+1)*8..) = b0, b1 of d-tiles j, j + 1.
-      const unsigned short* v_row =
-          Vt + (((lane >> 3) & 1) * 8 + (lane & 7)) * kLdh + (lane >> 4) * 8;
-      HSAP_UNROLL
-      for (int kc = 0; kc < S::kPSteps; ++kc) {
-        const unsigned a[4] = {Ops::pack(s[2 * kc][0], s[2 * kc][1]),
-                               Ops::pack(s[2 * kc][2], s[2 * kc][3]),
-                               Ops::pack(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                               Ops::pack(s[2 * kc + 1][2], s[2 * kc + 1][3])};
-        HSAP_UNROLL
-        for (int j = 0; j < S::kDTiles; j += 2) {
-          unsigned b[4];
-          ldmatrix_x4_trans(b, v_row + kc * 16 * kLdh + j * 8);
-          const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          Ops::mma(o[j], a, b0);
-          Ops::mma(o[j + 1], a, b1);
-        }
-      }
+      mma_fwd_softmax<S>(s, o, sm, saw_key, non_finite, tile.seg, masked, q0, rows, k0, cols,
+                         warp * 16 + g, t, scale_log2);
+      mma_fwd_pv<S, Ops>(o, s, Vt + (((lane >> 3) & 1) * 8 + (lane & 7)) * kLdh + (lane >> 4) * 8);
       tile.next();
     }
     cp_async_wait<0>();  // only empty groups remain; none may outlive the chunk
 
     // Merge this chunk's partial rows into out/lse (the FMA core's epilogue, per quad).
-    LseMerge merged[2];
-    float lse2[2];
-    HSAP_UNROLL
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = warp * 16 + g + 8 * hr;
-      const bool row_saw_key = group_max<4>(saw_key[hr] ? 1.0f : 0.0f) > 0.0f;
-      const bool row_is_nan = group_max<4>(non_finite[hr] ? 1.0f : 0.0f) > 0.0f ||
-                              (row_saw_key && sm[hr].lse() == neg_inf());
-      lse2[hr] = row_is_nan ? quiet_nan() : sm[hr].lse();
-      const float inv_l = row_is_nan ? lse2[hr] : sm[hr].inv_l();
-      merged[hr] = LseMerge{0.0f, 1.0f, 0.0f};
-      if (r < rows) {
-        merged[hr] = merge_lse(lse[static_cast<long long>(h) * q_rows + (q0 + r)], lse2[hr]);
-        if (lse2[hr] != neg_inf()) {
-          float* orow = out + ((q0 + r) * heads_q + h) * static_cast<long long>(kD);
-          HSAP_UNROLL
-          for (int j = 0; j < S::kDTiles; ++j) {
-            HSAP_UNROLL
-            for (int e = 0; e < 2; ++e) {
-              const int d = j * 8 + 2 * t + e;
-              orow[d] = merged[hr].w1 * orow[d] + merged[hr].w2 * (o[j][2 * hr + e] * inv_l);
-            }
-          }
-        }
-      }
-    }
-    __syncwarp();  // every lane of the quad has read the old lse
-    HSAP_UNROLL
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = warp * 16 + g + 8 * hr;
-      if (r < rows && t == 0 && lse2[hr] != neg_inf()) {
-        lse[static_cast<long long>(h) * q_rows + (q0 + r)] = merged[hr].lse;
-      }
-    }
+    mma_fwd_merge<S>(o, sm, saw_key, non_finite, out, lse, q_rows, heads_q, h, q0, rows,
+                     warp * 16 + g, t);
   }
 }
 
