@@ -44,9 +44,14 @@ TEST(EmulatorResidency, WaitingOnACtaThatCannotStartIsADeadlock) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
   EXPECT_THAT(s.message(), HasSubstr("deadlock: 3 CTAs resident and waiting, 1 CTA of waiter not "
                                      "resident; residency limit 3"));
-  // The device is usable afterwards, and the same kernel completes when its grid fits.
-  EXPECT_EQ(LaunchWaitingOnTheLastCta(residency, 3), absl::OkStatus());
   EXPECT_EQ(residency.peak(), 3);
+  // The error is sticky: a later launch on the device fails at once.
+  const absl::Status later = LaunchWaitingOnTheLastCta(residency, 1);
+  EXPECT_THAT(later.message(), HasSubstr("the device deadlocked before: deadlock: 3 CTAs"));
+  // The same kernel completes when its grid fits.
+  hsap_emu::Residency fresh(3, kWatchdog);
+  EXPECT_EQ(LaunchWaitingOnTheLastCta(fresh, 3), absl::OkStatus());
+  EXPECT_EQ(fresh.peak(), 3);
 }
 
 TEST(EmulatorResidency, GridThatFitsCompletes) {

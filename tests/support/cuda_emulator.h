@@ -21,7 +21,8 @@
 // a watchdog catches that: when no CTA of the device exits or completes a __syncthreads for
 // `watchdog` while some CTA waits for a slot, every launch on the device is stopped (as a
 // fault) with "deadlock: N CTAs resident and waiting, M CTAs of <kernel> not resident;
-// residency limit L".
+// residency limit L", and later launches on it fail at once (a sticky error, so that a test
+// fails fast).
 // What is not: performance, the weak memory model of the GPU beyond what the C++ model
 // gives, PTX-specific rounding (conversions use attention/dtype.h, which rounds the same).
 #ifndef HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
@@ -176,6 +177,10 @@ class Residency {
   // launch of the device.
   bool Acquire(Entry* e) {
     std::unique_lock<std::mutex> lock(mu_);
+    if (!deadlock_.empty()) {  // sticky, like a GPU's unrecoverable error
+      StopLaunch(e->launch, absl::StrCat("the device deadlocked before: ", deadlock_));
+      return false;
+    }
     for (;;) {
       if (e->launch->faulted.load()) return false;
       if (in_use_ < limit_) break;
@@ -220,6 +225,7 @@ class Residency {
         waiting, " not resident; residency limit ", limit_, " (no CTA exited or passed a barrier ",
         "for ", std::chrono::duration_cast<std::chrono::milliseconds>(watchdog_).count(), " ms)");
     for (const Entry& x : entries_) StopLaunch(x.launch, what);
+    deadlock_ = what;
     cv_.notify_all();
   }
 
@@ -232,6 +238,7 @@ class Residency {
   uint64_t last_progress_ = 0;
   std::chrono::steady_clock::time_point last_change_ = std::chrono::steady_clock::now();
   std::list<Entry> entries_;
+  std::string deadlock_;  // the deadlock found, if any: later launches fail at once
 };
 
 // The barrier of a CTA's or a warp's emulated threads, with std::barrier's arrive_and_wait and
