@@ -461,6 +461,9 @@ inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline float __uint_as_float(unsigned int x) { return std::bit_cast<float>(x); }
 inline unsigned int __float_as_uint(float x) { return std::bit_cast<unsigned int>(x); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*p).fetch_add(v);
+}
 inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
   return std::atomic_ref<unsigned int>(*p).fetch_or(v);
 }
