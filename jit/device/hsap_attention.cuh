@@ -520,6 +520,69 @@ HSAP_DEV void copy_slice(void* dst, const void* src, long long bytes, int part, 
   }
 }
 
+// One task of the fused forward (see FusedFwdHead): copy `index` of `copy parts` of step s,
+// or compute work item `index` (query block index % num_blocks of head index / num_blocks) of
+// step s; `items` is what counters[2] (items done) must reach before the task may start.
+struct FusedTask {
+  int step;  // -1: no task (the ticket is past the launch's work)
+  bool copy;
+  unsigned int index;
+  unsigned int items;
+};
+
+// The task of ticket t. Tickets run through copy(0), copy(1), then for each step s
+// compute(s) and copy(s + 2): a task only ever waits for tasks of smaller tickets.
+template <int kMaxSteps>
+HSAP_DEV FusedTask fused_task(const FusedFwdParamsT<kMaxSteps>& p, unsigned int t,
+                              unsigned int parts) {
+  const int steps = p.head.num_steps;
+  FusedTask task{-1, true, 0u, 0u};
+  for (int s = 0; s < 2 && s < steps; ++s) {
+    if (t < parts) return FusedTask{s, true, t, 0u};
+    t -= parts;
+  }
+  unsigned int before = 0;  // items of the steps before s
+  for (int s = 0; s < steps; ++s) {
+    const unsigned int items =
+        static_cast<unsigned int>(p.steps[s].num_blocks) * static_cast<unsigned int>(p.head.heads_q);
+    if (t < items) return FusedTask{s, false, t, before};
+    t -= items;
+    before += items;
+    if (s + 2 < steps) {
+      // Buffer (s + 2) % 2 last held step s, whose items are all done once `before` are.
+      if (t < parts) return FusedTask{s + 2, true, t, before};
+      t -= parts;
+    }
+  }
+  return task;
+}
+
+// Thread 0 of a CTA: waits until *flag >= value. With timeout_ns != 0 it gives up when none
+// of the launch's four counters moved for two timeouts (a peer's wait lasts at most one,
+// after which its copy task moves a counter), reports kErrorStalled and lets the CTA carry
+// on, so that the kernel always ends.
+HSAP_DEV void fused_wait(const unsigned int* flag, unsigned int value, const unsigned int* counters,
+                         unsigned long long timeout_ns, unsigned int* error_flag) {
+  unsigned long long since = timeout_ns != 0 ? globaltimer_ns() : 0;
+  unsigned int moved = 0;  // the counters' sum at `since` (they only grow)
+  if (timeout_ns != 0) {
+    for (int i = 0; i < 4; ++i) moved += ld_acquire_gpu(counters + i);
+  }
+  while (!counter_reached(ld_acquire_gpu(flag), value)) {
+    if (timeout_ns != 0 && globaltimer_ns() - since > 2 * timeout_ns) {
+      unsigned int now = 0;
+      for (int i = 0; i < 4; ++i) now += ld_acquire_gpu(counters + i);
+      if (now == moved) {
+        report(error_flag, kErrorStalled);
+        return;
+      }
+      moved = now;
+      since = globaltimer_ns();
+    }
+    __nanosleep(64);
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads)
     fused_fwd_kernel(const FusedFwdParamsT<(Cfg::kMaxSteps > 0 ? Cfg::kMaxSteps : 1)> p) {
@@ -528,67 +591,78 @@ __global__ void __launch_bounds__(Cfg::kThreads)
                 "hsap: generator and device disagree on the forward shared memory size");
   const FusedFwdHead& h = p.head;
   float* smem = dynamic_smem();
-  const int num_copy = h.num_copy_ctas;
-  const int num_compute = static_cast<int>(gridDim.x) - num_copy;
-  if (num_copy < 1 || num_compute < 1 || h.num_steps < 0 || h.num_steps > Cfg::kMaxSteps) {
+  const int parts = h.num_copy_ctas;
+  if (parts < 1 || h.num_steps < 0 || h.num_steps > Cfg::kMaxSteps) {
     report(h.error_flag, kErrorRowsOutOfRange);
     return;  // every CTA takes this branch: nobody waits
   }
-  unsigned int* ready = h.counters;         // [2]: copy CTAs done with buffer b, cumulative
-  unsigned int* consumed = h.counters + 2;  // [2]: compute CTAs done with buffer b, cumulative
+  unsigned int* ready = h.counters;           // [2]: copies into buffer b done, cumulative
+  unsigned int* items_done = h.counters + 2;  // work items done, over every step
+  unsigned int* tickets = h.counters + 3;     // tickets handed out
+  unsigned int total = 0;                     // tasks of the launch
+  for (int s = 0; s < h.num_steps; ++s) {
+    total += static_cast<unsigned int>(parts) +
+             static_cast<unsigned int>(p.steps[s].num_blocks) * static_cast<unsigned int>(h.heads_q);
+  }
+  // Shared word 0 carries thread 0's ticket, word 1 its copy verdict (between the tasks'
+  // barriers, when no tile is in shared memory).
+  volatile unsigned int* word = reinterpret_cast<volatile unsigned int*>(smem);
+  int seen_step = -1;  // the last step whose inputs this CTA waited for (uniform)
 
-  if (static_cast<int>(blockIdx.x) < num_copy) {
-    // Copy CTAs use no shared memory for data: word 0 carries thread 0's verdict.
-    volatile int* arrived = reinterpret_cast<volatile int*>(smem);
-    for (int s = 0; s < h.num_steps; ++s) {
-      const int b = s & 1;
-      const FusedStep& step = p.steps[s];
-      // Buffer b last held step s - 2: after it, consumed[b] = (s / 2) * num_compute.
-      if (s >= 2) cta_wait_geq_gpu(&consumed[b], static_cast<unsigned int>((s >> 1) * num_compute));
-      bool copy = true;
-      if (step.ready_flag != nullptr) {
-        if (threadIdx.x == 0) {
-          *arrived = wait_geq_sys_until(step.ready_flag, step.ready_value, h.ready_timeout_ns);
-          if (!*arrived) report(h.error_flag, kErrorPeerTimeout);
+  for (;;) {
+    __syncthreads();  // the previous task is done with shared memory
+    if (threadIdx.x == 0) word[0] = atomicAdd(tickets, 1u);
+    __syncthreads();
+    const unsigned int ticket = word[0];
+    if (ticket >= total) return;  // uniform: no work left, or a CTA that started late
+    const FusedTask task = fused_task(p, ticket, static_cast<unsigned int>(parts));
+    const int s = task.step;
+    const int b = s & 1;
+    const FusedStep& step = p.steps[s];
+
+    if (task.copy) {
+      // Buffer b is free once every item of step s - 2 is done; then the peer's rows.
+      if (threadIdx.x == 0) {
+        if (s >= 2) fused_wait(items_done, task.items, h.counters, h.ready_timeout_ns, h.error_flag);
+        bool arrived = true;
+        if (step.ready_flag != nullptr) {
+          arrived = wait_geq_sys_until(step.ready_flag, step.ready_value, h.ready_timeout_ns);
+          if (!arrived) report(h.error_flag, kErrorPeerTimeout);
         }
-        __syncthreads();
-        copy = *arrived != 0;
-        __syncthreads();  // everyone read the verdict before thread 0 writes the next one
+        word[1] = arrived ? 1u : 0u;
       }
-      if (copy) {
+      __syncthreads();
+      if (word[1] != 0) {
         const long long bytes = step.k_rows * h.heads_kv * Cfg::kHeadDim *
                                 static_cast<long long>(sizeof(typename Cfg::T));
-        copy_slice<Cfg::kThreads>(h.stage_k[b], step.k_src, bytes, blockIdx.x, num_copy);
-        copy_slice<Cfg::kThreads>(h.stage_v[b], step.v_src, bytes, blockIdx.x, num_copy);
+        copy_slice<Cfg::kThreads>(h.stage_k[b], step.k_src, bytes, task.index, parts);
+        copy_slice<Cfg::kThreads>(h.stage_v[b], step.v_src, bytes, task.index, parts);
       }
       cta_signal_add_gpu(&ready[b], 1);
       if (step.consumed_flag != nullptr) cta_signal_add_sys(step.consumed_flag, 1);
+      continue;
     }
-    return;
-  }
 
-  const int c = static_cast<int>(blockIdx.x) - num_copy;
-  for (int s = 0; s < h.num_steps; ++s) {
-    const int b = s & 1;
-    // Steps merge into the same output rows: all of step s - 1 must be finished.
-    if (s >= 1) {
-      const int prev = s - 1;
-      cta_wait_geq_gpu(&consumed[prev & 1],
-                       static_cast<unsigned int>(((prev >> 1) + 1) * num_compute));
+    // A work item of step s: its K/V are staged, and every item of step s - 1 (which may
+    // merge into the same output rows) is done. Checked once per step and CTA.
+    if (s != seen_step) {
+      if (threadIdx.x == 0) {
+        fused_wait(&ready[b], static_cast<unsigned int>(((s >> 1) + 1) * parts), h.counters,
+                   h.ready_timeout_ns, h.error_flag);
+        fused_wait(items_done, task.items, h.counters, h.ready_timeout_ns, h.error_flag);
+      }
+      seen_step = s;
     }
-    cta_wait_geq_gpu(&ready[b], static_cast<unsigned int>(((s >> 1) + 1) * num_copy));
-    const FusedStep& step = p.steps[s];
-    const long long items = static_cast<long long>(step.num_blocks) * h.heads_q;
-    for (long long w = c; w < items; w += num_compute) {
-      const int block = static_cast<int>(w % step.num_blocks);
-      const int hq = static_cast<int>(w / step.num_blocks);
-      const int kvh = kv_head<Cfg>(h.kv_head_of_q, h.heads_q, h.heads_kv, hq, h.error_flag);
-      if (kvh < 0) continue;
+    __syncthreads();  // thread 0's waits, and everyone read the ticket before tiles load
+    const int block = static_cast<int>(task.index % static_cast<unsigned int>(step.num_blocks));
+    const int hq = static_cast<int>(task.index / static_cast<unsigned int>(step.num_blocks));
+    const int kvh = kv_head<Cfg>(h.kv_head_of_q, h.heads_q, h.heads_kv, hq, h.error_flag);
+    if (kvh >= 0) {
       attend_block_fwd<Cfg, true>(smem, h.q, h.stage_k[b], h.stage_v[b], h.out, h.lse, h.q_rows,
                                   step.k_rows, h.heads_q, h.heads_kv, hq, kvh, h.scale,
                                   step.blocks[block], step.segments, h.error_flag);
     }
-    cta_signal_add_gpu(&consumed[b], 1);
+    cta_signal_add_gpu(items_done, 1);
   }
 }
 

@@ -43,6 +43,9 @@ enum ErrorBits : unsigned int {
                            // step was not copied: its results are garbage)
   kErrorMisaligned = 16u,  // tensor-core variants: q, k or v (or a fused stage buffer) is not
                            // 16-byte aligned (cp.async moves 16-byte rows); nothing computed
+  kErrorStalled = 32u,  // fused kernel: a task waited for tasks of other CTAs of its launch
+                        // while nothing in the launch moved for 2 * ready_timeout_ns (they
+                        // never ran); it carried on regardless, so the results are garbage
 };
 
 // attn_fwd_kernel<Cfg>. Grid (num_blocks, heads_q), Cfg::kThreads threads, dynamic shared
@@ -162,10 +165,10 @@ struct ChunksParams {
 // One step of the fused forward: the K/V this rank attends to in step s, and where it
 // comes from. k_src/v_src ([k_rows, heads_kv, D], storage dtype) are usually a PEER
 // pointer to the owner's K/V (NVLink); for a step fed by the network they point to the
-// local receive buffer. The copy blocks wait until *ready_flag >= ready_value (system-scope
-// acquire; nullptr: no wait) before reading the source, and after the whole step has been
-// copied each copy block adds 1 to *consumed_flag (system-scope release; nullptr: none),
-// so the owner knows its buffer may be reused once it counts num_copy_ctas per reader.
+// local receive buffer. The copy tasks wait until *ready_flag >= ready_value (system-scope
+// acquire; nullptr: no wait) before reading the source, and after copying its part each
+// copy task adds 1 to *consumed_flag (system-scope release; nullptr: none), so the owner
+// knows its buffer may be reused once it counts num_copy_ctas per reader.
 struct FusedStep {
   const void* k_src;
   const void* v_src;
@@ -178,21 +181,38 @@ struct FusedStep {
   unsigned int ready_value;
 };
 
-// fused_fwd_kernel<Cfg> (generated for roles with peers). 1-D grid: the first
-// num_copy_ctas CTAs copy, the others compute. Step s uses staging buffer b = s % 2:
-// the copiers wait until every compute CTA released the buffer from step s - 2, copy the
-// step's K/V into stage_k[b]/stage_v[b] and release counters[b] (ready); the compute CTAs
-// wait for that, run the forward over the step's work list (merging into out/lse) and add
-// 1 to counters[2 + b] (consumed). Copies of step s + 1 thus overlap compute of step s.
-// Compute CTAs also wait for all of step s - 1 before starting step s, because two steps may
-// merge into the same output rows.
-// A copy CTA gives up waiting for a step's ready_flag after ready_timeout_ns (0: never),
-// reports kErrorPeerTimeout, skips that step's copy and carries on, so a peer that failed
-// never hangs the device.
-// Launch: Cfg::kThreads threads, Cfg::kFwdSmemBytes dynamic shared memory, and a grid whose
-// CTAs are ALL resident at once (cooperative launch, or at most the occupancy-derived
-// number of CTAs); otherwise waiting CTAs can starve the ones they wait for.
-// counters: 4 words, zero at launch (memset them before each launch).
+// fused_fwd_kernel<Cfg> (generated for roles with peers). The launch's work is a list of
+// tasks handed out by ticket (an atomicAdd on counters[3]), never by blockIdx, so that it is
+// correct whichever of its CTAs are resident, and when: a CTA takes the next ticket, does its
+// task, and repeats; a CTA that starts after the last ticket finds nothing and leaves. For
+// S = num_steps steps and C = num_copy_ctas copy parts per step, the tickets run through
+//   copy(0), copy(1), compute(0), copy(2), compute(1), copy(3), ..., compute(S - 1)
+// where copy(s) is C tasks, each copying 1/C of step s's K/V into staging buffer b = s % 2
+// and adding 1 to counters[b] (ready), and compute(s) is num_blocks * heads_q work items
+// (query block, query head), each running the forward over its block's segments against
+// buffer b (merging into out/lse) and adding 1 to counters[2] (items done). Waits:
+//   copy(s), s >= 2:  every item of step s - 2 is done (buffer b is free again);
+//   compute(s):       counters[b] holds step s's C copies, and every item of step s - 1 is
+//                     done (two steps may merge into the same output rows: steps merge in
+//                     order, and the results are those of the staged path bit for bit).
+// A task only ever waits for tasks of smaller tickets, all taken by CTAs that are running:
+// any number of resident CTAs (one is enough) finishes the launch; there is no grid-wide
+// barrier. Copies of step s + 1 still overlap the compute of step s.
+// A copy task first waits until *ready_flag >= ready_value (the peer published); it gives up
+// after ready_timeout_ns (0: never), reports kErrorPeerTimeout, skips that step's copy and
+// carries on, so a peer that failed never hangs the device. Every other wait gives up when
+// none of the launch's counters moved for 2 * ready_timeout_ns (more than any peer wait
+// lasts), reports kErrorStalled and carries on. Either way every counter and consumed flag
+// is balanced when the kernel ends; its outputs are then invalid.
+// Each copy task adds 1 to its step's *consumed_flag after copying: the owner counts
+// num_copy_ctas per reader and call.
+// Launch: Cfg::kThreads threads, Cfg::kFwdSmemBytes dynamic shared memory, any 1-D grid.
+// The CTAs need not be co-resident, but the grid should stay within the launch's share of
+// the CTAs the GPU keeps resident (lib/cuda/exec/launch_grid.h FusedForwardGrid): its CTAs
+// spin on peers' flags while they hold their SM, and the peers' kernels that come before
+// their flags need SMs too (the peer timeout bounds that case).
+// counters: 4 words, zero at launch (memset them before each launch). Tasks per launch
+// (S * C + the items of every step) must stay below 2^31.
 // stage_k/stage_v: each at least max_s(k_rows) * heads_kv * D elements, 16-byte aligned.
 // The parameters are a head and the step array, so the host can fill them for any
 // kMaxSteps: the steps start at the same offset whatever their count.
@@ -210,7 +230,7 @@ struct FusedFwdHead {
   int heads_q, heads_kv;
   float scale;
   int num_steps;      // <= kMaxSteps
-  int num_copy_ctas;  // >= 1, < gridDim.x
+  int num_copy_ctas;  // >= 1: copy tasks per step (parts of its K/V)
 };
 template <int kMaxSteps>
 struct FusedFwdParamsT {

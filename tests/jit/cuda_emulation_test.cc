@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -410,8 +411,14 @@ TEST(CudaEmulation, SplitKeysMergeKernel) {
 // and every counter and flag ends where the protocol says.
 // never_ready: the last shard's flag is never published; its copy times out (reported in
 // the error word), the kernel still finishes and balances every counter.
+// resident > 0: the emulated GPU keeps only that many CTAs resident (fewer than the grid of
+// copy_ctas + compute_ctas): CTAs that wait for CTAs that never start would deadlock.
+// lost_task: the first task (step 0's first copy) is handed to nobody, as if its CTA never
+// ran: the tasks waiting for it give up after the bound, report kErrorStalled, and the
+// kernel still ends.
 template <int kSteps>
-void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready = false) {
+void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready = false,
+                int resident = 0, bool lost_task = false) {
   using Cfg = SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true, kSteps>;
   const Problem p = MakeProblem(MixedLayout(), DType::kBF16, seed);
   const int64_t T = p.T();
@@ -468,7 +475,8 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready
   fp.head.scale = p.dims.scale;
   fp.head.num_steps = kSteps;
   fp.head.num_copy_ctas = copy_ctas;
-  fp.head.ready_timeout_ns = never_ready ? 20'000'000ull : 0;
+  fp.head.ready_timeout_ns = never_ready || lost_task ? 20'000'000ull : 0;
+  if (lost_task) counters[3] = 1;  // ticket 0 was "taken" by a CTA that never runs
   for (int s = 0; s < kSteps; ++s) {
     hsap_dev::FusedStep& st = fp.steps[s];
     st.k_src = ks[s].data();
@@ -486,17 +494,30 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
     std::atomic_ref<unsigned int>(ready_flags[kSteps - 1]).store(1, std::memory_order_release);
   });
-  EXPECT_EQ(hsap_emu::Launch(copy_ctas + compute_ctas, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
+  std::optional<hsap_emu::Residency> residency;
+  if (resident > 0) residency.emplace(resident, std::chrono::seconds(5));
+  const int grid = copy_ctas + compute_ctas;
+  EXPECT_EQ(hsap_emu::Launch(residency.has_value() ? &*residency : nullptr, "fused forward", grid,
+                             1, Cfg::kThreads, Cfg::kFwdSmemBytes,
                              /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); }),
             absl::OkStatus());
   peer.join();
+  if (residency.has_value()) EXPECT_EQ(residency->peak(), resident);
+  if (lost_task) {
+    EXPECT_EQ(error_flag, static_cast<unsigned int>(hsap_dev::kErrorStalled));
+    return;
+  }
 
   EXPECT_EQ(error_flag, never_ready ? hsap_dev::kErrorPeerTimeout : 0u);
   const unsigned int uses[2] = {(kSteps + 1) / 2, kSteps / 2};  // steps per staging buffer
   for (int b = 0; b < 2; ++b) {
     EXPECT_EQ(counters[b], uses[b] * copy_ctas) << "ready[" << b << "]";
-    EXPECT_EQ(counters[2 + b], uses[b] * compute_ctas) << "consumed[" << b << "]";
   }
+  unsigned int items = 0;
+  for (const auto& b : blocks) items += static_cast<unsigned int>(b.size()) * kHeadsQ;
+  EXPECT_EQ(counters[2], items) << "items done";
+  // Every task once, then one ticket per CTA that found no work.
+  EXPECT_EQ(counters[3], items + kSteps * copy_ctas + grid) << "tickets";
   for (unsigned int c : consumed_flags) EXPECT_EQ(c, static_cast<unsigned int>(copy_ctas));
   if (never_ready) return;  // the last step was not copied: out is garbage
 
@@ -513,6 +534,18 @@ TEST(CudaEmulation, FusedForwardPeerTimeoutFinishes) {
 }
 // Each staging buffer reused twice or more, several copy CTAs splitting each copy.
 TEST(CudaEmulation, FusedForwardFiveStepsTwoCopiers) { CheckFused<5>(2, 3, 9); }
+// Issue 26: a GPU that keeps fewer of the kernel's CTAs resident than its grid (other
+// kernels hold the rest). A kernel whose CTAs wait for every CTA of the grid deadlocks (the
+// emulator reports it); fused_fwd_kernel hands work out by ticket, so the resident CTAs
+// finish it, whether two of five or a single one.
+TEST(CudaEmulation, FusedForwardUnderPartialResidency) {
+  CheckFused<5>(1, 4, 10, /*never_ready=*/false, /*resident=*/2);
+  CheckFused<3>(2, 2, 11, /*never_ready=*/false, /*resident=*/1);
+}
+// A task that nobody runs: every wait on it is bounded, reported, and the kernel ends.
+TEST(CudaEmulation, FusedForwardStalledWaitIsBoundedAndReported) {
+  CheckFused<3>(1, 2, 12, /*never_ready=*/false, /*resident=*/0, /*lost_task=*/true);
+}
 
 // Broken contracts are flagged and skipped, never read out of bounds (ASan watches).
 TEST(CudaEmulation, ContractViolationsAreFlagged) {

@@ -13,6 +13,16 @@
 // stops the launch as the GPU's "misaligned address" error does: the faulting thread leaves,
 // the others leave at their next barrier or spin, no further CTA starts, and Launch returns
 // the error (the process carries on).
+// Residency (optional, per device: Residency below): a device keeps at most `limit` CTAs
+// resident, whatever launch or stream they come from. A CTA takes a slot before it starts and
+// frees it when it exits; the CTAs of a launch start in blockIdx order as slots free up, and
+// launches from different threads (streams) compete for them. So CTAs that wait for CTAs of
+// another launch, or of their own, that cannot become resident deadlock here as on a GPU;
+// a watchdog catches that: when no CTA of the device exits or completes a __syncthreads for
+// `watchdog` while some CTA waits for a slot, every launch on the device is stopped (as a
+// fault) with "deadlock: N CTAs resident and waiting, M CTAs of <kernel> not resident;
+// residency limit L", and later launches on it fail at once (a sticky error, so that a test
+// fails fast).
 // What is not: performance, the weak memory model of the GPU beyond what the C++ model
 // gives, PTX-specific rounding (conversions use attention/dtype.h, which rounds the same).
 #ifndef HSAP_TESTS_SUPPORT_CUDA_EMULATOR_H_
@@ -28,6 +38,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -60,6 +71,15 @@ inline thread_local LaunchState* tl_launch = nullptr;
 
 // Thrown to take a thread out of a stopped launch (caught by Launch).
 struct LaunchStopped {};
+
+// Stops `launch` with `what` as its error, unless it already failed.
+inline void StopLaunch(LaunchState* launch, const std::string& what) {
+  std::lock_guard<std::mutex> lock(launch->mu);
+  if (!launch->faulted.load()) {
+    launch->fault = what;
+    launch->faulted.store(true);
+  }
+}
 
 // Records a fault of the calling thread's launch and stops the thread.
 [[noreturn]] inline void Fault(const std::string& what) {
@@ -118,13 +138,118 @@ struct alignas(16) uint4 {
 
 namespace hsap_emu {
 
+// A device's resident CTA slots, shared by every launch that names it (see the top of this
+// file). Thread-safe; outlives the launches that use it.
+class Residency {
+ public:
+  explicit Residency(int limit, std::chrono::milliseconds watchdog = std::chrono::seconds(5))
+      : limit_(std::max(1, limit)), watchdog_(watchdog) {}
+  Residency(const Residency&) = delete;
+  Residency& operator=(const Residency&) = delete;
+
+  int limit() const { return limit_; }
+  // Something ran to a visible point (a CTA exited or completed a barrier).
+  void Progress() { progress_.fetch_add(1, std::memory_order_relaxed); }
+  // The most CTAs that were resident at once so far.
+  int peak() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return peak_;
+  }
+
+  // A launch on the device: registered while it runs, so that a deadlock stops it too.
+  struct Entry {
+    LaunchState* launch;
+    std::string name;
+    size_t not_started;  // its CTAs still waiting for a slot
+  };
+  Entry* Register(LaunchState* launch, std::string name, size_t ctas) {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.push_back({launch, std::move(name), ctas});
+    return &entries_.back();
+  }
+  void Unregister(Entry* e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.remove_if([e](const Entry& x) { return &x == e; });
+  }
+
+  // Blocks until a slot is free and takes it for the next CTA of `e` (true), or false when
+  // `e`'s launch was stopped meanwhile, by a fault or by the watchdog, which then stops every
+  // launch of the device.
+  bool Acquire(Entry* e) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!deadlock_.empty()) {  // sticky, like a GPU's unrecoverable error
+      StopLaunch(e->launch, absl::StrCat("the device deadlocked before: ", deadlock_));
+      return false;
+    }
+    for (;;) {
+      if (e->launch->faulted.load()) return false;
+      if (in_use_ < limit_) break;
+      const uint64_t seen = progress_.load(std::memory_order_relaxed);
+      const auto now = std::chrono::steady_clock::now();
+      if (seen != last_progress_) {
+        last_progress_ = seen;
+        last_change_ = now;
+      } else if (now - last_change_ > watchdog_) {
+        StopAll();
+        return false;
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(10));
+    }
+    ++in_use_;
+    peak_ = std::max(peak_, in_use_);
+    --e->not_started;
+    // A CTA starting is progress too (it may be what the others wait for).
+    last_change_ = std::chrono::steady_clock::now();
+    return true;
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_use_;
+    }
+    Progress();
+    cv_.notify_all();
+  }
+
+ private:
+  // Under mu_: nothing moved for the watchdog's time while CTAs wait for slots.
+  void StopAll() {
+    std::string waiting;
+    for (const Entry& x : entries_) {
+      if (x.not_started == 0) continue;
+      absl::StrAppend(&waiting, waiting.empty() ? "" : ", ", x.not_started,
+                      x.not_started == 1 ? " CTA of " : " CTAs of ", x.name);
+    }
+    const std::string what = absl::StrCat(
+        "deadlock: ", in_use_, in_use_ == 1 ? " CTA" : " CTAs", " resident and waiting, ",
+        waiting, " not resident; residency limit ", limit_, " (no CTA exited or passed a barrier ",
+        "for ", std::chrono::duration_cast<std::chrono::milliseconds>(watchdog_).count(), " ms)");
+    for (const Entry& x : entries_) StopLaunch(x.launch, what);
+    deadlock_ = what;
+    cv_.notify_all();
+  }
+
+  const int limit_;
+  const std::chrono::steady_clock::duration watchdog_;
+  std::atomic<uint64_t> progress_{0};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int in_use_ = 0, peak_ = 0;
+  uint64_t last_progress_ = 0;
+  std::chrono::steady_clock::time_point last_change_ = std::chrono::steady_clock::now();
+  std::list<Entry> entries_;
+  std::string deadlock_;  // the deadlock found, if any: later launches fail at once
+};
+
 // The barrier of a CTA's or a warp's emulated threads, with std::barrier's arrive_and_wait and
 // arrive_and_drop. A waiter sleeps at once (mutex and condition variable): std::barrier's
 // waits first spin and call sched_yield, and with hundreds of emulated threads on a few cores
 // those yields were most of the emulated tests' time.
 class Barrier {
  public:
-  explicit Barrier(int count) : expected_(count), pending_(count) {}
+  // residency: the device whose progress a completed phase is (the watchdog's), or null.
+  explicit Barrier(int count, Residency* residency = nullptr)
+      : expected_(count), pending_(count), residency_(residency) {}
   Barrier(const Barrier&) = delete;
   Barrier& operator=(const Barrier&) = delete;
 
@@ -148,6 +273,7 @@ class Barrier {
   void Complete() {
     pending_ = expected_;
     ++phase_;
+    if (residency_ != nullptr) residency_->Progress();
     cv_.notify_all();
   }
 
@@ -156,11 +282,13 @@ class Barrier {
   int expected_;   // arrivals each later phase waits for
   int pending_;    // arrivals this phase still waits for
   uint64_t phase_ = 0;
+  Residency* const residency_;
 };
 
+// A completed __syncthreads counts as progress of the CTA's device (when it has a residency).
 struct Cta {
-  explicit Cta(int threads, size_t smem_floats)
-      : bar(threads), smem(smem_floats, 0.0f), shfl(threads, 0.0f), ptx(threads / 32) {
+  explicit Cta(int threads, size_t smem_floats, Residency* residency = nullptr)
+      : bar(threads, residency), smem(smem_floats, 0.0f), shfl(threads, 0.0f), ptx(threads / 32) {
     for (int w = 0; w < threads / 32; ++w) warp_bars.push_back(std::make_unique<Barrier>(32));
   }
   Barrier bar;
@@ -197,12 +325,16 @@ inline float ShflXor(float v, int offset) {
   return r;
 }
 
-// Runs kernel() on a grid of grid_x * grid_y CTAs of `threads` threads each. With
-// `all_concurrent` every CTA runs at once (kernels whose CTAs wait on one another, like a
-// cooperative launch); otherwise CTAs run in batches of kBatch (independent CTAs; batching
-// bounds the number of threads while overlapping the barrier round trips of several CTAs).
-// Internal with the fault's description when a thread faulted.
-[[nodiscard]] inline absl::Status Launch(unsigned int grid_x, unsigned int grid_y, int threads,
+// Runs kernel() on a grid of grid_x * grid_y CTAs of `threads` threads each, on a device
+// that keeps `residency`'s CTAs resident (nullptr: no limit) under the name `name`. With
+// `all_concurrent` every CTA may run at once (kernels whose CTAs wait on one another);
+// otherwise at most kBatch CTAs of the launch run at once (independent CTAs; batching bounds
+// the number of threads while overlapping the barrier round trips of several CTAs). With a
+// residency, CTAs also wait for a slot of the device, in blockIdx order (x, then y).
+// Internal with the fault's description when a thread faulted or the watchdog found a
+// deadlock.
+[[nodiscard]] inline absl::Status Launch(Residency* residency, const std::string& name,
+                                         unsigned int grid_x, unsigned int grid_y, int threads,
                                          size_t smem_bytes, bool all_concurrent,
                                          const std::function<void()>& kernel) {
   LaunchState launch;
@@ -213,46 +345,106 @@ inline float ShflXor(float v, int offset) {
   for (unsigned int y = 0; y < grid_y; ++y) {
     for (unsigned int x = 0; x < grid_x; ++x) items.push_back({x, y});
   }
-  auto run_ctas = [&](size_t first, size_t count) {
-    std::vector<std::unique_ptr<Cta>> ctas;
-    std::vector<std::thread> pool;
-    for (size_t i = first; i < first + count; ++i) {
-      ctas.push_back(std::make_unique<Cta>(threads, smem_bytes / sizeof(float)));
-      Cta* cta = ctas.back().get();
-      const Item item = items[i];
-      for (int t = 0; t < threads; ++t) {
-        pool.emplace_back([=, &kernel, &launch] {
-          threadIdx = {static_cast<unsigned int>(t), 0, 0};
-          blockIdx = {item.bx, item.by, 0};
-          blockDim = {static_cast<unsigned int>(threads), 1, 1};
-          gridDim = {grid_x, grid_y, 1};
-          tl_cta = cta;
-          tl_launch = &launch;
-          try {
-            kernel();
-          } catch (const LaunchStopped&) {
-            // Left the kernel: faulted, or stopped by another thread's fault.
-          }
-          tl_launch = nullptr;
-          cta->warp_bars[t / 32]->arrive_and_drop();
-          cta->bar.arrive_and_drop();
-        });
-      }
+  // One CTA's threads; `on_exit` runs once, when its last thread left the kernel.
+  auto start_cta = [&](Cta* cta, Item item, std::vector<std::thread>& pool,
+                       std::atomic<int>* left, std::function<void()> on_exit) {
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([=, &kernel, &launch] {
+        threadIdx = {static_cast<unsigned int>(t), 0, 0};
+        blockIdx = {item.bx, item.by, 0};
+        blockDim = {static_cast<unsigned int>(threads), 1, 1};
+        gridDim = {grid_x, grid_y, 1};
+        tl_cta = cta;
+        tl_launch = &launch;
+        try {
+          kernel();
+        } catch (const LaunchStopped&) {
+          // Left the kernel: faulted, or stopped by another thread's fault.
+        }
+        tl_launch = nullptr;
+        cta->warp_bars[t / 32]->arrive_and_drop();
+        cta->bar.arrive_and_drop();
+        if (left != nullptr && left->fetch_sub(1) == 1) on_exit();
+      });
     }
-    for (std::thread& th : pool) th.join();
   };
   constexpr size_t kBatch = 8;
-  if (all_concurrent) {
-    run_ctas(0, items.size());
-  } else {
-    for (size_t i = 0; i < items.size() && !launch.faulted.load(); i += kBatch) {
-      run_ctas(i, std::min(kBatch, items.size() - i));
+  if (residency == nullptr) {
+    auto run_ctas = [&](size_t first, size_t count) {
+      std::vector<std::unique_ptr<Cta>> ctas;
+      std::vector<std::thread> pool;
+      for (size_t i = first; i < first + count; ++i) {
+        ctas.push_back(std::make_unique<Cta>(threads, smem_bytes / sizeof(float)));
+        start_cta(ctas.back().get(), items[i], pool, nullptr, nullptr);
+      }
+      for (std::thread& th : pool) th.join();
+    };
+    if (all_concurrent) {
+      run_ctas(0, items.size());
+    } else {
+      for (size_t i = 0; i < items.size() && !launch.faulted.load(); i += kBatch) {
+        run_ctas(i, std::min(kBatch, items.size() - i));
+      }
     }
+  } else {
+    // CTAs start one by one as slots free up; finished ones are joined as the launch goes.
+    struct Running {
+      std::unique_ptr<Cta> cta;
+      std::vector<std::thread> pool;
+      std::atomic<int> left{0};
+    };
+    std::list<Running> running;
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t live = 0;  // this launch's CTAs that have not exited
+    auto reap = [&](bool all) {
+      for (auto it = running.begin(); it != running.end();) {
+        if (all || it->left.load() == 0) {
+          for (std::thread& th : it->pool) th.join();
+          it = running.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    };
+    Residency::Entry* entry = residency->Register(&launch, name, items.size());
+    for (const Item& item : items) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return all_concurrent || live < kBatch || launch.faulted.load(); });
+      }
+      reap(false);
+      if (!residency->Acquire(entry)) break;  // stopped (fault or deadlock)
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        ++live;
+      }
+      Running& r = running.emplace_back();
+      r.cta = std::make_unique<Cta>(threads, smem_bytes / sizeof(float), residency);
+      r.left.store(threads);
+      start_cta(r.cta.get(), item, r.pool, &r.left, [&] {
+        residency->Release();
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          --live;
+        }
+        cv.notify_all();
+      });
+    }
+    reap(true);
+    residency->Unregister(entry);
   }
   if (launch.faulted.load()) {
     return absl::InternalError(absl::StrCat("emulated kernel launch failed: ", launch.fault));
   }
   return absl::OkStatus();
+}
+
+// On a device without a residency limit.
+[[nodiscard]] inline absl::Status Launch(unsigned int grid_x, unsigned int grid_y, int threads,
+                                         size_t smem_bytes, bool all_concurrent,
+                                         const std::function<void()>& kernel) {
+  return Launch(nullptr, "kernel", grid_x, grid_y, threads, smem_bytes, all_concurrent, kernel);
 }
 
 }  // namespace hsap_emu
@@ -269,6 +461,9 @@ inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 inline float __uint_as_float(unsigned int x) { return std::bit_cast<float>(x); }
 inline unsigned int __float_as_uint(float x) { return std::bit_cast<unsigned int>(x); }
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) {
+  return std::atomic_ref<unsigned int>(*p).fetch_add(v);
+}
 inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
   return std::atomic_ref<unsigned int>(*p).fetch_or(v);
 }

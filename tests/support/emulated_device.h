@@ -224,6 +224,16 @@ class EmulatedDevice : public cuda::Device {
     return absl::OkStatus();
   }
 
+  // Residency: the emulated GPU keeps at most `limit` CTAs resident at once, shared by
+  // every kernel launched on it from any stream (tests/support/cuda_emulator.h: CTAs start
+  // as slots free up, and a launch whose CTAs wait on CTAs that cannot start is stopped as a
+  // deadlock after `watchdog` without progress). Unset: no limit. Set before any launch.
+  void set_residency(int limit, absl::Duration watchdog = absl::Seconds(5)) {
+    residency_ = std::make_unique<hsap_emu::Residency>(
+        limit, std::chrono::milliseconds(absl::ToInt64Milliseconds(watchdog)));
+  }
+  hsap_emu::Residency* residency() const { return residency_.get(); }
+
   // Where the device says it is. Unset: Location() is Unimplemented, as for a device
   // without one (peer windows then reach only the ranks of this process).
   void set_location(const std::string& host, uint64_t process, const std::string& device) {
@@ -309,6 +319,7 @@ class EmulatedDevice : public cuda::Device {
     uint64_t seq = 0;
   };
   const bool async_;
+  std::unique_ptr<hsap_emu::Residency> residency_;
   std::optional<cuda::DeviceLocation> location_;
   bool drop_flag_writes_ = false;
   mutable std::mutex mu_;
@@ -382,8 +393,14 @@ class EmulatedDeviceTransport : public cuda::DeviceTransport {
 template <class Cfg>
 class EmulatedKernels : public cuda::DeviceKernels {
  public:
-  // Launches run on `device`'s streams (at once when null or synchronous).
-  explicit EmulatedKernels(EmulatedDevice* device = nullptr) : device_(device) {}
+  // Launches run on `device`'s streams (at once when null or synchronous), within its
+  // residency when it has one. fused_resident_ctas: what these kernels claim the device keeps
+  // resident of the fused kernel (0: the default below, 3 CTAs per launch whatever the ranks
+  // sharing the device); the fused grid is then sized like the GPU's, by
+  // cuda::FusedForwardGrid over the launch's share. fused_copy_ctas: copy CTAs per launch.
+  explicit EmulatedKernels(EmulatedDevice* device = nullptr, int fused_resident_ctas = 0,
+                           int fused_copy_ctas = kFusedCopyCtas)
+      : device_(device), claimed_resident_(fused_resident_ctas), copy_ctas_(fused_copy_ctas) {}
 
   absl::Status Forward(const hsap_dev::FwdParams& p, cuda::cudaStream s) const override {
     HSAP_ASSIGN_OR_RETURN(const cuda::LaunchGrid grid,
@@ -421,10 +438,11 @@ class EmulatedKernels : public cuda::DeviceKernels {
     return Helper("add chunks", cuda::HelperGrid(p, kHelperCtas), s,
                   [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
   }
-  // The fused forward (Cfg::kMaxSteps > 0): one copy CTA and up to two compute CTAs, all
-  // running at once as on a GPU.
+  // The fused forward (Cfg::kMaxSteps > 0): by default one copy CTA and up to two compute
+  // CTAs, all running at once as on a GPU (unless the device's residency says otherwise).
   int max_fused_steps() const override { return Cfg::kMaxSteps; }
-  int fused_copy_ctas() const override { return kFusedCopyCtas; }
+  int fused_copy_ctas() const override { return copy_ctas_; }
+  int fused_resident_ctas() const override { return claimed_resident_; }
   absl::Status FusedForward(const cuda::FusedForwardLaunch& launch,
                             cuda::cudaStream s) const override {
     if constexpr (Cfg::kMaxSteps == 0) {
@@ -432,24 +450,28 @@ class EmulatedKernels : public cuda::DeviceKernels {
     } else {
       const int steps = static_cast<int>(launch.steps.size());
       if (steps > Cfg::kMaxSteps) return absl::InternalError("too many fused steps");
-      // Every launch gets the emulator's resident CTAs, whatever the ranks sharing it.
+      // By default every launch gets the emulator's resident CTAs, whatever the ranks
+      // sharing it; with a claimed residency, its part of it, as on a GPU.
       HSAP_ASSIGN_OR_RETURN(
           const cuda::LaunchGrid grid,
-          cuda::FusedForwardGrid(launch.steps, launch.head.heads_q, kFusedResidentCtas, /*share=*/1,
-                                 kFusedCopyCtas));
+          claimed_resident_ > 0
+              ? cuda::FusedForwardGrid(launch.steps, launch.head.heads_q, claimed_resident_,
+                                       launch.share, copy_ctas_)
+              : cuda::FusedForwardGrid(launch.steps, launch.head.heads_q, kFusedResidentCtas,
+                                       /*share=*/1, copy_ctas_));
       if (grid.empty()) return absl::OkStatus();
       hsap_dev::FusedFwdParamsT<Cfg::kMaxSteps> p{};
       p.head = launch.head;
       p.head.num_steps = steps;
-      p.head.num_copy_ctas = kFusedCopyCtas;
+      p.head.num_copy_ctas = copy_ctas_;
       for (int i = 0; i < steps; ++i) p.steps[i] = launch.steps[i];
       return Run("fused forward", s, [this, p, grid]() mutable {
         unsigned int error = 0;
         unsigned int* caller_flag = p.head.error_flag;
         p.head.error_flag = &error;
-        absl::Status launched =
-            hsap_emu::Launch(grid.x, grid.y, Cfg::kThreads, Cfg::kFwdSmemBytes,
-                             /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(p); });
+        absl::Status launched = hsap_emu::Launch(
+            residency(), "fused forward", grid.x, grid.y, Cfg::kThreads, Cfg::kFwdSmemBytes,
+            /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(p); });
         // The caller's word sees the bits too (the executor reads it back).
         if (error != 0 && caller_flag != nullptr) {
           std::atomic_ref<unsigned int>(*caller_flag).fetch_or(error);
@@ -503,8 +525,9 @@ class EmulatedKernels : public cuda::DeviceKernels {
     return Run(what, s, [this, what, p, grid, threads, smem, kernel]() mutable {
       unsigned int error = 0;
       p.error_flag = &error;
-      absl::Status launched = hsap_emu::Launch(grid.x, grid.y, threads, static_cast<size_t>(smem),
-                                               /*all_concurrent=*/false, [&] { kernel(p); });
+      absl::Status launched =
+          hsap_emu::Launch(residency(), what, grid.x, grid.y, threads, static_cast<size_t>(smem),
+                           /*all_concurrent=*/false, [&] { kernel(p); });
       if (error != 0) RecordError(absl::StrCat(what, " kernel reported error bits ", error));
       return launched;
     });
@@ -514,13 +537,18 @@ class EmulatedKernels : public cuda::DeviceKernels {
   absl::Status Helper(const char* what, cuda::LaunchGrid grid, cuda::cudaStream s,
                       Fn kernel) const {
     if (grid.empty()) return absl::OkStatus();
-    return Run(what, s, [grid, kernel] {
-      return hsap_emu::Launch(grid.x, grid.y, cuda::kHelperThreads, 0, /*all_concurrent=*/false,
-                              kernel);
+    return Run(what, s, [this, what, grid, kernel] {
+      return hsap_emu::Launch(residency(), what, grid.x, grid.y, cuda::kHelperThreads, 0,
+                              /*all_concurrent=*/false, kernel);
     });
   }
 
+  hsap_emu::Residency* residency() const {
+    return device_ != nullptr ? device_->residency() : nullptr;
+  }
+
   EmulatedDevice* device_;
+  const int claimed_resident_, copy_ctas_;
   mutable std::atomic<int64_t> launches_{0};
   mutable std::mutex mu_;
   mutable std::string error_;

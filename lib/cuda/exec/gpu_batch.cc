@@ -126,6 +126,12 @@ class GpuRingRunner : public GpuRunner {
                        absl::FormatDuration(comm_->timeout()),
                        " (it failed or stopped calling); this call's outputs are invalid"));
     }
+    if ((bits & hsap_dev::kErrorStalled) != 0) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "fused forward: CTAs of the kernel waited ", absl::FormatDuration(2 * comm_->timeout()),
+          " for work of other CTAs of the same launch while nothing moved (CTAs that never ",
+          "became resident, or a kernel bug); this call's outputs are invalid"));
+    }
     return absl::InternalError(
         absl::StrCat("fused forward: the kernel reported error bits ", bits));
   }

@@ -178,10 +178,12 @@ absl::Status Store(const GpuExecContext& ctx, const float* from, void* to, size_
   return ctx.kernels->Convert({from, to, static_cast<long long>(count)}, ctx.stream);
 }
 
-// The fused forward's stages (see the header): publish this rank's rows in its window,
-// then one fused kernel per max_fused_steps() stages reads the senders' windows.
-absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const void* k,
-                                const void* v, const hsap_dev::FwdParams& fwd) {
+// The fused forward, first half (see the header): publish this rank's rows in its window
+// for the call numbered NextCall(), returned. Enqueued before any kernel of the call, so that
+// the flag the peers' fused kernels spin on never waits for SM slots those kernels may hold
+// (loopback ranks share one GPU).
+absl::StatusOr<uint32_t> FusedForwardPublish(const GpuExecContext& ctx, GpuCall& call,
+                                             const void* k, const void* v) {
   PeerWindow& w = *ctx.window;
   const FusedRoutes& routes = *ctx.routes;
   const Schedule& sched = ctx.program->schedule();
@@ -223,7 +225,19 @@ absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, const 
     w.copies_by(st.send_to) += static_cast<uint32_t>(routes.copy_ctas);
   }
   HSAP_RETURN_IF_ERROR(device.WriteValueAsync(w.ready(me), call_number, ctx.stream));
-  // Local keys, then the peers' in fused launches.
+  return call_number;
+}
+
+// The second half: the local keys, then one fused kernel per max_fused_steps() stages
+// reads the senders' windows of call `call_number`.
+absl::Status FusedForwardStages(const GpuExecContext& ctx, GpuCall& call, uint32_t call_number,
+                                const void* k, const void* v, const hsap_dev::FwdParams& fwd) {
+  PeerWindow& w = *ctx.window;
+  const FusedRoutes& routes = *ctx.routes;
+  const Schedule& sched = ctx.program->schedule();
+  const int me = sched.rank;
+  const size_t row_bytes = call.kv_row32() * DTypeSize(ctx.program->dtype());
+  Device& device = *ctx.device;
   HSAP_RETURN_IF_ERROR(LaunchForward(*ctx.kernels, fwd, ctx.program->lists().local(), k, v,
                                      sched.local_rows, ctx.stream));
   FusedForwardLaunch launch;
@@ -293,6 +307,19 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   PoolCursor cursor(static_cast<char*>(ctx.pool) + call.pool_cursor());
   float* out32 = reinterpret_cast<float*>(cursor.Take(out_elems * sizeof(float)));
   float* lse32 = reinterpret_cast<float*>(cursor.Take(lse_elems * sizeof(float)));
+  const size_t fan = sched.first_fan_out();
+  const bool relays = fan < sched.stages.size() || sched.store_rows > 0;
+  if (ctx.window != nullptr && relays) {
+    return absl::InternalError(
+        "the fused forward cannot run a schedule with relays (batches on several nodes run "
+        "stages)");
+  }
+  // Fused: this rank's rows are published before any kernel of the call.
+  const bool fused = ctx.window != nullptr && ctx.mode == GpuExecMode::kFull;
+  uint32_t call_number = 0;
+  if (fused) {
+    HSAP_ASSIGN_OR_RETURN(call_number, FusedForwardPublish(ctx, call, k, v));
+  }
   if (rows > 0) {
     HSAP_RETURN_IF_ERROR(ctx.kernels->Init({out32, lse32, rows, dims.heads_q}, ctx.stream));
   }
@@ -304,13 +331,6 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
     return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 
-  const size_t fan = sched.first_fan_out();
-  const bool relays = fan < sched.stages.size() || sched.store_rows > 0;
-  if (ctx.window != nullptr && relays) {
-    return absl::InternalError(
-        "the fused forward cannot run a schedule with relays (batches on several nodes run "
-        "stages)");
-  }
   auto on_stage = [&](size_t i) {
     const Stage& st = sched.stages[i];
     if (st.recv_from < 0) return absl::OkStatus();
@@ -318,9 +338,8 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   };
   // The direct stages, then (relays only) the fan-outs, which send what the former kept.
   absl::Status staged =
-      ctx.window != nullptr && ctx.mode == GpuExecMode::kFull
-          ? FusedForwardStages(ctx, call, k, v, p)
-          : RunStaged(
+      fused ? FusedForwardStages(ctx, call, call_number, k, v, p)
+            : RunStaged(
                 fan, [&](size_t i) { return call.PostKv(i, k, v); },
                 [&] { return attend(ctx.program->lists().local(), k, v, rows); }, on_stage);
   if (staged.ok() && fan < sched.stages.size()) {

@@ -29,9 +29,12 @@
 // stage order after all its other partials. The store and its sums are pool regions too.
 //
 // Fused forward. With ctx.window set, forward posts no stage: the rank packs the rows its
-// peers need into its peer window and publishes them with a flag; fused_fwd_kernel copies
-// each stage's rows from the sender's window (waiting on its flag) and attends to them, the
-// copy of stage i + 1 overlapping the attention of stage i (peer_window.h has the protocol).
+// peers need into its peer window and publishes them with a flag, before any kernel of the
+// call (so that its peers' fused kernels, which spin on that flag, never wait for SM slots
+// they hold themselves); fused_fwd_kernel copies each stage's rows from the sender's window
+// (waiting on its flag) and attends to them, the copy of stage i + 1 overlapping the
+// attention of stage i (peer_window.h has the protocol). Its CTAs take their work by
+// ticket, so it finishes whichever of them are resident (hsap_params.cuh).
 //
 // Results. Forward merges every partial into fp32 (out, lse) in the pool and rounds out to
 // the storage dtype at the end. Backward: dq from this rank's queries, dk/dv from the

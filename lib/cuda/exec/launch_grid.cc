@@ -45,9 +45,15 @@ absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep
                                             int heads_q, long long resident_ctas, int share,
                                             int copy_ctas) {
   if (steps.empty()) return LaunchGrid{};
-  long long work = 1;
+  long long work = 1, tasks = 0;
   for (const hsap_dev::FusedStep& step : steps) {
-    work = std::max<long long>(work, static_cast<long long>(step.num_blocks) * heads_q);
+    const long long items = static_cast<long long>(step.num_blocks) * heads_q;
+    work = std::max(work, items);
+    tasks += items + copy_ctas;
+  }
+  if (tasks >= (1LL << 31)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a fused forward launch of ", tasks, " tasks (the kernel counts them in 32 bits)"));
   }
   const long long resident = resident_ctas / std::max(1, share);
   const long long compute = std::min({work, resident - copy_ctas, kMaxGridX - copy_ctas});

@@ -45,11 +45,14 @@ LaunchGrid HelperGrid(const hsap_dev::ConvertParams& p, long long max_ctas);
 LaunchGrid HelperGrid(const hsap_dev::AccumulateParams& p, long long max_ctas);
 LaunchGrid HelperGrid(const hsap_dev::ChunksParams& p, long long max_ctas);
 
-// The fused forward: `copy_ctas` copy CTAs (blockIdx.x < copy_ctas), then compute CTAs, as
-// many as the largest step has work items (num_blocks x heads_q, at least one) within the
-// launch's part of the resident CTAs, resident_ctas / share: its CTAs wait on one another,
-// so all of them must be resident at once. Empty without steps; ResourceExhausted when not
-// even one compute CTA fits.
+// The fused forward: room for `copy_ctas` copy tasks plus as many CTAs as the largest step
+// has work items (num_blocks x heads_q, at least one), within the launch's part of the
+// resident CTAs, resident_ctas / share. The kernel hands work out by ticket, so its CTAs
+// need not be co-resident (any one of them finishes the launch); the cap keeps each rank's
+// kernel, whose CTAs spin on peers' flags while holding an SM, from crowding out the
+// kernels of the ranks sharing the GPU. Empty without steps; ResourceExhausted when not even
+// one CTA beyond the copy tasks fits, or when the launch has 2^31 tasks or more (tickets
+// are 32-bit).
 absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep> steps,
                                             int heads_q, long long resident_ctas, int share,
                                             int copy_ctas);

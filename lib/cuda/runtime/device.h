@@ -140,7 +140,8 @@ struct FusedForwardLaunch {
   std::vector<hsap_dev::FusedStep> steps;  // at most DeviceKernels::max_fused_steps()
   // Fused kernels of this many ranks run on the device at once (loopback ranks sharing one
   // GPU): each launch takes at most 1/share of the CTAs the device keeps resident, so that
-  // all of them are resident together and none waits on a CTA that cannot start.
+  // no rank's kernel, whose CTAs spin on peers' flags, crowds out the others' (the kernel
+  // itself finishes whichever of its CTAs are resident).
   int share = 1;
 };
 

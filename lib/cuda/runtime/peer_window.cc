@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -88,11 +89,16 @@ absl::StatusOr<char*> PeerWindow::Open(int q, const IpcHandle& handle,
 
 absl::Status PeerWindow::Drain(cudaStream stream, absl::Time deadline) {
   if (memory_ == nullptr) return absl::OkStatus();
-  std::vector<uint32_t> seen(size_);
+  auto seen = std::make_unique<uint32_t[]>(size_);
   for (;;) {
     HSAP_RETURN_IF_ERROR(
-        device_.CopyAsync(seen.data(), consumed(rank_, 0), seen.size() * sizeof(uint32_t), stream));
-    HSAP_RETURN_IF_ERROR(device_.Synchronize(stream, deadline, "peer window drain"));
+        device_.CopyAsync(seen.get(), consumed(rank_, 0), size_ * sizeof(uint32_t), stream));
+    if (absl::Status synced = device_.Synchronize(stream, deadline, "peer window drain");
+        !synced.ok()) {
+      // The copy may still land (a stream stuck behind a kernel): leave it its memory.
+      static_cast<void>(seen.release());
+      return synced;
+    }
     int behind = -1;
     for (int q = 0; q < size_ && behind < 0; ++q) {
       if (static_cast<int32_t>(seen[q] - copies_[q]) < 0) behind = q;

@@ -16,6 +16,8 @@
 
 #include "lib/cuda/exec/gpu_executor.h"
 
+#include <atomic>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <set>
@@ -348,6 +350,152 @@ TEST(GpuExecutor, FusedForwardThroughPeerWindows) {
   const Layout layout = testing::RandomLayout(190, DocMix::kLongTail, 95, false);
   RunGpu<testing::SmallTileCfg<hsap_dev::bf16, 2, true, 2>>(
       layout, 4, DType::kBF16, 95, 0, nullptr, /*async=*/false, GpuExecMode::kFull, true);
+}
+
+// ---- Loopback ranks: several ranks on one GPU -----------------------------------------------
+
+// R ranks as threads of one process sharing ONE emulated GPU (hsap's loopback mode: a stream
+// each), which keeps only `resident` CTAs resident at once for every kernel of every rank
+// (0: no limit). The kernels claim `claimed` resident fused CTAs, so each rank's fused grid
+// is claimed / R CTAs (FusedForwardGrid, as on a GPU whose occupancy figure is too high or
+// whose slots other work holds). One forward call per rank, fused through the peer windows
+// or staged; returns the outputs (out, lse) and each rank's status, with the kernels' first
+// error (a deadlock the emulator's watchdog found) appended.
+template <class Cfg>
+std::pair<testing::RowOutputs, std::vector<absl::Status>> RunLoopbackForward(
+    const Layout& layout, int R, DType dtype, uint64_t seed, bool fused, int resident,
+    int claimed) {
+  const int64_t T = layout.num_tokens();
+  testing::DistCase c;
+  c.dtype = dtype;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, T, seed);
+  testing::RowOutputs outputs;
+  outputs.out = HostTensor(dtype, T, kHeadsQ, kDim);
+  outputs.dq = HostTensor(dtype, T, kHeadsQ, kDim);
+  outputs.dk = HostTensor(dtype, T, kHeadsKv, kDim);
+  outputs.dv = HostTensor(dtype, T, kHeadsKv, kDim);
+  outputs.lse.assign(static_cast<size_t>(T) * kHeadsQ, 0.0f);
+  std::vector<absl::Status> status(R);
+  absl::StatusOr<Partition> partition = Partition::Create(layout, R);
+  EXPECT_TRUE(partition.ok()) << partition.status();
+  if (!partition.ok()) return {outputs, status};
+  std::atomic<int> max_reads{0};
+  EmulatedDevice device(/*async=*/true);
+  if (resident > 0) device.set_residency(resident, absl::Seconds(5));
+  auto transports = CreateHostTransports(R, absl::Seconds(60));
+  EXPECT_TRUE(transports.ok()) << transports.status();
+  AttentionDims dims;
+  dims.heads_q = kHeadsQ;
+  dims.heads_kv = kHeadsKv;
+  dims.head_dim = kDim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+  testing::OnEveryRank(R, [&](int r) {
+    absl::StatusOr<Schedule> sched = BuildSchedule(layout, *partition, r, kKernelBlockQ);
+    if (!sched.ok()) {
+      status[r] = sched.status();
+      return;
+    }
+    int reads = 0;
+    for (const Stage& st : sched->stages) reads += st.recv_from >= 0;
+    for (int seen = max_reads.load(); reads > seen && !max_reads.compare_exchange_weak(seen, reads);) {
+    }
+    testing::EmulatedDeviceTransport transport(std::move((*transports)[r]), device);
+    EmulatedKernels<Cfg> kernels(&device, claimed);
+    const cudaStream stream = *device.CreateStream();
+    absl::StatusOr<std::unique_ptr<DeviceRingProgram>> program =
+        DeviceRingProgram::Build(device, *sched, dims, dtype, stream);
+    if (!program.ok()) {
+      status[r] = program.status();
+      return;
+    }
+    DeviceBufferPool pool(device);
+    status[r] = pool.Reserve((*program)->pool_layout().total_bytes());
+    if (!status[r].ok()) return;
+    testing::ShardTensors t(in, outputs, ShardOf(*sched), kHeadsQ);
+    GpuExecContext ctx;
+    ctx.device = &device;
+    ctx.kernels = &kernels;
+    ctx.transport = &transport;
+    ctx.program = program->get();
+    ctx.pool = pool.base();
+    ctx.pool_bytes = pool.size();
+    ctx.call_id = 7;
+    ctx.stream = stream;
+    PeerWindow window(device, r, R);
+    absl::StatusOr<std::optional<FusedRoutes>> routes;
+    if (fused) {
+      routes = window.Exchange(transport, *sched, kHeadsKv * kDim * DTypeSize(dtype),
+                               kernels.fused_copy_ctas(), kernels.fused_resident_ctas(), stream,
+                               absl::Seconds(5));
+      if (!routes.ok() || !routes->has_value()) {
+        status[r] =
+            routes.ok() ? absl::InternalError("peer windows out of reach") : routes.status();
+        return;
+      }
+      EXPECT_EQ((*routes)->share, R);
+      ctx.window = &window;
+      ctx.routes = &**routes;
+      ctx.peer_timeout = absl::Seconds(20);
+    }
+    status[r] = GpuExecuteForward(ctx, t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                                  t.lse.data(), nullptr);
+    // Whatever happened, the stream is done with the shard's tensors before they go.
+    const absl::Status synced = device.Synchronize(stream, absl::InfiniteFuture(), "forward");
+    if (status[r].ok()) status[r] = synced;
+    if (status[r].ok() && !kernels.error().empty()) status[r] = absl::InternalError(kernels.error());
+    t.Unslice(outputs);
+  });
+  // Some rank reads from R - 1 peers: with 3 steps per launch, launches of 3 steps.
+  EXPECT_EQ(max_reads.load(), R - 1);
+  return {outputs, status};
+}
+
+// The fused forward of 4 and 8 loopback ranks (3 steps per launch) on a GPU that keeps
+// fewer CTAs resident than one rank's fused grid: no CTA may wait on a CTA that has not
+// started (issue 26: 4 loopback ranks at 8K tokens hung on an H200). It completes, matches
+// the reference, and equals the staged forward bit for bit (the steps merge in the same
+// order). With a fused kernel whose CTAs wait for every CTA of the grid, the emulator
+// reports the deadlock instead.
+TEST(GpuExecutorLoopback, FusedForwardUnderPartialResidency) {
+  using Cfg = testing::SmallTileCfg<hsap_dev::bf16, 2, true, 3>;
+  for (auto [R, resident, seed] : {std::tuple{4, 3, 101}, {8, 3, 102}, {4, 6, 103}}) {
+    SCOPED_TRACE(::testing::Message() << R << " ranks, " << resident << " resident CTAs");
+    // One causal document over every rank (the bench's row): each rank reads every peer.
+    absl::StatusOr<Layout> layout = Layout::FromDocuments({0, 24 * R}, {MaskKind::kCausal});
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    // 4 fused CTAs per rank (1 copy + 3 compute), more than the GPU keeps resident.
+    const int claimed = 4 * R;
+    auto [fused, fused_status] = RunLoopbackForward<Cfg>(*layout, R, DType::kBF16, seed,
+                                                         /*fused=*/true, resident, claimed);
+    for (int r = 0; r < R; ++r) {
+      ASSERT_TRUE(fused_status[r].ok()) << "rank " << r << ": " << fused_status[r];
+    }
+    auto [staged, staged_status] = RunLoopbackForward<Cfg>(*layout, R, DType::kBF16, seed,
+                                                           /*fused=*/false, resident, claimed);
+    for (int r = 0; r < R; ++r) {
+      ASSERT_TRUE(staged_status[r].ok()) << "rank " << r << ": " << staged_status[r];
+    }
+    EXPECT_TRUE(fused.out.bytes == staged.out.bytes) << "fused and staged outputs differ";
+    EXPECT_TRUE(std::memcmp(fused.lse.data(), staged.lse.data(),
+                            fused.lse.size() * sizeof(float)) == 0)
+        << "fused and staged lse differ";
+    testing::DistCase c;
+    c.dtype = DType::kBF16;
+    c.heads_q = kHeadsQ;
+    c.heads_kv = kHeadsKv;
+    c.head_dim = kDim;
+    testing::RowInputs in(c, layout->num_tokens(), seed);
+    AttentionDims dims;
+    dims.heads_q = kHeadsQ;
+    dims.heads_kv = kHeadsKv;
+    dims.head_dim = kDim;
+    dims.scale = 1.0f / std::sqrt(static_cast<float>(kDim));
+    testing::ExpectMatchesReference(*layout, in.Reference(dims, DType::kBF16), nullptr, fused,
+                                    /*backward=*/false, testing::kCudaKernelFloor);
+  }
 }
 
 // ---- Ranks on several nodes: relayed delivery ------------------------------------------------

@@ -103,7 +103,7 @@ TEST(FusedForwardGrid, ComputeWithinTheLaunchsPartOfResidency) {
   EXPECT_EQ(*g, (LaunchGrid{88, 1}));
 }
 
-// Steps without work still get one compute CTA (the protocol needs one to consume).
+// Steps without work still get one CTA beyond the copy tasks.
 TEST(FusedForwardGrid, NoWorkIsOneComputeCta) {
   absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({0, 0}), 4, 100, 1, 1);
   ASSERT_TRUE(g.ok()) << g.status();
@@ -124,9 +124,21 @@ TEST(FusedForwardGrid, NoRoomForAComputeCtaIsResourceExhausted) {
 }
 
 TEST(FusedForwardGrid, VeryLargeResidencyStaysWithinGridX) {
-  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({INT_MAX}), 65535, LLONG_MAX, 1, 8);
+  // The most work items a launch may have (its tickets are 32-bit): 2^31 - 1 tasks in all.
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({32767}), 65535, LLONG_MAX, 1, 8);
   ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->x, 2147483647u);
+  EXPECT_EQ(g->x, 32767u * 65535u + 8u);
+  EXPECT_LE(g->x, static_cast<unsigned int>(kMaxGridX));
+}
+
+// The kernel hands out its tasks by 32-bit ticket: a launch of 2^31 tasks or more is refused.
+TEST(FusedForwardGrid, TooManyTasksIsResourceExhausted) {
+  absl::StatusOr<LaunchGrid> g = FusedForwardGrid(Steps({INT_MAX}), 65535, LLONG_MAX, 1, 8);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(g.status().message(), HasSubstr("140735340806153 tasks"));
+  g = FusedForwardGrid(Steps({32767, 2}), 65535, LLONG_MAX, 1, 8);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace
