@@ -34,7 +34,8 @@ constexpr ParamInfo kParams[] = {
      "colon-separated directories searched for the CUDA and NCCL libraries, instead of the "
      "defaults"},
     {Param::kFusedForward, "HSAP_FUSED_FORWARD", "1",
-     "a boolean: 0 makes CUDA batches move forward's K/V in transfer stages, not peer windows"},
+     "a boolean: 0 makes CUDA batches move forward's K/V in transfer stages, not peer windows; "
+     "loopback ranks (several on one GPU) use stages unless it is set to 1"},
     {Param::kPlanDebug, "HSAP_PLAN_DEBUG", "0",
      "a boolean: 1 prints every simulated planner candidate to stderr"},
     {Param::kCudaHome, "CUDA_HOME", "", "CUDA toolkit root, searched for NVRTC and CUDA libraries"},

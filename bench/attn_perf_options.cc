@@ -60,9 +60,10 @@ namespace hsap::bench::attn_perf {
       "      --cudnn 0|1        cuda-loopback: also time cuDNN's fused attention forward and\n"
       "                         backward on the whole row (default 1)\n"
       "      --fused 0|1        cuda-loopback batches without a plan: forward reads the\n"
-      "                         peers' K/V inside the fused kernel (1, default) or moves\n"
-      "                         it with loopback transfer stages (0); sets\n"
-      "                         $HSAP_FUSED_FORWARD\n");
+      "                         peers' K/V inside the fused kernel (1) or moves it with\n"
+      "                         loopback transfer stages (0); sets $HSAP_FUSED_FORWARD.\n"
+      "                         Default: hsap's choice (stages for several ranks on one\n"
+      "                         GPU, docs/gpu_backend.md)\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -226,7 +227,7 @@ void CheckOptions(Options& o, bool end_set) {
   if (o.cudnn < 0) o.cudnn = o.backend == "cuda-loopback" ? 1 : 0;
   if (o.cudnn != 0 && o.backend != "cuda-loopback")
     Usage("--cudnn 1 needs --backend cuda-loopback");
-  if (o.fused != 0 && o.fused != 1) Usage("--fused must be 0 or 1");
+  if (o.fused != -1 && o.fused != 0 && o.fused != 1) Usage("--fused must be 0 or 1");
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
   }

@@ -45,7 +45,7 @@ struct Options {
   std::string plan_file;
   std::string backend = "host";  // host | cuda-loopback
   int cudnn = -1;                // cuDNN comparison; -1: on with cuda-loopback
-  int fused = 1;                 // cuda-loopback: forward through peer windows
+  int fused = -1;  // cuda-loopback: 1 forward through peer windows, 0 stages, -1 hsap's choice
   bool ranks_set = false;
   bool plan_mode() const { return !groups.empty() || !plan_file.empty(); }
   // The choice of reference of --reference, --ref-max-gflop and --gpu-ref-max-gflop.

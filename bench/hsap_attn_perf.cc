@@ -131,7 +131,7 @@ bool RunRow(const Setup& s, int64_t T, bool fused_forward, bool* use_cudnn, bool
 int main(int argc, char** argv) {
   Options o = ParseOptions(argc, argv);
   // Before any hsap call: hsap reads its environment once per process (base/params.h).
-  if (o.backend == "cuda-loopback") {
+  if (o.backend == "cuda-loopback" && o.fused >= 0) {
     setenv("HSAP_FUSED_FORWARD", o.fused != 0 ? "1" : "0", /*overwrite=*/1);
   }
   Setup s;
@@ -152,8 +152,9 @@ int main(int argc, char** argv) {
       o.threads > 0 ? o.threads
                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.R);
 
-  // Forward through peer windows: every loopback batch without a plan.
-  const bool fused_forward = s.on_gpu && o.fused != 0 && s.plan == nullptr;
+  // Forward through peer windows: loopback batches without a plan where asked for (several
+  // loopback ranks share one GPU: stages unless --fused 1, lib/cuda/transport/loopback_transport.h).
+  const bool fused_forward = s.on_gpu && s.plan == nullptr && (o.fused == 1 || s.R == 1);
   PrintPreamble(s, version, threads_per_rank, fused_forward);
   bool use_cudnn = CudnnComparisonOn(s);
   PrintTableHeader(s);

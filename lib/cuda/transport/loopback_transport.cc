@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/params.h"
 #include "base/status_macros.h"
 
 namespace hsap::cuda {
@@ -100,7 +101,12 @@ class LoopbackTransport : public DeviceTransport {
   int size() const override { return static_cast<int>(w_->streams.size()); }
   cudaStream stream() const { return w_->streams[rank_]; }
   cudaStream transfer_stream() const override { return stream(); }
-  bool offers_peer_windows() const override { return true; }
+  // Several ranks on one GPU: windows only when $HSAP_FUSED_FORWARD asks for them (header).
+  bool offers_peer_windows() const override {
+    if (size() == 1) return true;
+    const absl::StatusOr<bool> fused = GetBoolParam(Param::kFusedForward);
+    return GetParam(Param::kFusedForward).has_value() && fused.ok() && *fused;
+  }
 
   class LoopbackPending : public Pending {
    public:

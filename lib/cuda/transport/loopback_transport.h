@@ -12,6 +12,14 @@
 // (DeadlineExceeded naming the peer and tag still missing). Abort() on any rank releases
 // every rank's waits.
 //
+// Peer windows. Several ranks share the GPU, so their batches move forward's K/V in transfer
+// stages unless $HSAP_FUSED_FORWARD is set to 1 (then through peer windows and the fused
+// kernel, as NCCL ranks of one node do): on an H200, with 4 loopback ranks at 8K tokens a
+// rank's publish (device-to-device copies and a stream flag write) did not land while the other
+// ranks' fused kernels ran ("a peer did not publish its K/V within 1m"; the kernels themselves
+// no longer wait on CTAs that may not have started), and 8 ranks did not finish, while the
+// staged forward ran 4 ranks at 16K-64K. One rank offers its (empty) windows.
+//
 // Devices. The ranks' streams and events belong to the device current at creation; Start()
 // makes it current for its CUDA calls and then restores the caller's, so ranks may be driven
 // from threads whose current device is another GPU.

@@ -30,6 +30,7 @@
 #include "tests/support/distributed_harness.h"
 #include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/random_layouts.h"
+#include "tests/support/scoped_env.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap::cuda {
@@ -179,6 +180,8 @@ struct RankSetup {
 // forward twice and backward once, against the reference.
 template <class Cfg>
 void RunLoopbackBatches(int R, bool fused, RankSetup setup = RankSetup()) {
+  // Several loopback ranks on one GPU use peer windows only when asked for.
+  testing::ScopedEnv fused_env("HSAP_FUSED_FORWARD", fused ? "1" : nullptr);
   const int device = setup.device, caller_device = setup.caller_device;
   EmulatedCudaRuntime::Options options;
   options.devices = setup.devices;
@@ -280,6 +283,12 @@ void RunLoopbackBatches(int R, bool fused, RankSetup setup = RankSetup()) {
 
 TEST(EmulatedLoopbackBatch, StagesMatchTheReference) {
   RunLoopbackBatches<testing::SmallTileCfg<float, 2, true>>(3, /*fused=*/false);
+}
+
+// Without $HSAP_FUSED_FORWARD, several ranks on one GPU move forward's K/V in transfer
+// stages, also with kernels that have the fused forward (loopback_transport.h says why).
+TEST(EmulatedLoopbackBatch, SeveralRanksOnOneGpuUseStagesByDefault) {
+  RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(3, /*fused=*/false);
 }
 
 TEST(EmulatedLoopbackBatch, FusedForwardThroughPeerWindowsMatchesTheReference) {
