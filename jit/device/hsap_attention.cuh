@@ -558,18 +558,21 @@ HSAP_DEV FusedTask fused_task(const FusedFwdParamsT<kMaxSteps>& p, unsigned int 
 }
 
 // Thread 0 of a CTA: waits until *flag >= value. With timeout_ns != 0 it gives up when none
-// of the launch's four counters moved for two timeouts (a peer's wait lasts at most one,
-// after which its copy task moves a counter), reports kErrorStalled and lets the CTA carry
-// on, so that the kernel always ends.
+// of the launch's four counters moved for two timeouts, and at least a second (a peer's wait
+// lasts at most one timeout, after which its copy task moves a counter; the floor keeps a
+// short timeout from calling a CTA that a busy machine has not run yet stalled), reports
+// kErrorStalled and lets the CTA carry on, so that the kernel always ends.
 HSAP_DEV void fused_wait(const unsigned int* flag, unsigned int value, const unsigned int* counters,
                          unsigned long long timeout_ns, unsigned int* error_flag) {
+  constexpr unsigned long long kStallFloorNs = 1000000000ull;
+  const unsigned long long window = 2 * timeout_ns > kStallFloorNs ? 2 * timeout_ns : kStallFloorNs;
   unsigned long long since = timeout_ns != 0 ? globaltimer_ns() : 0;
   unsigned int moved = 0;  // the counters' sum at `since` (they only grow)
   if (timeout_ns != 0) {
     for (int i = 0; i < 4; ++i) moved += ld_acquire_gpu(counters + i);
   }
   while (!counter_reached(ld_acquire_gpu(flag), value)) {
-    if (timeout_ns != 0 && globaltimer_ns() - since > 2 * timeout_ns) {
+    if (timeout_ns != 0 && globaltimer_ns() - since > window) {
       unsigned int now = 0;
       for (int i = 0; i < 4; ++i) now += ld_acquire_gpu(counters + i);
       if (now == moved) {

@@ -44,8 +44,9 @@ enum ErrorBits : unsigned int {
   kErrorMisaligned = 16u,  // tensor-core variants: q, k or v (or a fused stage buffer) is not
                            // 16-byte aligned (cp.async moves 16-byte rows); nothing computed
   kErrorStalled = 32u,  // fused kernel: a task waited for tasks of other CTAs of its launch
-                        // while nothing in the launch moved for 2 * ready_timeout_ns (they
-                        // never ran); it carried on regardless, so the results are garbage
+                        // while nothing in the launch moved for 2 * ready_timeout_ns and at
+                        // least a second (they never ran); it carried on regardless, so the
+                        // results are garbage
 };
 
 // attn_fwd_kernel<Cfg>. Grid (num_blocks, heads_q), Cfg::kThreads threads, dynamic shared
@@ -201,8 +202,8 @@ struct FusedStep {
 // A copy task first waits until *ready_flag >= ready_value (the peer published); it gives up
 // after ready_timeout_ns (0: never), reports kErrorPeerTimeout, skips that step's copy and
 // carries on, so a peer that failed never hangs the device. Every other wait gives up when
-// none of the launch's counters moved for 2 * ready_timeout_ns (more than any peer wait
-// lasts), reports kErrorStalled and carries on. Either way every counter and consumed flag
+// none of the launch's counters moved for 2 * ready_timeout_ns and at least a second (more
+// than any peer wait lasts), reports kErrorStalled and carries on. Either way every counter and consumed flag
 // is balanced when the kernel ends; its outputs are then invalid.
 // Each copy task adds 1 to its step's *consumed_flag after copying: the owner counts
 // num_copy_ctas per reader and call.
