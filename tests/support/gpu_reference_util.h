@@ -16,6 +16,7 @@
 #include "attention/layout.h"
 #include "attention/reference.h"
 #include "gtest/gtest.h"
+#include "lib/cuda/exec/gpu_reference.h"
 
 namespace hsap::testing {
 
@@ -111,6 +112,19 @@ inline void ExpectExactMatch(const std::vector<double>& gpu, const std::vector<d
   }
   EXPECT_LE(err, kExactRelTol * magnitude)
       << what << ": element " << worst << " gpu " << gpu[worst] << " host " << host[worst];
+}
+
+// A GPU reference run's fp64 out, lse, dq, dk, dv against the host's fp64 reference of the
+// same row, within kExactRelTol.
+inline void ExpectMatchesHostReference(const cuda::GpuReferenceResult& gpu, const Layout& layout,
+                                       const ReferenceInputs& in, const void* dout) {
+  const ReferenceForwardResult ref = ReferenceForward(layout, in);
+  const ReferenceGradients gref = ReferenceBackward(layout, in, dout);
+  ExpectExactMatch(gpu.forward.out, ref.out, "out");
+  ExpectExactMatch(gpu.forward.lse, ref.lse, "lse");
+  ExpectExactMatch(gpu.backward.dq, gref.dq, "dq");
+  ExpectExactMatch(gpu.backward.dk, gref.dk, "dk");
+  ExpectExactMatch(gpu.backward.dv, gref.dv, "dv");
 }
 
 // Bit-for-bit equality (the rounded results in the emulator, whose expf/logf are the host's).

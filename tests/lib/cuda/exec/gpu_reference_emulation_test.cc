@@ -101,13 +101,7 @@ void CheckAgainstHost(const Layout& layout, DType dtype, const AttentionDims& di
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   EXPECT_EQ(device.live_allocations(), 0u) << "the reference frees what it allocates";
 
-  const ReferenceForwardResult ref = ReferenceForward(layout, row.in());
-  const ReferenceGradients gref = ReferenceBackward(layout, row.in(), row.dout());
-  ExpectExactMatch(gpu->forward.out, ref.out, "out");
-  ExpectExactMatch(gpu->forward.lse, ref.lse, "lse");
-  ExpectExactMatch(gpu->backward.dq, gref.dq, "dq");
-  ExpectExactMatch(gpu->backward.dk, gref.dk, "dk");
-  ExpectExactMatch(gpu->backward.dv, gref.dv, "dv");
+  testing::ExpectMatchesHostReference(*gpu, layout, row.in(), row.dout());
 
   const ReferenceForwardResult naive = NaiveForward(layout, row.in());
   const ReferenceGradients gnaive = NaiveBackward(layout, row.in(), row.dout());
