@@ -502,7 +502,9 @@ void CheckFused(int copy_ctas, int compute_ctas, uint64_t seed, bool never_ready
                              /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); }),
             absl::OkStatus());
   peer.join();
-  if (residency.has_value()) EXPECT_EQ(residency->peak(), resident);
+  if (residency.has_value()) {
+    EXPECT_EQ(residency->peak(), resident);
+  }
   if (lost_task) {
     EXPECT_EQ(error_flag, static_cast<unsigned int>(hsap_dev::kErrorStalled));
     return;
@@ -692,6 +694,25 @@ TEST(CudaEmulation, MisalignedVectorAccessStopsWaitingCtas) {
   EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
   EXPECT_THAT(launched.message(), ::testing::HasSubstr("CTA (0, 0)"));
   EXPECT_EQ(flag, 0u);
+}
+
+// Threads of a CTA that wait at barriers which cannot complete (lanes 33-63 at their warp's
+// barrier, lane 32 at __syncthreads): a GPU hangs; the emulator stops the launch and says so.
+TEST(CudaEmulation, ThreadsWaitingAtDifferentBarriersStopTheLaunch) {
+  const absl::Status launched = hsap_emu::Launch(2, 1, 64, 0, /*all_concurrent=*/false, [&] {
+    if (threadIdx.x >= 33) __syncwarp();
+    __syncthreads();
+  });
+  EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
+  EXPECT_THAT(launched.message(), ::testing::HasSubstr("deadlock in CTA ("));
+  EXPECT_THAT(launched.message(), ::testing::HasSubstr("wait at barriers that cannot complete"));
+  // Without the divergence the same launch completes.
+  EXPECT_EQ(hsap_emu::Launch(2, 1, 64, 0, false,
+                             [&] {
+                               __syncwarp();
+                               __syncthreads();
+                             }),
+            absl::OkStatus());
 }
 
 // The device code's own vector copy takes the 4-byte path when a pointer or the size is

@@ -95,6 +95,10 @@ TEST(EmulatorResidency, LaunchesFromSeveralStreamsShareTheSlots) {
       int seen = most.load();
       while (now > seen && !most.compare_exchange_weak(seen, now)) {
       }
+      // Holds the slot until the device is full (the last CTAs: briefly), so that the
+      // launches overlap however fast the emulated CTAs run.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+      while (resident.load() < 3 && std::chrono::steady_clock::now() < until) __nanosleep(100);
     }
     for (int i = 0; i < 20; ++i) __syncthreads();
     if (threadIdx.x == 0) resident.fetch_sub(1);

@@ -1,7 +1,9 @@
 // A small CUDA emulator for tests: compiles the device headers of jit/device as host C++
-// (HSAP_DEVICE_EMULATION) and runs a kernel with one std::thread per CUDA thread, so that
-// the kernels' arithmetic, indexing, barriers, warp shuffles and flag protocols can be
-// checked on a machine without a GPU.
+// (HSAP_DEVICE_EMULATION) and runs a kernel with one std::thread per CTA, whose CUDA threads
+// are fibers of that thread (emulator_fibers.h: a barrier is a few context switches, not a
+// round of futex wake-ups), so that the kernels' arithmetic, indexing, barriers, warp
+// shuffles and flag protocols can be checked on a machine without a GPU. Spin waits
+// (__nanosleep) let the CTA's other threads run; CTAs, launches and streams run concurrently.
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
 // CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
@@ -12,7 +14,9 @@
 // Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
 // stops the launch as the GPU's "misaligned address" error does: the faulting thread leaves,
 // the others leave at their next barrier or spin, no further CTA starts, and Launch returns
-// the error (the process carries on).
+// the error (the process carries on). Threads of a CTA that wait at barriers that cannot
+// complete (some threads at __syncthreads, others at __syncwarp or exited early from a
+// collective) stop the launch with "deadlock in CTA", where a GPU would hang.
 // Residency (optional, per device: Residency below): a device keeps at most `limit` CTAs
 // resident, whatever launch or stream they come from. A CTA takes a slot before it starts and
 // frees it when it exits; the CTAs of a launch start in blockIdx order as slots free up, and
@@ -135,6 +139,7 @@ struct alignas(16) uint4 {
 
 // The tensor-core instructions of jit/device/hsap_mma.cuh (mma, ldmatrix, cp.async).
 #include "tests/support/emulated_ptx.h"
+#include "tests/support/emulator_fibers.h"
 
 namespace hsap_emu {
 
@@ -241,10 +246,9 @@ class Residency {
   std::string deadlock_;  // the deadlock found, if any: later launches fail at once
 };
 
-// The barrier of a CTA's or a warp's emulated threads, with std::barrier's arrive_and_wait and
-// arrive_and_drop. A waiter sleeps at once (mutex and condition variable): std::barrier's
-// waits first spin and call sched_yield, and with hundreds of emulated threads on a few cores
-// those yields were most of the emulated tests' time.
+// The barrier of a CTA's or a warp's emulated threads (fibers of one scheduler, so no lock),
+// with std::barrier's arrive_and_wait and arrive_and_drop. A waiter blocks its fiber; the
+// arrival that completes the phase wakes the waiters.
 class Barrier {
  public:
   // residency: the device whose progress a completed phase is (the watchdog's), or null.
@@ -253,18 +257,18 @@ class Barrier {
   Barrier(const Barrier&) = delete;
   Barrier& operator=(const Barrier&) = delete;
 
+  // Returns when the phase completed, or when the scheduler found the CTA deadlocked (its
+  // launch is then stopped: the caller's StopIfFaulted takes it out).
   void arrive_and_wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t phase = phase_;
     if (--pending_ == 0) {
       Complete();
       return;
     }
-    cv_.wait(lock, [&] { return phase_ != phase; });
+    waiters_.push_back(tl_fibers->current());
+    tl_fibers->Block();
   }
   // Arrives at this phase and leaves every later one (an exited thread).
   void arrive_and_drop() {
-    std::lock_guard<std::mutex> lock(mu_);
     --expected_;
     if (--pending_ == 0) Complete();
   }
@@ -272,16 +276,14 @@ class Barrier {
  private:
   void Complete() {
     pending_ = expected_;
-    ++phase_;
     if (residency_ != nullptr) residency_->Progress();
-    cv_.notify_all();
+    for (int fiber : waiters_) tl_fibers->Wake(fiber);
+    waiters_.clear();
   }
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  int expected_;   // arrivals each later phase waits for
-  int pending_;    // arrivals this phase still waits for
-  uint64_t phase_ = 0;
+  int expected_;  // arrivals each later phase waits for
+  int pending_;   // arrivals this phase still waits for
+  std::vector<int> waiters_;
   Residency* const residency_;
 };
 
@@ -325,6 +327,41 @@ inline float ShflXor(float v, int offset) {
   return r;
 }
 
+// Runs `threads` emulated threads of the calling thread's CTA (tl_cta, tl_launch, blockIdx
+// set) as fibers: each its own threadIdx, cp.async queue and count of warp collectives. A
+// thread that leaves the kernel drops out of its barriers. Threads of the CTA that wait at
+// barriers which cannot complete (a GPU would hang) stop the launch with an error.
+inline void RunCtaThreads(Cta& cta, int threads, const std::function<void()>& kernel) {
+  struct Saved {
+    std::uint64_t collectives = 0;
+    ptx::CpAsyncQueue cp_async;
+  };
+  std::vector<Saved> saved(static_cast<size_t>(threads));
+  FiberScheduler fibers(
+      threads,
+      [&](int t) {
+        try {
+          kernel();
+        } catch (const LaunchStopped&) {
+          // Left the kernel: faulted, or stopped by another thread's fault.
+        }
+        cta.warp_bars[static_cast<size_t>(t / 32)]->arrive_and_drop();
+        cta.bar.arrive_and_drop();
+      },
+      [&](int t) {
+        threadIdx = {static_cast<unsigned int>(t), 0, 0};
+        std::swap(ptx::tl_collectives, saved[static_cast<size_t>(t)].collectives);
+        std::swap(ptx::tl_cp_async, saved[static_cast<size_t>(t)].cp_async);
+      });
+  fibers.Run([&] {
+    StopLaunch(tl_launch,
+               absl::StrCat("deadlock in CTA (", blockIdx.x, ", ", blockIdx.y,
+                            "): its threads wait at barriers that cannot complete (__syncthreads, "
+                            "__syncwarp or warp-collective instructions reached by only some "
+                            "of the threads that take part)"));
+  });
+}
+
 // Runs kernel() on a grid of grid_x * grid_y CTAs of `threads` threads each, on a device
 // that keeps `residency`'s CTAs resident (nullptr: no limit) under the name `name`. With
 // `all_concurrent` every CTA may run at once (kernels whose CTAs wait on one another);
@@ -345,28 +382,20 @@ inline float ShflXor(float v, int offset) {
   for (unsigned int y = 0; y < grid_y; ++y) {
     for (unsigned int x = 0; x < grid_x; ++x) items.push_back({x, y});
   }
-  // One CTA's threads; `on_exit` runs once, when its last thread left the kernel.
+  // One CTA, on a thread of its own; `on_exit` runs once, when its last thread left the kernel.
   auto start_cta = [&](Cta* cta, Item item, std::vector<std::thread>& pool,
-                       std::atomic<int>* left, std::function<void()> on_exit) {
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([=, &kernel, &launch] {
-        threadIdx = {static_cast<unsigned int>(t), 0, 0};
-        blockIdx = {item.bx, item.by, 0};
-        blockDim = {static_cast<unsigned int>(threads), 1, 1};
-        gridDim = {grid_x, grid_y, 1};
-        tl_cta = cta;
-        tl_launch = &launch;
-        try {
-          kernel();
-        } catch (const LaunchStopped&) {
-          // Left the kernel: faulted, or stopped by another thread's fault.
-        }
-        tl_launch = nullptr;
-        cta->warp_bars[t / 32]->arrive_and_drop();
-        cta->bar.arrive_and_drop();
-        if (left != nullptr && left->fetch_sub(1) == 1) on_exit();
-      });
-    }
+                       std::function<void()> on_exit) {
+    pool.emplace_back([=, &kernel, &launch] {
+      blockIdx = {item.bx, item.by, 0};
+      blockDim = {static_cast<unsigned int>(threads), 1, 1};
+      gridDim = {grid_x, grid_y, 1};
+      tl_cta = cta;
+      tl_launch = &launch;
+      RunCtaThreads(*cta, threads, kernel);
+      tl_launch = nullptr;
+      tl_cta = nullptr;
+      if (on_exit) on_exit();
+    });
   };
   constexpr size_t kBatch = 8;
   if (residency == nullptr) {
@@ -375,7 +404,7 @@ inline float ShflXor(float v, int offset) {
       std::vector<std::thread> pool;
       for (size_t i = first; i < first + count; ++i) {
         ctas.push_back(std::make_unique<Cta>(threads, smem_bytes / sizeof(float)));
-        start_cta(ctas.back().get(), items[i], pool, nullptr, nullptr);
+        start_cta(ctas.back().get(), items[i], pool, nullptr);
       }
       for (std::thread& th : pool) th.join();
     };
@@ -390,8 +419,8 @@ inline float ShflXor(float v, int offset) {
     // CTAs start one by one as slots free up; finished ones are joined as the launch goes.
     struct Running {
       std::unique_ptr<Cta> cta;
-      std::vector<std::thread> pool;
-      std::atomic<int> left{0};
+      std::vector<std::thread> pool;  // the CTA's thread
+      std::atomic<bool> exited{false};
     };
     std::list<Running> running;
     std::mutex mu;
@@ -399,7 +428,7 @@ inline float ShflXor(float v, int offset) {
     size_t live = 0;  // this launch's CTAs that have not exited
     auto reap = [&](bool all) {
       for (auto it = running.begin(); it != running.end();) {
-        if (all || it->left.load() == 0) {
+        if (all || it->exited.load()) {
           for (std::thread& th : it->pool) th.join();
           it = running.erase(it);
         } else {
@@ -421,13 +450,13 @@ inline float ShflXor(float v, int offset) {
       }
       Running& r = running.emplace_back();
       r.cta = std::make_unique<Cta>(threads, smem_bytes / sizeof(float), residency);
-      r.left.store(threads);
-      start_cta(r.cta.get(), item, r.pool, &r.left, [&] {
+      start_cta(r.cta.get(), item, r.pool, [&] {
         residency->Release();
         {
           std::lock_guard<std::mutex> lock(mu);
           --live;
         }
+        r.exited.store(true);
         cv.notify_all();
       });
     }
@@ -469,9 +498,15 @@ inline unsigned int atomicOr(unsigned int* p, unsigned int v) {
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_system() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+// A spin wait's pause: the CTA's other threads run (fibers), or, outside an emulated kernel,
+// other OS threads do.
 inline void __nanosleep(unsigned int) {
   hsap_emu::StopIfFaulted();
-  std::this_thread::yield();
+  if (hsap_emu::tl_fibers != nullptr) {
+    hsap_emu::tl_fibers->Yield();
+  } else {
+    std::this_thread::yield();
+  }
 }
 
 inline float hsap_emu_f16_to_float(unsigned short bits) {
