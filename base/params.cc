@@ -38,6 +38,9 @@ constexpr ParamInfo kParams[] = {
      "loopback ranks (several on one GPU) use stages unless it is set to 1"},
     {Param::kPlanDebug, "HSAP_PLAN_DEBUG", "0",
      "a boolean: 1 prints every simulated planner candidate to stderr"},
+    {Param::kAttentionEngine, "HSAP_ATTENTION_ENGINE", "auto",
+     "engine of CUDA batches' attention pieces: auto (cuDNN where it can run a piece, else the "
+     "JIT kernels), cudnn (an error where cuDNN cannot run the batch) or jit"},
     {Param::kCudaHome, "CUDA_HOME", "", "CUDA toolkit root, searched for NVRTC and CUDA libraries"},
     {Param::kPath, "PATH", "", "searched for clang++ (the JIT host compiler)"},
     {Param::kHome, "HOME", "", "the JIT cache defaults to ~/.cache/hsap"},

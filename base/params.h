@@ -34,6 +34,7 @@ enum class Param {
   kCudaLibPath,          // HSAP_CUDA_LIB_PATH
   kFusedForward,         // HSAP_FUSED_FORWARD
   kPlanDebug,            // HSAP_PLAN_DEBUG
+  kAttentionEngine,      // HSAP_ATTENTION_ENGINE
   // Standard variables hsap consults.
   kCudaHome,      // CUDA_HOME
   kPath,          // PATH
