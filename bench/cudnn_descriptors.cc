@@ -12,16 +12,10 @@
 #include "absl/strings/str_join.h"
 #include "base/params.h"
 #include "base/status_macros.h"
+#include "lib/cuda/cudnn/cudnn_library.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 
 namespace hsap::bench {
-
-std::vector<std::string> CudnnLibrarySearchPath() {
-  if (GetParam(Param::kCudaLibPath).has_value()) return cuda::CudaLibrarySearchPath();
-  std::vector<std::string> dirs = cuda::CudaLibrarySearchPath();  // ends with "" (default)
-  dirs.insert(dirs.end() - 1, "/usr/local/cuda-13.0/lib");
-  return dirs;
-}
 
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 
@@ -29,23 +23,12 @@ namespace cudnn_internal {
 namespace {
 
 absl::StatusOr<std::unique_ptr<CudnnApi>> LoadCudnnImpl() {
+  // The library itself is opened by libhsap's loader (lib/cuda/cudnn/cudnn_library.h); the
+  // graph API's functions are resolved on its handle here.
+  HSAP_ASSIGN_OR_RETURN(const cuda::CudnnLibrary* lib, cuda::OpenCudnnLibrary());
   auto api = std::make_unique<CudnnApi>();
-  std::vector<std::string> tried;
-  void* handle = nullptr;
-  for (const std::string& dir : CudnnLibrarySearchPath()) {
-    const std::string candidate = dir.empty() ? "libcudnn.so.9" : dir + "/libcudnn.so.9";
-    handle = dlopen(candidate.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (handle != nullptr) {
-      api->path = candidate;
-      break;
-    }
-    tried.push_back(candidate);
-  }
-  if (handle == nullptr) {
-    return absl::UnimplementedError(
-        absl::StrCat("libcudnn.so.9 not found: no cuDNN 9 (tried ", absl::StrJoin(tried, ", "),
-                     "; set $HSAP_CUDA_LIB_PATH to the directory that holds it)"));
-  }
+  api->path = lib->path;
+  void* handle = lib->handle;
   auto bind = [&](const char* symbol, auto* out, bool optional = false) -> absl::Status {
     void* p = dlsym(handle, symbol);
     if (p == nullptr && !optional) {

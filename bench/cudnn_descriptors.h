@@ -13,11 +13,12 @@
 #include "absl/status/status.h"
 #include "attention/dtype.h"
 #include "bench/cudnn_graph_plan.h"
+#include "lib/cuda/cudnn/cudnn_library.h"
 
 namespace hsap::bench {
 
-// The directories searched for libcudnn.so.9, in order ("" is the default loader path).
-std::vector<std::string> CudnnLibrarySearchPath();
+// The directories searched for libcudnn.so.9 (lib/cuda/cudnn/cudnn_library.h opens it).
+using cuda::CudnnLibrarySearchPath;
 
 // Creates and finalizes every tensor and operation descriptor of `plan` (I/O type `dtype`)
 // with libcudnn, which needs no GPU: cuDNN checks that each descriptor has its required
