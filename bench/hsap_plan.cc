@@ -6,8 +6,18 @@
 //             [--seq 131072] [--full] [--margin 0.1] [--no-checkpointing]
 //             [--json PLAN.json] [--svg PICTURE.svg] [--brief]
 //             [--run [--docs MEAN] [--seed N]]
+//             [--engine auto|jit|cudnn|fa2|fa3] [--calibration FILE|builtin|none]
 //   hsap_plan --brief clusters/mix32_*.json ...    one table row per cluster + summary
 //   hsap_plan --help
+//
+// Pricing (docs/cost_model.md): the attention engine's calibrated TFLOP/s by block length
+// and head dim, forward and backward apart (lib/planner/calibration.h): the built-in
+// calibration (H200 measurements and published figures) by default, a calibration file
+// over it (--calibration FILE, as hsap_attn_perf --calibration-out writes), or none (the
+// flat datasheet peak x attention_efficiency of the cluster description). --engine: the
+// engine priced, auto (default: cuDNN where calibrated, else the JIT kernels, as
+// HSAP_ATTENTION_ENGINE=auto runs), jit, cudnn, or the what-ifs fa2 / fa3. The output says
+// what priced the plan: "# priced: engine cudnn, calibration built-in H200 (measured 2026-12)".
 //
 // A --json or --svg file that cannot be written is an error (exit 1, the reason on stderr).
 // The SVG draws the first 128 devices and says so in the picture when there are more.
@@ -29,6 +39,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,6 +49,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lib/planner/baselines.h"
+#include "lib/planner/calibration.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
 #include "lib/planner/group_programs.h"
@@ -63,12 +75,15 @@ struct Args {
   bool run = false;   // also simulate what the runtime runs (run_simulator.h)
   double docs = 0;    // mean document length of the row it runs; 0: one document
   uint64_t seed = 1;  // of the document lengths
+  Engine engine = Engine::kAuto;
+  std::string calibration = "builtin";  // a file, "builtin" or "none"
 };
 
 constexpr char kUsage[] =
     "usage: hsap_plan --cluster FILE [--model NAME] [--seq N] [--full] [--margin F] "
     "[--no-checkpointing] [--json FILE] [--svg FILE] [--brief] [--run [--docs MEAN] "
-    "[--seed N]] [FILE...]\n"
+    "[--seed N]] [--engine auto|jit|cudnn|fa2|fa3] [--calibration FILE|builtin|none] "
+    "[FILE...]\n"
     "       hsap_plan --help\n";
 
 [[noreturn]] void Usage(const char* msg) {
@@ -109,6 +124,12 @@ Args Parse(int argc, char** argv) {
       if (!absl::SimpleAtod(value(), &a.docs) || a.docs < 0) Usage("--docs needs a length >= 0");
     } else if (arg == "--seed") {
       if (!absl::SimpleAtoi(value(), &a.seed)) Usage("--seed needs a non-negative integer");
+    } else if (arg == "--engine") {
+      absl::StatusOr<Engine> engine = ParseEngine(value());
+      if (!engine.ok()) Usage(std::string(engine.status().message()).c_str());
+      a.engine = *engine;
+    } else if (arg == "--calibration") {
+      a.calibration = value();
     } else if (arg == "--brief") {
       a.brief = true;
     } else if (!arg.empty() && arg[0] != '-') {
@@ -364,6 +385,9 @@ void PrintPlanReport(const Args& args, const Cluster& cluster, const ModelSpec& 
   std::printf("# hsap_plan: %s (%s), %s, %ld tokens, %s mask\n", cluster.name.c_str(),
               cluster.Summary().c_str(), model.name.c_str(), static_cast<long>(args.seq),
               args.full ? "full" : "causal");
+  std::printf("# priced: %s\n", cluster.pricing.empty()
+                                    ? "flat datasheet peak x attention_efficiency (no calibration)"
+                                    : cluster.pricing.c_str());
   std::printf(
       "# attention per layer: %.3g TFLOP forward, %.3g TFLOP backward; ideal bound "
       "%.3f ms/layer\n#\n",
@@ -452,9 +476,22 @@ int WriteOutputs(const Args& args, const Cluster& cluster, const Workload& workl
   return 0;
 }
 
-int RunOne(const Args& args, const std::string& path, bool print_plan,
-           std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
+// The calibration of --calibration: the built-in one, a file over it, or none (nullopt).
+absl::StatusOr<std::optional<Calibration>> LoadPricing(const Args& args) {
+  if (args.calibration == "none") return std::optional<Calibration>();
+  if (args.calibration == "builtin") return std::optional<Calibration>(BuiltinCalibration());
+  absl::StatusOr<Calibration> c = LoadCalibrationOverBuiltin(args.calibration);
+  if (!c.ok()) return c.status();
+  return std::optional<Calibration>(*std::move(c));
+}
+
+int RunOne(const Args& args, const std::optional<Calibration>& calibration, const std::string& path,
+           bool print_plan, std::vector<double>* speedups, std::vector<double>* ideal_fractions) {
   auto cluster = LoadCluster(path);
+  if (cluster.ok() && calibration.has_value()) {
+    absl::StatusOr<std::string> priced = ApplyCalibration(*calibration, args.engine, &*cluster);
+    if (!priced.ok()) cluster = priced.status();
+  }
   if (!cluster.ok()) {
     std::fprintf(stderr, "hsap_plan: %s\n", std::string(cluster.status().message()).c_str());
     return 1;
@@ -494,14 +531,26 @@ int RunOne(const Args& args, const std::string& path, bool print_plan,
 
 int main(int argc, char** argv) {
   const Args args = Parse(argc, argv);
+  const absl::StatusOr<std::optional<Calibration>> calibration = LoadPricing(args);
+  if (!calibration.ok()) {
+    std::fprintf(stderr, "hsap_plan: --calibration: %s\n",
+                 std::string(calibration.status().message()).c_str());
+    return 1;
+  }
   if (args.clusters.size() == 1 && !args.brief) {
-    return RunOne(args, args.clusters[0], /*print_plan=*/true, nullptr, nullptr);
+    return RunOne(args, *calibration, args.clusters[0], /*print_plan=*/true, nullptr, nullptr);
   }
   std::printf(
       "# hsap_plan: model %s, %ld tokens, %s mask; tokens/s through all layers' "
       "attention (fwd + bwd), priced by what runs (the run simulator: the runtime's own "
       "programs)\n",
       args.model.c_str(), static_cast<long>(args.seq), args.full ? "full" : "causal");
+  std::printf(
+      "# priced: engine %s, calibration %s (hsap_plan --cluster FILE names the figures "
+      "per device kind)\n",
+      EngineName(args.engine),
+      calibration->has_value() ? (*calibration)->name.c_str()
+                               : "none (flat datasheet peak x attention_efficiency)");
   std::printf(
       "# speedup: attention only; e2e_x: whole layer (attention + token-parallel projections "
       "and MLP); of_hw / of_model: hsap against the hardware bound (datasheet peak) and the "
@@ -513,7 +562,7 @@ int main(int argc, char** argv) {
   std::vector<double> speedups, ideal;
   int rc = 0;
   for (const std::string& path : args.clusters) {
-    rc |= RunOne(args, path, /*print_plan=*/false, &speedups, &ideal);
+    rc |= RunOne(args, *calibration, path, /*print_plan=*/false, &speedups, &ideal);
   }
   if (!speedups.empty()) {
     double sum = 0, max = 0;

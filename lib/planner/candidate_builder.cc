@@ -79,7 +79,7 @@ LinearGroupTimes LineariseGroupTimes(const Grouping& grouping, const PlanCost& c
     for (int r : grouping.groups[g]) {
       const RankCost& rc = cost.ranks[r];
       f.a[g] = std::max(f.a[g], (rc.a2a_forward + rc.a2a_backward) / share[g]);
-      f.c[g] = std::max(f.c[g], rc.compute_forward * (1.0 + kBackwardFactor) / share[g]);
+      f.c[g] = std::max(f.c[g], (rc.compute_forward + rc.compute_backward) / share[g]);
       f.x[g] = std::max(f.x[g], 3.0 * rc.ring_transfer_forward / (1.0 - share[g]));
     }
   }

@@ -60,12 +60,23 @@ absl::StatusOr<int> ReadCount(const json& object, const char* name, const std::s
 const std::vector<DeviceKind>& BuiltinDeviceKinds() {
   // Datasheet figures (dense, no sparsity); see docs/cost_model.md for sources and for the
   // attention efficiencies, which are calibration defaults, not datasheet figures.
+  auto kind = [](const char* name, double peak, double memory, double hbm, double efficiency,
+                 double intra_node) {
+    DeviceKind k;
+    k.name = name;
+    k.peak_flops = peak;
+    k.memory_bytes = memory;
+    k.hbm_bytes_per_s = hbm;
+    k.attention_efficiency = efficiency;
+    k.intra_node_bytes_per_s = intra_node;
+    return k;
+  };
   static const std::vector<DeviceKind> kinds = {
-      {"H100", 989.4e12, 80 * kGiB, 3350 * kGB, 0.60, 450 * kGB},
-      {"A100", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 300 * kGB},
-      {"H200", 989.4e12, 140 * kGiB, 4800 * kGB, 0.60, 450 * kGB},
-      {"A800", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 200 * kGB},
-      {"L40S", 362.05e12, 48 * kGiB, 864 * kGB, 0.50, 32 * kGB},
+      kind("H100", 989.4e12, 80 * kGiB, 3350 * kGB, 0.60, 450 * kGB),
+      kind("A100", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 300 * kGB),
+      kind("H200", 989.4e12, 140 * kGiB, 4800 * kGB, 0.60, 450 * kGB),
+      kind("A800", 312e12, 80 * kGiB, 2039 * kGB, 0.60, 200 * kGB),
+      kind("L40S", 362.05e12, 48 * kGiB, 864 * kGB, 0.50, 32 * kGB),
   };
   return kinds;
 }
@@ -151,6 +162,7 @@ absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
             std::tuple{"intra_node_gbps", kGB, &kind.intra_node_bytes_per_s}}) {
         if (auto s = ReadPositive(spec, field, where, scale, !builtin, out); !s.ok()) return s;
       }
+      if (spec.contains("attention_efficiency")) kind.efficiency_given = true;
       if (kind.attention_efficiency > 1) {
         return Invalid(absl::StrCat(where, ".attention_efficiency = ", kind.attention_efficiency,
                                     " must be in (0, 1]"));
@@ -332,9 +344,11 @@ PortClock::PortClock(const Cluster& cluster) : cluster_(cluster), map_(cluster) 
 double PortClock::Transfer(int src, int dst, double bytes, double ready, double* start) {
   auto [a, b] = map_.Ports(src, dst);
   const double begin = std::max({ready, free_[a], free_[b]});
-  const double end = begin + bytes / std::min(map_.bandwidth(a), map_.bandwidth(b));
-  free_[a] = begin + bytes / map_.bandwidth(a);
-  free_[b] = begin + bytes / map_.bandwidth(b);
+  // NCCL's protocol: a fixed cost of half_bandwidth_bytes and link_efficiency of the link.
+  const double wire = (bytes + cluster_.half_bandwidth_bytes) / cluster_.link_efficiency;
+  const double end = begin + wire / std::min(map_.bandwidth(a), map_.bandwidth(b));
+  free_[a] = begin + wire / map_.bandwidth(a);
+  free_[b] = begin + wire / map_.bandwidth(b);
   *start = begin;
   return end + cluster_.Latency(src, dst);
 }

@@ -21,12 +21,14 @@
 #ifndef HSAP_LIB_PLANNER_CLUSTER_H_
 #define HSAP_LIB_PLANNER_CLUSTER_H_
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "lib/planner/kernel_rates.h"
 #include "nlohmann/json.hpp"
 
 namespace hsap {
@@ -38,8 +40,28 @@ struct DeviceKind {
   double hbm_bytes_per_s = 0;         // memory bandwidth
   double attention_efficiency = 0;    // fraction of peak an attention kernel sustains
   double intra_node_bytes_per_s = 0;  // per direction, device to any peer in its node
-  // Sustained attention FLOP/s: peak x efficiency.
+  // The calibrated rates of the attention engine that runs on the kind (ApplyCalibration,
+  // lib/planner/calibration.h); null: peak x attention_efficiency, flat, both directions.
+  std::shared_ptr<const AttentionRates> rates;
+  // Fraction of peak the dense GEMMs (projections, MLP) sustain; 0: attention_efficiency.
+  double gemm_efficiency = 0;
+  // Fraction of the device's compute NCCL's kernels take while a transfer overlaps a ring
+  // stage's attention (their SMs over the device's).
+  double nccl_compute_fraction = 0;
+  // The cluster description set attention_efficiency for this kind: it is priced flat at
+  // that efficiency, whatever the calibration says (the site's own word wins).
+  bool efficiency_given = false;
+  // Sustained attention FLOP/s: peak x efficiency. With calibrated rates, ApplyCalibration
+  // sets the efficiency to the engine's forward + backward rate at a 16K block, so that
+  // shares in proportion to it follow the engine.
   double AttentionFlops() const { return peak_flops * attention_efficiency; }
+  // FLOP/s of a piece of attention of `block_tokens` (BlockTokensOf) at `head_dim`.
+  double AttentionRate(bool backward, double block_tokens, int head_dim) const {
+    return rates ? rates->Rate(backward, block_tokens, head_dim) : AttentionFlops();
+  }
+  double GemmFlops() const {
+    return peak_flops * (gemm_efficiency > 0 ? gemm_efficiency : attention_efficiency);
+  }
 };
 
 // The built-in kinds: H100 (SXM5 80GB), H200 (SXM 141GB), A100 (SXM4 80GB), A800 (SXM4 80GB),
@@ -66,6 +88,18 @@ struct Cluster {
   std::vector<Device> devices;
   double intra_node_latency_s = 3e-6;
   double inter_node_latency_s = 10e-6;
+  // What steps and messages cost beyond FLOPs and bytes (ApplyCalibration; the defaults
+  // price none of it): per ring stage, the launch of its kernels and the merge of its
+  // partial result; NCCL's protocol efficiency by message size: a message of b bytes over a
+  // link of bandwidth B takes (b + half_bandwidth_bytes) / (B x link_efficiency).
+  double step_overhead_s = 0;
+  // HBM bytes per output element of a forward stage's merge into the running output.
+  double merge_bytes_per_element = 0;
+  double link_efficiency = 1;
+  double half_bandwidth_bytes = 0;
+  // What priced the cluster's kinds: engine and calibration per kind (ApplyCalibration);
+  // empty: the flat datasheet peak x attention_efficiency.
+  std::string pricing;
 
   int size() const { return static_cast<int>(devices.size()); }
   const DeviceKind& kind_of(int device) const { return kinds[devices[device].kind]; }

@@ -36,7 +36,8 @@ const std::vector<Preset>& Presets() {
 // loaded port allows (load / bandwidth); the model takes that bound as the time.
 class PortLoads {
  public:
-  explicit PortLoads(const Cluster& cluster) : map_(cluster), load_(map_.size(), 0.0) {}
+  explicit PortLoads(const Cluster& cluster)
+      : map_(cluster), load_(map_.size(), 0.0), efficiency_(cluster.link_efficiency) {}
   void Clear() { std::fill(load_.begin(), load_.end(), 0.0); }
   void Add(int src, int dst, double bytes) {
     auto [a, b] = map_.Ports(src, dst);
@@ -46,12 +47,13 @@ class PortLoads {
   // Time for the flow src -> dst given every load added: its more loaded port.
   double Time(int src, int dst) const {
     auto [a, b] = map_.Ports(src, dst);
-    return std::max(load_[a] / map_.bandwidth(a), load_[b] / map_.bandwidth(b));
+    return std::max(load_[a] / map_.bandwidth(a), load_[b] / map_.bandwidth(b)) / efficiency_;
   }
 
  private:
   PortMap map_;
   std::vector<double> load_;
+  double efficiency_;  // NCCL's protocol efficiency on the links (Cluster::link_efficiency)
 };
 
 // Position of every group in the ring order.
@@ -167,7 +169,14 @@ double RankMemoryBytes(const Cluster& cluster, const Workload& workload, double 
 }
 
 double IdealSeconds(const Cluster& cluster, const Workload& workload) {
-  return (workload.ForwardFlops() + workload.BackwardFlops()) / cluster.TotalAttentionFlops();
+  // Every device at its rate for a block of S / N tokens (its share under perfect balance).
+  const double block = static_cast<double>(workload.seq_len) / cluster.size();
+  double forward = 0, backward = 0;
+  for (int d = 0; d < cluster.size(); ++d) {
+    forward += cluster.kind_of(d).AttentionRate(false, block, workload.model.head_dim);
+    backward += cluster.kind_of(d).AttentionRate(true, block, workload.model.head_dim);
+  }
+  return workload.ForwardFlops() / forward + workload.BackwardFlops() / backward;
 }
 
 double HardwareBoundSeconds(const Cluster& cluster, const Workload& workload) {
@@ -184,12 +193,14 @@ double DenseForwardFlopsPerToken(const ModelSpec& m) {
 }
 
 double DenseLayerSeconds(const Cluster& cluster, const Workload& workload, const Plan& plan) {
-  const double per_token = 3.0 * DenseForwardFlopsPerToken(workload.model);  // fwd + 2x bwd
+  // fwd + 2x bwd, and the forward again where activations are recomputed (checkpointing).
+  const double passes = workload.budget.activation_checkpointing ? 4.0 : 3.0;
+  const double per_token = passes * DenseForwardFlopsPerToken(workload.model);
   const std::vector<double> shares = plan.RankShares();
   double slowest = 0;
   for (int r = 0; r < cluster.size() && r < static_cast<int>(shares.size()); ++r) {
     const double tokens = shares[r] * static_cast<double>(workload.seq_len);
-    slowest = std::max(slowest, tokens * per_token / cluster.kind_of(r).AttentionFlops());
+    slowest = std::max(slowest, tokens * per_token / cluster.kind_of(r).GemmFlops());
   }
   return slowest;
 }
@@ -284,9 +295,13 @@ RankHeads PriceRanks(const Cluster& cluster, const Workload& workload, const Pla
       rc.tokens = seq * share[g] * group.token_weights[i] / token_sum;
       rh.heads[r] = static_cast<int>(group.heads[i].size());
       rh.kv_heads[r] = static_cast<int>(plan.KvHeadsOf(g, static_cast<int>(i)).size());
+      // The group's block: its tokens, all of them against its own and each step's.
+      const double flops = 4.0 * d * pairs * share[g] * rh.heads[r];
+      const DeviceKind& kind = cluster.kind_of(r);
       rc.compute_forward =
-          4.0 * d * pairs * share[g] * rh.heads[r] / cluster.kind_of(r).AttentionFlops();
-      rc.compute_backward = kBackwardFactor * rc.compute_forward;
+          flops / kind.AttentionRate(false, seq * share[g], workload.model.head_dim);
+      rc.compute_backward = kBackwardFactor * flops /
+                            kind.AttentionRate(true, seq * share[g], workload.model.head_dim);
       rc.memory_bytes = RankMemoryBytes(cluster, workload, rc.tokens, seq * share[g], rh.heads[r],
                                         rh.kv_heads[r], seq * max_share, num_groups > 1);
       rc.memory_capacity = UsableMemoryBytes(cluster, workload, r);
@@ -369,12 +384,14 @@ AllToAllSeconds PriceAllToAll(const Cluster& cluster, const Workload& workload, 
   return seconds;
 }
 
-// The slowest forward compute among each group's ranks.
-std::vector<double> GroupCompute(const Plan& plan, const PlanCost& cost) {
+// The slowest compute (forward or backward) among each group's ranks.
+std::vector<double> GroupCompute(const Plan& plan, const PlanCost& cost, bool backward) {
   std::vector<double> group_compute(plan.groups.size(), 0.0);
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     for (int r : plan.groups[g].ranks) {
-      group_compute[g] = std::max(group_compute[g], cost.ranks[r].compute_forward);
+      const RankCost& rc = cost.ranks[r];
+      group_compute[g] =
+          std::max(group_compute[g], backward ? rc.compute_backward : rc.compute_forward);
     }
   }
   return group_compute;
@@ -471,13 +488,15 @@ struct RingSeconds {
 RingSeconds PriceRing(const Cluster& cluster, const Workload& workload, const Plan& plan,
                       const std::vector<double>& share, RingPricing pricing, PortLoads* ports,
                       PlanCost* cost) {
-  const std::vector<double> group_compute = GroupCompute(plan, *cost);
-  if (plan.groups.size() == 1) return {group_compute[0], kBackwardFactor * group_compute[0]};
+  const std::vector<double> compute[2] = {GroupCompute(plan, *cost, false),
+                                          GroupCompute(plan, *cost, true)};
+  if (plan.groups.size() == 1) return {compute[0][0], compute[1][0]};
   const RingTransfers rt = PriceRingTransfers(cluster, workload, plan, share, ports, cost);
-  // Backward: compute x2.5; K/V forward and dK/dV partial sums along the ring: bytes x2.
+  // Backward: its own compute; K/V forward and dK/dV partial sums along the ring: bytes x2.
   RingSeconds seconds;
   for (int pass = 0; pass < 2; ++pass) {
-    const double cf = pass == 0 ? 1.0 : kBackwardFactor;
+    const std::vector<double>& group_compute = compute[pass];
+    const double cf = 1.0;
     const double xf = pass == 0 ? 1.0 : 2.0;
     const double total = pricing == RingPricing::kPipelined
                              ? PipelinedRingSeconds(plan, group_compute, rt, share, cf, xf)

@@ -127,7 +127,8 @@ double RankMemoryBytes(const Cluster& cluster, const Workload& workload, double 
 double ModelStateBytesPerDevice(const Cluster& cluster, const Workload& workload);
 double UsableMemoryBytes(const Cluster& cluster, const Workload& workload, int device);
 
-// The ideal bound: all attention FLOPs (fwd + bwd) over the sum of sustained FLOP/s —
+// The ideal bound: all attention FLOPs (fwd + bwd) over the sum of sustained FLOP/s (each
+// device's engine rate for a block of seq / devices tokens, forward and backward apart) —
 // perfect balance, communication fully hidden.
 double IdealSeconds(const Cluster& cluster, const Workload& workload);
 
@@ -139,8 +140,9 @@ double HardwareBoundSeconds(const Cluster& cluster, const Workload& workload);
 // SwiGLU MLP, forward FLOPs per token (2 per multiply-add); backward does twice as many.
 double DenseForwardFlopsPerToken(const ModelSpec& model);
 // Forward + backward time of that part of one layer when every rank runs its token share of
-// the row (plan.RankShares()) at its device's sustained rate (peak x attention efficiency:
-// the cost model has no separate matmul efficiency): the slowest rank's time.
+// the row (plan.RankShares()) at its device's GEMM rate (DeviceKind::GemmFlops: peak x
+// gemm_efficiency, the calibration's), plus the forward again when the workload checkpoints
+// activations (the recompute the memory model assumes): the slowest rank's time.
 double DenseLayerSeconds(const Cluster& cluster, const Workload& workload, const Plan& plan);
 
 }  // namespace hsap

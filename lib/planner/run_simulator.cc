@@ -11,6 +11,7 @@
 #include "attention/kernel.h"
 #include "base/status_macros.h"
 #include "lib/planner/cost_model.h"
+#include "lib/planner/kernel_rates.h"
 #include "lib/sched/partition.h"
 #include "lib/sched/schedule.h"
 
@@ -57,10 +58,30 @@ class RunPricer {
     return backward ? programs_[r].backward : programs_[r].forward;
   }
 
-  double ComputeSeconds(int r, int64_t pairs, bool backward) {
-    const double flops = 4.0 * head_dim_ * static_cast<double>(pairs) * programs_[r].query_heads *
+  // The attention of `pairs` visible pairs per head on rank r: the local work (stage < 0)
+  // or ring stage `stage` of the pass. At the engine's rate for the piece's block length
+  // (kernel_rates.h), slowed by NCCL's share of the device while a transfer is in flight
+  // beside it (every piece but the pass's last stage, when the rank has stages); a stage
+  // also pays its kernels' launch and, forward, the merge of its partial output into the
+  // running one (Cluster::merge_bytes_per_element of HBM traffic per output element).
+  double ComputeSeconds(int r, int64_t pairs, bool backward, int stage = -1) {
+    const RankProgram& program = programs_[r];
+    const DeviceKind& kind = cluster_.kind_of(r);
+    const double flops = 4.0 * head_dim_ * static_cast<double>(pairs) * program.query_heads *
                          (backward ? kBackwardFactor : 1.0);
-    const double seconds = flops / cluster_.kind_of(r).AttentionFlops();
+    const int stages = static_cast<int>(PassOf(r, backward).stages.size());
+    const double block =
+        BlockTokensOf(static_cast<double>(pairs), static_cast<double>(program.query_rows));
+    double rate = kind.AttentionRate(backward, block, head_dim_);
+    if (stages > 0 && stage < stages - 1) rate *= 1.0 - kind.nccl_compute_fraction;
+    double seconds = pairs > 0 ? flops / rate : 0.0;
+    if (stage >= 0) {
+      seconds += cluster_.step_overhead_s;
+      if (!backward && kind.hbm_bytes_per_s > 0) {
+        seconds += cluster_.merge_bytes_per_element * static_cast<double>(program.query_rows) *
+                   program.query_heads * head_dim_ / kind.hbm_bytes_per_s;
+      }
+    }
     result_.ranks[r].compute_seconds += seconds;
     return seconds;
   }
@@ -251,7 +272,7 @@ class RunPricer {
         const int i = stage_at_[r][step];
         if (i < 0) continue;
         compute_end[r][i] =
-            begin[r] + ComputeSeconds(r, programs_[r].forward.stages[i].pairs, false);
+            begin[r] + ComputeSeconds(r, programs_[r].forward.stages[i].pairs, false, i);
         clock_[r] = compute_end[r][i];
       }
     }
@@ -290,7 +311,7 @@ class RunPricer {
         PriceFan(step, true, false, at);
         for (int r = 0; r < n; ++r) {
           const int i = stage_at_[r][step];
-          if (i >= 0) at[r] += ComputeSeconds(r, programs_[r].backward.stages[i].pairs, true);
+          if (i >= 0) at[r] += ComputeSeconds(r, programs_[r].backward.stages[i].pairs, true, i);
         }
         PriceFan(step, true, true, at);
       }

@@ -11,8 +11,12 @@
 // protocol::BackwardPostingOrder, computes stage i once its K/V arrived, posts its gradient
 // group, then waits for stage i - 1's. A message starts when both ends have posted it and
 // goes through the cluster's ports (PortClock: each device's intra-node ports, each node's
-// NICs). Compute of a stage lasts pairs x heads x 4 x head_dim FLOPs (backward 2.5x) over the
-// device's sustained attention FLOP/s, so causal imbalance comes out of the real work lists.
+// NICs; with NCCL's protocol cost, Cluster::link_efficiency and half_bandwidth_bytes). Compute
+// of a stage lasts pairs x heads x 4 x head_dim FLOPs (backward 2.5x) over the device's engine
+// rate for the stage's block length (2 pairs / query rows, kernel_rates.h), less NCCL's share
+// of the device while a transfer runs beside it, plus the stage's launch and merge
+// (Cluster::step_overhead_s, merge_bytes_per_element), so causal imbalance and short ring
+// blocks come out of the real work lists.
 // The backward starts when the forward ended on every rank.
 #ifndef HSAP_LIB_PLANNER_RUN_SIMULATOR_H_
 #define HSAP_LIB_PLANNER_RUN_SIMULATOR_H_

@@ -51,7 +51,6 @@ class PassSimulator {
     const int num_groups = static_cast<int>(plan_.groups.size());
     const double d = workload_.model.head_dim, b = workload_.model.dtype_bytes;
     const double seq = static_cast<double>(workload_.seq_len);
-    const double compute_factor = backward ? kBackwardFactor : 1.0;
     const double ring_factor = backward ? 2.0 : 1.0;
     auto tokens = [&](int r) { return cost_.ranks[r].tokens; };
     // Into the head layout: forward q, k, v; backward dout.
@@ -94,7 +93,9 @@ class PassSimulator {
       for (int r = 0; r < n; ++r) {
         const int src_group = SourceGroup(group_of_[r], s);
         const double start = std::max(done[r], s > 0 ? arrive[r] : ready[r]);
-        const double length = compute_factor * cost_.ranks[r].compute_forward * share_[src_group];
+        const RankCost& rc = cost_.ranks[r];
+        const double length =
+            (backward ? rc.compute_backward : rc.compute_forward) * share_[src_group];
         done[r] = start + length;
         result_->devices[r].busy_seconds += length;
         if (record_ && length > 0) {

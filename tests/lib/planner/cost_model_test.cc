@@ -62,9 +62,19 @@ TEST(CostModelTest, YardsticksAndTheDenseRestOfTheLayer) {
   EXPECT_DOUBLE_EQ(HardwareBoundSeconds(c, w), 0.5 * IdealSeconds(c, w));
   // 2 x (projections 256 x (2 x 4 + 2 x 2) x 64 + MLP 3 x 256 x 512).
   EXPECT_DOUBLE_EQ(DenseForwardFlopsPerToken(w.model), 2.0 * (256 * 12 * 64 + 3 * 256 * 512));
-  // Equal shares on 4 equal devices: a quarter of the row each, forward + 2x backward.
-  const double per_rank = 4096 / 4.0 * 3 * DenseForwardFlopsPerToken(w.model) / kSustained;
+  // Equal shares on 4 equal devices: a quarter of the row each, forward + 2x backward, and
+  // the forward again since the memory model checkpoints activations (the default): the
+  // recompute is priced. The GEMMs run at attention_efficiency where the kind gives no
+  // gemm_efficiency.
+  ASSERT_TRUE(w.budget.activation_checkpointing);
+  const double per_rank = 4096 / 4.0 * 4 * DenseForwardFlopsPerToken(w.model) / kSustained;
   EXPECT_DOUBLE_EQ(DenseLayerSeconds(c, w, OneGroup(4)), per_rank);
+  Workload no_recompute = w;
+  no_recompute.budget.activation_checkpointing = false;
+  EXPECT_DOUBLE_EQ(DenseLayerSeconds(c, no_recompute, OneGroup(4)), 0.75 * per_rank);
+  Cluster gemm = c;
+  gemm.kinds[0].gemm_efficiency = 0.25;  // half the attention's 0.5
+  EXPECT_DOUBLE_EQ(DenseLayerSeconds(gemm, w, OneGroup(4)), 2 * per_rank);
   // Uneven token weights: the rank holding the most tokens sets the time.
   Plan uneven = OneGroup(4);
   uneven.groups[0].token_weights = {2, 1, 1, 0};
