@@ -57,7 +57,7 @@ extern "C" {
 #define HSAP_PATCH 0
 #define HSAP_SUFFIX ""
 #define HSAP_VERSION_CODE (HSAP_MAJOR * 10000 + HSAP_MINOR * 100 + HSAP_PATCH)
-#define HSAP_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+#define HSAP_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
 
 /* Tag placed in the `magic` field of every config struct by its initializer. */
 #define HSAP_CONFIG_MAGIC 0x48534150u /* "HSAP" */
@@ -80,10 +80,10 @@ typedef enum { hsapFloat32 = 0, hsapBFloat16 = 1, hsapFloat16 = 2 } hsapDataType
 
 /* Mask kind of one document of a packed row. */
 typedef enum {
-  hsapMaskCausal = 0,        /* token i sees tokens 0..i of its document */
-  hsapMaskFull = 1,          /* bidirectional inside the document */
-  hsapMaskPrefixLM = 2,      /* bidirectional over the first `param` tokens, causal after */
-  hsapMaskSlidingWindow = 3  /* causal, restricted to the last `param` tokens (i-param, i] */
+  hsapMaskCausal = 0,       /* token i sees tokens 0..i of its document */
+  hsapMaskFull = 1,         /* bidirectional inside the document */
+  hsapMaskPrefixLM = 2,     /* bidirectional over the first `param` tokens, causal after */
+  hsapMaskSlidingWindow = 3 /* causal, restricted to the last `param` tokens (i-param, i] */
 } hsapMaskKind_t;
 
 /* A rectangle of the (query, key) plane with a mask. Ranges are half-open token positions
@@ -146,8 +146,7 @@ hsapResult_t hsapLayoutGetNumTokens(hsapLayout_t layout, int64_t* numTokens);
 hsapResult_t hsapLayoutGetVisiblePairs(hsapLayout_t layout, int64_t* pairs);
 /* The mask slices the layout compiles to. With slices == NULL only *numSlices is written;
  * otherwise up to *numSlices are copied and *numSlices is set to the count. */
-hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices,
-                                 int64_t* numSlices);
+hsapResult_t hsapLayoutGetSlices(hsapLayout_t layout, hsapMaskSlice_t* slices, int64_t* numSlices);
 
 /* ---- Single-device attention on the host (the CPU analogue of flash_attn_varlen) ------- */
 
@@ -184,8 +183,8 @@ hsapResult_t hsapAttentionForwardLocal(const hsapAttentionConfig_t* config, hsap
 hsapResult_t hsapAttentionBackwardLocal(const hsapAttentionConfig_t* config, hsapLayout_t layout,
                                         const hsapTensor_t* dout, const hsapTensor_t* q,
                                         const hsapTensor_t* k, const hsapTensor_t* v,
-                                        const hsapTensor_t* out, const float* lse,
-                                        hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv);
+                                        const hsapTensor_t* out, const float* lse, hsapTensor_t* dq,
+                                        hsapTensor_t* dk, hsapTensor_t* dv);
 
 /* ---- Communicators ------------------------------------------------------------------ */
 
@@ -241,8 +240,10 @@ typedef struct {
 } hsapCommConfig_t;
 
 #define HSAP_COMM_CONFIG_INITIALIZER                                            \
-  { sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL, \
-    hsapBackendDefault, NULL }
+  {                                                                             \
+    sizeof(hsapCommConfig_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, NULL, \
+        hsapBackendDefault, NULL                                                \
+  }
 
 /* Creates nranks ranks of the host backend in this process (comms[0..nranks-1]), like
  * ncclCommInitAll. Each rank's later calls are made from its own thread. config may be
@@ -277,8 +278,8 @@ hsapResult_t hsapPartitionGetRanges(hsapPartition_t partition, int rank, int64_t
                                     int64_t* numRanges, int64_t* numTokens);
 /* Copies a packed row [T, bytesPerToken] into per-rank shards (shards[r] holds rank r's
  * tokens), and back. T * bytesPerToken is at most 2^56 bytes (see Limits). */
-hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row,
-                                  size_t bytesPerToken, void* const* shards);
+hsapResult_t hsapPartitionScatter(hsapPartition_t partition, const void* row, size_t bytesPerToken,
+                                  void* const* shards);
 hsapResult_t hsapPartitionGather(hsapPartition_t partition, const void* const* shards,
                                  size_t bytesPerToken, void* row);
 
@@ -323,15 +324,13 @@ hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens);
 
 /* Collective. q/k/v/out are this rank's shards [localTokens, H, D]; lse is float32
  * [numHeadsQ, localTokens]. */
-hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q,
-                                  const hsapTensor_t* k, const hsapTensor_t* v,
-                                  hsapTensor_t* out, float* lse);
+hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
+                                  const hsapTensor_t* v, hsapTensor_t* out, float* lse);
 /* Collective. Gradients for this rank's shards; dq/dk/dv are overwritten. */
 hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
                                    const hsapTensor_t* q, const hsapTensor_t* k,
-                                   const hsapTensor_t* v, const hsapTensor_t* out,
-                                   const float* lse, hsapTensor_t* dq, hsapTensor_t* dk,
-                                   hsapTensor_t* dv);
+                                   const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
+                                   hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv);
 
 /* Bytes this rank moved in the last forward and the last backward of the batch. */
 typedef struct {
@@ -386,8 +385,8 @@ hsapResult_t hsapPlanDestroy(hsapPlan_t plan);
 hsapResult_t hsapPlanGetPredictedTime(hsapPlan_t plan, double* forwardSeconds,
                                       double* backwardSeconds);
 /* numRanks, numHeadsQ, numHeadsKV and numGroups of the plan; any pointer may be NULL. */
-hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ,
-                              int* numHeadsKV, int* numGroups);
+hsapResult_t hsapPlanGetShape(hsapPlan_t plan, int* numRanks, int* numHeadsQ, int* numHeadsKV,
+                              int* numGroups);
 
 /* ---- Planning at start-up: a plan for a cluster and a model ------------------------- */
 
@@ -408,12 +407,20 @@ typedef struct {
   int causal;                  /* 1: one causal document; 0: bidirectional */
   double memoryMargin;         /* fraction of device memory kept free, in [0, 1) */
   int activationCheckpointing; /* 1: layers keep only their input; 0: everything */
+  /* How the plan is priced (docs/cost_model.md). engine: the attention engine the plan is
+   * priced for: NULL or "auto" (cuDNN where calibrated, else the JIT kernels, as
+   * HSAP_ATTENTION_ENGINE=auto runs), "jit", "cudnn", the what-ifs "fa2" / "fa3", or "none"
+   * (no calibration: the flat peak x attentionEfficiency). calibrationJson: NULL for the
+   * built-in calibration, or the text of a calibration file (hsap_attn_perf
+   * --calibration-out writes one) whose figures replace the built-in ones they name. */
+  const char* engine;
+  const char* calibrationJson;
 } hsapPlanModel_t;
 
 #define HSAP_PLAN_MODEL_INITIALIZER                                                        \
   {                                                                                        \
     sizeof(hsapPlanModel_t), HSAP_CONFIG_MAGIC, HSAP_VERSION_CODE, 0, 0, 0, 0, 0, 0, 0, 0, \
-        hsapBFloat16, 1, 0.10, 1                                                           \
+        hsapBFloat16, 1, 0.10, 1, NULL, NULL                                               \
   }
 
 /* Plans attention for `model` on the cluster that `clusterJson` describes (the format of the
@@ -558,8 +565,7 @@ hsapResult_t hsapCommInitRank(hsapComm_t* comm, int nranks, hsapUniqueId_t uniqu
 /* Adopts a trainer's existing ncclComm_t (passed as void*); the ncclComm stays owned by the
  * caller and must outlive the hsap communicator. config may be NULL. Collective over the
  * ncclComm's ranks (node discovery all-gathers a host hash, see rankNodes). */
-hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm,
-                                  const hsapCommConfig_t* config);
+hsapResult_t hsapCommInitFromNccl(hsapComm_t* comm, void* ncclComm, const hsapCommConfig_t* config);
 /* Collective over comm: ranks with equal color form a new communicator (ordered by key, then
  * rank), through ncclCommSplit -- e.g. the head-parallel groups of a plan. color < 0: this
  * rank joins none and *newcomm is set to NULL. Only for CUDA communicators. The new

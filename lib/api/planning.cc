@@ -1,4 +1,5 @@
 // C entry points of the "Planning at start-up" section of hsap.h.
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "lib/api/result.h"
 #include "lib/comm/topology.h"
 #include "lib/cuda/exec/gpu_batch.h"
+#include "lib/planner/calibration.h"
 #include "lib/planner/cluster.h"
 #include "lib/planner/cost_model.h"
 #include "lib/planner/planner.h"
@@ -21,8 +23,8 @@ namespace {
 // The planner's workload for a caller's model, each field checked.
 absl::StatusOr<Workload> WorkloadFromModel(const hsapPlanModel_t* model) {
   HSAP_RETURN_IF_ERROR(CheckNotNull(model, "model"));
-  HSAP_RETURN_IF_ERROR(
-      CheckConfigHeader(*model, "model", sizeof(hsapPlanModel_t), "HSAP_PLAN_MODEL_INITIALIZER"));
+  HSAP_RETURN_IF_ERROR(CheckConfigHeader(*model, "model", offsetof(hsapPlanModel_t, engine),
+                                         "HSAP_PLAN_MODEL_INITIALIZER"));
   if (model->seqLen < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("model->seqLen = ", model->seqLen, " must be >= 1"));
@@ -76,8 +78,45 @@ absl::StatusOr<Workload> WorkloadFromModel(const hsapPlanModel_t* model) {
   return w;
 }
 
-absl::Status PlanFor(const Cluster& cluster, const hsapPlanModel_t* model, hsapPlan_t* plan) {
+// The fields of hsapPlanModel_t that came after activationCheckpointing: a caller built
+// against an older hsap.h passes a smaller struct without them.
+bool HasPricingFields(const hsapPlanModel_t* model) {
+  return model->size >= offsetof(hsapPlanModel_t, calibrationJson) + sizeof(const char*);
+}
+
+// Prices `cluster` as model->engine and model->calibrationJson say (calibration.h).
+absl::Status PriceCluster(const hsapPlanModel_t* model, Cluster* cluster) {
+  const char* engine_name = HasPricingFields(model) ? model->engine : nullptr;
+  const char* text = HasPricingFields(model) ? model->calibrationJson : nullptr;
+  const std::string name = engine_name == nullptr ? "auto" : engine_name;
+  if (name == "none") {
+    if (text != nullptr) {
+      return absl::InvalidArgumentError(
+          "model->engine = \"none\" prices without calibration: model->calibrationJson must be "
+          "NULL");
+    }
+    return absl::OkStatus();
+  }
+  absl::StatusOr<Engine> engine = ParseEngine(name);
+  if (!engine.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("model->engine: ", engine.status().message(), ", or none"));
+  }
+  Calibration calibration = BuiltinCalibration();
+  if (text != nullptr) {
+    absl::StatusOr<Calibration> file = CalibrationFromJsonText(text);
+    if (!file.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model->calibrationJson: ", file.status().message()));
+    }
+    calibration = OverlayCalibration(calibration, *file);
+  }
+  return ApplyCalibration(calibration, *engine, cluster).status();
+}
+
+absl::Status PlanFor(Cluster cluster, const hsapPlanModel_t* model, hsapPlan_t* plan) {
   HSAP_ASSIGN_OR_RETURN(Workload workload, WorkloadFromModel(model));
+  HSAP_RETURN_IF_ERROR(PriceCluster(model, &cluster));
   PlannerOptions options;
   options.with_baselines = false;  // the plan alone: the baselines are references
   HSAP_ASSIGN_OR_RETURN(PlannerResult result, PlanAttention(cluster, workload, options));

@@ -1,5 +1,6 @@
 // hsapPlanCreateForCluster and hsapPlanCreateForComm: the plan every rank gets from its
 // communicator is the one the described cluster gives.
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -183,6 +184,54 @@ TEST(ApiPlanningTest, ModelAndHandleErrors) {
   ASSERT_EQ(hsapPlanGetRankMemory(plan, 0, &bytes), hsapSuccess);
   EXPECT_EQ(bytes, 0);
   hsapPlanDestroy(plan);
+}
+
+// How the plan is priced: the engine and the calibration (hsapPlanModel_t.engine,
+// .calibrationJson). One H200, 32K causal, 16 heads of 128: the predicted forward is the
+// forward FLOPs over the engine's rate.
+TEST(ApiPlanningTest, EngineAndCalibrationPriceThePlan) {
+  hsapPlanModel_t m = HSAP_PLAN_MODEL_INITIALIZER;
+  m.seqLen = 32768;
+  m.numLayers = 1;
+  m.numHeadsQ = m.numHeadsKV = 16;
+  m.headDim = 128;
+  const char* one_h200 = R"({"nodes": [{"kind": "H200", "devices": 1}]})";
+  const double flops = 4.0 * 128 * 32768.0 * 32769 / 2 * 16;
+  auto forward = [&](const hsapPlanModel_t& model) {
+    hsapPlan_t plan = nullptr;
+    EXPECT_EQ(hsapPlanCreateForCluster(&plan, one_h200, &model), hsapSuccess) << hsapGetLastError();
+    double fwd = 0, bwd = 0;
+    EXPECT_EQ(hsapPlanGetPredictedTime(plan, &fwd, &bwd), hsapSuccess);
+    hsapPlanDestroy(plan);
+    return fwd;
+  };
+  EXPECT_NEAR(forward(m) * 1e3, 7.496, 0.01);  // default: auto = cuDNN, measured 7.50 ms
+  m.engine = "jit";
+  EXPECT_NEAR(forward(m) * 1e3, 32.04, 0.05);  // measured 32.0 ms
+  m.engine = "none";
+  EXPECT_NEAR(forward(m), flops / (0.6 * 989.4e12), 1e-9);  // the flat 0.60 of peak
+  m.engine = "cudnn";
+  m.calibrationJson = R"({"format": "hsap-calibration", "version": 1, "name": "test",
+      "rates": [{"device_kind": "H200", "engine": "cudnn", "direction": "forward",
+                 "block_tokens": 32768, "head_dim": 128, "tflops": 300},
+                {"device_kind": "H200", "engine": "cudnn", "direction": "backward",
+                 "block_tokens": 32768, "head_dim": 128, "tflops": 200}]})";
+  EXPECT_NEAR(forward(m), flops / 300e12, 1e-9);
+  // Refused, naming the field.
+  hsapPlan_t plan = nullptr;
+  m.calibrationJson = R"({"rates": [{"device_kind": "H200"}]})";
+  EXPECT_EQ(hsapPlanCreateForCluster(&plan, one_h200, &m), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("model->calibrationJson: calibration: rates[0]"));
+  m.calibrationJson = nullptr;
+  m.engine = "tpu";
+  EXPECT_EQ(hsapPlanCreateForCluster(&plan, one_h200, &m), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("model->engine: unknown attention engine \"tpu\""));
+  // A caller built against the header before these fields: the built-in calibration, auto.
+  hsapPlanModel_t old = HSAP_PLAN_MODEL_INITIALIZER;
+  old = m;
+  old.engine = "tpu";  // beyond the size the caller says it has: never read
+  old.size = offsetof(hsapPlanModel_t, engine);
+  EXPECT_NEAR(forward(old) * 1e3, 7.496, 0.01);
 }
 
 }  // namespace
