@@ -63,7 +63,10 @@ namespace hsap::bench::attn_perf {
       "                         peers' K/V inside the fused kernel (1) or moves it with\n"
       "                         loopback transfer stages (0); sets $HSAP_FUSED_FORWARD.\n"
       "                         Default: hsap's choice (stages for several ranks on one\n"
-      "                         GPU, docs/gpu_backend.md)\n");
+      "                         GPU, docs/gpu_backend.md)\n"
+      "      --calibration-out FILE  cuda-loopback, --ranks 1, no plan: write each row's\n"
+      "                         forward and backward TFLOP/s (ours as engine jit, cuDNN's\n"
+      "                         as cudnn) as a calibration file for hsap_plan --calibration\n");
   std::exit(error == nullptr ? 0 : 2);
 }
 
@@ -156,6 +159,8 @@ bool ApplyShapeOption(const Arg& a, Options& o) {
     o.backend = value;
   } else if (arg == "--cudnn") {
     o.cudnn = static_cast<int>(need_int(0));
+  } else if (arg == "--calibration-out") {
+    o.calibration_out = value;
   } else if (arg == "--fused") {
     o.fused = static_cast<int>(need_int(0));
   } else if (arg == "--kv-heads") {
@@ -228,6 +233,12 @@ void CheckOptions(Options& o, bool end_set) {
   if (o.cudnn != 0 && o.backend != "cuda-loopback")
     Usage("--cudnn 1 needs --backend cuda-loopback");
   if (o.fused != -1 && o.fused != 0 && o.fused != 1) Usage("--fused must be 0 or 1");
+  if (!o.calibration_out.empty() &&
+      (o.backend != "cuda-loopback" || o.ranks != 1 || o.plan_mode())) {
+    Usage(
+        "--calibration-out needs --backend cuda-loopback, --ranks 1 and no plan (it records "
+        "one GPU's kernels)");
+  }
   if (o.plan_mode() && !o.weights.empty()) {
     Usage("--weights is for plain batches; use --seq-weights/--token-weights with --groups");
   }

@@ -98,6 +98,15 @@ for layout in causal packed; do
   keep "speed_$layout.txt"
 done
 
+# 3b. Calibration of the cost model (docs/cost_model.md): one causal document of 16K-128K
+# tokens on one rank, hsap's kernels and cuDNN's, written as a calibration file that
+# hsap_plan --calibration reads.
+say "## calibration: one GPU, one causal document of 16K-128K tokens, bf16, d 128, 16 heads"
+run "calibration.txt" 150 "$PERF" --backend cuda-loopback --ranks 1 --dtype bf16 --head-dim 128 \
+  --heads 16 --kv-heads 16 -b 16384 -e 131072 -f 2 -n 3 -w 1 -c 0 --docs-dist single \
+  --calibration-out "$RESULTS/calibration.json"
+keep "calibration.txt"
+
 # 4. Loopback ranks: ring and plan batches, the first row of each run checked on the GPU.
 # The GPU reference checks rows up to 5000 GFLOP of forward work (the 16K-32K rows here).
 CHECK=(--reference auto --gpu-ref-max-gflop 5000)

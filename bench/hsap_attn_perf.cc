@@ -19,6 +19,12 @@
 // The pieces: the command line in bench/attn_perf_options.h, a row and the ranks' runs in
 // bench/attn_perf_row.h, the check against the reference in bench/attn_perf_check.h, the
 // cuDNN comparison in bench/attn_perf_cudnn.h and the table in bench/attn_perf_report.h.
+//
+// --calibration-out FILE (cuda-loopback, one rank): each row's forward and backward TFLOP/s,
+// hsap's kernels as engine "jit" and cuDNN's as "cudnn", at the row's block length (2 x
+// visible pairs / tokens: the row's length for one causal document) and head dim, for the
+// device kind the GPU's name names, written as a calibration file (lib/planner/calibration.h)
+// that hsap_plan --calibration and the C ABI's planner read.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -38,6 +44,9 @@
 #include "bench/gpu_reference.h"
 #include "hsap/hsap.h"
 #include "lib/cuda/runtime/cuda_loader.h"
+#include "lib/planner/calibration.h"
+#include "lib/planner/cluster.h"
+#include "lib/planner/kernel_rates.h"
 
 namespace {
 
@@ -85,11 +94,42 @@ void InitComms(const Options& o, Setup* s) {
   s->cuda_rt = s->on_gpu ? *hsap::cuda::LoadCudaRuntime() : nullptr;  // the communicators exist
 }
 
+// The device kind of GPU 0 as the planner names it (an H200 is "H200"), or its driver name
+// when it is none of the built-in kinds.
+std::string DeviceKindOfGpu0() {
+  absl::StatusOr<const hsap::cuda::CudaDriverApi*> driver = hsap::cuda::LoadCudaDriver();
+  char name[256] = "unknown GPU";
+  int device = 0;
+  if (driver.ok() && (*driver)->DeviceGet(&device, 0) == 0) {
+    (*driver)->DeviceGetName(name, sizeof(name), device);
+  }
+  absl::StatusOr<hsap::DeviceDescription> d = hsap::DescribeNamedDevice(name, 0, 0, 1);
+  return d.ok() ? d->kind : std::string(name);
+}
+
+// --calibration-out: the GPU's kind and the rates measured so far.
+struct Recording {
+  std::string kind;
+  hsap::Calibration calibration;
+};
+
+// Adds a row's measured rates (FLOP/s of the row's forward FLOPs and 2.5x them).
+void RecordRates(const Options& o, const std::string& kind, const char* engine, double block,
+                 double fwd_flop, double fwd_s, double bwd_s, hsap::Calibration* out) {
+  if (fwd_s > 0) {
+    out->rates.push_back({kind, engine, false, block, o.head_dim, fwd_flop / fwd_s * 1e-12, ""});
+  }
+  if (bwd_s > 0) {
+    out->rates.push_back(
+        {kind, engine, true, block, o.head_dim, 2.5 * fwd_flop / bwd_s * 1e-12, ""});
+  }
+}
+
 // One row of T tokens: the ranks' runs, cuDNN's, the check, the table line, the '# check'
 // line and the cuDNN lines. False (after printing why) when the row cannot run.
 // *gpu_ref_error: the GPU reference's failure, kept across rows (bench/gpu_reference.h).
 bool RunRow(const Setup& s, int64_t T, bool fused_forward, bool* use_cudnn, bool* use_cudnn_bwd,
-            std::string* gpu_ref_error, Totals* totals) {
+            std::string* gpu_ref_error, Totals* totals, Recording* recording) {
   const Options& o = *s.o;
   Row row;
   if (!MakeRow(s, T, &row)) return false;
@@ -116,6 +156,15 @@ bool RunRow(const Setup& s, int64_t T, bool fused_forward, bool* use_cudnn, bool
   if (!PrintRowLine(s, row, runs, f, fused_forward, wrong_col)) return false;
   if (o.check != 0) std::printf("%s\n", CheckLine(T, check).c_str());
   PrintCudnnLines(cudnn, T, f.fwd_flop, f.fwd_tflops, f.bwd_tflops, &totals->cudnn);
+  if (recording != nullptr) {
+    const double block =
+        hsap::BlockTokensOf(static_cast<double>(row.pairs), static_cast<double>(T));
+    hsap::Calibration* c = &recording->calibration;
+    RecordRates(o, recording->kind, "jit", block, f.fwd_flop, f.fwd, f.bwd, c);
+    RecordRates(o, recording->kind, "cudnn", block, f.fwd_flop,
+                cudnn.fwd_ran ? cudnn.fwd.forward_ms * 1e-3 : 0,
+                cudnn.bwd_ran ? cudnn.bwd.backward_ms * 1e-3 : 0, c);
+  }
   std::fflush(stdout);
   totals->sum_fwd_tflops += f.fwd_tflops;
   totals->sum_bwd_tflops += f.bwd_tflops;
@@ -153,21 +202,39 @@ int main(int argc, char** argv) {
                     : std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / s.R);
 
   // Forward through peer windows: loopback batches without a plan where asked for (several
-  // loopback ranks share one GPU: stages unless --fused 1, lib/cuda/transport/loopback_transport.h).
+  // loopback ranks share one GPU: stages unless --fused 1,
+  // lib/cuda/transport/loopback_transport.h).
   const bool fused_forward = s.on_gpu && s.plan == nullptr && (o.fused == 1 || s.R == 1);
   PrintPreamble(s, version, threads_per_rank, fused_forward);
   bool use_cudnn = CudnnComparisonOn(s);
   PrintTableHeader(s);
 
   Totals totals;
+  Recording recording;  // --calibration-out
+  if (!o.calibration_out.empty()) recording.kind = DeviceKindOfGpu0();
   bool use_cudnn_bwd = true;  // off after the backward graph fails once
   std::string gpu_ref_error;  // the GPU reference's failure: not tried again
   for (double t = static_cast<double>(o.tokens_begin);
        t <= static_cast<double>(o.tokens_end) * 1.0000001; t *= o.factor) {
     const int64_t T = static_cast<int64_t>(std::llround(t));
-    if (!RunRow(s, T, fused_forward, &use_cudnn, &use_cudnn_bwd, &gpu_ref_error, &totals)) {
+    if (!RunRow(s, T, fused_forward, &use_cudnn, &use_cudnn_bwd, &gpu_ref_error, &totals,
+                o.calibration_out.empty() ? nullptr : &recording)) {
       return 1;
     }
+  }
+  if (!o.calibration_out.empty()) {
+    hsap::Calibration& calibration = recording.calibration;
+    calibration.name = "hsap_attn_perf on " + recording.kind + " (measured)";
+    calibration.link_efficiency = 0;  // network and GEMM figures: not measured here
+    calibration.step_overhead_us = calibration.half_bandwidth_kib = -1;
+    FILE* out = std::fopen(o.calibration_out.c_str(), "w");
+    const std::string text = hsap::CalibrationToJsonText(calibration) + "\n";
+    if (out == nullptr || std::fputs(text.c_str(), out) < 0 || std::fclose(out) != 0) {
+      std::fprintf(stderr, "hsap_attn_perf: cannot write %s\n", o.calibration_out.c_str());
+      return 1;
+    }
+    std::printf("# calibration: %zu rates written to %s (hsap_plan --calibration %s)\n",
+                calibration.rates.size(), o.calibration_out.c_str(), o.calibration_out.c_str());
   }
   for (hsapComm_t c : s.comms) Must(hsapCommDestroy(c), "hsapCommDestroy");
   if (s.plan != nullptr) Must(hsapPlanDestroy(s.plan), "hsapPlanDestroy");

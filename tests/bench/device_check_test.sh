@@ -43,6 +43,13 @@ done
 grep -q -- "--docs-dist single" <<< "$(grep '> speed_causal.txt' <<< "$out")" ||
   fail "the causal speed run is not one document"
 
+# Calibration: one rank, one causal document of 16K-128K tokens, the file hsap_plan reads.
+l=$(grep "> calibration.txt" <<< "$out") || fail "no calibration run"
+for want in "--ranks 1" "--head-dim 128" "-b 16384" "-e 131072" "--docs-dist single" \
+            "--calibration-out"; do
+  grep -q -- "$want" <<< "$l" || fail "the calibration run lacks $want: $l"
+done
+
 # Loopback: 4 and 8 ranks, ring and plan, 16K to 128K tokens, checked against the reference.
 loops=$(grep "> loopback_" <<< "$out")
 for want in "--ranks 4" "--ranks 8" "--groups 2,2" "--groups 4,4" "-b 16384" "-e 131072" \

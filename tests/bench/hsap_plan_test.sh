@@ -45,6 +45,35 @@ again=$("$plan" --cluster "$small" --run --docs 4096 --seed 7) || fail "--run ex
 "$plan" --cluster "$small" --run --docs -1 > /dev/null 2>&1; rc=$?
 [ "$rc" = 2 ] || fail "--docs -1 exits $rc, not 2"
 
+# Pricing: the engine and the calibration that priced the plan are named; a calibration file
+# in the format hsap_attn_perf --calibration-out writes prices the plan with its figures (one
+# H200, 32K causal, 16 heads of 128: forward 4 x 128 x 32768 x 32769 / 2 x 16 FLOPs at 300
+# TFLOP/s is 14.661 ms, backward 2.5x that at 200 TFLOP/s 54.977 ms).
+echo '{"nodes": [{"kind": "H200", "devices": 1}]}' > "$tmp/h200.json"
+echo '{"layers": 1, "heads_q": 16, "heads_kv": 16, "head_dim": 128, "hidden": 2048}' > "$tmp/m.json"
+one=(--cluster "$tmp/h200.json" --model "$tmp/m.json" --seq 32768)
+out=$("$plan" "${one[@]}") || fail "one H200 exits $?"
+grep -q '^# priced: engine cudnn, calibration built-in H200 (measured 2026-12)$' <<< "$out" ||
+  fail "no priced line: $out"
+grep -qE '^  hsap +hsap groups H200:1 +7\.49[0-9] +21\.2[0-9]{2} ' <<< "$out" ||
+  fail "one H200 with cuDNN is not the measured 7.50 / 21.28 ms: $out"
+cat > "$tmp/cal.json" <<'EOF_CAL'
+{"format": "hsap-calibration", "version": 1, "name": "test file",
+ "rates": [{"device_kind": "H200", "engine": "jit", "direction": "forward",
+            "block_tokens": 32768, "head_dim": 128, "tflops": 300},
+           {"device_kind": "H200", "engine": "jit", "direction": "backward",
+            "block_tokens": 32768, "head_dim": 128, "tflops": 200}]}
+EOF_CAL
+out=$("$plan" "${one[@]}" --engine jit --calibration "$tmp/cal.json") || fail "--calibration exits $?"
+grep -q '^# priced: engine jit, calibration test file$' <<< "$out" || fail "file not named: $out"
+grep -qE '^  hsap +hsap groups H200:1 +14\.66[0-9] +54\.97[0-9] ' <<< "$out" ||
+  fail "the file's rates do not price the plan: $out"
+"$plan" "${one[@]}" --engine tpu > /dev/null 2> "$tmp/err"; rc=$?
+[ "$rc" = 2 ] && grep -q 'unknown attention engine "tpu"' "$tmp/err" || fail "--engine tpu: $rc"
+"$plan" "${one[@]}" --calibration "$tmp/none.json" > /dev/null 2> "$tmp/err"; rc=$?
+[ "$rc" = 1 ] && grep -q "cannot open calibration file $tmp/none.json" "$tmp/err" ||
+  fail "a missing calibration file: $rc $(cat "$tmp/err")"
+
 # More devices than the picture draws: the picture says so.
 "$plan" --cluster "$clusters/scale1024_h100_a100.json" --svg "$tmp/big.svg" > /dev/null \
   2> "$tmp/err" || fail "1024 devices with --svg exits $?: $(cat "$tmp/err")"
