@@ -43,11 +43,18 @@ endif()
 find_package(Python3 COMPONENTS Interpreter)
 if(Python3_Interpreter_FOUND)
   add_test(NAME docs_check COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/scripts/check_docs.py)
+  # The cost model's validation table (docs/cost_model.md, section 6) is what the model
+  # predicts now, and every ratio to the measurement is within 0.8-1.25.
+  if(TARGET hsap_plan)
+    add_test(NAME docs_cost_model_validation
+             COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/scripts/validate_cost_model.py
+                     --plan $<TARGET_FILE:hsap_plan> --check ${PROJECT_SOURCE_DIR}/docs/cost_model.md)
+  endif()
 endif()
 # Labels by cost (tests/CMakeLists.txt): these scripts run the installed tree, the benches and
 # the docs against the tree, each in seconds to a minute.
 foreach(t packaging_install packaging_exports packaging_portable bench_hsap_plan bench_device_check
-          bench_attn_perf_no_gpu docs_check)
+          bench_attn_perf_no_gpu docs_check docs_cost_model_validation)
   if(TEST ${t})
     set_tests_properties(${t} PROPERTIES LABELS integration)
   endif()

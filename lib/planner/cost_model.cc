@@ -169,8 +169,9 @@ double RankMemoryBytes(const Cluster& cluster, const Workload& workload, double 
 }
 
 double IdealSeconds(const Cluster& cluster, const Workload& workload) {
-  // Every device at its rate for a block of S / N tokens (its share under perfect balance).
-  const double block = static_cast<double>(workload.seq_len) / cluster.size();
+  // Every device at its rate for the whole row as one block (head parallelism could give it
+  // that; shorter blocks are slower): a bound, not a layout.
+  const double block = static_cast<double>(workload.seq_len);
   double forward = 0, backward = 0;
   for (int d = 0; d < cluster.size(); ++d) {
     forward += cluster.kind_of(d).AttentionRate(false, block, workload.model.head_dim);

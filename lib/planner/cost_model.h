@@ -128,7 +128,7 @@ double ModelStateBytesPerDevice(const Cluster& cluster, const Workload& workload
 double UsableMemoryBytes(const Cluster& cluster, const Workload& workload, int device);
 
 // The ideal bound: all attention FLOPs (fwd + bwd) over the sum of sustained FLOP/s (each
-// device's engine rate for a block of seq / devices tokens, forward and backward apart) —
+// device's engine rate for the whole row as one block, forward and backward apart) —
 // perfect balance, communication fully hidden.
 double IdealSeconds(const Cluster& cluster, const Workload& workload);
 
