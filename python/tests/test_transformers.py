@@ -29,3 +29,15 @@ def test_hf_models_match_one_process_reference():
     for case in CASES:
         for r in range(nproc):
             assert f"RANK {r} HF OK {case} " in proc.stdout, log
+
+
+@pytest.mark.skipif(bool(_WHY_NOT), reason=f"no host ranks in processes: {_WHY_NOT}")
+def test_hybrid_example_runs_a_few_steps(tmp_path):
+    """examples/hf_hybrid_cp.py (hf_llama_cp.py with full + sliding-window layers) for 3
+    steps on 2 processes: its own check against the one-process run must pass."""
+    example = HERE.parents[1] / "examples" / "hf_hybrid_cp.py"
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node=2", str(example), "--steps", "3",
+           "--log-every", "0", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "OK" in proc.stdout and "step key" in proc.stdout, log
