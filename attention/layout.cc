@@ -254,14 +254,21 @@ absl::StatusOr<Layout> Layout::FromDocuments(absl::Span<const int64_t> cu_seqlen
               " and needs its ", prefix ? "prefix length" : "window"));
         }
         doc.param = params[i];
-        const int64_t min_param = prefix ? 0 : 1;
-        if (doc.param < min_param || doc.param > length) {
+        if (prefix && (doc.param < 0 || doc.param > length)) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "params[", i, "] = ", doc.param, ": the ", prefix ? "prefix length" : "window",
-              " of document ", i, " must be in [", min_param, ", ", length, "] (the document has ",
-              length, " tokens)",
-              doc.param > length ? "; a window or prefix longer than the document" : ""));
+              "params[", i, "] = ", doc.param, ": the prefix length of document ", i,
+              " must be in [0, ", length, "] (the document has ", length, " tokens)",
+              doc.param > length ? "; a prefix longer than the document" : ""));
         }
+        if (!prefix && doc.param < 1) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "params[", i, "] = ", doc.param, ": the window of document ", i,
+              " must be at least 1 (1: each token sees only itself)"));
+        }
+        // A window applies per document: one at least as long as the document is the whole
+        // document (plain causal), stored as the document's length so that equal masks
+        // compare and fingerprint equal.
+        if (!prefix) doc.param = std::min(doc.param, length);
         break;
       }
       default:

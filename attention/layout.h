@@ -93,8 +93,10 @@ class Layout {
  public:
   // Documents from cu_seqlens (size num_docs + 1, starting at 0, non-decreasing, at most
   // kMaxRowTokens tokens). `kinds` empty means all causal; `params` may be empty when no document
-  // needs one. A prefix length must be in [0, doc length], a window in [1, doc length]
-  // (longer is an error); empty documents are allowed and their params ignored. Errors
+  // needs one. A prefix length must be in [0, doc length] (longer is an error); a window
+  // must be >= 1 and applies per document: one longer than its document is clamped to the
+  // document's length (Document::param holds the clamped value), i.e. the whole document,
+  // causal. Empty documents are allowed and their params ignored. Errors
   // name the offending argument and index. Compilation: causal -> Causal(b, e, b, e);
   // full -> Full(b, e, b, e); prefix-LM n -> Full(b, e, b, b + n) + Causal(b + n, e, b + n,
   // e); sliding window w -> Causal(b, e, b, e, w); empty slices are skipped.

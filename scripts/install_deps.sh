@@ -22,6 +22,10 @@ fi
 # /opt/hsap-tools (--target changes nothing of the system Python, so PEP 668's guard is
 # lifted for it); optional: a machine without pip access still builds and tests.
 if [ -x /opt/hsap-py/bin/python ]; then
+  # transformers: the HF drop-in's tests (python/tests/test_transformers.py skip without it).
+  /opt/hsap-py/bin/python -c "import transformers" > /dev/null 2>&1 ||
+    /opt/hsap-py/bin/python -m pip install -q transformers ||
+    echo "note: transformers not installed (the HF tests will skip)"
   /opt/hsap-py/bin/python -m pip show -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm > /dev/null 2>&1 ||
     /opt/hsap-py/bin/python -m pip install -q nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm ||
     echo "note: cuobjdump not installed (the HMMA check will skip)"

@@ -29,10 +29,12 @@
  *    per block row), numHeadsQ a multiple of numHeadsKV; the same in plans, batch configs
  *    and the tensors of local attention.
  *  - Head dims: a multiple of 8 in [32, 256] (above).
- *  - Windows and prefixes of documents: a prefix length in [0, L] and a window in [1, L]
- *    for a document of L > 0 tokens; a longer one is an error, not clamped. A causal slice's
- *    window is >= 0 (0: unlimited) and may be any length: one of at least qEnd - qBegin
- *    excludes nothing and is the same as 0.
+ *  - Windows and prefixes of documents: a prefix length in [0, L] for a document of L > 0
+ *    tokens (a longer one is an error); a window >= 1, applied per document: one longer than
+ *    L is clamped to L (the whole document, causal), as in other attention libraries, so
+ *    that one window serves every document of a row. A causal slice's window is >= 0 (0:
+ *    unlimited) and may be any length: one of at least qEnd - qBegin excludes nothing and is
+ *    the same as 0.
  *  - Partition copies: numTokens * bytesPerToken at most 2^56 bytes (the largest user
  *    address space of a 64-bit host), so that no byte offset can overflow.
  *  - Config structs: `magic` is HSAP_CONFIG_MAGIC; `version` is the HSAP_VERSION_CODE of the
@@ -129,9 +131,10 @@ typedef struct hsapLayout_st* hsapLayout_t;
  * documents allowed). `kinds` may be NULL (all causal). `params` holds the prefix length
  * (prefix-LM) or the window (sliding window) per document; NULL when no document needs one.
  * For a document of L > 0 tokens, a prefix length must be in [0, L] (0: causal, L: full) and
- * a window in [1, L] (1: each token sees only itself, L: causal); anything else, a longer
- * one included, gives hsapInvalidArgument naming the document. Other kinds and empty
- * documents ignore their param. The row has cu_seqlens[numDocs] tokens (at most 2^31, see
+ * a window at least 1 (1: each token sees only itself; L or more: the whole document, causal
+ * -- a window longer than its document is clamped to it, per document); anything else, a
+ * longer prefix included, gives hsapInvalidArgument naming the document. Other kinds and
+ * empty documents ignore their param. The row has cu_seqlens[numDocs] tokens (at most 2^31, see
  * Limits). */
 hsapResult_t hsapLayoutCreate(hsapLayout_t* layout, const int64_t* cuSeqlens, int64_t numDocs,
                               const hsapMaskKind_t* kinds, const int64_t* params);
@@ -270,6 +273,15 @@ typedef struct hsapPartition_st* hsapPartition_t;
  * rank. */
 hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout, int nranks,
                                  const double* weights);
+/* One partition for the masks of several layers over the same packed row (a model whose
+ * layers mix full, sliding-window, ... attention; every layout has the same number of
+ * tokens): as hsapPartitionCreate, with a token's work summed over the layouts, so that the
+ * sum of the layers' work is balanced. Documents stay whole where they fit and are cut
+ * zigzag when some layout makes them causal or prefix-LM, when every layout has the same
+ * documents; otherwise the row is cut as one piece. Batches of each mask then share it
+ * (hsapBatchCreateWithPartition). With numLayouts == 1 it is hsapPartitionCreate. */
+hsapResult_t hsapPartitionCreateForLayouts(hsapPartition_t* partition, const hsapLayout_t* layouts,
+                                           int numLayouts, int nranks, const double* weights);
 hsapResult_t hsapPartitionDestroy(hsapPartition_t partition);
 /* Token ranges [begin, end) of the packed row held by `rank`, in the order of the rank's
  * local shard. ranges holds 2 * *numRanges int64 (begin, end pairs). With ranges == NULL
@@ -315,6 +327,17 @@ typedef struct {
  * that off. */
 hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                              const double* weights, const hsapBatchConfig_t* config);
+/* Collective, as hsapBatchCreate, but over a given partition instead of one of its own, so
+ * that batches of different masks over one row (a model's full and sliding-window layers)
+ * hold the same tokens on each rank and their layers can share the activations: e.g.
+ * another batch's (hsapBatchGetPartition) or one from hsapPartitionCreateForLayouts. The
+ * partition must be for the communicator's size and the layout's token count; every rank
+ * passes an equal partition (checked, with the layout and config: hsapInvalidUsage on every
+ * rank otherwise). The batch keeps what it needs: the partition may be destroyed after. Each
+ * batch keeps the delivery guarantees of hsapBatchCreate for its own mask. */
+hsapResult_t hsapBatchCreateWithPartition(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                                          hsapPartition_t partition,
+                                          const hsapBatchConfig_t* config);
 /* Not collective. Destroy every batch before its communicator (see hsapCommDestroy). */
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch);
 /* The partition the batch uses (owned by the batch; do not destroy). */

@@ -156,6 +156,45 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
   });
 }
 
+hsapResult_t hsapBatchCreateWithPartition(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
+                                          hsapPartition_t partition,
+                                          const hsapBatchConfig_t* config) {
+  return hsap::RunApi("hsapBatchCreateWithPartition", [&]() -> absl::Status {
+    if (comm == nullptr || comm->comm == nullptr) {
+      return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    hsap::Communicator& c = *comm->comm;
+    hsap::BatchOptions options;
+    std::shared_ptr<const hsap::Partition> shared;
+    absl::Status local = hsap::FirstError(
+        [&] { return hsap::CheckNotNull(batch, "batch"); },
+        [&]() -> absl::Status {
+          if (layout == nullptr) {
+            return absl::InvalidArgumentError("layout is null; create one with hsapLayoutCreate");
+          }
+          return absl::OkStatus();
+        },
+        [&]() -> absl::Status {
+          HSAP_RETURN_IF_ERROR(hsap::PartitionFromHandle(partition).status());
+          shared = partition->partition;
+          return absl::OkStatus();
+        },
+        [&]() -> absl::Status {
+          HSAP_ASSIGN_OR_RETURN(options, hsap::OptionsFromConfig(config));
+          return absl::OkStatus();
+        });
+    static const hsap::Layout* const kNoLayout = new hsap::Layout();
+    const hsap::Layout& l = layout != nullptr ? layout->layout : *kNoLayout;
+    hsap::BatchBackend backend =
+        hsap::BackendForCreate(*comm, options, l, /*planned=*/false, local);
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<hsap::Batch> b,
+                          hsap::Batch::CreateWithPartition(c, l, std::move(shared), options,
+                                                           *backend.runners, local));
+    *batch = hsap::NewBatchHandle(std::move(b), std::move(backend.kernels), *comm);
+    return absl::OkStatus();
+  });
+}
+
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch) {
   return hsap::RunApi("hsapBatchDestroy", [&]() -> absl::Status {
     delete batch;

@@ -38,6 +38,9 @@ BatchBackend BackendForCreate(const hsapComm_st& comm, const BatchOptions& optio
 // InvalidArgument naming the field; shared by hsapBatchCreate and hsapBatchCreateWithPlan.
 absl::StatusOr<BatchOptions> OptionsFromConfig(const hsapBatchConfig_t* config);
 
+// The partition behind a handle, or InvalidArgument for a null one (partition.cc).
+absl::StatusOr<const Partition*> PartitionFromHandle(hsapPartition_t partition);
+
 // The handle of a created batch on `comm`; it owns the batch, keeps its kernels alive and
 // counts in comm's live batches until it is destroyed.
 hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const KernelSet> kernels,

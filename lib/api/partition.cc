@@ -85,6 +85,37 @@ hsapResult_t hsapPartitionCreate(hsapPartition_t* partition, hsapLayout_t layout
   });
 }
 
+hsapResult_t hsapPartitionCreateForLayouts(hsapPartition_t* partition, const hsapLayout_t* layouts,
+                                           int numLayouts, int nranks, const double* weights) {
+  return hsap::RunApi("hsapPartitionCreateForLayouts", [&]() -> absl::Status {
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(partition, "partition"));
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(layouts, "layouts"));
+    if (numLayouts < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "numLayouts = ", numLayouts, "; pass at least one layout (the mask of each layer)"));
+    }
+    std::vector<const hsap::Layout*> list(static_cast<size_t>(numLayouts));
+    for (int i = 0; i < numLayouts; ++i) {
+      if (layouts[i] == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layouts[", i, "] is null; create it with hsapLayoutCreate"));
+      }
+      list[i] = &layouts[i]->layout;
+    }
+    if (nranks < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("nranks = ", nranks, "; a partition needs at least one rank"));
+    }
+    absl::Span<const double> w;
+    if (weights != nullptr) w = absl::MakeConstSpan(weights, static_cast<size_t>(nranks));
+    HSAP_ASSIGN_OR_RETURN(hsap::Partition p, hsap::Partition::Create(list, nranks, w));
+    auto handle = std::make_unique<hsapPartition_st>();
+    handle->partition = std::make_shared<const hsap::Partition>(std::move(p));
+    *partition = handle.release();
+    return absl::OkStatus();
+  });
+}
+
 hsapResult_t hsapPartitionDestroy(hsapPartition_t partition) {
   return hsap::RunApi("hsapPartitionDestroy", [&]() -> absl::Status {
     if (partition == nullptr) return absl::OkStatus();

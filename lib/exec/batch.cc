@@ -30,7 +30,7 @@ struct CreateRecord {
   uint64_t heads_kv = 0;
   uint64_t head_dim = 0;
   uint64_t scale = 0;
-  uint64_t planned = 0;  // created with a plan (its fingerprint is in `weights`)
+  uint64_t mode = 0;  // a CreateMode: what `weights` hashes (weights, plan or partition)
 };
 
 struct CallRecord {
@@ -41,6 +41,26 @@ struct CallRecord {
 };
 
 const char* KindName(uint64_t kind) { return kind == 1 ? "forward" : "backward"; }
+
+// How a batch was created: from weights (hsapBatchCreate), under a plan
+// (hsapBatchCreateWithPlan) or over a given partition (hsapBatchCreateWithPartition).
+enum CreateMode : uint64_t { kByWeights = 0, kByPlan = 1, kByPartition = 2 };
+
+const char* CreatedWith(uint64_t mode) {
+  return mode == kByPlan        ? "with a plan (hsapBatchCreateWithPlan)"
+         : mode == kByPartition ? "over a partition (hsapBatchCreateWithPartition)"
+                                : "from weights (hsapBatchCreate)";
+}
+
+const char* InputsName(uint64_t mode) {
+  return mode == kByPlan ? "plan" : mode == kByPartition ? "partition" : "weights";
+}
+
+uint64_t WeightsHash(const Partition& partition) {
+  uint64_t h = 0x77656967u;  // "weig"
+  for (double w : partition.weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
+  return h;
+}
 
 }  // namespace
 
@@ -97,23 +117,60 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::Create(Communicator& comm, const L
                                                      RunnerFactory& runners,
                                                      absl::Status local_check) {
   absl::Status local = local_check;
-  std::unique_ptr<Batch> batch = NewBatch(comm, options, local);
+  std::shared_ptr<const Partition> partition;
   if (local.ok()) {
     absl::StatusOr<Partition> p = Partition::Create(layout, comm.size(), weights);
     if (p.ok()) {
-      batch->partition_ = std::make_shared<const Partition>(*std::move(p));
+      partition = std::make_shared<const Partition>(*std::move(p));
     } else {
       local = p.status();
     }
   }
+  const uint64_t inputs = partition != nullptr ? WeightsHash(*partition) : 0;
+  return CreateOverPartition(comm, layout, std::move(partition), kByWeights, inputs, options,
+                             runners, std::move(local));
+}
 
-  uint64_t weights_hash = 0;
-  if (batch->partition_ != nullptr) {
-    uint64_t h = 0x77656967u;  // "weig"
-    for (double w : batch->partition_->weights()) h = Mix(h, std::bit_cast<uint64_t>(w));
-    weights_hash = h;
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPartition(
+    Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+    const BatchOptions& options, RunnerFactory& runners, absl::Status local_check) {
+  absl::Status local = local_check;
+  if (local.ok() && partition == nullptr) {
+    local = absl::InvalidArgumentError(
+        "partition is null; pass one from hsapPartitionCreate(ForLayouts) or "
+        "hsapBatchGetPartition");
   }
-  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, weights_hash, local, /*planned=*/false));
+  if (local.ok() && partition->num_ranks() != comm.size()) {
+    local = absl::InvalidArgumentError(
+        absl::StrCat("partition is for ", partition->num_ranks(),
+                     " ranks but the communicator has ", comm.size(),
+                     "; create it with nranks equal to the communicator's size"));
+  }
+  if (local.ok() && partition->num_tokens() != layout.num_tokens()) {
+    local = absl::InvalidArgumentError(absl::StrCat(
+        "partition covers a row of ", partition->num_tokens(), " tokens but layout has ",
+        layout.num_tokens(), "; a partition is shared only by layouts of the same row"));
+  }
+  const uint64_t inputs = local.ok() ? partition->Fingerprint() : 0;
+  if (!local.ok()) partition = nullptr;
+  return CreateOverPartition(comm, layout, std::move(partition), kByPartition, inputs, options,
+                             runners, std::move(local));
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPartition(
+    Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+    const BatchOptions& options, const KernelSet& kernels, absl::Status local_check) {
+  return CreateWithPartition(comm, layout, std::move(partition), options, *HostRunners(kernels),
+                             std::move(local_check));
+}
+
+absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateOverPartition(
+    Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+    uint64_t mode, uint64_t inputs, const BatchOptions& options, RunnerFactory& runners,
+    absl::Status local) {
+  std::unique_ptr<Batch> batch = NewBatch(comm, options, local);
+  batch->partition_ = std::move(partition);
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, inputs, local, mode));
   HSAP_ASSIGN_OR_RETURN(
       Schedule schedule,
       BuildSchedule(layout, *batch->partition_, comm.rank(), kKernelBlockQ,
@@ -145,7 +202,7 @@ absl::Status Batch::AgreeOnRunner(absl::StatusOr<std::unique_ptr<BatchRunner>> r
 }
 
 absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local,
-                                  bool planned) {
+                                  uint64_t mode) {
   Communicator& comm = *comm_;
   const BatchOptions& options = options_;
   CreateRecord mine;
@@ -158,7 +215,7 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
   mine.heads_kv = static_cast<uint64_t>(options.heads_kv);
   mine.head_dim = static_cast<uint64_t>(options.head_dim);
   mine.scale = std::bit_cast<uint32_t>(dims_.scale);
-  mine.planned = planned ? 1 : 0;
+  mine.mode = mode;
   std::vector<CreateRecord> all(comm.size());
   HSAP_RETURN_IF_ERROR(comm.transport().AllGather(&mine, all.data(), sizeof(CreateRecord),
                                                   "batch creation (agreement on the inputs)"));
@@ -174,17 +231,13 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
   const CreateRecord& ref = all[0];
   for (int r = 1; r < comm.size(); ++r) {
     const CreateRecord& o = all[r];
-    if (o.planned != ref.planned) {
-      auto with = [](uint64_t p) {
-        return p != 0 ? "with a plan (hsapBatchCreateWithPlan)"
-                      : "without a plan (hsapBatchCreate)";
-      };
+    if (o.mode != ref.mode) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", r, " created the batch ", with(o.planned), " but rank 0 ", with(ref.planned),
-          "; every rank of the communicator must create it the same way"));
+          "rank ", r, " created the batch ", CreatedWith(o.mode), " but rank 0 ",
+          CreatedWith(ref.mode), "; every rank of the communicator must create it the same way"));
     }
     const char* what = o.layout != ref.layout       ? "layout"
-                       : o.weights != ref.weights   ? (planned ? "plan" : "weights")
+                       : o.weights != ref.weights   ? InputsName(mode)
                        : o.dtype != ref.dtype       ? "dtype"
                        : o.heads_q != ref.heads_q   ? "numHeadsQ"
                        : o.heads_kv != ref.heads_kv ? "numHeadsKV"
@@ -196,7 +249,7 @@ absl::Status Batch::AgreeOnCreate(const Layout& layout, uint64_t inputs, const a
           absl::StrCat("rank ", r, "'s ", what,
                        " differs from rank 0's; every rank of the "
                        "communicator must create the batch with the same layout, ",
-                       planned ? "plan" : "weights", " and config"));
+                       InputsName(mode), " and config"));
     }
   }
   uint64_t h = Mix(ref.layout, ref.weights);
@@ -263,7 +316,7 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
     }
   }
   const uint64_t plan_hash = local.ok() ? plan.Fingerprint() : 0;
-  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, plan_hash, local, /*planned=*/true));
+  HSAP_RETURN_IF_ERROR(batch->AgreeOnCreate(layout, plan_hash, local, kByPlan));
   HSAP_RETURN_IF_ERROR(batch->AgreeOnRunner(
       runners.ForHierarchy(comm, *batch->hierarchy_, batch->dims_, options.dtype)));
   return batch;

@@ -67,6 +67,20 @@ class Batch {
       const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
       absl::Status local_check = absl::OkStatus());
 
+  // A batch over a given partition (e.g. another batch's, or one made for several masks by
+  // Partition::Create(layouts, ...)), so that the layers of a model with different masks
+  // over one row (full, sliding-window, ...) share one token placement. The partition must
+  // be for comm.size() ranks and layout.num_tokens() tokens; ranks agree that they pass
+  // equal partitions (Partition::Fingerprint) besides the layout and options.
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPartition(
+      Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+      const BatchOptions& options, RunnerFactory& runners,
+      absl::Status local_check = absl::OkStatus());
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateWithPartition(
+      Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+      const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
+      absl::Status local_check = absl::OkStatus());
+
   // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
   // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
   // options. Ranks agree on the layout, the plan and the options as above. Tensors are this
@@ -116,9 +130,15 @@ class Batch {
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
   // The creation agreement; `inputs` hashes what must be equal beyond layout and options
-  // (weights, or the plan when `planned`).
+  // (the weights, the plan or the partition, as `mode` says: see batch.cc).
   absl::Status AgreeOnCreate(const Layout& layout, uint64_t inputs, const absl::Status& local,
-                             bool planned);
+                             uint64_t mode);
+  // The part of Create and CreateWithPartition after the partition is known (null when
+  // `local` holds an error): agreement, schedule, runner.
+  static absl::StatusOr<std::unique_ptr<Batch>> CreateOverPartition(
+      Communicator& comm, const Layout& layout, std::shared_ptr<const Partition> partition,
+      uint64_t mode, uint64_t inputs, const BatchOptions& options, RunnerFactory& runners,
+      absl::Status local);
 
   Communicator* comm_ = nullptr;
   BatchOptions options_;

@@ -18,24 +18,35 @@ namespace {
 constexpr double kWholeOvershoot = 0.01;
 
 // A piece of the row that is placed as a whole or cut: a document, or the whole row of a
-// slice layout. `folded` units are cut in zigzag order.
+// slice layout. `folded` units are cut in zigzag order. Its slices in each layout are
+// RowUnits::spans[spans_begin + l] for layout l.
 struct Unit {
   int64_t begin = 0, end = 0;
   bool folded = false;
   int64_t work = 0;
-  size_t slice_begin = 0, slice_end = 0;  // its slices in Layout::slices()
+  size_t spans_begin = 0;
 };
 
-// Work of each token of a unit (1 per token when balancing memory only).
-std::vector<int64_t> UnitTokenWork(const Unit& u, const std::vector<MaskSlice>& slices,
-                                   bool memory_only) {
+// Slices [begin, end) of one layout's Layout::slices().
+struct SliceSpan {
+  size_t begin = 0, end = 0;
+};
+
+// Work of each token of a unit, summed over the layouts (1 per token when balancing memory
+// only).
+std::vector<int64_t> UnitTokenWork(const Unit& u, absl::Span<const Layout* const> layouts,
+                                   const std::vector<SliceSpan>& spans, bool memory_only) {
   std::vector<int64_t> work(u.end - u.begin, memory_only ? 1 : 0);
   if (memory_only) return work;
-  for (size_t i = u.slice_begin; i < u.slice_end; ++i) {
-    const MaskSlice& s = slices[i];
-    const int64_t q1 = std::min(s.q_end, u.end);
-    for (int64_t q = std::max(s.q_begin, u.begin); q < q1; ++q)
-      work[q - u.begin] += s.VisibleKeys(q);
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    const std::vector<MaskSlice>& slices = layouts[l]->slices();
+    const SliceSpan span = spans[u.spans_begin + l];
+    for (size_t i = span.begin; i < span.end; ++i) {
+      const MaskSlice& s = slices[i];
+      const int64_t q1 = std::min(s.q_end, u.end);
+      for (int64_t q = std::max(s.q_begin, u.begin); q < q1; ++q)
+        work[q - u.begin] += s.VisibleKeys(q);
+    }
   }
   return work;
 }
@@ -129,34 +140,71 @@ std::vector<double> NormalizedWeights(int num_ranks, absl::Span<const double> we
   return normalized;
 }
 
-// The units of a row, each with its work, and the row's total work.
+// The units of a row, each with its work, and the row's total work (over every layout).
 struct RowUnits {
   std::vector<Unit> units;
+  std::vector<SliceSpan> spans;  // layouts.size() per unit
   int64_t total_work = 0;
   bool memory_only = false;  // nothing to compute: work counts tokens, to balance memory
 };
 
+// The non-empty documents of a document layout as ranges; empty for a slice layout.
+std::vector<TokenRange> NonEmptyDocuments(const Layout& layout) {
+  std::vector<TokenRange> docs;
+  for (const Document& d : layout.documents()) {
+    if (d.end > d.begin) docs.push_back({d.begin, d.end});
+  }
+  return docs;
+}
+
+// Whether every layout is a document layout with the same non-empty documents as the
+// first: then documents are the units, else the whole row is one.
+bool SameDocuments(absl::Span<const Layout* const> layouts) {
+  if (layouts.front()->documents().empty()) return false;
+  const std::vector<TokenRange> first = NonEmptyDocuments(*layouts.front());
+  for (size_t l = 1; l < layouts.size(); ++l) {
+    if (layouts[l]->documents().empty() || NonEmptyDocuments(*layouts[l]) != first) return false;
+  }
+  return true;
+}
+
 // Units and their slices (slices are sorted by q_begin; a document's slices lie inside
-// it). Work comes from the slices' closed forms, so no per-token pass over the row.
-RowUnits CollectUnits(const Layout& layout) {
-  const std::vector<MaskSlice>& slices = layout.slices();
+// it). Work comes from the slices' closed forms, so no per-token pass over the row. A
+// document is folded when it is causal or prefix-LM in some layout (that layout's work
+// then grows towards its end, and the zigzag cut keeps memory with work).
+RowUnits CollectUnits(absl::Span<const Layout* const> layouts) {
+  const size_t num_layouts = layouts.size();
+  const int64_t num_tokens = layouts.front()->num_tokens();
   RowUnits row;
   std::vector<Unit>& units = row.units;
-  if (!layout.documents().empty()) {
-    size_t next_slice = 0;
-    for (const Document& d : layout.documents()) {
-      if (d.end <= d.begin) continue;
-      const bool folded = d.kind == MaskKind::kCausal || d.kind == MaskKind::kPrefixLM;
-      Unit u{d.begin, d.end, folded, 0, next_slice, next_slice};
-      while (u.slice_end < slices.size() && slices[u.slice_end].q_begin < d.end) ++u.slice_end;
-      next_slice = u.slice_end;
+  if (SameDocuments(layouts)) {
+    std::vector<size_t> next_slice(num_layouts, 0);
+    std::vector<size_t> next_doc(num_layouts, 0);
+    for (const TokenRange& range : NonEmptyDocuments(*layouts.front())) {
+      Unit u{range.begin, range.end, false, 0, row.spans.size()};
+      for (size_t l = 0; l < num_layouts; ++l) {
+        const std::vector<Document>& docs = layouts[l]->documents();
+        while (docs[next_doc[l]].end <= docs[next_doc[l]].begin) ++next_doc[l];
+        const MaskKind kind = docs[next_doc[l]++].kind;
+        u.folded = u.folded || kind == MaskKind::kCausal || kind == MaskKind::kPrefixLM;
+        const std::vector<MaskSlice>& slices = layouts[l]->slices();
+        SliceSpan span{next_slice[l], next_slice[l]};
+        while (span.end < slices.size() && slices[span.end].q_begin < range.end) ++span.end;
+        next_slice[l] = span.end;
+        row.spans.push_back(span);
+      }
       units.push_back(u);
     }
-  } else if (layout.num_tokens() > 0) {
-    units.push_back({0, layout.num_tokens(), false, 0, 0, slices.size()});
+  } else if (num_tokens > 0) {
+    units.push_back({0, num_tokens, false, 0, 0});
+    for (const Layout* layout : layouts) row.spans.push_back({0, layout->slices().size()});
   }
   for (Unit& u : units) {
-    for (size_t i = u.slice_begin; i < u.slice_end; ++i) u.work += slices[i].VisiblePairs();
+    for (size_t l = 0; l < num_layouts; ++l) {
+      const std::vector<MaskSlice>& slices = layouts[l]->slices();
+      const SliceSpan span = row.spans[u.spans_begin + l];
+      for (size_t i = span.begin; i < span.end; ++i) u.work += slices[i].VisiblePairs();
+    }
     row.total_work += u.work;
   }
   row.memory_only = row.total_work == 0;
@@ -181,8 +229,10 @@ std::vector<size_t> ByDecreasingWork(const std::vector<Unit>& units) {
 class UnitPlacer {
  public:
   UnitPlacer(const std::vector<double>& weights, const std::vector<double>& target,
-             const std::vector<MaskSlice>& slices, bool memory_only)
-      : slices_(slices),
+             absl::Span<const Layout* const> layouts, const std::vector<SliceSpan>& spans,
+             bool memory_only)
+      : layouts_(layouts),
+        spans_(spans),
         memory_only_(memory_only),
         remaining_(target),
         work_(weights.size(), 0),
@@ -228,7 +278,7 @@ class UnitPlacer {
 
   // Fills the ranks with the most room first.
   void Split(const Unit& u) {
-    UnitPositions pos(u, UnitTokenWork(u, slices_, memory_only_));
+    UnitPositions pos(u, UnitTokenWork(u, layouts_, spans_, memory_only_));
     max_position_work_ = std::max(max_position_work_, pos.max_work());
     by_remaining_ = holders_;
     std::stable_sort(by_remaining_.begin(), by_remaining_.end(),
@@ -259,7 +309,8 @@ class UnitPlacer {
     if (pieces_made > 1) ++split_units_;
   }
 
-  const std::vector<MaskSlice>& slices_;
+  absl::Span<const Layout* const> layouts_;
+  const std::vector<SliceSpan>& spans_;
   const bool memory_only_;
   std::vector<int> holders_;  // ranks of positive weight
   double min_target_ = 0.0;   // the smallest target of a holder
@@ -302,6 +353,14 @@ void AssembleShards(std::vector<std::vector<TokenRange>> pieces,
             [](const Placement& a, const Placement& b) { return a.begin < b.begin; });
 }
 
+// splitmix64's finaliser, as the layout's fingerprint uses it.
+uint64_t Mix(uint64_t h, uint64_t v) {
+  uint64_t z = h ^ (v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 // Internal invariant of Create: the placements tile [0, num_tokens).
 absl::Status CheckTiling(const std::vector<Placement>& placements, int64_t num_tokens) {
   int64_t expect = 0;
@@ -323,16 +382,35 @@ absl::Status CheckTiling(const std::vector<Placement>& placements, int64_t num_t
 
 absl::StatusOr<Partition> Partition::Create(const Layout& layout, int num_ranks,
                                             absl::Span<const double> weights) {
+  const Layout* const layouts[] = {&layout};
+  return Create(absl::MakeConstSpan(layouts), num_ranks, weights);
+}
+
+absl::StatusOr<Partition> Partition::Create(absl::Span<const Layout* const> layouts, int num_ranks,
+                                            absl::Span<const double> weights) {
   HSAP_RETURN_IF_ERROR(ValidateWeights(num_ranks, weights));
+  if (layouts.empty()) {
+    return absl::InvalidArgumentError("layouts is empty; pass the mask of every layer (at least one)");
+  }
+  for (size_t l = 0; l < layouts.size(); ++l) {
+    if (layouts[l] == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("layouts[", l, "] is null"));
+    }
+    if (layouts[l]->num_tokens() != layouts[0]->num_tokens()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layouts[", l, "] has ", layouts[l]->num_tokens(), " tokens but layouts[0] has ",
+          layouts[0]->num_tokens(), "; the masks of one partition describe the same row"));
+    }
+  }
   Partition p;
-  p.num_tokens_ = layout.num_tokens();
+  p.num_tokens_ = layouts[0]->num_tokens();
   p.weights_ = NormalizedWeights(num_ranks, weights);
-  const RowUnits row = CollectUnits(layout);
+  const RowUnits row = CollectUnits(layouts);
   p.target_.resize(num_ranks);
   for (int r = 0; r < num_ranks; ++r) {
     p.target_[r] = static_cast<double>(row.total_work) * p.weights_[r];
   }
-  UnitPlacer placer(p.weights_, p.target_, layout.slices(), row.memory_only);
+  UnitPlacer placer(p.weights_, p.target_, layouts, row.spans, row.memory_only);
   for (size_t ui : ByDecreasingWork(row.units)) placer.Place(row.units[ui]);
   p.work_ = placer.work();
   p.max_position_work_ = placer.max_position_work();
@@ -406,6 +484,16 @@ absl::StatusOr<Partition> Partition::FromRanges(const Layout& layout,
                         : 1.0 / num_ranks;
   }
   return p;
+}
+
+uint64_t Partition::Fingerprint() const {
+  uint64_t h = Mix(0x70617274u /* "part" */, static_cast<uint64_t>(num_tokens_));
+  h = Mix(h, static_cast<uint64_t>(ranges_.size()));
+  for (const Placement& pl : placements_) {
+    h = Mix(Mix(Mix(h, static_cast<uint64_t>(pl.begin)), static_cast<uint64_t>(pl.end)),
+            static_cast<uint64_t>(pl.rank));
+  }
+  return h;
 }
 
 std::vector<TokenRun> Partition::Runs(int rank) const {

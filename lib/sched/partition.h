@@ -58,6 +58,14 @@ class Partition {
   // rank of weight 0 holds no token. num_ranks >= 1.
   static absl::StatusOr<Partition> Create(const Layout& layout, int num_ranks,
                                           absl::Span<const double> weights = {});
+  // One partition shared by the masks of several layers over the same row (every layout
+  // has the same token count): the algorithm above with a token's work summed over the
+  // layouts, so that the sum of the layers' work is balanced (the balance rule holds for
+  // that sum). Units are the documents when every layout is a document layout with the
+  // same non-empty documents (a document is folded when some layout makes it causal or
+  // prefix-LM), else the whole row. With one layout it is Create(layout, ...).
+  static absl::StatusOr<Partition> Create(absl::Span<const Layout* const> layouts, int num_ranks,
+                                          absl::Span<const double> weights = {});
   // A partition given by its ranges (e.g. the shards of a hierarchical plan, see
   // hierarchy.h): ranges[r] are rank r's token ranges, increasing and disjoint, and all of
   // them together tile [0, layout.num_tokens()). Adjacent ranges of a rank are merged.
@@ -71,6 +79,9 @@ class Partition {
   // Token ranges of `rank`, increasing and disjoint: the order of its local shard.
   const std::vector<TokenRange>& ranges(int rank) const { return ranges_[rank]; }
   int64_t local_tokens(int rank) const { return local_tokens_[rank]; }
+  // A hash of the ranges of every rank, equal for equal partitions; used to check that
+  // ranks share one.
+  uint64_t Fingerprint() const;
   // The shard of `rank` as runs (global position <-> local row).
   std::vector<TokenRun> Runs(int rank) const;
   // Every range of every rank, sorted by position; they tile [0, num_tokens).

@@ -23,6 +23,7 @@ from hsap._core import (
     InvalidArgumentError,
     InvalidUsageError,
     Layout,
+    Partition,
     Plan,
     Slice,
     Traffic,
@@ -38,14 +39,16 @@ __version__ = "0.1.0"
 __all__ = [
     "AbortedError", "Batch", "Comm", "CompileError", "HsapError", "HsapMemoryError",
     "HsapSystemError", "HsapTimeoutError", "InternalError", "InvalidArgumentError",
-    "InvalidUsageError", "Layout", "Plan", "Slice", "Traffic", "UnsupportedError",
+    "InvalidUsageError", "Layout", "Partition", "Plan", "Slice", "Traffic", "UnsupportedError",
     "attention", "attention_backward_local", "attention_forward_local", "attention_local",
-    "get_unique_id", "library_path",
+    "get_unique_id", "library_path", "StepKey", "current_key", "cu_seqlens_from_position_ids",
+    "mask_spec", "varlen_attention", "sdpa_varlen", "shard",
 ]
 
 _load()  # find libhsap.so and check its ABI version at import
 
 _TORCH_NAMES = ("attention", "attention_local", "sdpa_varlen", "shard")
+_STEP_NAMES = ("StepKey", "current_key", "cu_seqlens_from_position_ids", "mask_spec")
 
 
 def __getattr__(name: str) -> Any:
@@ -53,4 +56,12 @@ def __getattr__(name: str) -> Any:
         from hsap import torch as _torch
 
         return getattr(_torch, name)
+    if name in _STEP_NAMES:
+        from hsap import step as _step
+
+        return getattr(_step, name)
+    if name == "varlen_attention":
+        from hsap.varlen import varlen_attention
+
+        return varlen_attention
     raise AttributeError(f"module 'hsap' has no attribute {name!r}")

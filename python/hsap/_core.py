@@ -507,6 +507,57 @@ class Plan(_Handle):
         return fwd.value, bwd.value
 
 
+# ---- partitions ------------------------------------------------------------------------
+
+
+def _partition_ranges(handle: ctypes.c_void_p, rank: int) -> list[tuple[int, int]]:
+    n, tokens = ctypes.c_int64(), ctypes.c_int64()
+    _call("hsapPartitionGetRanges", handle, rank, None, ctypes.byref(n), ctypes.byref(tokens))
+    buf = np.zeros(2 * max(n.value, 1), dtype=np.int64)
+    _call("hsapPartitionGetRanges", handle, rank, _ptr(buf, ctypes.c_int64), ctypes.byref(n),
+          None)
+    return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(n.value)]
+
+
+def _index_of(ranges: Sequence[tuple[int, int]]) -> np.ndarray:
+    if not ranges:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in ranges])
+
+
+class Partition(_Handle):
+    """Which tokens of a packed row each of nranks ranks holds (not collective: every rank
+    computes the same one). From several layouts of one row (the masks of a model's layers,
+    hsapPartitionCreateForLayouts) the sum of their work is balanced; batches of each mask
+    then share it (Batch(..., partition=)). weights: one per rank, None: equal."""
+
+    _destroy_fn = "hsapPartitionDestroy"
+
+    def __init__(self, layouts: "Layout | Sequence[Layout]", nranks: int,
+                 weights: Sequence[float] | None = None):
+        super().__init__()
+        layouts = [layouts] if isinstance(layouts, Layout) else list(layouts)
+        if not layouts:
+            raise ValueError("hsap: a partition needs at least one layout")
+        handles = (ctypes.c_void_p * len(layouts))(*[l.handle.value for l in layouts])
+        w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float64)
+        if w is not None and len(w) != nranks:
+            raise ValueError(f"hsap: {len(w)} weights for {nranks} ranks")
+        _call("hsapPartitionCreateForLayouts", ctypes.byref(self._handle), handles, len(layouts),
+              int(nranks), _ptr(w, ctypes.c_double))
+        self.size = int(nranks)
+        self.num_tokens = layouts[0].num_tokens
+        self._ranges = [_partition_ranges(self._handle, r) for r in range(self.size)]
+
+    def ranges_of(self, rank: int) -> list[tuple[int, int]]:
+        """Token ranges [begin, end) of `rank`, in shard order."""
+        return list(self._ranges[rank])
+
+    def local_index(self, rank: int) -> np.ndarray:
+        """Row positions of `rank`'s tokens (int64): shard = row[local_index(rank)]."""
+        return _index_of(self._ranges[rank])
+
+
 # ---- batches ---------------------------------------------------------------------------
 
 
@@ -545,7 +596,9 @@ class Batch(_Handle):
     creation: every rank passes the same layout, weights/plan and shape).
 
     weights: one per rank (work proportional to it; None: equal); plan: a Plan instead
-    (head-parallel groups); softmax_scale None: 1/sqrt(head_dim).
+    (head-parallel groups); partition: a Partition instead (e.g. one shared by the masks of
+    a model's layers, so that every layer's batch holds the same tokens);
+    softmax_scale None: 1/sqrt(head_dim).
     Each rank holds the tokens of `ranges` (in that order) as its shard: q/out
     [local_tokens, num_heads_q, head_dim], k/v [local_tokens, num_heads_kv, head_dim].
     """
@@ -554,10 +607,11 @@ class Batch(_Handle):
 
     def __init__(self, comm: Comm, layout: Layout, num_heads_q: int, num_heads_kv: int,
                  head_dim: int, dtype: Any, weights: Sequence[float] | None = None,
-                 plan: Plan | None = None, softmax_scale: float | None = None):
+                 plan: Plan | None = None, softmax_scale: float | None = None,
+                 partition: Partition | None = None):
         super().__init__()
-        if weights is not None and plan is not None:
-            raise ValueError("hsap: pass weights or a plan, not both (a plan has its own)")
+        if sum(x is not None for x in (weights, plan, partition)) > 1:
+            raise ValueError("hsap: pass weights, a plan or a partition, not several")
         config = L.new_config(L.BatchConfig)
         config.dtype = dtype_code(dtype)
         config.numHeadsQ, config.numHeadsKV, config.headDim = num_heads_q, num_heads_kv, head_dim
@@ -565,6 +619,9 @@ class Batch(_Handle):
         if plan is not None:
             _call("hsapBatchCreateWithPlan", ctypes.byref(self._handle), comm.handle,
                   layout.handle, plan.handle, ctypes.byref(config))
+        elif partition is not None:
+            _call("hsapBatchCreateWithPartition", ctypes.byref(self._handle), comm.handle,
+                  layout.handle, partition.handle, ctypes.byref(config))
         else:
             w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float64)
             if w is not None and len(w) != comm.size:
@@ -589,13 +646,7 @@ class Batch(_Handle):
         return self._partition_handle
 
     def _rank_ranges(self, rank: int) -> list[tuple[int, int]]:
-        n, tokens = ctypes.c_int64(), ctypes.c_int64()
-        _call("hsapPartitionGetRanges", self._partition, rank, None, ctypes.byref(n),
-              ctypes.byref(tokens))
-        buf = np.zeros(2 * max(n.value, 1), dtype=np.int64)
-        _call("hsapPartitionGetRanges", self._partition, rank, _ptr(buf, ctypes.c_int64),
-              ctypes.byref(n), None)
-        return [(int(buf[2 * i]), int(buf[2 * i + 1])) for i in range(n.value)]
+        return _partition_ranges(self._partition, rank)
 
     @property
     def local_tokens(self) -> int:
@@ -615,10 +666,7 @@ class Batch(_Handle):
 
     def local_index(self, rank: int | None = None) -> np.ndarray:
         """Row positions of the shard's tokens (int64): shard = row[local_index()]."""
-        ranges = self._ranges[self.rank if rank is None else rank]
-        if not ranges:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([np.arange(b, e, dtype=np.int64) for b, e in ranges])
+        return _index_of(self._ranges[self.rank if rank is None else rank])
 
     def scatter(self, row: np.ndarray) -> list[np.ndarray]:
         """Splits a packed row [num_tokens, ...] (C-contiguous) into every rank's shard."""

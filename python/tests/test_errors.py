@@ -13,7 +13,9 @@ def test_layout_errors_name_the_argument():
     assert info.value.result == 1 and "cu_seqlens" in info.value.message
     assert isinstance(info.value, ValueError)
     with pytest.raises(hsap.InvalidArgumentError, match="window"):
-        hsap.Layout([0, 4], "sliding_window", 9)  # a window longer than the document
+        hsap.Layout([0, 4], "sliding_window", 0)  # a window is at least 1
+    with pytest.raises(hsap.InvalidArgumentError, match="prefix"):
+        hsap.Layout([0, 4], "prefix_lm", 9)  # a prefix longer than the document
     with pytest.raises(ValueError, match="unknown mask kind"):
         hsap.Layout([0, 4], "diagonal")
     with pytest.raises(ValueError, match="2 mask kinds for 1 documents"):

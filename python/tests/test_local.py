@@ -126,3 +126,23 @@ def test_from_slices_shared_prompt_matches_dense_mask_sdpa(rng):
     naive = _grads(dense, q, k, v, g)
     for name, x, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
         assert_close(name, x, r, n)
+
+
+def test_window_longer_than_a_document_is_the_whole_document(rng):
+    """One window for every document of the row (as a model has): documents shorter than
+    the window attend causally to all of themselves; the result is PyTorch's per-document
+    SDPA with that window's band, which excludes nothing inside a short document."""
+    cu, window = [0, 1, 5, 6, 30, 33], 8
+    q, k, v, g = _inputs(rng, 33, 4, 2, 32, torch.float32)
+    with hsap.Layout(cu, "sliding_window", window) as layout:
+        mask = layout.dense_mask()
+        got = _grads(lambda a, b, c: hsap.attention_local(a, b, c, layout), q, k, v, g)
+    with hsap.Layout(cu, ["causal", "causal", "causal", "sliding_window", "causal"],
+                     [0, 0, 0, window, 0]) as same:
+        np.testing.assert_array_equal(mask, same.dense_mask())
+    ref = _grads(lambda a, b, c: hsap.sdpa_varlen(a, b, c, cu, "sliding_window", window),
+                 *[t.double() for t in (q, k, v, g)])
+    naive = _grads(lambda a, b, c: hsap.sdpa_varlen(a, b, c, cu, "sliding_window", window),
+                   q, k, v, g)
+    for name, x, r, n in zip(("out", "dq", "dk", "dv"), got, ref, naive):
+        assert_close(name, x, r, n)

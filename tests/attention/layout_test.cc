@@ -62,6 +62,38 @@ TEST(LayoutTest, CompilesEachKind) {
   EXPECT_TRUE(empty->slices().empty());
 }
 
+// A window applies per document: longer than a document, it is the whole document (causal),
+// clamped to the document's length, so one window serves a row of documents of any lengths.
+TEST(LayoutTest, WindowLongerThanADocumentIsTheWholeDocument) {
+  const std::vector<int64_t> cu = {0, 1, 4, 12, 12};
+  const std::vector<MaskKind> kinds(4, MaskKind::kSlidingWindow);
+  absl::StatusOr<Layout> layout = Layout::FromDocuments(cu, kinds, std::vector<int64_t>(4, 5));
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  // Documents of 1 and 3 tokens: the window (5) covers them, clamped to 1 and 3; the 8-token
+  // document keeps its window of 5; the empty one is skipped.
+  EXPECT_THAT(layout->slices(),
+              ElementsAre(MaskSlice::Causal(0, 1, 0, 1, 1), MaskSlice::Causal(1, 4, 1, 4, 3),
+                          MaskSlice::Causal(4, 12, 4, 12, 5)));
+  EXPECT_EQ(layout->documents()[0].param, 1);
+  EXPECT_EQ(layout->documents()[1].param, 3);
+  EXPECT_EQ(layout->documents()[2].param, 5);
+  // Pair by pair it is the causal mask inside the short documents and the window in the
+  // long one, and nothing across documents.
+  for (int64_t q = 0; q < 12; ++q) {
+    for (int64_t k = 0; k < 12; ++k) {
+      const int64_t dq = q < 1 ? 0 : q < 4 ? 1 : 2, dk = k < 1 ? 0 : k < 4 ? 1 : 2;
+      const bool expect = dq == dk && k <= q && (dq < 2 || k > q - 5);
+      EXPECT_EQ(layout->Visible(q, k), expect) << "q " << q << " k " << k;
+    }
+  }
+  // Any window of at least the document's length gives the same mask (and fingerprint).
+  absl::StatusOr<Layout> huge = Layout::FromDocuments(
+      cu, kinds, std::vector<int64_t>{int64_t{1} << 40, 3, 5, 7});
+  ASSERT_TRUE(huge.ok()) << huge.status();
+  EXPECT_EQ(huge->slices(), layout->slices());
+  EXPECT_EQ(huge->Fingerprint(), layout->Fingerprint());
+}
+
 TEST(LayoutTest, FromDocumentsErrorsNameTheArgument) {
   auto error = [](std::vector<int64_t> cu, std::vector<MaskKind> kinds,
                   std::vector<int64_t> params) {
@@ -78,12 +110,11 @@ TEST(LayoutTest, FromDocumentsErrorsNameTheArgument) {
   EXPECT_THAT(error({0, 4}, {static_cast<MaskKind>(7)}, {}), HasSubstr("kinds[0]"));
   EXPECT_THAT(error({0, 4}, {MaskKind::kSlidingWindow}, {}), HasSubstr("params is empty"));
   const std::string window =
-      error({0, 2, 5}, {MaskKind::kCausal, MaskKind::kSlidingWindow}, {0, 4});
+      error({0, 2, 5}, {MaskKind::kCausal, MaskKind::kSlidingWindow}, {0, 0});
+  EXPECT_THAT(window, HasSubstr("params[1]"));
   EXPECT_THAT(window, HasSubstr("document 1"));
-  EXPECT_THAT(window, HasSubstr("longer than the document"));
-  EXPECT_THAT(error({0, 2, 5}, {MaskKind::kCausal, MaskKind::kSlidingWindow}, {0, 0}),
-              HasSubstr("params[1]"));
   EXPECT_THAT(error({0, 3}, {MaskKind::kPrefixLM}, {4}), HasSubstr("document 0"));
+  EXPECT_THAT(error({0, 3}, {MaskKind::kPrefixLM}, {4}), HasSubstr("longer than the document"));
   EXPECT_THAT(error({0, 3}, {MaskKind::kPrefixLM}, {-1}), HasSubstr("params[0]"));
 }
 

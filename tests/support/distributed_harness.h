@@ -164,6 +164,9 @@ struct DistCase {
   // Non-null: the batches are made by hsapBatchCreateWithPlan with this plan (weights are
   // not used), and each rank's tensors are its rows of the batch's own partition.
   hsapPlan_t plan = nullptr;
+  // Non-null: the batches are made by hsapBatchCreateWithPartition over this partition
+  // (weights are not used), which is also the data loader's.
+  hsapPartition_t partition = nullptr;
   // Ranks as processes on the host backend (see the top of this file).
   bool processes = false;
 };
@@ -299,9 +302,15 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   res.errors.assign(R, "");
 
   // The data loader's view: a partition made from the same inputs, used to scatter.
-  hsapPartition_t part = nullptr;
-  EXPECT_EQ(hsapPartitionCreate(&part, layout, R, weights), hsapSuccess) << hsapGetLastError();
+  hsapPartition_t part = c.partition;
+  if (part == nullptr) {
+    EXPECT_EQ(hsapPartitionCreate(&part, layout, R, weights), hsapSuccess) << hsapGetLastError();
+  }
   if (part == nullptr) return res;
+  // The partition of the case is the caller's to destroy.
+  auto destroy_part = [&] {
+    if (part != c.partition) hsapPartitionDestroy(part);
+  };
   auto q = ScatterRow(part, R, in.q), k = ScatterRow(part, R, in.k), v = ScatterRow(part, R, in.v),
        dout = ScatterRow(part, R, in.dout);
   auto out = ScatterRow(part, R, res.out), dq = ScatterRow(part, R, res.dq),
@@ -328,9 +337,11 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
     bc.numHeadsKV = c.heads_kv;
     bc.headDim = c.head_dim;
     hsapBatch_t batch = nullptr;
-    if (hsapResult_t e = c.plan != nullptr
-                             ? hsapBatchCreateWithPlan(&batch, comm, layout, c.plan, &bc)
-                             : hsapBatchCreate(&batch, comm, layout, weights, &bc);
+    if (hsapResult_t e =
+            c.plan != nullptr        ? hsapBatchCreateWithPlan(&batch, comm, layout, c.plan, &bc)
+            : c.partition != nullptr ? hsapBatchCreateWithPartition(&batch, comm, layout,
+                                                                    c.partition, &bc)
+                                     : hsapBatchCreate(&batch, comm, layout, weights, &bc);
         e) {
       return fail(e);
     }
@@ -468,7 +479,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
       UnsliceRows(dv[r], plan_shards[r], res.dv);
       UnsliceLse(lse[r], plan_shards[r], c.heads_q, res.lse);
     }
-    hsapPartitionDestroy(part);
+    destroy_part();
     return res;
   }
   GatherRow(part, out, res.out);
@@ -493,7 +504,7 @@ inline RowOutputs RunDistributed(hsapLayout_t layout, const DistCase& c, RowInpu
   for (int h = 0; h < c.heads_q; ++h) {
     for (int64_t t = 0; t < T; ++t) res.lse[h * T + t] = token_major[t * c.heads_q + h];
   }
-  hsapPartitionDestroy(part);
+  destroy_part();
   return res;
 }
 

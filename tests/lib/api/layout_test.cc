@@ -22,14 +22,15 @@ hsapResult_t CreateOneDocument(int64_t length, hsapMaskKind_t kind, int64_t para
 }
 
 TEST(ApiLayoutTest, WindowAndPrefixRangesAreAsDocumented) {
-  // Window in [1, L], prefix in [0, L].
+  // Window >= 1 (longer than the document: clamped to it), prefix in [0, L].
   EXPECT_EQ(CreateOneDocument(10, hsapMaskSlidingWindow, 1), hsapSuccess);
   EXPECT_EQ(CreateOneDocument(10, hsapMaskSlidingWindow, 10), hsapSuccess);
+  EXPECT_EQ(CreateOneDocument(10, hsapMaskSlidingWindow, 11), hsapSuccess);
+  EXPECT_EQ(CreateOneDocument(1, hsapMaskSlidingWindow, 4096), hsapSuccess);
   EXPECT_EQ(CreateOneDocument(10, hsapMaskPrefixLM, 0), hsapSuccess);
   EXPECT_EQ(CreateOneDocument(10, hsapMaskPrefixLM, 10), hsapSuccess);
   for (const auto& [kind, param] :
        std::vector<std::pair<hsapMaskKind_t, int64_t>>{{hsapMaskSlidingWindow, 0},
-                                                       {hsapMaskSlidingWindow, 11},
                                                        {hsapMaskSlidingWindow, -1},
                                                        {hsapMaskPrefixLM, 11},
                                                        {hsapMaskPrefixLM, -1}}) {

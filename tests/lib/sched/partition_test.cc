@@ -31,7 +31,9 @@ std::vector<int64_t> BruteForceWork(const Layout& layout, const Partition& p) {
 
 // The invariants every partition keeps: the ranks' ranges tile the row, each rank's
 // ranges are increasing and disjoint, and the balance rule of partition.h holds.
-void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
+// With several layouts (a partition shared by several masks), work is summed over them.
+void ExpectValidAndBalanced(absl::Span<const Layout* const> layouts, const Partition& p) {
+  const Layout& layout = *layouts.front();
   const int64_t T = layout.num_tokens();
   std::vector<int> owner(T, -1);
   int64_t total_local = 0;
@@ -53,8 +55,11 @@ void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
   EXPECT_EQ(total_local, T);
   for (int64_t i = 0; i < T; ++i) ASSERT_NE(owner[i], -1) << "token " << i << " unassigned";
 
-  const std::vector<int64_t> per_token = layout.VisibleKeysPerQuery();
-  const int64_t total_work = std::accumulate(per_token.begin(), per_token.end(), int64_t{0});
+  int64_t total_work = 0;
+  for (const Layout* l : layouts) {
+    const std::vector<int64_t> per_token = l->VisibleKeysPerQuery();
+    total_work += std::accumulate(per_token.begin(), per_token.end(), int64_t{0});
+  }
   double min_target = 1e300, sum_target = 0;
   for (int r = 0; r < p.num_ranks(); ++r) {
     if (p.weights()[r] == 0.0) {
@@ -71,6 +76,88 @@ void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
     EXPECT_LE(std::abs(static_cast<double>(p.work(r)) - p.target(r)), tolerance)
         << "rank " << r << " work " << p.work(r) << " target " << p.target(r);
   }
+}
+
+void ExpectValidAndBalanced(const Layout& layout, const Partition& p) {
+  const Layout* const layouts[] = {&layout};
+  ExpectValidAndBalanced(layouts, p);
+}
+
+// The masks of a hybrid model's layers over one row: causal, a sliding window (longer than
+// many of the documents), full and prefix-LM, same documents.
+std::vector<Layout> LayerLayouts(const Layout& row, int64_t window) {
+  std::vector<int64_t> cu = {0};
+  for (const Document& d : row.documents()) cu.push_back(d.end);
+  const size_t n = cu.size() - 1;
+  std::vector<Layout> layers;
+  layers.push_back(*Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kCausal)));
+  layers.push_back(*Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kSlidingWindow),
+                                          std::vector<int64_t>(n, window)));
+  layers.push_back(*Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kFull)));
+  layers.push_back(*Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kPrefixLM),
+                                          std::vector<int64_t>(n, 0)));
+  return layers;
+}
+
+TEST(PartitionTest, SharedBySeveralMasksBalancesTheirSum) {
+  for (DocMix mix : {DocMix::kLongTail, DocMix::kOneHuge, DocMix::kSingle}) {
+    for (uint64_t seed = 1; seed <= 20; ++seed) {
+      const std::vector<Layout> layers =
+          LayerLayouts(RandomLayout(900, mix, seed, /*causal_only=*/true), 48);
+      for (const std::vector<const Layout*>& set :
+           {std::vector<const Layout*>{&layers[0], &layers[1]},
+            std::vector<const Layout*>{&layers[1], &layers[1], &layers[1], &layers[0]},
+            std::vector<const Layout*>{&layers[0], &layers[1], &layers[2], &layers[3]}}) {
+        for (const std::vector<double>& w : {std::vector<double>{}, std::vector<double>{3, 1, 2}}) {
+          const int R = w.empty() ? 4 : 3;
+          SCOPED_TRACE(::testing::Message() << testing::DocMixName(mix) << " seed " << seed
+                                            << " layouts " << set.size() << " ranks " << R);
+          absl::StatusOr<Partition> p = Partition::Create(set, R, w);
+          ASSERT_TRUE(p.ok()) << p.status();
+          ExpectValidAndBalanced(set, *p);
+          // Work per rank is the brute-force sum over the masks.
+          if (seed == 1) {
+            std::vector<int64_t> sum(R, 0);
+            for (const Layout* l : set) {
+              const std::vector<int64_t> brute = BruteForceWork(*l, *p);
+              for (int r = 0; r < R; ++r) sum[r] += brute[r];
+            }
+            for (int r = 0; r < R; ++r) EXPECT_EQ(p->work(r), sum[r]) << "rank " << r;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PartitionTest, SharedByOneMaskIsThatMasksPartition) {
+  const Layout layout = RandomLayout(700, DocMix::kLongTail, 5, /*causal_only=*/false);
+  const Layout* const one[] = {&layout};
+  absl::StatusOr<Partition> shared = Partition::Create(one, 3, std::vector<double>{1, 2, 1});
+  absl::StatusOr<Partition> own = Partition::Create(layout, 3, std::vector<double>{1, 2, 1});
+  ASSERT_TRUE(shared.ok() && own.ok());
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(shared->ranges(r), own->ranges(r));
+  EXPECT_EQ(shared->Fingerprint(), own->Fingerprint());
+  absl::StatusOr<Partition> other = Partition::Create(layout, 3);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->Fingerprint(), own->Fingerprint());
+  // A slice layout among document layouts: the row is cut as one piece, still balanced.
+  const Layout slices = RandomSliceLayout(700, 9);
+  const Layout* const mixed[] = {&layout, &slices};
+  absl::StatusOr<Partition> p = Partition::Create(mixed, 4);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ExpectValidAndBalanced(mixed, *p);
+}
+
+TEST(PartitionTest, SharedPartitionRejectsLayoutsOfDifferentRows) {
+  const Layout a = *Layout::FromDocuments(std::vector<int64_t>{0, 10, 20});
+  const Layout b = *Layout::FromDocuments(std::vector<int64_t>{0, 10, 21});
+  const Layout* const both[] = {&a, &b};
+  absl::StatusOr<Partition> p = Partition::Create(both, 2);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(p.status().message(), ::testing::HasSubstr("layouts[1] has 21 tokens"));
+  EXPECT_FALSE(Partition::Create(absl::Span<const Layout* const>(), 2).ok());
 }
 
 TEST(PartitionTest, BalancedForEqualAndUnevenWeights) {

@@ -1,0 +1,217 @@
+// Batches of different masks over one partition (hsapPartitionCreateForLayouts,
+// hsapBatchCreateWithPartition): the layers of a hybrid model (full, sliding-window, ...)
+// hold the same tokens on every rank, and each mask's batch keeps the guarantees of
+// hsapBatchCreate: results within the tolerance rule of the fp64 reference, every K/V row
+// delivered exactly once to each rank that needs it, bitwise the results of hsapBatchCreate
+// when the partition is the one it would choose.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "attention/layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "hsap/hsap.h"
+#include "tests/support/distributed_harness.h"
+#include "tests/support/random_layouts.h"
+#include "tests/support/traffic_bound.h"
+
+namespace hsap {
+namespace {
+
+using ::hsap::testing::DistCase;
+using ::hsap::testing::RowInputs;
+using ::hsap::testing::RowOutputs;
+using ::testing::HasSubstr;
+
+// The layers of a hybrid model over one row of documents: causal, a sliding window longer
+// than most documents (clamped per document) and full.
+std::vector<Layout> HybridLayers(const std::vector<int64_t>& cu, int64_t window) {
+  const size_t n = cu.size() - 1;
+  return {*Layout::FromDocuments(cu),
+          *Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kSlidingWindow),
+                                 std::vector<int64_t>(n, window)),
+          *Layout::FromDocuments(cu, std::vector<MaskKind>(n, MaskKind::kFull))};
+}
+
+hsapPartition_t SharedPartition(const std::vector<hsapLayout_t>& layouts, int ranks,
+                                const std::vector<double>& weights) {
+  hsapPartition_t partition = nullptr;
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&partition, layouts.data(),
+                                          static_cast<int>(layouts.size()), ranks,
+                                          weights.empty() ? nullptr : weights.data()),
+            hsapSuccess)
+      << hsapGetLastError();
+  return partition;
+}
+
+std::vector<int64_t> RangesOf(hsapPartition_t p, int rank) {
+  int64_t n = 0;
+  EXPECT_EQ(hsapPartitionGetRanges(p, rank, nullptr, &n, nullptr), hsapSuccess);
+  std::vector<int64_t> ranges(2 * n);
+  EXPECT_EQ(hsapPartitionGetRanges(p, rank, ranges.data(), &n, nullptr), hsapSuccess);
+  return ranges;
+}
+
+void ExpectEveryMaskOverTheSharedPartition(const std::vector<int64_t>& cu, DistCase c,
+                                           uint64_t seed) {
+  const std::vector<Layout> layers = HybridLayers(cu, 40);
+  std::vector<hsapLayout_t> handles;
+  for (const Layout& l : layers) handles.push_back(testing::ToCLayout(l));
+  c.partition = SharedPartition(handles, c.ranks, c.weights);
+  ASSERT_NE(c.partition, nullptr);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "mask " << i);
+    RowInputs in(c, layers[i].num_tokens(), seed + i);
+    const RowOutputs got = testing::RunDistributed(handles[i], c, in);
+    for (int r = 0; r < c.ranks; ++r) {
+      ASSERT_EQ(got.results[r], hsapSuccess) << "rank " << r << ": " << got.errors[r];
+      // Every mask's batch holds the partition's tokens.
+      EXPECT_EQ(got.ranges[r], RangesOf(c.partition, r)) << "rank " << r;
+    }
+    AttentionDims dims;
+    dims.heads_q = c.heads_q;
+    dims.heads_kv = c.heads_kv;
+    dims.head_dim = c.head_dim;
+    dims.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    testing::ExpectMatchesReference(layers[i], in.Reference(dims, c.dtype), in.dout.bytes.data(),
+                                    got, /*backward=*/true);
+    const testing::Expected bound = testing::LowerBound(layers[i], got, c);
+    for (int r = 0; r < c.ranks; ++r) {
+      SCOPED_TRACE(::testing::Message() << "rank " << r);
+      EXPECT_EQ(got.traffic[r].forwardBytesSent, bound.per_rank[r].forwardBytesSent);
+      EXPECT_EQ(got.traffic[r].forwardBytesReceived, bound.per_rank[r].forwardBytesReceived);
+      EXPECT_EQ(got.traffic[r].backwardBytesSent, bound.per_rank[r].backwardBytesSent);
+      EXPECT_EQ(got.traffic[r].backwardBytesReceived, bound.per_rank[r].backwardBytesReceived);
+    }
+  }
+  hsapPartitionDestroy(c.partition);
+  for (hsapLayout_t h : handles) hsapLayoutDestroy(h);
+}
+
+TEST(SharedPartitionTest, HybridLayersMatchTheReferenceAndDeliverExactlyOnce) {
+  // One long document (cut across ranks), many shorter than the window, a 1-token one.
+  std::vector<int64_t> cu = {0, 1};
+  for (int64_t len : {230, 9, 33, 17, 60, 5, 41}) cu.push_back(cu.back() + len);
+  DistCase c;
+  c.ranks = 3;
+  c.heads_q = 4;
+  c.heads_kv = 2;
+  ExpectEveryMaskOverTheSharedPartition(cu, c, 31);
+  c.ranks = 4;
+  c.weights = {3, 1, 2, 2};
+  c.dtype = DType::kBF16;
+  ExpectEveryMaskOverTheSharedPartition(cu, c, 31);
+}
+
+TEST(SharedPartitionTest, RanksAsProcesses) {
+  const std::vector<int64_t> cu = {0, 150, 170, 171, 260};
+  DistCase c;
+  c.ranks = 3;
+  c.processes = true;
+  ExpectEveryMaskOverTheSharedPartition(cu, c, 52);
+}
+
+// Over the partition hsapBatchCreate would choose, a batch computes the same bits.
+TEST(SharedPartitionTest, SamePartitionGivesTheBitsOfBatchCreate) {
+  const Layout layout = testing::RandomLayout(400, testing::DocMix::kLongTail, 3, false);
+  DistCase c;
+  c.ranks = 3;
+  c.weights = {1, 2, 1};
+  c.dtype = DType::kBF16;
+  hsapLayout_t handle = testing::ToCLayout(layout);
+  RowInputs in(c, layout.num_tokens(), 8);
+  const RowOutputs own = testing::RunDistributed(handle, c, in);
+  ASSERT_TRUE(own.ok()) << own.errors[0];
+  ASSERT_EQ(hsapPartitionCreate(&c.partition, handle, c.ranks, c.weights.data()), hsapSuccess);
+  const RowOutputs shared = testing::RunDistributed(handle, c, in);
+  ASSERT_TRUE(shared.ok()) << shared.errors[0];
+  EXPECT_EQ(shared.out.bytes, own.out.bytes);
+  EXPECT_EQ(shared.dq.bytes, own.dq.bytes);
+  EXPECT_EQ(shared.dk.bytes, own.dk.bytes);
+  EXPECT_EQ(shared.dv.bytes, own.dv.bytes);
+  EXPECT_EQ(shared.lse, own.lse);
+  hsapPartitionDestroy(c.partition);
+  hsapLayoutDestroy(handle);
+}
+
+// Ranks that pass different partitions fail together; a partition of another row or rank
+// count is an invalid argument on the rank that passed it.
+TEST(SharedPartitionTest, MismatchesFailOnEveryRank) {
+  const std::vector<int64_t> cu = {0, 100, 140};
+  hsapLayout_t layout = nullptr, other_row = nullptr;
+  ASSERT_EQ(hsapLayoutCreate(&layout, cu.data(), 2, nullptr, nullptr), hsapSuccess);
+  const int64_t longer[] = {0, 100, 141};
+  ASSERT_EQ(hsapLayoutCreate(&other_row, longer, 2, nullptr, nullptr), hsapSuccess);
+  hsapPartition_t equal = nullptr, uneven = nullptr, three = nullptr, wrong_row = nullptr;
+  const double weights[] = {1, 3};
+  ASSERT_EQ(hsapPartitionCreate(&equal, layout, 2, nullptr), hsapSuccess);
+  ASSERT_EQ(hsapPartitionCreate(&uneven, layout, 2, weights), hsapSuccess);
+  ASSERT_EQ(hsapPartitionCreate(&three, layout, 3, nullptr), hsapSuccess);
+  ASSERT_EQ(hsapPartitionCreate(&wrong_row, other_row, 2, nullptr), hsapSuccess);
+
+  struct Case {
+    hsapPartition_t rank0, rank1;
+    hsapResult_t expect0, expect1;
+    std::string message0, message1;
+  };
+  const std::vector<Case> cases = {
+      {equal, uneven, hsapInvalidUsage, hsapInvalidUsage, "partition differs", "partition differs"},
+      {equal, three, hsapInvalidUsage, hsapInvalidArgument, "rejected its arguments",
+       "partition is for 3 ranks"},
+      {wrong_row, equal, hsapInvalidArgument, hsapInvalidUsage, "row of 141 tokens",
+       "rejected its arguments"},
+      {equal, nullptr, hsapInvalidUsage, hsapInvalidArgument, "rejected its arguments",
+       "partition is null"},
+  };
+  for (const Case& k : cases) {
+    hsapComm_t comms[2];
+    ASSERT_EQ(hsapCommInitAll(comms, 2, nullptr), hsapSuccess);
+    hsapResult_t results[2];
+    std::string messages[2];
+    testing::OnEveryRank(2, [&](int r) {
+      hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+      bc.dtype = hsapFloat32;
+      bc.numHeadsQ = 2;
+      bc.numHeadsKV = 1;
+      bc.headDim = 32;
+      hsapBatch_t batch = nullptr;
+      results[r] =
+          hsapBatchCreateWithPartition(&batch, comms[r], layout, r == 0 ? k.rank0 : k.rank1, &bc);
+      messages[r] = hsapGetLastError();
+      hsapBatchDestroy(batch);
+    });
+    EXPECT_EQ(results[0], k.expect0) << messages[0];
+    EXPECT_EQ(results[1], k.expect1) << messages[1];
+    EXPECT_THAT(messages[0], HasSubstr(k.message0));
+    EXPECT_THAT(messages[1], HasSubstr(k.message1));
+    for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+  }
+  for (hsapPartition_t p : {equal, uneven, three, wrong_row}) hsapPartitionDestroy(p);
+  hsapLayoutDestroy(layout);
+  hsapLayoutDestroy(other_row);
+}
+
+TEST(SharedPartitionTest, CreateForLayoutsRejectsBadArguments) {
+  const int64_t cu[] = {0, 10}, cu2[] = {0, 11};
+  hsapLayout_t a = nullptr, b = nullptr;
+  ASSERT_EQ(hsapLayoutCreate(&a, cu, 1, nullptr, nullptr), hsapSuccess);
+  ASSERT_EQ(hsapLayoutCreate(&b, cu2, 1, nullptr, nullptr), hsapSuccess);
+  hsapPartition_t p = nullptr;
+  const hsapLayout_t both[] = {a, b}, with_null[] = {a, nullptr};
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&p, both, 2, 2, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("layouts[1] has 11 tokens"));
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&p, with_null, 2, 2, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("layouts[1] is null"));
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&p, both, 0, 2, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("numLayouts = 0"));
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&p, nullptr, 1, 2, nullptr), hsapInvalidArgument);
+  EXPECT_EQ(hsapPartitionCreateForLayouts(&p, both, 1, 0, nullptr), hsapInvalidArgument);
+  EXPECT_EQ(p, nullptr);
+  hsapLayoutDestroy(a);
+  hsapLayoutDestroy(b);
+}
+
+}  // namespace
+}  // namespace hsap
