@@ -4,12 +4,15 @@
 // NVRTC the occupancy assumes 128 registers per thread and says so.
 //
 //   hsap_roofline [sm_90|sm_80 ...]     (default: sm_90)
+#include <algorithm>
 #include <cstdio>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "bench/roofline.h"
+#include "bench/roofline_issue.h"
 #include "jit/cache.h"
 #include "jit/codegen_cuda.h"
 #include "jit/cuda_kernels.h"
@@ -63,6 +66,75 @@ void PrintVariant(const jit::CudaKernelConfig& c, const std::vector<GpuSpec>& gp
   }
 }
 
+void PrintTerms(const char* name, const WarpTileMix& m, const GpuSpec& gpu) {
+  const WarpTileTime t = TimeOf(m, PipeCyclesOf(gpu));
+  auto pct = [&](double x) { return 100 * x / t.busy; };
+  std::printf(
+      "  %-22s %5.0f cycles/warp-tile: tensor %4.0f (%2.0f%%) ldsm %3.0f (%2.0f%%) mufu %4.0f "
+      "(%2.0f%%) alu %4.0f (%2.0f%%) imad %4.0f (%2.0f%%) fp32 %4.0f (%2.0f%%) other %4.0f "
+      "(%2.0f%%); instructions: %3.0f HMMA %3.0f LDSM %3.0f MUFU %4.0f ALU %4.0f IMAD %4.0f FP32 "
+      "%4.0f other\n",
+      name, t.busy, t.tensor, pct(t.tensor), t.ldsm, pct(t.ldsm), t.mufu, pct(t.mufu), t.alu,
+      pct(t.alu), t.imad, pct(t.imad), t.fp32, pct(t.fp32), t.other, pct(t.other), m.hmma,
+      m.ldsm, m.mufu, m.alu, m.imad, m.fp32, m.other);
+}
+
+// Where the time of the H200 rows goes and what would help, for one configuration.
+void PrintIssueModel(const jit::CudaKernelConfig& c, int fwd_regs, int bwd_regs) {
+  const GpuSpec gpu = H200();
+  absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
+  if (!t.ok()) return;
+  std::printf(
+      "\n# Issue model (bench/roofline_issue.h) of %s on the H200: scheduler cycles per "
+      "warp-tile,\n# pipes summed (HMMA %.0f, ALU/IMAD 2, FP32 1, MUFU 8, other 1 cycle), "
+      "%d warps per scheduler.\n",
+      c.Name().c_str(), PipeCyclesOf(gpu).hmma,
+      PredictIssue({ForwardWarpTileMix(c, *t)}, {1}, 1, t->threads, fwd_regs, t->fwd_smem_bytes,
+                   gpu)
+          .warps_per_scheduler);
+  PrintTerms("fwd (16 x 64 keys)", ForwardWarpTileMix(c, *t), gpu);
+  PrintTerms("bwd key (16 x 16 q)", BackwardKeyWarpTileMix(c, *t), gpu);
+  PrintTerms("bwd dq (16 x 32 keys)", BackwardQueryWarpTileMix(c, *t), gpu);
+  const std::vector<std::pair<const char*, std::vector<int64_t>>> rows = {
+      {"32K causal", {0, 32768}}, {"128K causal", {0, 131072}}};
+  for (const auto& [name, cu] : rows) {
+    absl::StatusOr<IssuePrediction> f = PredictForwardOnDocuments(c, fwd_regs, cu, 16, gpu);
+    absl::StatusOr<IssuePrediction> b = PredictBackwardOnDocuments(c, bwd_regs, cu, 16, gpu);
+    if (!f.ok() || !b.ok()) continue;
+    std::printf(
+        "  %-12s predicted fwd %5.1f TFLOP/s (pipes overlapped: %5.1f), bwd %5.1f (%5.1f); "
+        "bound: %s\n",
+        name, f->tflops, f->overlapped_tflops, b->tflops, b->overlapped_tflops, f->bound.c_str());
+  }
+  auto rank = [&](const char* what, const std::vector<ChangedMix>& changes, double base,
+                  auto&& rate) {
+    std::vector<std::pair<double, const ChangedMix*>> ranked;
+    for (const ChangedMix& ch : changes) ranked.push_back({rate(ch.mix), &ch});
+    std::sort(ranked.begin(), ranked.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::printf("  %s changes, ranked (full-tile rate now %.0f TFLOP/s):\n", what, base);
+    for (const auto& [r, ch] : ranked) {
+      std::printf("    %6.0f TFLOP/s (x%.2f)  %-28s %s\n", r, r / base, ch->change.name.c_str(),
+                  ch->change.what.c_str());
+    }
+  };
+  const double fwd_base = ForwardSchedulerTflops(c, *t, fwd_regs, gpu);
+  rank("forward", ForwardChanges(c, *t), fwd_base, [&](const WarpTileMix& m) {
+    return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t->threads, fwd_regs, t->fwd_smem_bytes,
+                        gpu)
+        .tflops;
+  });
+  const WarpTileMix q = BackwardQueryWarpTileMix(c, *t);
+  const double bwd_base = BackwardSchedulerTflops(c, *t, bwd_regs, gpu);
+  rank("backward key-pass", BackwardKeyChanges(c, *t), bwd_base, [&](const WarpTileMix& m) {
+    // Per pair as BackwardSchedulerTflops: the key pass changed, the dq pass as it is.
+    const double pairs = 1e9;
+    return PredictIssue({m, q}, {pairs / (16.0 * t->bwd_block_m), pairs / (16.0 * 32)},
+                        10 * pairs * c.head_dim, t->bwd_threads, bwd_regs, t->bwd_smem_bytes, gpu)
+        .tflops;
+  });
+}
+
 int Main(int argc, char** argv) {
   std::vector<std::string> archs;
   for (int i = 1; i < argc; ++i) archs.push_back(argv[i]);
@@ -71,10 +143,11 @@ int Main(int argc, char** argv) {
   std::printf(
       "# Analytic roofline of the shipped CUDA variants (bench/roofline.h; docs/gpu_backend.md).\n"
       "# Bounds in TFLOP/s over visible pairs on the whole GPU; %% is of the %.1f TFLOP/s dense\n"
-      "# bf16 peak. mma.sync on sm_90 assumed at %.0f%% of that peak (to be measured).\n"
+      "# bf16 peak. mma.sync on sm_90 taken at %.0f%% of that peak (docs/gpu_backend.md).\n"
       "# FLOP/B: per byte streamed from L2/HBM (glob) and read from shared memory (smem; 0: "
       "not modelled).\n"
-      "# pred: the smallest on-chip bound (issue, smem, exp, alu); hbm: HBM with no L2 reuse, "
+      "# pred: the smallest on-chip bound (mma.sync issue, smem, exp, alu, scheduler: the issue "
+      "model of bench/roofline_issue.h); hbm: HBM with no L2 reuse, "
       "the floor of a cache-hostile schedule. dir*: tensor-core kernel.\n",
       gpus[0].dense_16bit_tflops, 100 * kMmaSyncFractionSm90);
   std::printf(
@@ -87,6 +160,22 @@ int Main(int argc, char** argv) {
       PrintVariant(c, gpus);
     }
   }
+  // The issue model's breakdown and plan for the rows measured on the H200 (bf16, d 128),
+  // with the registers of ptxas' report when NVRTC is there.
+  jit::CudaKernelConfig c;
+  c.arch = "sm_90";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  int fwd_regs = 241, bwd_regs = 244;  // ptxas (CUDA 13), when no compile is possible
+  absl::StatusOr<jit::CompiledCudaKernels> k = jit::CompileCudaKernels(c, &jit::CompileCache::Global());
+  if (k.ok()) {
+    absl::StatusOr<std::vector<jit::CudaKernelResources>> res = k->Resources();
+    for (size_t i = 0; res.ok() && i < k->source.kernels.size(); ++i) {
+      if (k->source.kernels[i].role == "fwd") fwd_regs = (*res)[i].registers;
+      if (k->source.kernels[i].role == "bwd") bwd_regs = (*res)[i].registers;
+    }
+  }
+  PrintIssueModel(c, fwd_regs, bwd_regs);
   return 0;
 }
 

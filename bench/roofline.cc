@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/roofline_issue.h"
 #include "jit/cuda_kernels.h"
 
 namespace hsap::bench {
@@ -23,7 +24,7 @@ struct TileCosts {
 };
 
 Roofline Evaluate(bool tc, const TileCosts& k, int threads, int registers, int smem,
-                  const GpuSpec& gpu) {
+                  const GpuSpec& gpu, double scheduler_tflops) {
   Roofline r;
   const double clocks_per_s = gpu.clock_ghz * 1e9 * gpu.sms;  // SM-clocks per second
   const double fp32_ops_per_clock = gpu.fp32_tflops * 1e12 / 2 / clocks_per_s;
@@ -48,7 +49,9 @@ Roofline Evaluate(bool tc, const TileCosts& k, int threads, int registers, int s
       {r.smem_tflops, "shared memory"},
       {r.mufu_tflops, "exp (MUFU)"},
       {r.alu_tflops, "fp32 softmax ALU"},
+      {scheduler_tflops, "scheduler (issue)"},
   };
+  r.scheduler_tflops = scheduler_tflops;
   r.predicted_tflops = r.peak_tflops;
   r.bound = "peak";
   for (const auto& [value, name] : bounds) {
@@ -96,7 +99,8 @@ Roofline ForwardRoofline(const jit::CudaKernelConfig& c, const jit::CudaTiles& t
   }
   k.exps = bm * bn;
   k.alu_ops = 6 * bm * bn + bm * d;  // scale/mask, max, subtract, sum, pack; O rescale
-  return Evaluate(tensor_core, k, t.threads, registers, t.fwd_smem_bytes, gpu);
+  return Evaluate(tensor_core, k, t.threads, registers, t.fwd_smem_bytes, gpu,
+                  tensor_core ? ForwardSchedulerTflops(c, t, registers, gpu) : 0);
 }
 
 Roofline BackwardRoofline(const jit::CudaKernelConfig& c, const jit::CudaTiles& t, int registers,
@@ -123,7 +127,8 @@ Roofline BackwardRoofline(const jit::CudaKernelConfig& c, const jit::CudaTiles& 
   }
   k.exps = bm * bn;
   k.alu_ops = 6 * bm * bn;
-  return Evaluate(tensor_core, k, t.bwd_threads, registers, t.bwd_smem_bytes, gpu);
+  return Evaluate(tensor_core, k, t.bwd_threads, registers, t.bwd_smem_bytes, gpu,
+                  tensor_core ? BackwardSchedulerTflops(c, t, registers, gpu) : 0);
 }
 
 }  // namespace hsap::bench

@@ -40,9 +40,14 @@ struct GpuSpec {
 GpuSpec H100Sxm();
 GpuSpec H200();
 
-// Assumed share of the dense peak that mma.sync (the sm_80 instruction these kernels use)
-// reaches on sm_90, where the peak needs wgmma. An assumption until the device check measures it.
-inline constexpr double kMmaSyncFractionSm90 = 2.0 / 3.0;
+// Share of the dense peak that mma.sync (the sm_80 instruction these kernels use) reaches on
+// sm_90, where the full rate needs wgmma: the A100's rate per SM and clock (2048 FLOPs), half
+// of Hopper's 4096. Derived, not measured here: FlashAttention-2 (mma.sync) reaches the same
+// FLOPs per SM-clock on H100 (370 TFLOP/s forward, d 128, FlashAttention-3 paper, arXiv
+// 2407.08608, Fig. 5) as on A100 (73 % of 312, FlashAttention-2 paper, arXiv 2307.08691), which
+// a tensor rate 4/3 of the A100's per clock would have lifted by about 1.2x; the "about 2/3"
+// that Hopper write-ups quote for mma.sync is the upper end (docs/gpu_backend.md).
+inline constexpr double kMmaSyncFractionSm90 = 0.5;
 
 struct Roofline {
   double flops_per_tile = 0;         // one tile pair
@@ -57,7 +62,10 @@ struct Roofline {
   double mufu_tflops = 0;       // exponentials
   double alu_tflops = 0;        // fp32 softmax arithmetic (scale, mask, max, sums, rescale)
   double hbm_tflops = 0;        // HBM with no L2 reuse (not part of the prediction)
-  double predicted_tflops = 0;  // the smallest on-chip bound
+  // The issue model (bench/roofline_issue.h) on full tiles: the scheduler's serial pipes.
+  // Tensor-core kernels only (0 otherwise).
+  double scheduler_tflops = 0;
+  double predicted_tflops = 0;  // the smallest on-chip bound, the scheduler's included
   std::string bound;            // which one
 };
 
