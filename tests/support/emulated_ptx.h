@@ -69,8 +69,22 @@ struct PtxLaneSlot {
   std::uint32_t regs[6] = {};     // mma: a[0..3], b[0..1]
   const void* address = nullptr;  // ldmatrix: this lane's row address
 };
+struct MmaOperands {
+  float a[16][16];
+  float b[16][8];
+};
+// What the first lane to leave a collective's barrier read for the whole warp (the matrices
+// of an mma, the rows of an ldmatrix: one snapshot of shared memory for all lanes, as the
+// instruction reads it once), reused by the other lanes of the same ticket. The lanes of a
+// warp are fibers of one thread (cuda_emulator.h), so they never run at the same time.
+struct PtxWarpResult {
+  std::uint64_t ticket = 0;
+  MmaOperands mma;
+  std::uint16_t rows[4][8][8];  // ldmatrix: [matrix][row][col]
+};
 struct PtxWarpExchange {
   std::array<PtxLaneSlot, 32> lanes[2];  // by ticket parity
+  PtxWarpResult results[2];              // by ticket parity
 };
 
 namespace ptx {
@@ -121,10 +135,6 @@ inline float Decode(std::uint16_t bits, bool bf16) {
 
 // The whole A (16x16, [row][col]) and B (16x8, [k][n]) of an m16n8k16, from the lanes'
 // fragments (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type").
-struct MmaOperands {
-  float a[16][16];
-  float b[16][8];
-};
 inline void GatherMmaOperands(const std::array<PtxLaneSlot, 32>& lanes, bool bf16, MmaOperands& m) {
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane >> 2, t = lane % 4;
@@ -156,8 +166,13 @@ inline void Mma(bool bf16, float* d, const std::uint32_t* a, const std::uint32_t
   mine.regs[4] = b[0];
   mine.regs[5] = b[1];
   const float c_in[4] = {c[0], c[1], c[2], c[3]};  // d may alias c
-  MmaOperands m;
-  GatherMmaOperands(Gather(mine), bf16, m);
+  const std::array<PtxLaneSlot, 32>& lanes = Gather(mine);
+  PtxWarpResult& shared = ThisWarpExchange().results[tl_collectives & 1];
+  if (shared.ticket != tl_collectives) {
+    GatherMmaOperands(lanes, bf16, shared.mma);
+    shared.ticket = tl_collectives;
+  }
+  const MmaOperands& m = shared.mma;
   const int lane = ThisLane();
   for (int i = 0; i < 4; ++i) {
     int row, col;
@@ -179,19 +194,23 @@ inline void Ldmatrix(int num, bool trans, std::uint32_t* r, const void* row_addr
   mine.variant = trans ? -num : num;
   mine.address = row_address;
   const std::array<PtxLaneSlot, 32>& lanes = Gather(mine);
-  std::uint16_t rows[4][8][8];  // [matrix][row][col]
-  for (int l = 0; l < 8 * num; ++l) {
-    const void* p = lanes[l].address;
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if ((address & 15u) != 0) {
-      Fault(absl::StrCat("misaligned address: ldmatrix row address of lane ", l, " at 0x",
-                         absl::Hex(address)));
+  PtxWarpResult& shared = ThisWarpExchange().results[tl_collectives & 1];
+  auto& rows = shared.rows;
+  if (shared.ticket != tl_collectives) {
+    for (int l = 0; l < 8 * num; ++l) {
+      const void* p = lanes[l].address;
+      const auto address = reinterpret_cast<std::uintptr_t>(p);
+      if ((address & 15u) != 0) {
+        Fault(absl::StrCat("misaligned address: ldmatrix row address of lane ", l, " at 0x",
+                           absl::Hex(address)));
+      }
+      if (!InSharedMemory(p, 16)) {
+        Fault(absl::StrCat("ldmatrix row address of lane ", l, " at 0x", absl::Hex(address),
+                           " is not in shared memory"));
+      }
+      std::memcpy(rows[l / 8][l % 8], p, 16);
     }
-    if (!InSharedMemory(p, 16)) {
-      Fault(absl::StrCat("ldmatrix row address of lane ", l, " at 0x", absl::Hex(address),
-                         " is not in shared memory"));
-    }
-    std::memcpy(rows[l / 8][l % 8], p, 16);
+    shared.ticket = tl_collectives;
   }
   const int lane = ThisLane();
   const int g = lane >> 2, t = lane % 4;
