@@ -26,6 +26,7 @@
 #include "lib/api/result.h"
 #include "tests/support/cuobjdump.h"
 #include "tests/support/scoped_env.h"
+#include "tests/support/sweep.h"
 #include "tests/support/test_files.h"
 
 namespace hsap::jit {
@@ -407,10 +408,15 @@ class ShippedCudaKernelsOf : public ::testing::TestWithParam<std::string> {};
 TEST_P(ShippedCudaKernelsOf, AllVariantsCompile) {
   REQUIRE_NVRTC();
   const std::string& arch = GetParam();
+  // A sweep over the shipped variants: the sanitizer pass checks 4 of the 13 per architecture
+  // (bf16 d64 and d256, f16 d64, f32 d128; testing::Sweep), compiled one by one below.
+  const std::vector<CudaKernelConfig> configs = testing::Sweep(ShippedCudaConfigs(arch), 4);
+  const bool all = configs.size() == ShippedCudaConfigs(arch).size();
   absl::StatusOr<std::vector<CudaVariantTiming>> timings =
-      CompileShippedCudaKernels({arch}, &TestCache(), 2);
+      all ? CompileShippedCudaKernels({arch}, &TestCache(), 2)
+          : absl::StatusOr<std::vector<CudaVariantTiming>>(std::vector<CudaVariantTiming>{});
   ASSERT_TRUE(timings.ok()) << timings.status();
-  ASSERT_EQ(timings->size(), ShippedCudaConfigs(arch).size());
+  if (all) ASSERT_EQ(timings->size(), ShippedCudaConfigs(arch).size());
   double total = 0, worst = 0, cpu = 0, worst_cpu = 0;
   for (const CudaVariantTiming& t : *timings) {
     EXPECT_EQ(t.target.substr(0, 3), "sm_") << t.name;
@@ -423,13 +429,13 @@ TEST_P(ShippedCudaKernelsOf, AllVariantsCompile) {
   std::printf(
       "[ timing ] %zu CUDA variants: NVRTC wall %.2f s total (mean %.3f, max %.3f), CPU %.2f s "
       "(mean %.3f, max %.3f)\n",
-      timings->size(), total, total / timings->size(), worst, cpu, cpu / timings->size(),
-      worst_cpu);
+      timings->size(), total, total / std::max<size_t>(1, timings->size()), worst, cpu,
+      cpu / std::max<size_t>(1, timings->size()), worst_cpu);
 
   const std::string cuobjdump = testing::FindCuobjdump();
   const std::string dir = TempDir();
   int kernels = 0, tensor_core = 0, sass_checked = 0;
-  for (const CudaKernelConfig& c : ShippedCudaConfigs(arch)) {
+  for (const CudaKernelConfig& c : configs) {
     absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());  // cached
     ASSERT_TRUE(k.ok()) << k.status();
     const std::string& name = k->source.program_name;
@@ -468,8 +474,9 @@ TEST_P(ShippedCudaKernelsOf, AllVariantsCompile) {
     }
   }
   std::filesystem::remove_all(dir);
-  // Forward and fused forward of the bf16/f16 variants at least (20 over both architectures).
-  EXPECT_GE(tensor_core, 10) << arch;
+  // Forward and fused forward of the bf16/f16 variants at least (20 over both architectures);
+  // the sanitizer pass's subset holds three bf16/f16 variants.
+  EXPECT_GE(tensor_core, all ? 10 : 3) << arch;
   std::printf("[ resources ] %d kernels, %d on tensor cores; SASS checked: %d (%s)\n", kernels,
               tensor_core, sass_checked, cuobjdump.empty() ? "no cuobjdump" : cuobjdump.c_str());
 }

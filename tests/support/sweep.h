@@ -44,6 +44,16 @@ std::vector<T> Sweep(std::initializer_list<T> all, size_t subset_size) {
   return Sweep(std::vector<T>(all), subset_size);
 }
 
+// Whether `value` is one of Sweep(all, subset_size)'s picks: for parameterized tests, whose
+// instantiation lists every case (a case left out of the subset skips, saying so).
+template <typename T>
+bool SweepIncludes(const std::vector<T>& all, const T& value, size_t subset_size) {
+  for (const T& picked : Sweep(all, subset_size)) {
+    if (picked == value) return true;
+  }
+  return false;
+}
+
 }  // namespace hsap::testing
 
 #endif  // HSAP_TESTS_SUPPORT_SWEEP_H_
