@@ -542,6 +542,30 @@ typedef struct {
 } hsapLinkTraffic_t;
 hsapResult_t hsapBatchGetLinkTraffic(hsapBatch_t batch, hsapLinkTraffic_t* traffic);
 
+/* How a batch's attention work is split between the engines of CUDA batches, decided at
+ * hsapBatchCreate / hsapBatchCreateWithPlan under $HSAP_ATTENTION_ENGINE (docs/environment.md,
+ * docs/gpu_backend.md "Attention engines"): each step's work is cut into pieces (a query
+ * range x a key range under one mask) and each piece goes to cuDNN's fused attention or to
+ * hsap's JIT kernels. In this version the GPU executors have no cuDNN piece runner yet, so
+ * every piece runs on the JIT kernels, the report says why, and mode hsapEngineCudnn makes
+ * batch creation fail on every rank, hsapGetLastError() naming the reason. Counts are over every step of
+ * one forward (the backward runs the same pieces). hsapUnsupported for a batch of the host
+ * backend. */
+typedef enum { hsapEngineAuto = 0, hsapEngineCudnn = 1, hsapEngineJit = 2 } hsapEngineMode_t;
+typedef struct {
+  hsapEngineMode_t mode;                /* $HSAP_ATTENTION_ENGINE at creation */
+  int64_t cudnnPieces, jitPieces;       /* pieces per engine */
+  int64_t cudnnPairs, jitPairs;         /* visible (query, key) pairs per head, per engine */
+  int64_t cudnnCalls;                   /* cuDNN executions (ragged batches) per forward */
+} hsapEngines_t;
+hsapResult_t hsapBatchGetEngines(hsapBatch_t batch, hsapEngines_t* engines);
+/* The same as one NUL-terminated line, with the reason of every JIT piece ("cudnn 0 pieces in
+ * 0 calls (0.0% of FLOPs), jit 5 pieces (100.0%): 5 x cuDNN is not available: ..."). With
+ * buffer == NULL only *size is set (bytes needed, NUL included); otherwise *size is the
+ * buffer's capacity and, if too small, hsapInvalidArgument is returned with *size set to the
+ * bytes needed (as hsapPlanToJson). */
+hsapResult_t hsapBatchGetEngineReport(hsapBatch_t batch, char* buffer, size_t* size);
+
 /* ---- CUDA communicators: one GPU per rank, over NCCL ---------------------------------- */
 
 /* CUDA, NCCL and the NVIDIA driver are loaded at run time. Where one is missing these calls

@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -45,6 +47,17 @@ absl::Status FirstError(Checks&&... checks) {
   return result;
 }
 
+// The engine choice of a CUDA batch; Unimplemented for a host batch.
+absl::StatusOr<const cuda::BatchEngines*> EnginesOfBatch(const Batch& batch) {
+  const cuda::BatchEngines* engines = cuda::EnginesOf(batch.runner());
+  if (engines == nullptr) {
+    return absl::UnimplementedError(
+        "this batch runs on the host backend, which has no attention engines (only CUDA "
+        "batches do: communicators of hsapBackendCuda or hsapCommInitLoopback)");
+  }
+  return engines;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<const KernelSet>> HostKernelsForOptions(const BatchOptions& options,
@@ -70,9 +83,15 @@ absl::StatusOr<BatchBackend> PrepareBackend(const hsapComm_st& comm, const Batch
   // rank fall back to stages).
   HSAP_ASSIGN_OR_RETURN(const bool fused_env, GetBoolParam(Param::kFusedForward));
   const bool fused = !planned && cuda::OffersPeerWindows(comm.comm->transport()) && fused_env;
+  // The engine of the attention pieces ($HSAP_ATTENTION_ENGINE): under `cudnn`, a batch
+  // cuDNN cannot run fails here, on every rank through the creation's agreement.
+  HSAP_ASSIGN_OR_RETURN(cuda::EngineSetup engines, cuda::EngineSetupFromEnvironment());
+  HSAP_ASSIGN_OR_RETURN(AttentionDims dims, DimsFromOptions(options));
+  HSAP_RETURN_IF_ERROR(cuda::CheckEngineMode(
+      engines.mode, cuda::BatchCudnnStatus(engines, cuda::EngineShapeOf(dims, options.dtype))));
   HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const cuda::DeviceKernels> kernels,
                         cuda::JitKernelsForBatch(options, layout, fused));
-  backend.runners = cuda::NewGpuRunners(comm.gpu, std::move(kernels));
+  backend.runners = cuda::NewGpuRunners(comm.gpu, std::move(kernels), std::move(engines));
   return backend;
 }
 
@@ -284,6 +303,46 @@ hsapResult_t hsapBatchGetTraffic(hsapBatch_t batch, hsapTraffic_t* traffic) {
     traffic->forwardBytesReceived = t.forward.received();
     traffic->backwardBytesSent = t.backward.sent();
     traffic->backwardBytesReceived = t.backward.received();
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchGetEngines(hsapBatch_t batch, hsapEngines_t* engines) {
+  return hsap::RunApi("hsapBatchGetEngines", [&]() -> absl::Status {
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(engines, "engines"));
+    HSAP_ASSIGN_OR_RETURN(const hsap::cuda::BatchEngines* e, hsap::EnginesOfBatch(*b));
+    const hsap::cuda::EngineTally& t = e->tally();
+    constexpr int kJit = static_cast<int>(hsap::cuda::AttentionEngine::kJit);
+    constexpr int kCudnn = static_cast<int>(hsap::cuda::AttentionEngine::kCudnn);
+    engines->mode = e->mode() == hsap::cuda::EngineMode::kCudnn ? hsapEngineCudnn
+                    : e->mode() == hsap::cuda::EngineMode::kJit ? hsapEngineJit
+                                                                : hsapEngineAuto;
+    engines->cudnnPieces = t.pieces[kCudnn];
+    engines->jitPieces = t.pieces[kJit];
+    engines->cudnnPairs = t.pairs[kCudnn];
+    engines->jitPairs = t.pairs[kJit];
+    engines->cudnnCalls = t.cudnn_calls;
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchGetEngineReport(hsapBatch_t batch, char* buffer, size_t* size) {
+  return hsap::RunApi("hsapBatchGetEngineReport", [&]() -> absl::Status {
+    HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
+    HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(size, "size"));
+    HSAP_ASSIGN_OR_RETURN(const hsap::cuda::BatchEngines* e, hsap::EnginesOfBatch(*b));
+    const std::string text = e->tally().ToString();
+    const size_t needed = text.size() + 1;
+    if (buffer != nullptr && *size < needed) {
+      const size_t capacity = *size;
+      *size = needed;
+      return absl::InvalidArgumentError(
+          absl::StrCat("buffer holds ", capacity, " bytes but the engine report needs ", needed,
+                       "; call with buffer = NULL to query the size"));
+    }
+    if (buffer != nullptr) std::memcpy(buffer, text.c_str(), needed);
+    *size = needed;
     return absl::OkStatus();
   });
 }

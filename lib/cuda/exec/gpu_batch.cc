@@ -22,6 +22,8 @@ class GpuRunner : public BatchRunner {
   GpuRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
       : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
   void set_mode(GpuExecMode mode) { mode_ = mode; }
+  void set_engines(BatchEngines engines) { engines_ = std::move(engines); }
+  const BatchEngines& engines() const { return engines_; }
 
  protected:
   // A communicator without a caller's stream returns after the work finished.
@@ -34,6 +36,7 @@ class GpuRunner : public BatchRunner {
   std::shared_ptr<GpuComm> comm_;
   std::shared_ptr<const DeviceKernels> kernels_;
   GpuExecMode mode_ = GpuExecMode::kFull;
+  BatchEngines engines_;
 };
 
 // A batch without a plan: the GPU ring executor over a DeviceRingProgram built once, with
@@ -194,10 +197,36 @@ class GpuPlanRunner : public GpuRunner {
   GpuHierContext ctx_;             // what does not change between calls
 };
 
+// The engine choice over a ring schedule's steps: local work, then each stage's.
+absl::StatusOr<BatchEngines> RingEngines(const EngineSetup& setup, const Schedule& schedule,
+                                         const AttentionDims& dims, DType dtype) {
+  std::vector<const WorkList*> steps = {&schedule.local_work};
+  for (const Stage& stage : schedule.stages) steps.push_back(&stage.recv_work);
+  return BatchEngines::Decide(setup, EngineShapeOf(dims, dtype), steps);
+}
+
+// The same over a plan rank's steps, with its own heads and kv-head map.
+absl::StatusOr<BatchEngines> PlanEngines(const EngineSetup& setup, const RankHierarchy& rank,
+                                         const AttentionDims& dims, DType dtype) {
+  EngineShape shape = EngineShapeOf(dims, dtype);
+  if (!rank.q_heads.empty()) {
+    shape.heads_q = static_cast<int>(rank.q_heads.size());
+    shape.heads_kv = static_cast<int>(rank.kv_heads.size());
+    const int ratio = shape.heads_kv > 0 ? shape.heads_q / shape.heads_kv : 0;
+    for (size_t h = 0; h < rank.kv_head_of_q.size(); ++h) {
+      shape.grouped_heads &= ratio > 0 && rank.kv_head_of_q[h] == static_cast<int>(h) / ratio;
+    }
+  }
+  std::vector<const WorkList*> steps = {&rank.local_work};
+  for (const SubRingStep& step : rank.steps) steps.push_back(&step.recv_work);
+  return BatchEngines::Decide(setup, shape, steps);
+}
+
 class GpuRunnerFactory : public RunnerFactory {
  public:
-  GpuRunnerFactory(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
-      : comm_(std::move(comm)), kernels_(std::move(kernels)) {}
+  GpuRunnerFactory(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
+                   EngineSetup engines)
+      : comm_(std::move(comm)), kernels_(std::move(kernels)), engines_(std::move(engines)) {}
 
   bool RunsRelays() const override { return true; }
   // The plan executor runs the hierarchy's node fan-outs (gpu_hier_executor.h).
@@ -213,6 +242,8 @@ class GpuRunnerFactory : public RunnerFactory {
         on.status().ok() ? DeviceRingProgram::Build(comm_->device(), schedule, dims, dtype,
                                                     comm_->stream(), &comm_->pool())
                          : on.status();
+    absl::StatusOr<BatchEngines> engines = RingEngines(engines_, schedule, dims, dtype);
+    if (program.ok() && !engines.ok()) program = engines.status();
     // Every rank of a transport that offers peer windows exchanges them, also after a local
     // failure or without the fused kernel, so that the collectives stay in step. Ranks on
     // several nodes relay K/V (schedule.h), which the fused forward does not: stages.
@@ -234,8 +265,10 @@ class GpuRunnerFactory : public RunnerFactory {
       }
     }
     HSAP_RETURN_IF_ERROR(program.status());
-    return std::make_unique<GpuRingRunner>(comm_, kernels_, transport, comm.topology(),
-                                           *std::move(program), window, std::move(routes));
+    auto runner = std::make_unique<GpuRingRunner>(comm_, kernels_, transport, comm.topology(),
+                                                  *std::move(program), window, std::move(routes));
+    runner->set_engines(*std::move(engines));
+    return runner;
   }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForHierarchy(Communicator& comm,
@@ -244,18 +277,22 @@ class GpuRunnerFactory : public RunnerFactory {
                                                             DType dtype) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_ASSIGN_OR_RETURN(BatchEngines engines, PlanEngines(engines_, rank, dims, dtype));
     HSAP_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceHierProgram> program,
         DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream()));
     HSAP_RETURN_IF_ERROR(
         comm_->pool().Reserve(program->pool_bytes(), absl::StrCat(program->pool_bytes(), " B")));
-    return std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program),
-                                           comm.topology().node_of_rank());
+    auto runner = std::make_unique<GpuPlanRunner>(
+        comm_, kernels_, comm.transport(), std::move(program), comm.topology().node_of_rank());
+    runner->set_engines(std::move(engines));
+    return runner;
   }
 
  private:
   std::shared_ptr<GpuComm> comm_;
   std::shared_ptr<const DeviceKernels> kernels_;
+  EngineSetup engines_;
 };
 
 }  // namespace
@@ -306,6 +343,21 @@ bool UsesFusedForward(const BatchRunner* runner) {
   return ring != nullptr && ring->fused();
 }
 
+const BatchEngines* EnginesOf(const BatchRunner* runner) {
+  const auto* gpu = dynamic_cast<const GpuRunner*>(runner);
+  return gpu == nullptr ? nullptr : &gpu->engines();
+}
+
+EngineShape EngineShapeOf(const AttentionDims& dims, DType dtype) {
+  EngineShape shape;
+  shape.dtype = dtype;
+  shape.head_dim = dims.head_dim;
+  shape.heads_q = dims.heads_q;
+  shape.heads_kv = dims.heads_kv;
+  shape.grouped_heads = true;  // a batch without a plan reads K/V head h / (Hq / Hkv)
+  return shape;
+}
+
 bool SetGpuExecMode(BatchRunner* runner, GpuExecMode mode) {
   auto* gpu = dynamic_cast<GpuRunner*>(runner);
   if (gpu == nullptr) return false;
@@ -314,8 +366,10 @@ bool SetGpuExecMode(BatchRunner* runner, GpuExecMode mode) {
 }
 
 std::unique_ptr<RunnerFactory> NewGpuRunners(std::shared_ptr<GpuComm> comm,
-                                             std::shared_ptr<const DeviceKernels> kernels) {
-  return std::make_unique<GpuRunnerFactory>(std::move(comm), std::move(kernels));
+                                             std::shared_ptr<const DeviceKernels> kernels,
+                                             EngineSetup engines) {
+  return std::make_unique<GpuRunnerFactory>(std::move(comm), std::move(kernels),
+                                            std::move(engines));
 }
 
 absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const BatchOptions& options,

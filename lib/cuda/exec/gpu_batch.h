@@ -30,6 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attention/layout.h"
+#include "lib/cuda/cudnn/batch_engines.h"
 #include "lib/cuda/exec/gpu_executor.h"
 #include "lib/cuda/runtime/buffer_pool.h"
 #include "lib/cuda/runtime/device.h"
@@ -73,9 +74,13 @@ class GpuComm {
 // The runners of batches on `comm` with `kernels` (both shared with other batches): the GPU
 // ring executor (gpu_executor.h) for batches without a plan, the GPU plan executor
 // (gpu_hier_executor.h) under a plan. Their device programs (work lists, exchange copy
-// lists, pool layout) are built and the pool grown when the runner is made.
+// lists, pool layout) are built and the pool grown when the runner is made, and every
+// piece of every step gets its engine under `engines` (BatchEngines::Decide; a plan rank
+// whose kv-head map is not the GQA grouping cannot use cuDNN, so under `cudnn` making its
+// runner fails).
 std::unique_ptr<RunnerFactory> NewGpuRunners(std::shared_ptr<GpuComm> comm,
-                                             std::shared_ptr<const DeviceKernels> kernels);
+                                             std::shared_ptr<const DeviceKernels> kernels,
+                                             EngineSetup engines = {});
 
 // Sets the mode of the later calls of a batch whose runner is `runner` (GpuExecMode: the
 // bench measures the share of transfer time hidden behind compute with it). False when
@@ -94,6 +99,13 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
 // Whether the batch running `runner` runs its forward through peer windows (false when
 // `runner` is not a GPU ring runner).
 bool UsesFusedForward(const BatchRunner* runner);
+
+// The engine choice of the batch running `runner` (null when `runner` is not a GPU runner).
+const BatchEngines* EnginesOf(const BatchRunner* runner);
+
+// A batch's attention as the engine choice sees it: its dtype and the layer's heads (GQA
+// grouping), for CudnnTakesBatch before the batch is made.
+EngineShape EngineShapeOf(const AttentionDims& dims, DType dtype);
 
 }  // namespace hsap::cuda
 

@@ -167,5 +167,23 @@ TEST_F(ApiBatchOneRankTest, CommunicatorOutlivesItsBatches) {
   // TearDown destroys the communicator, now without batches.
 }
 
+// Attention engines belong to CUDA batches: a host batch says so (and a null out-argument is
+// named before that).
+TEST_F(ApiBatchOneRankTest, HostBatchesHaveNoAttentionEngines) {
+  hsapBatch_t batch = nullptr;
+  ASSERT_EQ(hsapBatchCreate(&batch, comm_, layout_, nullptr, &config_), hsapSuccess)
+      << hsapGetLastError();
+  EXPECT_EQ(hsapBatchGetEngines(batch, nullptr), hsapInvalidArgument);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("engines"));
+  hsapEngines_t engines{};
+  EXPECT_EQ(hsapBatchGetEngines(batch, &engines), hsapUnsupported);
+  EXPECT_THAT(hsapGetLastError(), HasSubstr("host backend"));
+  size_t size = 0;
+  EXPECT_EQ(hsapBatchGetEngineReport(batch, nullptr, &size), hsapUnsupported);
+  EXPECT_EQ(hsapBatchGetEngineReport(batch, nullptr, nullptr), hsapInvalidArgument);
+  EXPECT_EQ(hsapBatchGetEngines(nullptr, &engines), hsapInvalidArgument);
+  EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+}
+
 }  // namespace
 }  // namespace hsap

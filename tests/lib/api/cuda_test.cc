@@ -466,6 +466,51 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
   }
 }
 
+// The engine choice of a CUDA batch ($HSAP_ATTENTION_ENGINE): reported per engine with the
+// reasons; this version has no cuDNN piece runner, so every piece is on the JIT kernels and
+// `cudnn` is refused at creation, saying why.
+TEST(CudaGpu, LoopbackBatchReportsItsEngines) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  hsapComm_t comm = nullptr;
+  ASSERT_EQ(hsapCommInitLoopback(&comm, 1, nullptr), hsapSuccess) << LastError();
+  const Layout layout =
+      hsap::testing::RandomLayout(300, hsap::testing::DocMix::kLongTail, 31, false);
+  hsapLayout_t c_layout = hsap::testing::ToCLayout(layout);
+  hsapBatchConfig_t config = HSAP_BATCH_CONFIG_INITIALIZER;
+  config.dtype = hsapBFloat16;
+  config.numHeadsQ = 4;
+  config.numHeadsKV = 2;
+  config.headDim = 128;
+  testing::ScopedEnv engine("HSAP_ATTENTION_ENGINE", nullptr);
+  for (const char* mode : {"auto", "jit"}) {
+    engine.Set(mode);
+    hsapBatch_t batch = nullptr;
+    ASSERT_EQ(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess)
+        << LastError();
+    hsapEngines_t e{};
+    ASSERT_EQ(hsapBatchGetEngines(batch, &e), hsapSuccess) << LastError();
+    EXPECT_EQ(e.mode, std::string(mode) == "jit" ? hsapEngineJit : hsapEngineAuto);
+    EXPECT_EQ(e.cudnnPieces, 0);
+    EXPECT_GT(e.jitPieces, 0);
+    EXPECT_EQ(e.jitPairs, layout.VisiblePairs());
+    size_t size = 0;
+    ASSERT_EQ(hsapBatchGetEngineReport(batch, nullptr, &size), hsapSuccess);
+    std::string report(size, '\0');
+    ASSERT_EQ(hsapBatchGetEngineReport(batch, report.data(), &size), hsapSuccess);
+    EXPECT_THAT(report,
+                HasSubstr(std::string(mode) == "jit" ? "HSAP_ATTENTION_ENGINE=jit" : "jit "));
+    EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+  }
+  engine.Set("cudnn");
+  hsapBatch_t batch = nullptr;
+  EXPECT_NE(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess);
+  EXPECT_THAT(LastError(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
+  hsapLayoutDestroy(c_layout);
+  EXPECT_EQ(hsapCommDestroy(comm), hsapSuccess) << LastError();
+}
+
 // One NCCL rank per GPU (2..8 GPUs): the same check over NCCL.
 TEST(CudaGpu, NcclBatchesOnEveryGpuMatchTheReference) {
   SKIP_WITHOUT_GPU();

@@ -167,6 +167,20 @@ std::vector<TokenRange> ShardOf(const Schedule& s) {
   return shard;
 }
 
+// The engine choice made at creation (NewGpuRunners' default setup: cuDNN not looked for):
+// every piece of every step on the JIT kernels, its pairs those of the schedule's steps.
+void ExpectEveryPairOnTheJitKernels(const BatchRunner* runner, const Schedule& schedule) {
+  const BatchEngines* engines = EnginesOf(runner);
+  ASSERT_NE(engines, nullptr);
+  int64_t pairs = schedule.local_work.visible_pairs;
+  for (const Stage& stage : schedule.stages) pairs += stage.recv_work.visible_pairs;
+  const EngineTally& tally = engines->tally();
+  EXPECT_EQ(engines->num_steps(), schedule.stages.size() + 1);
+  EXPECT_EQ(tally.pieces[static_cast<int>(AttentionEngine::kCudnn)], 0);
+  EXPECT_EQ(tally.pairs[static_cast<int>(AttentionEngine::kJit)], pairs);
+  EXPECT_THAT(tally.ToString(), ::testing::HasSubstr("cuDNN was not looked for"));
+}
+
 struct RankSetup {
   int devices = 1;        // emulated GPUs
   int device = 0;         // the communicators'
@@ -235,6 +249,7 @@ void RunLoopbackBatches(int R, bool fused, RankSetup setup = RankSetup()) {
         auto batch = Batch::Create(*comms[r], layout, {}, opts, *runners);
         ASSERT_TRUE(batch.ok()) << "rank " << r << ": " << batch.status();
         EXPECT_EQ(UsesFusedForward((*batch)->runner()), expect_fused) << "rank " << r;
+        ExpectEveryPairOnTheJitKernels((*batch)->runner(), *(*batch)->schedule());
         testing::ShardTensors t(in, got, ShardOf(*(*batch)->schedule()), kHeadsQ);
         // The tensors live on the communicator's GPU (the kernels there cannot read another
         // GPU's memory); the calls come from the caller's device.
@@ -316,6 +331,51 @@ TEST(EmulatedLoopbackBatch, CallersStreamsWithTheFusedForward) {
   RankSetup setup;
   setup.caller_streams = true;
   RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(3, /*fused=*/true, setup);
+}
+
+// $HSAP_ATTENTION_ENGINE=cudnn where cuDNN cannot run the batch (here: fp32; and this version
+// has no cuDNN piece runner): creation fails on every rank, saying why, and nothing is left.
+TEST(EmulatedLoopbackBatch, ForcedCudnnIsRefusedAtCreation) {
+  constexpr int R = 2;
+  EmulatedCudaRuntime emu;
+  const CudaRuntimeApi& rt = emu.runtime();
+  const absl::Duration timeout = absl::Seconds(60);
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  {
+    auto transports = CreateLoopbackTransports(rt, R, timeout);
+    ASSERT_TRUE(transports.ok()) << transports.status();
+    std::vector<std::unique_ptr<Communicator>> comms;
+    std::vector<std::shared_ptr<GpuComm>> gpus;
+    for (int r = 0; r < R; ++r) {
+      comms.push_back(std::make_unique<Communicator>(std::move((*transports)[r]), timeout, 1));
+      absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
+      ASSERT_TRUE(d.ok()) << d.status();
+      auto gpu = GpuComm::Create(*std::move(d), nullptr, timeout);
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      gpus.push_back(*std::move(gpu));
+    }
+    auto kernels =
+        std::make_shared<const RuntimeKernels<testing::SmallTileCfg<float, 2, true>>>(emu);
+    const Layout layout = testing::RandomLayout(64, DocMix::kLongTail, 71, false);
+    BatchOptions opts;
+    opts.dtype = DType::kF32;
+    opts.heads_q = kHeadsQ;
+    opts.heads_kv = kHeadsKv;
+    opts.head_dim = kDim;
+    EngineSetup forced;
+    forced.mode = EngineMode::kCudnn;
+    forced.cudnn = {absl::OkStatus(), 91900, 90};
+    testing::OnEveryRank(R, [&](int r) {
+      std::unique_ptr<RunnerFactory> runners = NewGpuRunners(gpus[r], kernels, forced);
+      auto batch = Batch::Create(*comms[r], layout, {}, opts, *runners);
+      ASSERT_FALSE(batch.ok()) << "rank " << r;
+      EXPECT_THAT(batch.status().message(), ::testing::HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
+      EXPECT_THAT(batch.status().message(), ::testing::HasSubstr("not fp32"));
+    });
+    gpus.clear();
+  }
+  EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
 }
 
 // A caller's stream (hsapCommConfig_t::cudaStream) must be a stream of the communicator's

@@ -1,0 +1,67 @@
+// The engine choice of one CUDA batch, made once at its creation (engine_choice.h decides one
+// piece; this decides every piece of every step of a batch and keeps the tally it reports).
+//
+// EngineSetup is what the choice starts from: the mode ($HSAP_ATTENTION_ENGINE), what cuDNN
+// offers on the device (ProbeCudnn; not probed under `jit`) and whether the GPU executors
+// have a cuDNN piece runner to hand the cuDNN pieces to. This version of libhsap has none
+// (docs/gpu_backend.md, "Attention engines", says what is missing): BatchCudnnStatus then
+// says so, under `auto` every piece runs on the JIT kernels with that reason in the tally,
+// and under `cudnn` batch creation fails (FailedPrecondition naming the variable, the reason
+// and the fix). The decisions therefore always describe what actually runs.
+#ifndef HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
+#define HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
+
+#include <cstddef>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "attention/worklist.h"
+#include "lib/cuda/cudnn/engine_choice.h"
+
+namespace hsap::cuda {
+
+struct EngineSetup {
+  EngineMode mode = EngineMode::kAuto;
+  CudnnAvailability cudnn;        // default: "cuDNN was not looked for"
+  bool has_piece_runner = false;  // whether the executors can run cuDNN pieces
+};
+
+// The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is
+// `jit`, ProbeCudnn()'s answer on the current device; has_piece_runner false.
+absl::StatusOr<EngineSetup> EngineSetupFromEnvironment();
+
+// OK when cuDNN can run a batch of `shape` here: CudnnTakesBatch, then the piece runner
+// (FailedPrecondition "... this build of hsap has no cuDNN piece runner yet ..." without one).
+absl::Status BatchCudnnStatus(const EngineSetup& setup, const EngineShape& shape);
+
+// Every step's pieces with their engines, and the tally over them.
+class BatchEngines {
+ public:
+  BatchEngines() = default;  // no steps; an empty tally
+
+  // `steps`: the work lists of the batch's steps (a ring batch: local work, then each
+  // stage's; a plan batch: local work, then each sub-ring step's), in the order the
+  // executors run them. FailedPrecondition under `cudnn` when BatchCudnnStatus fails
+  // (CheckEngineMode's message); InternalError from DecomposeWorkList.
+  static absl::StatusOr<BatchEngines> Decide(const EngineSetup& setup, const EngineShape& shape,
+                                             absl::Span<const WorkList* const> steps);
+
+  EngineMode mode() const { return mode_; }
+  // BatchCudnnStatus's answer (why every piece is on the JIT kernels when not OK).
+  const absl::Status& cudnn_status() const { return cudnn_status_; }
+  size_t num_steps() const { return steps_.size(); }
+  const StepEngines& step(size_t i) const { return steps_[i]; }
+  const EngineTally& tally() const { return tally_; }
+
+ private:
+  EngineMode mode_ = EngineMode::kAuto;
+  absl::Status cudnn_status_ = absl::UnimplementedError("no engine choice was made");
+  std::vector<StepEngines> steps_;
+  EngineTally tally_;
+};
+
+}  // namespace hsap::cuda
+
+#endif  // HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
