@@ -400,6 +400,9 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
       {"accumulate", "accumulate_kernel", "hsap_dev::AccumulateParams", 256, 0},
       {"copy_chunks", "copy_chunks_kernel", "hsap_dev::ChunksParams", 256, 0},
       {"add_chunks", "add_chunks_kernel", "hsap_dev::ChunksParams", 256, 0},
+      {"merge_entries", "merge_entries_kernel", "hsap_dev::EntryMergeParams", 256, 0},
+      {"gather_stats", "gather_stats_kernel", "hsap_dev::StatsGatherParams", 256, 0},
+      {"add_entries", "add_entries_kernel", "hsap_dev::EntryAddParams", 256, 0},
   };
   std::string fused_params;
   if (max_steps > 0) {

@@ -109,7 +109,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
 // One kernel of a generated program.
 struct CudaKernelEntry {
   // "fwd", "bwd", "delta", "merge", "init", "convert", "accumulate", "copy_chunks",
-  // "add_chunks", "fused_fwd"
+  // "add_chunks", "merge_entries", "gather_stats", "add_entries" (the cuDNN engine's
+  // helpers), "fused_fwd"
   std::string role;
   std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
   int threads = 0;              // blockDim.x

@@ -494,6 +494,67 @@ __global__ void __launch_bounds__(256) add_chunks_kernel(const ChunksParams p) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Helpers of the cuDNN engine (EntryRows in hsap_params.cuh): each loops over the entries,
+// and within an entry over its work with the whole grid.
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) merge_entries_kernel(const EntryMergeParams p) {
+  using T = typename Cfg::T;
+  constexpr int kD = Cfg::kHeadDim;
+  const int lane = threadIdx.x % 32;
+  const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x / 32);
+  const long long warp = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  for (int b = 0; b < p.num_entries; ++b) {
+    const EntryRows e = p.entries[b];
+    for (long long item = warp; item < e.len * p.heads; item += warps) {
+      const long long i = item / p.heads;
+      const int head = static_cast<int>(item % p.heads);
+      const long long row = e.begin + i;
+      const float lse2 = p.stats[b * p.stats_entry_stride + head * p.stats_head_stride + i];
+      float* lse1 = p.lse + head * p.lse_stride + row;
+      const LseMerge m = merge_lse(*lse1, lse2);
+      if (lse2 != neg_inf()) {
+        const long long base = (row * p.heads + head) * static_cast<long long>(kD);
+        for (int d = lane; d < kD; d += 32) {
+          p.out[base + d] = m.w1 * p.out[base + d] + m.w2 * load_float<T>(p.o, base + d);
+        }
+      }
+      __syncwarp();  // all lanes have read *lse1
+      if (lane == 0) *lse1 = m.lse;
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) gather_stats_kernel(const StatsGatherParams p) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int b = 0; b < p.num_entries; ++b) {
+    const EntryRows e = p.entries[b];
+    for (long long x = first; x < e.len * p.heads; x += stride) {
+      const int head = static_cast<int>(x / e.len);
+      const long long i = x % e.len;
+      p.stats[b * p.stats_entry_stride + head * p.stats_head_stride + i] =
+          p.lse[head * p.lse_stride + e.begin + i];
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(256) add_entries_kernel(const EntryAddParams p) {
+  using T = typename Cfg::T;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int b = 0; b < p.num_entries; ++b) {
+    const EntryRows e = p.entries[b];
+    const long long base = e.begin * p.row_elems;
+    for (long long x = first; x < e.len * p.row_elems; x += stride) {
+      p.dst[base + x] += load_float<T>(p.src, base + x);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Fused forward: copy CTAs stage the next step's K/V from peers while compute CTAs attend
 // to the current one (see FusedFwdParamsT).
 

@@ -163,6 +163,55 @@ struct ChunksParams {
   long long num_chunks;
 };
 
+// The helpers of the cuDNN engine (lib/cuda/cudnn/, docs/gpu_backend.md "Attention
+// engines"): cuDNN's fused attention runs a ragged batch of entries, entry b attending rows
+// [begin, begin + len) of a query buffer (its THD ragged offsets point into hsap's buffers,
+// so its O, dO and dQ rows are hsap's rows) and writing its softmax statistics to
+// Stats[b, h, i] = stats[b * stats_entry_stride + h * stats_head_stride + i], fp32, i < len.
+// cuDNN's Stats are M + log(Z) of the scaled scores in natural log: hsap's lse convention
+// (attention/merge.h), so they are taken as they are. The entries of one call have disjoint
+// rows. total_rows (the sum of the entries' len) sizes the grid.
+struct EntryRows {
+  long long begin, len;
+};
+
+// merge_entries_kernel<Cfg>: for every entry b, row i < len, head h, with r = begin + i,
+// merges cuDNN's partial (o[r, h, :] in the storage dtype, Stats[b, h, i]) into hsap's fp32
+// accumulators (out[r, h, :], lse[h * lse_stride + r]) exactly as lse_merge_kernel does (a
+// Stats of -inf, a row that saw nothing, leaves them as they are). o: [rows, heads, D].
+// One warp per (entry row, head) in a warp-stride loop per entry: any grid, 256 threads.
+struct EntryMergeParams {
+  float* out;
+  float* lse;
+  const void* o;
+  const float* stats;
+  const EntryRows* entries;
+  long long lse_stride, stats_entry_stride, stats_head_stride, total_rows;
+  int num_entries, heads;
+};
+
+// gather_stats_kernel<Cfg>: Stats[b, h, i] = lse[h * lse_stride + begin + i] for every entry
+// b, head h, i < len: hsap's final lse as the Stats of cuDNN's backward. Grid-stride per
+// entry: any grid, 256 threads.
+struct StatsGatherParams {
+  const float* lse;
+  float* stats;
+  const EntryRows* entries;
+  long long lse_stride, stats_entry_stride, stats_head_stride, total_rows;
+  int num_entries, heads;
+};
+
+// add_entries_kernel<Cfg>: dst[r, :] += src[r, :] for the rows r of every entry, src in the
+// storage dtype (cuDNN's dQ, dK or dV), dst fp32 (hsap's accumulators); row_elems elements
+// per row (heads * D). Grid-stride per entry: any grid, 256 threads.
+struct EntryAddParams {
+  float* dst;
+  const void* src;
+  const EntryRows* entries;
+  long long row_elems, total_rows;
+  int num_entries;
+};
+
 // One step of the fused forward: the K/V this rank attends to in step s, and where it
 // comes from. k_src/v_src ([k_rows, heads_kv, D], storage dtype) are usually a PEER
 // pointer to the owner's K/V (NVLink); for a step fed by the network they point to the

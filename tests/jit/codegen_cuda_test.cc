@@ -95,7 +95,8 @@ TEST(GenerateCudaKernels, SpecialisesOnTheConfiguration) {
     EXPECT_THAT(s->source, HasSubstr(k.name_expression.substr(std::string("hsap_dev::").size())));
   }
   EXPECT_THAT(roles, ::testing::ElementsAre("fwd", "bwd", "delta", "merge", "init", "convert",
-                                            "accumulate", "copy_chunks", "add_chunks"));
+                                            "accumulate", "copy_chunks", "add_chunks",
+                                            "merge_entries", "gather_stats", "add_entries"));
 
   c.role = {3};
   s = GenerateCudaKernels(c);
@@ -523,6 +524,38 @@ TEST(ShippedCudaKernels, FusedRoleOfLoopbackBatchesCompilesForFp32AndFp16) {
     ASSERT_TRUE(k.ok()) << k.status();
     EXPECT_TRUE(k->LoweredName("fused_fwd").ok()) << c.Name();
     EXPECT_TRUE(VerifyCubinSymbols(*k).ok()) << c.Name();
+  }
+}
+
+// The cuDNN engine's helpers compile with NVRTC into every configuration, for sm_80 and
+// sm_90, in the storage dtypes cuDNN takes (bf16 on one, fp16 on the other: two compiles),
+// without spills. (AllVariantsCompile compiles them in every shipped variant too.)
+TEST(ShippedCudaKernels, CudnnEngineHelpersCompileForSm80AndSm90) {
+  REQUIRE_NVRTC();
+  for (const auto& [arch, dtype] : {std::pair{"sm_80", DType::kBF16}, {"sm_90", DType::kF16}}) {
+    {
+      CudaKernelConfig c;
+      c.arch = arch;
+      c.dtype = dtype;
+      c.head_dim = 128;
+      c.gqa = 4;
+      c.has_band = true;
+      absl::StatusOr<CompiledCudaKernels> k = CompileCudaKernels(c, &TestCache());
+      ASSERT_TRUE(k.ok()) << k.status();
+      EXPECT_TRUE(VerifyCubinSymbols(*k).ok()) << c.Name();
+      absl::StatusOr<std::vector<CudaKernelResources>> res = k->Resources();
+      ASSERT_TRUE(res.ok()) << c.Name() << ": " << res.status();
+      int found = 0;
+      for (size_t i = 0; i < k->source.kernels.size(); ++i) {
+        const std::string& role = k->source.kernels[i].role;
+        if (role != "merge_entries" && role != "gather_stats" && role != "add_entries") continue;
+        ++found;
+        EXPECT_TRUE(k->LoweredName(role).ok()) << c.Name() << " " << role;
+        EXPECT_EQ((*res)[i].spill_store_bytes, 0) << c.Name() << " " << role;
+        EXPECT_EQ((*res)[i].spill_load_bytes, 0) << c.Name() << " " << role;
+      }
+      EXPECT_EQ(found, 3) << c.Name();
+    }
   }
 }
 

@@ -31,6 +31,7 @@
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
 #include "jit/cuda_kernels.h"
+#include "lib/cuda/cudnn/attention_pieces.h"
 #include "tests/support/attention_test_util.h"
 #include "tests/support/nonfinite.h"
 #include "tests/support/tolerance.h"
@@ -731,6 +732,168 @@ TEST(CudaEmulation, CopySliceAvoidsMisalignedVectors) {
     EXPECT_EQ(std::vector<unsigned char>(dst + to, dst + to + bytes),
               std::vector<unsigned char>(src + from, src + from + bytes))
         << from << " " << to << " " << bytes;
+  }
+}
+
+// ---- The cuDNN engine's helpers (merge_entries, gather_stats, add_entries) --------------
+
+// What cuDNN's fused attention computes for one ragged call, on the host in fp64 with its own
+// mask rule (CudnnMask::Admits): each entry's O rows rounded to the storage dtype into `o`
+// ([q_rows, Hq, D], the query buffer's rows) and its Stats = max + log(sum) of the scaled
+// scores, natural log, into stats [B, Hq, S_max] (fp32).
+void CudnnCallOnHost(const Problem& p, const std::vector<cuda::AttentionPiece>& pieces,
+                     const cuda::CudnnCall& call, const Tensor& k, const Tensor& v, Tensor& o,
+                     std::vector<float>& stats) {
+  const int HQ = p.dims.heads_q, G = HQ / p.dims.heads_kv;
+  const int64_t S = call.max_q_len;
+  stats.assign(call.entries.size() * HQ * S, 0.0f);
+  for (size_t b = 0; b < call.entries.size(); ++b) {
+    const cuda::AttentionPiece& e = pieces[call.entries[b]];
+    for (int h = 0; h < HQ; ++h) {
+      for (int64_t i = 0; i < e.q_len; ++i) {
+        const int64_t row = e.q_begin + i;
+        std::vector<double> score(e.k_len, -INFINITY);
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < e.k_len; ++j) {
+          if (!e.mask.Admits(i, j, e.q_len, e.k_len)) continue;
+          double dot = 0;
+          for (int d = 0; d < kDim; ++d) {
+            dot +=
+                static_cast<double>(LoadAsFloat(p.dtype, p.q.data(), (row * HQ + h) * kDim + d)) *
+                LoadAsFloat(p.dtype, k.data(), ((e.k_begin + j) * (HQ / G) + h / G) * kDim + d);
+          }
+          score[j] = dot * p.dims.scale;
+          mx = std::max(mx, score[j]);
+        }
+        double z = 0;
+        std::vector<double> acc(kDim, 0.0);
+        for (int64_t j = 0; j < e.k_len; ++j) {
+          if (std::isinf(score[j])) continue;
+          const double w = std::exp(score[j] - mx);
+          z += w;
+          for (int d = 0; d < kDim; ++d) {
+            acc[d] +=
+                w * LoadAsFloat(p.dtype, v.data(), ((e.k_begin + j) * (HQ / G) + h / G) * kDim + d);
+          }
+        }
+        stats[(b * HQ + h) * S + i] = static_cast<float>(mx + std::log(z));
+        for (int d = 0; d < kDim; ++d) o.Set((row * HQ + h) * kDim + d, acc[d] / z);
+      }
+    }
+  }
+}
+
+std::vector<hsap_dev::EntryRows> QueryEntries(const std::vector<cuda::AttentionPiece>& pieces,
+                                              const cuda::CudnnCall& call, int64_t* total) {
+  std::vector<hsap_dev::EntryRows> rows;
+  *total = 0;
+  for (size_t i : call.entries) {
+    rows.push_back({pieces[i].q_begin, pieces[i].q_len});
+    *total += pieces[i].q_len;
+  }
+  return rows;
+}
+
+// The forward as the cuDNN engine runs it: the keys split in two shards, the first attended
+// by hsap's kernel into the fp32 accumulators, the second decomposed into cuDNN pieces and
+// calls (a prefix-LM document's two slices are two calls over the same rows), each call's
+// bf16 O and Stats merged in by merge_entries_kernel. Against the fp64 reference.
+TEST(CudaEmulation, CudnnPartialsMergeIntoTheAccumulators) {
+  using Cfg = SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true>;
+  const Problem p = MakeProblem(MixedLayout(), DType::kBF16, 21);
+  const int64_t T = p.T(), cut = 30;  // inside the first causal document
+  const std::vector<TokenRun> all = {{0, 0, T}}, first = {{0, 0, cut}},
+                              second = {{cut, 0, T - cut}};
+  std::vector<float> out(T * kHeadsQ * kDim), lse(T * kHeadsQ);
+  LaunchInit<Cfg>(out.data(), lse.data(), T);
+  std::vector<int64_t> g1(cut), g2(T - cut);
+  for (int64_t i = 0; i < T; ++i) (i < cut ? g1[i] : g2[i - cut]) = i;
+  const Tensor k1 = Gather(p.k, g1, kHeadsKv), v1 = Gather(p.v, g1, kHeadsKv);
+  const Tensor k2 = Gather(p.k, g2, kHeadsKv), v2 = Gather(p.v, g2, kHeadsKv);
+  const WorkList w1 = *BuildWorkList(p.layout.slices(), all, first, 16);
+  EXPECT_EQ(LaunchForward<Cfg>(p, w1, k1.data(), v1.data(), cut, out.data(), lse.data()), 0u);
+
+  const WorkList w2 = *BuildWorkList(p.layout.slices(), all, second, 16);
+  const std::vector<cuda::AttentionPiece> pieces = *cuda::DecomposeWorkList(w2);
+  std::vector<size_t> every(pieces.size());
+  for (size_t i = 0; i < every.size(); ++i) every[i] = i;
+  const std::vector<cuda::CudnnCall> calls = cuda::GroupIntoCalls(pieces, every);
+  ASSERT_GE(calls.size(), 2u);  // several masks: several calls over overlapping rows
+  for (const cuda::CudnnCall& call : calls) {
+    Tensor o(DType::kBF16, T * kHeadsQ * kDim);
+    std::vector<float> stats;
+    CudnnCallOnHost(p, pieces, call, k2, v2, o, stats);
+    int64_t total = 0;
+    const std::vector<hsap_dev::EntryRows> entries = QueryEntries(pieces, call, &total);
+    hsap_dev::EntryMergeParams mp{out.data(),
+                                  lse.data(),
+                                  o.data(),
+                                  stats.data(),
+                                  entries.data(),
+                                  T,
+                                  kHeadsQ * call.max_q_len,
+                                  call.max_q_len,
+                                  total,
+                                  static_cast<int>(entries.size()),
+                                  kHeadsQ};
+    ASSERT_EQ(
+        hsap_emu::Launch(2, 1, 256, 0, false, [&] { hsap_dev::merge_entries_kernel<Cfg>(mp); }),
+        absl::OkStatus());
+  }
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("merged out", out, naive.out, ref.out);
+  ExpectWithinRule("merged lse", lse, naive.lse, ref.lse);
+}
+
+// The backward's side: hsap's final lse gathered into a call's Stats layout (a copy: exact),
+// and cuDNN's bf16 dQ/dK/dV rows added into fp32 accumulators (one fp32 rounding of the fp64
+// sum: within 2^-24 of it), rows outside the entries untouched.
+TEST(CudaEmulation, CudnnStatsGatherAndGradientAdd) {
+  using Cfg = SmallTileCfg<hsap_dev::bf16, kHeadsQ / kHeadsKv, true>;
+  constexpr int64_t kRows = 57;
+  std::mt19937_64 rng(33);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  const std::vector<hsap_dev::EntryRows> entries = {{2, 9}, {11, 1}, {20, 17}, {44, 13}};
+  const int64_t S = 17, total = 9 + 1 + 17 + 13;
+  std::vector<float> lse(kHeadsQ * kRows);
+  for (float& x : lse) x = u(rng);
+  std::vector<float> stats(entries.size() * kHeadsQ * S, -1.0f);
+  hsap_dev::StatsGatherParams gp{lse.data(),     stats.data(),
+                                 entries.data(), kRows,
+                                 kHeadsQ * S,    S,
+                                 total,          static_cast<int>(entries.size()),
+                                 kHeadsQ};
+  ASSERT_EQ(hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::gather_stats_kernel<Cfg>(gp); }),
+            absl::OkStatus());
+  for (size_t b = 0; b < entries.size(); ++b) {
+    for (int h = 0; h < kHeadsQ; ++h) {
+      for (int64_t i = 0; i < S; ++i) {
+        const float want = i < entries[b].len ? lse[h * kRows + entries[b].begin + i] : -1.0f;
+        ASSERT_EQ(stats[(b * kHeadsQ + h) * S + i], want) << b << " " << h << " " << i;
+      }
+    }
+  }
+
+  const int64_t row_elems = kHeadsKv * kDim;
+  std::vector<float> dst(kRows * row_elems);
+  for (float& x : dst) x = u(rng);
+  const std::vector<float> before = dst;
+  Tensor src(DType::kBF16, kRows * row_elems);
+  for (int64_t i = 0; i < kRows * row_elems; ++i) src.Set(i, u(rng));
+  hsap_dev::EntryAddParams ap{dst.data(), src.data(), entries.data(),
+                              row_elems,  total,      static_cast<int>(entries.size())};
+  ASSERT_EQ(hsap_emu::Launch(3, 1, 64, 0, false, [&] { hsap_dev::add_entries_kernel<Cfg>(ap); }),
+            absl::OkStatus());
+  std::vector<bool> in_entry(kRows, false);
+  for (const hsap_dev::EntryRows& e : entries) {
+    for (int64_t r = e.begin; r < e.begin + e.len; ++r) in_entry[r] = true;
+  }
+  for (int64_t i = 0; i < kRows * row_elems; ++i) {
+    const double added = in_entry[i / row_elems] ? LoadAsFloat(DType::kBF16, src.data(), i) : 0.0;
+    const double want = static_cast<double>(before[i]) + added;
+    ASSERT_LE(std::abs(dst[i] - want), std::ldexp(std::abs(want), -24)) << i;
   }
 }
 

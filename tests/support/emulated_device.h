@@ -438,6 +438,20 @@ class EmulatedKernels : public cuda::DeviceKernels {
     return Helper("add chunks", cuda::HelperGrid(p, kHelperCtas), s,
                   [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
   }
+  absl::Status MergeEntries(const hsap_dev::EntryMergeParams& p,
+                            cuda::cudaStream s) const override {
+    return Helper("merge entries", cuda::HelperGrid(p, kHelperCtas), s,
+                  [p] { hsap_dev::merge_entries_kernel<Cfg>(p); });
+  }
+  absl::Status GatherStats(const hsap_dev::StatsGatherParams& p,
+                           cuda::cudaStream s) const override {
+    return Helper("gather stats", cuda::HelperGrid(p, kHelperCtas), s,
+                  [p] { hsap_dev::gather_stats_kernel<Cfg>(p); });
+  }
+  absl::Status AddEntries(const hsap_dev::EntryAddParams& p, cuda::cudaStream s) const override {
+    return Helper("add entries", cuda::HelperGrid(p, kHelperCtas), s,
+                  [p] { hsap_dev::add_entries_kernel<Cfg>(p); });
+  }
   // The fused forward (Cfg::kMaxSteps > 0): by default one copy CTA and up to two compute
   // CTAs, all running at once as on a GPU (unless the device's residency says otherwise).
   int max_fused_steps() const override { return Cfg::kMaxSteps; }

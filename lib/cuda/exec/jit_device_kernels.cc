@@ -72,7 +72,10 @@ class JitDeviceKernels : public DeviceKernels {
                                Slot{"convert", &k->convert_},
                                Slot{"accumulate", &k->accumulate_},
                                Slot{"copy_chunks", &k->copy_chunks_},
-                               Slot{"add_chunks", &k->add_chunks_}};
+                               Slot{"add_chunks", &k->add_chunks_},
+                               Slot{"merge_entries", &k->merge_entries_},
+                               Slot{"gather_stats", &k->gather_stats_},
+                               Slot{"add_entries", &k->add_entries_}};
     // Configurations with a topology role have the fused forward, kMaxSteps = peers + 1.
     const int max_steps =
         c.source.config.role.num_peers > 0 ? c.source.config.role.num_peers + 1 : 0;
@@ -134,6 +137,15 @@ class JitDeviceKernels : public DeviceKernels {
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
     return Launch(add_chunks_, "add chunks", HelperGrid(p, helper_ctas_), &p, s);
   }
+  absl::Status MergeEntries(const hsap_dev::EntryMergeParams& p, cudaStream s) const override {
+    return Launch(merge_entries_, "merge entries", HelperGrid(p, helper_ctas_), &p, s);
+  }
+  absl::Status GatherStats(const hsap_dev::StatsGatherParams& p, cudaStream s) const override {
+    return Launch(gather_stats_, "gather stats", HelperGrid(p, helper_ctas_), &p, s);
+  }
+  absl::Status AddEntries(const hsap_dev::EntryAddParams& p, cudaStream s) const override {
+    return Launch(add_entries_, "add entries", HelperGrid(p, helper_ctas_), &p, s);
+  }
 
   int max_fused_steps() const override { return max_fused_steps_; }
   int fused_copy_ctas() const override { return fused_copy_ctas_; }
@@ -187,7 +199,8 @@ class JitDeviceKernels : public DeviceKernels {
   CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   long long helper_ctas_ = 1;
-  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_;
+  Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_,
+      merge_entries_, gather_stats_, add_entries_;
   int max_fused_steps_ = 0, fused_copy_ctas_ = 1, fused_resident_ = 0;
 };
 

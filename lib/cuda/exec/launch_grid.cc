@@ -41,6 +41,19 @@ LaunchGrid HelperGrid(const hsap_dev::ChunksParams& p, long long max_ctas) {
   return HelperGrid(p.num_chunks * kHelperThreads, max_ctas);
 }
 
+LaunchGrid HelperGrid(const hsap_dev::EntryMergeParams& p, long long max_ctas) {
+  if (p.num_entries <= 0) return LaunchGrid{};
+  return HelperGrid(p.total_rows * p.heads * 32, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::StatsGatherParams& p, long long max_ctas) {
+  if (p.num_entries <= 0) return LaunchGrid{};
+  return HelperGrid(p.total_rows * p.heads, max_ctas);
+}
+LaunchGrid HelperGrid(const hsap_dev::EntryAddParams& p, long long max_ctas) {
+  if (p.num_entries <= 0) return LaunchGrid{};
+  return HelperGrid(p.total_rows * p.row_elems, max_ctas);
+}
+
 absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep> steps,
                                             int heads_q, long long resident_ctas, int share,
                                             int copy_ctas) {

@@ -44,6 +44,11 @@ LaunchGrid HelperGrid(const hsap_dev::InitParams& p, long long max_ctas);
 LaunchGrid HelperGrid(const hsap_dev::ConvertParams& p, long long max_ctas);
 LaunchGrid HelperGrid(const hsap_dev::AccumulateParams& p, long long max_ctas);
 LaunchGrid HelperGrid(const hsap_dev::ChunksParams& p, long long max_ctas);
+// The cuDNN engine's helpers: a warp per (entry row, head) for the merge, a thread per
+// element for the Stats gather and the gradient add (empty without entries).
+LaunchGrid HelperGrid(const hsap_dev::EntryMergeParams& p, long long max_ctas);
+LaunchGrid HelperGrid(const hsap_dev::StatsGatherParams& p, long long max_ctas);
+LaunchGrid HelperGrid(const hsap_dev::EntryAddParams& p, long long max_ctas);
 
 // The fused forward: room for `copy_ctas` copy tasks plus as many CTAs as the largest step
 // has work items (num_blocks x heads_q, at least one), within the launch's part of the

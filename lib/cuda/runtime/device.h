@@ -159,6 +159,17 @@ class DeviceKernels {
   virtual absl::Status Accumulate(const hsap_dev::AccumulateParams& p, cudaStream s) const = 0;
   virtual absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
   virtual absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const = 0;
+  // The helpers of the cuDNN engine (hsap_params.cuh, EntryRows); Unimplemented in kernel
+  // sets without them.
+  virtual absl::Status MergeEntries(const hsap_dev::EntryMergeParams& p, cudaStream s) const {
+    return absl::UnimplementedError("these kernels cannot merge cuDNN's partial results");
+  }
+  virtual absl::Status GatherStats(const hsap_dev::StatsGatherParams& p, cudaStream s) const {
+    return absl::UnimplementedError("these kernels cannot gather cuDNN's Stats");
+  }
+  virtual absl::Status AddEntries(const hsap_dev::EntryAddParams& p, cudaStream s) const {
+    return absl::UnimplementedError("these kernels cannot add cuDNN's gradients");
+  }
 
   // The fused forward, in configurations generated with a topology role: at most
   // max_fused_steps() steps per launch (0: this configuration has no fused kernel), each

@@ -78,6 +78,28 @@ TEST(HelperGrid, EachKernelByItsThreadsOfWork) {
   EXPECT_EQ(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 9}, 100).x, 9u);
   EXPECT_TRUE(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 0}, 100).empty());
   EXPECT_EQ(HelperGrid(hsap_dev::ChunksParams{nullptr, nullptr, nullptr, 1LL << 40}, 100).x, 100u);
+  // The cuDNN engine's helpers: a warp per (entry row, head) for the merge (40 rows x 4 heads
+  // x 32 = 5120 threads = 20 CTAs), a thread per element for the gather (40 x 4) and the add
+  // (40 x 256); no entries: nothing to launch.
+  hsap_dev::EntryMergeParams merge{};
+  merge.total_rows = 40;
+  merge.heads = 4;
+  merge.num_entries = 3;
+  EXPECT_EQ(HelperGrid(merge, 100).x, 20u);
+  merge.num_entries = 0;
+  EXPECT_TRUE(HelperGrid(merge, 100).empty());
+  hsap_dev::StatsGatherParams gather{};
+  gather.total_rows = 40;
+  gather.heads = 4;
+  gather.num_entries = 3;
+  EXPECT_EQ(HelperGrid(gather, 100).x, 1u);
+  hsap_dev::EntryAddParams add{};
+  add.total_rows = 40;
+  add.row_elems = 256;
+  add.num_entries = 3;
+  EXPECT_EQ(HelperGrid(add, 100).x, 40u);
+  add.num_entries = 0;
+  EXPECT_TRUE(HelperGrid(add, 100).empty());
   // Very large rows stay in range.
   EXPECT_EQ(HelperGrid(hsap_dev::DeltaParams{nullptr, nullptr, nullptr, 1LL << 40, 64}, 132).x,
             132u);
