@@ -213,7 +213,8 @@ typedef struct {
    * (inputs are read, and outputs are ready, in that stream's order; transfers run on a
    * stream of the communicator's, ordered with it by events). It must be a stream of the
    * communicator's GPU (a stream of another GPU is hsapInvalidArgument). NULL: a stream of
-   * its own, and the calls return after their work finished. Ignored by the host backend. */
+   * its own, and the calls return after their work finished. Ignored by the host backend.
+   * A stream per call instead: hsapAttentionForwardOnStream / BackwardOnStream. */
   void* cudaStream;
   /* Added in 0.1 for ranks as processes (older, shorter structs read as
    * hsapBackendDefault): which backend hsapCommInitRank creates (see there).
@@ -354,6 +355,26 @@ hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
                                    const hsapTensor_t* q, const hsapTensor_t* k,
                                    const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
                                    hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv);
+/* The same calls on a CUDA stream of the caller's, per call, as NCCL takes one (cudaStream
+ * is a cudaStream_t): the call's kernels are enqueued on it, so they run after the work the
+ * stream holds before the call (e.g. what produced q/k/v), and work enqueued on it after the
+ * call sees out/lse (dq/dk/dv); the call returns once its work is enqueued (the host still
+ * waits for each stage's transfers, which run on a stream of the communicator's), whether or
+ * not the communicator has a stream of its own. Calls may use a different stream each time:
+ * every call of a communicator (of any of its batches) runs after the one before, on
+ * whatever stream that ran. The stream must belong to the communicator's GPU (another GPU's
+ * is hsapInvalidArgument on this rank, and its peers fail the call too, as for any bad
+ * argument). NULL is CUDA's default stream (cudaStreamLegacy), as for NCCL; the plain
+ * hsapAttentionForward / hsapAttentionBackward keep the communicator's stream
+ * (hsapCommConfig_t.cudaStream). A host communicator accepts only NULL (and ignores it). */
+hsapResult_t hsapAttentionForwardOnStream(hsapBatch_t batch, const hsapTensor_t* q,
+                                          const hsapTensor_t* k, const hsapTensor_t* v,
+                                          hsapTensor_t* out, float* lse, void* cudaStream);
+hsapResult_t hsapAttentionBackwardOnStream(hsapBatch_t batch, const hsapTensor_t* dout,
+                                           const hsapTensor_t* q, const hsapTensor_t* k,
+                                           const hsapTensor_t* v, const hsapTensor_t* out,
+                                           const float* lse, hsapTensor_t* dq, hsapTensor_t* dk,
+                                           hsapTensor_t* dv, void* cudaStream);
 
 /* Bytes this rank moved in the last forward and the last backward of the batch. */
 typedef struct {

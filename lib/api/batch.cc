@@ -138,6 +138,88 @@ hsapBatch_st* NewBatchHandle(std::unique_ptr<Batch> batch, std::shared_ptr<const
   return handle.release();
 }
 
+namespace {
+
+// The stream of an OnStream call as the runners take it (Batch::Forward's `stream`): null
+// for the plain calls and for host batches (which take only NULL); on a CUDA batch, the
+// caller's stream, NULL meaning CUDA's default stream as for NCCL: cudaStreamLegacy
+// ((cudaStream_t)0x1, driver_types.h).
+void* RunnerStream(const hsapBatch_st& batch, bool on_stream, void* stream) {
+  if (!on_stream || batch.comm == nullptr || batch.comm->gpu == nullptr) return nullptr;
+  return stream != nullptr ? stream : reinterpret_cast<void*>(uintptr_t{1});
+}
+
+// The caller's stream of an OnStream call: a stream of a CUDA communicator's device, or NULL
+// for a host communicator.
+absl::Status CheckCallStream(const hsapBatch_st& batch, bool on_stream, void* stream) {
+  if (!on_stream) return absl::OkStatus();
+  if (batch.comm == nullptr || batch.comm->gpu == nullptr) {
+    if (stream == nullptr) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "cudaStream is not NULL but the batch is on a host communicator; pass NULL (host "
+        "batches compute on the calling thread)");
+  }
+  return batch.comm->gpu->CheckStream(
+      static_cast<cuda::cudaStream>(RunnerStream(batch, on_stream, stream)), "cudaStream");
+}
+
+// on_stream: an OnStream call, on `stream`.
+absl::Status Forward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
+                     const hsapTensor_t* v, hsapTensor_t* out, float* lse, bool on_stream,
+                     void* stream) {
+  HSAP_ASSIGN_OR_RETURN(Batch * bs, BatchFromHandle(batch));
+  Batch& b = *bs;
+  const int64_t n = b.local_tokens();
+  const AttentionDims& d = b.dims();
+  const DType t = b.dtype();
+  absl::Status local =
+      FirstError([&] { return CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
+                 [&] { return CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
+                 [&]() -> absl::Status {
+                   if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
+                   return absl::OkStatus();
+                 },
+                 [&] { return CheckCallStream(*batch, on_stream, stream); });
+  if (!local.ok()) return b.Forward(nullptr, nullptr, nullptr, nullptr, nullptr, local);
+  return b.Forward(q->data, k->data, v->data, out->data, lse, absl::OkStatus(),
+                   RunnerStream(*batch, on_stream, stream));
+}
+
+absl::Status Backward(hsapBatch_t batch, const hsapTensor_t* dout, const hsapTensor_t* q,
+                      const hsapTensor_t* k, const hsapTensor_t* v, const hsapTensor_t* out,
+                      const float* lse, hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv,
+                      bool on_stream, void* stream) {
+  HSAP_ASSIGN_OR_RETURN(Batch * bs, BatchFromHandle(batch));
+  Batch& b = *bs;
+  const int64_t n = b.local_tokens();
+  const AttentionDims& d = b.dims();
+  const DType t = b.dtype();
+  absl::Status local =
+      FirstError([&] { return CheckTensor(dout, "dout", t, n, d.heads_q, d.head_dim); },
+                 [&] { return CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
+                 [&] { return CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
+                 [&]() -> absl::Status {
+                   if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
+                   return absl::OkStatus();
+                 },
+                 [&] { return CheckTensor(dq, "dq", t, n, d.heads_q, d.head_dim); },
+                 [&] { return CheckTensor(dk, "dk", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckTensor(dv, "dv", t, n, d.heads_kv, d.head_dim); },
+                 [&] { return CheckCallStream(*batch, on_stream, stream); });
+  if (!local.ok()) {
+    return b.Backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                      nullptr, local);
+  }
+  return b.Backward(dout->data, q->data, k->data, v->data, out->data, lse, dq->data, dk->data,
+                    dv->data, absl::OkStatus(), RunnerStream(*batch, on_stream, stream));
+}
+
+}  // namespace
+
 }  // namespace hsap
 
 extern "C" {
@@ -241,56 +323,33 @@ hsapResult_t hsapBatchGetLocalTokens(hsapBatch_t batch, int64_t* numTokens) {
 
 hsapResult_t hsapAttentionForward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
                                   const hsapTensor_t* v, hsapTensor_t* out, float* lse) {
-  return hsap::RunApi("hsapAttentionForward", [&]() -> absl::Status {
-    HSAP_ASSIGN_OR_RETURN(hsap::Batch * bs, hsap::BatchFromHandle(batch));
-    hsap::Batch& b = *bs;
-    const int64_t n = b.local_tokens();
-    const hsap::AttentionDims& d = b.dims();
-    const hsap::DType t = b.dtype();
-    absl::Status local =
-        hsap::FirstError([&] { return hsap::CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
-                         [&] { return hsap::CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
-                         [&] { return hsap::CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
-                         [&] { return hsap::CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
-                         [&]() -> absl::Status {
-                           if (lse == nullptr && n > 0)
-                             return absl::InvalidArgumentError("lse is null");
-                           return absl::OkStatus();
-                         });
-    if (!local.ok()) return b.Forward(nullptr, nullptr, nullptr, nullptr, nullptr, local);
-    return b.Forward(q->data, k->data, v->data, out->data, lse);
-  });
+  return hsap::RunApi("hsapAttentionForward",
+                      [&] { return hsap::Forward(batch, q, k, v, out, lse, false, nullptr); });
+}
+
+hsapResult_t hsapAttentionForwardOnStream(hsapBatch_t batch, const hsapTensor_t* q,
+                                          const hsapTensor_t* k, const hsapTensor_t* v,
+                                          hsapTensor_t* out, float* lse, void* cudaStream) {
+  return hsap::RunApi("hsapAttentionForwardOnStream",
+                      [&] { return hsap::Forward(batch, q, k, v, out, lse, true, cudaStream); });
 }
 
 hsapResult_t hsapAttentionBackward(hsapBatch_t batch, const hsapTensor_t* dout,
                                    const hsapTensor_t* q, const hsapTensor_t* k,
                                    const hsapTensor_t* v, const hsapTensor_t* out, const float* lse,
                                    hsapTensor_t* dq, hsapTensor_t* dk, hsapTensor_t* dv) {
-  return hsap::RunApi("hsapAttentionBackward", [&]() -> absl::Status {
-    HSAP_ASSIGN_OR_RETURN(hsap::Batch * bs, hsap::BatchFromHandle(batch));
-    hsap::Batch& b = *bs;
-    const int64_t n = b.local_tokens();
-    const hsap::AttentionDims& d = b.dims();
-    const hsap::DType t = b.dtype();
-    absl::Status local = hsap::FirstError(
-        [&] { return hsap::CheckTensor(dout, "dout", t, n, d.heads_q, d.head_dim); },
-        [&] { return hsap::CheckTensor(q, "q", t, n, d.heads_q, d.head_dim); },
-        [&] { return hsap::CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
-        [&] { return hsap::CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
-        [&] { return hsap::CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
-        [&]() -> absl::Status {
-          if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
-          return absl::OkStatus();
-        },
-        [&] { return hsap::CheckTensor(dq, "dq", t, n, d.heads_q, d.head_dim); },
-        [&] { return hsap::CheckTensor(dk, "dk", t, n, d.heads_kv, d.head_dim); },
-        [&] { return hsap::CheckTensor(dv, "dv", t, n, d.heads_kv, d.head_dim); });
-    if (!local.ok()) {
-      return b.Backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                        nullptr, local);
-    }
-    return b.Backward(dout->data, q->data, k->data, v->data, out->data, lse, dq->data, dk->data,
-                      dv->data);
+  return hsap::RunApi("hsapAttentionBackward", [&] {
+    return hsap::Backward(batch, dout, q, k, v, out, lse, dq, dk, dv, false, nullptr);
+  });
+}
+
+hsapResult_t hsapAttentionBackwardOnStream(hsapBatch_t batch, const hsapTensor_t* dout,
+                                           const hsapTensor_t* q, const hsapTensor_t* k,
+                                           const hsapTensor_t* v, const hsapTensor_t* out,
+                                           const float* lse, hsapTensor_t* dq, hsapTensor_t* dk,
+                                           hsapTensor_t* dv, void* cudaStream) {
+  return hsap::RunApi("hsapAttentionBackwardOnStream", [&] {
+    return hsap::Backward(batch, dout, q, k, v, out, lse, dq, dk, dv, true, cudaStream);
   });
 }
 

@@ -353,17 +353,19 @@ absl::Status Batch::AgreeOnCall(uint64_t kind, const absl::Status& local_check) 
 }
 
 absl::Status Batch::Forward(const void* q, const void* k, const void* v, void* out, float* lse,
-                            absl::Status local_check) {
+                            absl::Status local_check, void* stream) {
   const uint64_t call = calls_;
   HSAP_RETURN_IF_ERROR(AgreeOnCall(1, local_check));
+  runner_->set_call_stream(stream);
   return runner_->Forward(call, q, k, v, out, lse, traffic_.forward);
 }
 
 absl::Status Batch::Backward(const void* dout, const void* q, const void* k, const void* v,
                              const void* out, const float* lse, void* dq, void* dk, void* dv,
-                             absl::Status local_check) {
+                             absl::Status local_check, void* stream) {
   const uint64_t call = calls_;
   HSAP_RETURN_IF_ERROR(AgreeOnCall(2, local_check));
+  runner_->set_call_stream(stream);
   return runner_->Backward(call, dout, q, k, v, out, lse, dq, dk, dv, traffic_.backward);
 }
 

@@ -92,12 +92,14 @@ class Batch {
       Communicator& comm, const Layout& layout, const Plan& plan, const BatchOptions& options,
       const KernelSet& kernels = HandWrittenKernels(), absl::Status local_check = absl::OkStatus());
 
-  // Tensors as in executor.h, sized by local_tokens(). local_check as above.
+  // Tensors as in executor.h, sized by local_tokens(). local_check as above. `stream`: the
+  // caller's CUDA stream of this call for a GPU runner (BatchRunner::set_call_stream; the
+  // caller checked that it belongs to the runner's device), null for the communicator's.
   absl::Status Forward(const void* q, const void* k, const void* v, void* out, float* lse,
-                       absl::Status local_check = absl::OkStatus());
+                       absl::Status local_check = absl::OkStatus(), void* stream = nullptr);
   absl::Status Backward(const void* dout, const void* q, const void* k, const void* v,
                         const void* out, const float* lse, void* dq, void* dk, void* dv,
-                        absl::Status local_check = absl::OkStatus());
+                        absl::Status local_check = absl::OkStatus(), void* stream = nullptr);
 
   const std::shared_ptr<const Partition>& partition() const { return partition_; }
   // This rank's schedule; null for a batch under a plan.

@@ -50,6 +50,15 @@ class BatchRunner {
   virtual absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
                                 const void* v, const void* out, const float* lse, void* dq,
                                 void* dk, void* dv, CallTraffic& traffic) = 0;
+
+  // The CUDA stream (a cudaStream_t) the next Forward / Backward runs on: a caller's, or
+  // null for the communicator's own (lib/cuda/exec/gpu_batch.h). Batch sets it before every
+  // call; host runners ignore it.
+  void set_call_stream(void* stream) { call_stream_ = stream; }
+  void* call_stream() const { return call_stream_; }
+
+ private:
+  void* call_stream_ = nullptr;
 };
 
 class RunnerFactory {

@@ -704,19 +704,28 @@ class Batch(_Handle):
         return Traffic(*(getattr(t, f) for f, _ in L.TrafficDetail._fields_))
 
     # Raw calls on ArrayRefs; hsap.torch and the numpy methods below build on them.
+    # cuda_stream: a cudaStream_t (int) to run this call on (hsapAttentionForwardOnStream:
+    # CUDA batches only; the call returns once enqueued), None for the communicator's.
     def forward_raw(self, q: ArrayRef, k: ArrayRef, v: ArrayRef, out: ArrayRef,
-                    lse_ptr: int) -> None:
-        tq, tk, tv, to = q.tensor(), k.tensor(), v.tensor(), out.tensor()
-        _call("hsapAttentionForward", self.handle, ctypes.byref(tq), ctypes.byref(tk),
-              ctypes.byref(tv), ctypes.byref(to), _float_ptr(lse_ptr))
+                    lse_ptr: int, cuda_stream: int | None = None) -> None:
+        args = [self.handle] + [ctypes.byref(x.tensor()) for x in (q, k, v, out)]
+        args.append(_float_ptr(lse_ptr))
+        if cuda_stream is None:
+            _call("hsapAttentionForward", *args)
+        else:
+            _call("hsapAttentionForwardOnStream", *args, ctypes.c_void_p(cuda_stream))
 
     def backward_raw(self, dout: ArrayRef, q: ArrayRef, k: ArrayRef, v: ArrayRef,
                      out: ArrayRef, lse_ptr: int, dq: ArrayRef, dk: ArrayRef,
-                     dv: ArrayRef) -> None:
+                     dv: ArrayRef, cuda_stream: int | None = None) -> None:
         t = [x.tensor() for x in (dout, q, k, v, out)]
         g = [x.tensor() for x in (dq, dk, dv)]
-        _call("hsapAttentionBackward", self.handle, *[ctypes.byref(x) for x in t],
-              _float_ptr(lse_ptr), *[ctypes.byref(x) for x in g])
+        args = [self.handle, *[ctypes.byref(x) for x in t], _float_ptr(lse_ptr),
+                *[ctypes.byref(x) for x in g]]
+        if cuda_stream is None:
+            _call("hsapAttentionBackward", *args)
+        else:
+            _call("hsapAttentionBackwardOnStream", *args, ctypes.c_void_p(cuda_stream))
 
     def forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Collective. (out, lse) of this rank's shard, numpy float32/float16 arrays."""

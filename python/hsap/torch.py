@@ -4,8 +4,9 @@ torch.distributed process groups, and PyTorch's own per-document attention as re
 Tensors are packed rows [tokens, heads, head_dim] (flash_attn_varlen_func's layout). The
 calls read and write the tensors' memory in place: contiguous CPU tensors with a host
 communicator; CUDA tensors with a CUDA communicator, whose kernels are enqueued on the CUDA
-stream that was current when the communicator was created (hsap.attention checks that it is
-still the current one). Non-contiguous inputs are made contiguous first (a copy).
+stream current at each call (hsapAttentionForwardOnStream / BackwardOnStream, as NCCL takes a
+stream per call; the call returns once enqueued). Non-contiguous inputs are made contiguous
+first (a copy).
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ def _check_device(tensors: Sequence[torch.Tensor], comm: Comm | None) -> None:
     if cuda != comm.is_cuda:
         raise ValueError(f"hsap: {'CUDA' if cuda else 'CPU'} tensors need a "
                          f"{'CUDA' if cuda else 'host'} communicator")
-    if cuda:
-        stream = comm.cuda_stream
-        if stream and torch.cuda.current_stream(tensors[0].device).cuda_stream != stream:
-            raise ValueError("hsap: the current CUDA stream is not the one the communicator was "
-                             "created with; call hsap under that stream")
+
+
+def _stream_of(t: torch.Tensor) -> int | None:
+    """The cudaStream_t of the current stream of a CUDA tensor's device (the call runs on
+    it); None for a CPU tensor."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _lse_like(q: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ class _BatchAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = torch.empty_like(q), _lse_like(q)
         batch.forward_raw(array_ref(q, "q"), array_ref(k, "k"), array_ref(v, "v"),
-                          array_ref(out, "out"), lse.data_ptr())
+                          array_ref(out, "out"), lse.data_ptr(), _stream_of(q))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.batch = batch
         return out
@@ -88,7 +90,8 @@ class _BatchAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         ctx.batch.backward_raw(array_ref(dout, "dout"), array_ref(q, "q"), array_ref(k, "k"),
                                array_ref(v, "v"), array_ref(out, "out"), lse.data_ptr(),
-                               array_ref(dq, "dq"), array_ref(dk, "dk"), array_ref(dv, "dv"))
+                               array_ref(dq, "dq"), array_ref(dk, "dk"), array_ref(dv, "dv"),
+                               _stream_of(q))
         return dq, dk, dv, None
 
 

@@ -15,8 +15,8 @@
 namespace hsap::cuda {
 namespace {
 
-// What both GPU runners share: the communicator, the kernels, the mode and the end of a
-// call on a synchronous communicator.
+// What both GPU runners share: the communicator, the kernels, the mode, the stream of a
+// call and its order after the communicator's previous calls, and the end of a call.
 class GpuRunner : public BatchRunner {
  public:
   GpuRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels)
@@ -26,9 +26,22 @@ class GpuRunner : public BatchRunner {
   const BatchEngines& engines() const { return engines_; }
 
  protected:
-  // A communicator without a caller's stream returns after the work finished.
-  absl::Status Finish(const char* pass) {
-    if (!comm_->synchronous()) return absl::OkStatus();
+  // The stream of this call: the caller's (set_call_stream) or the communicator's.
+  cudaStream CallStream() const {
+    return call_stream() != nullptr ? static_cast<cudaStream>(call_stream()) : comm_->stream();
+  }
+  // Whether the call returns after its work finished: on a communicator without a caller's
+  // stream, called without a stream of its own.
+  bool Synchronous() const { return comm_->synchronous() && call_stream() == nullptr; }
+  // Orders the call after the communicator's previous calls (they share its pool).
+  absl::Status Begin() { return comm_->OrderAfterCalls(CallStream()); }
+  // The end of a call whose enqueueing returned `enqueued`: marked also after a failure (the
+  // next call then waits for what was enqueued); a synchronous call waits for its work.
+  absl::Status Finish(const char* pass, const absl::Status& enqueued) {
+    const absl::Status end = comm_->EndCall(CallStream());
+    HSAP_RETURN_IF_ERROR(enqueued);
+    HSAP_RETURN_IF_ERROR(end);
+    if (!Synchronous()) return absl::OkStatus();
     return comm_->device().Synchronize(comm_->stream(), absl::Now() + comm_->timeout(),
                                        absl::StrCat(pass, " kernels"));
   }
@@ -54,7 +67,6 @@ class GpuRingRunner : public GpuRunner {
     ctx_.kernels = kernels_.get();
     ctx_.transport = &transport;
     ctx_.program = program_.get();
-    ctx_.stream = comm_->stream();
     ctx_.window = window_;
     ctx_.routes = &routes_;
     ctx_.peer_timeout = comm_->timeout();
@@ -65,19 +77,20 @@ class GpuRingRunner : public GpuRunner {
                        float* lse, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_RETURN_IF_ERROR(Begin());
     ExecTraffic t;
-    HSAP_RETURN_IF_ERROR(GpuExecuteForward(Context(call_id), q, k, v, out, lse, &t));
-    traffic = Traffic(t);
+    absl::Status s = GpuExecuteForward(Context(call_id), q, k, v, out, lse, &t);
+    if (s.ok()) traffic = Traffic(t);
     // A fused forward that finishes here also reads its window's error word back, in the
     // same wait as its kernels. (With a caller's stream the call returns before the kernels
     // ran, and the word is not read.)
     uint32_t peer_errors = 0;
-    const bool check = window_ != nullptr && comm_->synchronous() && mode_ == GpuExecMode::kFull;
+    const bool check = s.ok() && window_ != nullptr && Synchronous() && mode_ == GpuExecMode::kFull;
     if (check) {
-      HSAP_RETURN_IF_ERROR(comm_->device().CopyAsync(&peer_errors, window_->error_word(),
-                                                     sizeof(peer_errors), comm_->stream()));
+      s = comm_->device().CopyAsync(&peer_errors, window_->error_word(), sizeof(peer_errors),
+                                    comm_->stream());
     }
-    HSAP_RETURN_IF_ERROR(Finish("forward"));
+    HSAP_RETURN_IF_ERROR(Finish("forward", s));
     return check ? PeerErrors(peer_errors) : absl::OkStatus();
   }
 
@@ -86,11 +99,12 @@ class GpuRingRunner : public GpuRunner {
                         void* dv, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_RETURN_IF_ERROR(Begin());
     ExecTraffic t;
-    HSAP_RETURN_IF_ERROR(
-        GpuExecuteBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &t));
-    traffic = Traffic(t);
-    return Finish("backward");
+    const absl::Status s =
+        GpuExecuteBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk, dv, &t);
+    if (s.ok()) traffic = Traffic(t);
+    return Finish("backward", s);
   }
 
   bool fused() const { return window_ != nullptr; }
@@ -108,6 +122,7 @@ class GpuRingRunner : public GpuRunner {
   }
 
   GpuExecContext Context(uint64_t call_id) {
+    ctx_.stream = CallStream();
     ctx_.pool = comm_->pool().base();
     ctx_.pool_bytes = comm_->pool().size();
     ctx_.call_id = call_id;
@@ -159,17 +174,17 @@ class GpuPlanRunner : public GpuRunner {
     ctx_.kernels = kernels_.get();
     ctx_.transport = &transport;
     ctx_.program = program_.get();
-    ctx_.stream = comm_->stream();
   }
 
   absl::Status Forward(uint64_t call_id, const void* q, const void* k, const void* v, void* out,
                        float* lse, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
-    HSAP_RETURN_IF_ERROR(
-        GpuHierarchicalForward(Context(call_id), q, k, v, out, lse, &traffic, &traffic.links));
+    HSAP_RETURN_IF_ERROR(Begin());
+    const absl::Status s =
+        GpuHierarchicalForward(Context(call_id), q, k, v, out, lse, &traffic, &traffic.links);
     traffic.links_counted = true;
-    return Finish("forward");
+    return Finish("forward", s);
   }
 
   absl::Status Backward(uint64_t call_id, const void* dout, const void* q, const void* k,
@@ -177,14 +192,16 @@ class GpuPlanRunner : public GpuRunner {
                         void* dv, CallTraffic& traffic) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(on.status());
-    HSAP_RETURN_IF_ERROR(GpuHierarchicalBackward(Context(call_id), dout, q, k, v, out, lse, dq, dk,
-                                                 dv, &traffic, &traffic.links));
+    HSAP_RETURN_IF_ERROR(Begin());
+    const absl::Status s = GpuHierarchicalBackward(Context(call_id), dout, q, k, v, out, lse, dq,
+                                                   dk, dv, &traffic, &traffic.links);
     traffic.links_counted = true;
-    return Finish("backward");
+    return Finish("backward", s);
   }
 
  private:
   GpuHierContext Context(uint64_t call_id) {
+    ctx_.stream = CallStream();
     ctx_.pool = comm_->pool().base();
     ctx_.pool_bytes = comm_->pool().size();
     ctx_.call_id = call_id;
@@ -238,10 +255,11 @@ class GpuRunnerFactory : public RunnerFactory {
                                                            DType dtype) override {
     Transport& transport = comm.transport();
     ScopedDevice on(comm_->device());
+    const absl::Status ready = AfterCalls(on);
     absl::StatusOr<std::unique_ptr<DeviceRingProgram>> program =
-        on.status().ok() ? DeviceRingProgram::Build(comm_->device(), schedule, dims, dtype,
-                                                    comm_->stream(), &comm_->pool())
-                         : on.status();
+        ready.ok() ? DeviceRingProgram::Build(comm_->device(), schedule, dims, dtype,
+                                              comm_->stream(), &comm_->pool())
+                   : ready;
     absl::StatusOr<BatchEngines> engines = RingEngines(engines_, schedule, dims, dtype);
     if (program.ok() && !engines.ok()) program = engines.status();
     // Every rank of a transport that offers peer windows exchanges them, also after a local
@@ -276,7 +294,7 @@ class GpuRunnerFactory : public RunnerFactory {
                                                             const AttentionDims& dims,
                                                             DType dtype) override {
     ScopedDevice on(comm_->device());
-    HSAP_RETURN_IF_ERROR(on.status());
+    HSAP_RETURN_IF_ERROR(AfterCalls(on));
     HSAP_ASSIGN_OR_RETURN(BatchEngines engines, PlanEngines(engines_, rank, dims, dtype));
     HSAP_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceHierProgram> program,
@@ -290,6 +308,13 @@ class GpuRunnerFactory : public RunnerFactory {
   }
 
  private:
+  // The communicator's stream after the calls enqueued so far (on callers' streams too): a
+  // new batch's uploads and pool or window growth must not overtake them.
+  absl::Status AfterCalls(const ScopedDevice& on) {
+    HSAP_RETURN_IF_ERROR(on.status());
+    return comm_->OrderAfterCalls(comm_->stream());
+  }
+
   std::shared_ptr<GpuComm> comm_;
   std::shared_ptr<const DeviceKernels> kernels_;
   EngineSetup engines_;
@@ -304,19 +329,11 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
   comm->device_ = std::move(device);
   comm->pool_ = std::make_unique<DeviceBufferPool>(*comm->device_);
   comm->timeout_ = timeout;
+  HSAP_ASSIGN_OR_RETURN(comm->probe_, comm->device_->CreateEvent());
+  HSAP_ASSIGN_OR_RETURN(comm->last_call_, comm->device_->CreateEvent());
   if (stream != nullptr) {
-    // Kernels launch only on a stream of their device: a caller's stream of another GPU
-    // would fail every call. An event of the device records only on its streams, so one
-    // record tells, here, once.
-    HSAP_ASSIGN_OR_RETURN(cudaEvent probe, comm->device_->CreateEvent());
-    const absl::Status same_device = comm->device_->RecordEvent(probe, stream);
-    comm->device_->DestroyEvent(probe);
-    if (!same_device.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the communicator's CUDA stream is not a stream of its device (the device current "
-          "when the communicator was created): ",
-          same_device.message()));
-    }
+    // Refused here rather than at every call.
+    HSAP_RETURN_IF_ERROR(comm->CheckStream(stream, "the communicator's CUDA stream"));
     comm->stream_ = stream;
   } else {
     HSAP_ASSIGN_OR_RETURN(cudaStream s, comm->device_->CreateStream());
@@ -324,6 +341,32 @@ absl::StatusOr<std::shared_ptr<GpuComm>> GpuComm::Create(std::unique_ptr<Device>
     comm->owns_stream_ = true;
   }
   return comm;
+}
+
+absl::Status GpuComm::CheckStream(cudaStream stream, absl::string_view what) {
+  // Kernels launch only on a stream of their device: a caller's stream of another GPU would
+  // fail the call's first launch. An event of the device records only on its streams, so one
+  // record tells.
+  ScopedDevice on(*device_);
+  HSAP_RETURN_IF_ERROR(on.status());
+  const absl::Status same_device = device_->RecordEvent(probe_, stream);
+  if (same_device.ok()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      what,
+      " is not a stream of its device (the communicator's: the device current when the "
+      "communicator was created); pass a stream created on that device: ",
+      same_device.message()));
+}
+
+absl::Status GpuComm::OrderAfterCalls(cudaStream stream) {
+  if (last_stream_ == nullptr || last_stream_ == stream) return absl::OkStatus();
+  return device_->StreamWaitEvent(stream, last_call_);
+}
+
+absl::Status GpuComm::EndCall(cudaStream stream) {
+  HSAP_RETURN_IF_ERROR(device_->RecordEvent(last_call_, stream));
+  last_stream_ = stream;
+  return absl::OkStatus();
 }
 
 PeerWindow& GpuComm::peer_window(int rank, int size) {
@@ -336,6 +379,9 @@ GpuComm::~GpuComm() {
   window_.reset();  // waits until the peers finished reading it
   pool_.reset();    // waits for the device
   if (owns_stream_) device_->DestroyStream(stream_);
+  for (cudaEvent e : {probe_, last_call_}) {
+    if (e != nullptr) device_->DestroyEvent(e);
+  }
 }
 
 bool UsesFusedForward(const BatchRunner* runner) {

@@ -8,6 +8,14 @@
 // communicator uses a stream of its own and the calls return after their work finished.
 // Transfers run on the transport's stream (TransferStream), never on the caller's.
 //
+// A stream per call (hsapAttentionForwardOnStream, Batch::Forward's `stream`): the call's
+// kernels run on that stream instead (so they follow its earlier work, and its later work
+// sees their results, in stream order), and the call returns once enqueued, whether or not
+// the communicator has a stream of its own. The calls of a communicator share its pool, so
+// each call is ordered after the previous one of any batch of the communicator, on whatever
+// stream that ran: when the stream changes, the new one first waits for an event recorded
+// at the end of the previous call (GpuComm::OrderAfterCalls / EndCall).
+//
 // Fused forward. On a transport that offers peer windows (loopback, NCCL), with kernels
 // that have the fused forward (JitKernelsForBatch(..., fused = true)), batches without a
 // plan move forward's K/V through the communicator's peer window (peer_window.h) instead of
@@ -28,6 +36,7 @@
 #include <mutex>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attention/layout.h"
 #include "lib/cuda/cudnn/batch_engines.h"
@@ -61,6 +70,16 @@ class GpuComm {
   // This rank's peer window (peer_window.h), created on first use for rank `rank` of `size`.
   PeerWindow& peer_window(int rank, int size);
 
+  // OK when `stream` (a caller's) is a stream of this communicator's device, else
+  // InvalidArgument naming `what` (kernels launch only on streams of their device; one event
+  // record tells). Sets the device current for the check.
+  absl::Status CheckStream(cudaStream stream, absl::string_view what);
+  // Makes `stream` wait for the work of every call enqueued so far on this communicator (a
+  // no-op when the last call ran on `stream` too, or none ran).
+  absl::Status OrderAfterCalls(cudaStream stream);
+  // Marks the end of a call whose work was enqueued on `stream`.
+  absl::Status EndCall(cudaStream stream);
+
  private:
   GpuComm() = default;
   std::unique_ptr<Device> device_;
@@ -69,6 +88,9 @@ class GpuComm {
   cudaStream stream_ = nullptr;
   bool owns_stream_ = false;
   absl::Duration timeout_;
+  cudaEvent probe_ = nullptr;         // CheckStream's
+  cudaEvent last_call_ = nullptr;     // recorded at the end of the last call
+  cudaStream last_stream_ = nullptr;  // the stream of the last call (null: none yet)
 };
 
 // The runners of batches on `comm` with `kernels` (both shared with other batches): the GPU

@@ -102,6 +102,77 @@ TEST(ApiBatchTest, AllWeightsZeroIsAnInvalidArgument) {
   hsapLayoutDestroy(layout);
 }
 
+// hsapAttentionForwardOnStream / BackwardOnStream on host communicators: NULL computes what
+// the plain calls compute (bit for bit); a stream is refused on its rank, with the reason,
+// and its peer fails the call too instead of waiting.
+TEST(ApiBatchTest, OnStreamCallsOnHostCommunicatorsTakeOnlyNull) {
+  constexpr int R = 2;
+  hsapComm_t comms[R];
+  ASSERT_EQ(hsapCommInitAll(comms, R, nullptr), hsapSuccess) << hsapGetLastError();
+  hsapLayout_t layout = testing::ToCLayout(MixedLayout());
+  testing::OnEveryRank(R, [&](int r) {
+    hsapBatchConfig_t config = HSAP_BATCH_CONFIG_INITIALIZER;
+    config.dtype = hsapFloat32;
+    config.numHeadsQ = 2;
+    config.numHeadsKV = 1;
+    config.headDim = 32;
+    hsapBatch_t batch = nullptr;
+    ASSERT_EQ(hsapBatchCreate(&batch, comms[r], layout, nullptr, &config), hsapSuccess)
+        << hsapGetLastError();
+    int64_t n = 0;
+    ASSERT_EQ(hsapBatchGetLocalTokens(batch, &n), hsapSuccess);
+    auto filled = [&](int heads, float scale) {
+      std::vector<float> v(n * heads * 32);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = scale * static_cast<float>((i * 7 + r) % 13);
+      return v;
+    };
+    std::vector<float> q = filled(2, 0.1f), k = filled(1, 0.2f), v = filled(1, 1.0f),
+                       dout = filled(2, 0.3f);
+    std::vector<float> out(q.size()), out2(q.size()), lse(2 * n + 1), lse2(2 * n + 1);
+    std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
+    std::vector<float> dq2(q.size()), dk2(k.size()), dv2(v.size());
+    auto t = [&](std::vector<float>& x, int heads) {
+      return hsapTensor_t{x.data(), hsapFloat32, n, heads, 32};
+    };
+    hsapTensor_t tq = t(q, 2), tk = t(k, 1), tv = t(v, 1), tdout = t(dout, 2);
+    hsapTensor_t to = t(out, 2), to2 = t(out2, 2);
+    hsapTensor_t tdq = t(dq, 2), tdk = t(dk, 1), tdv = t(dv, 1);
+    hsapTensor_t tdq2 = t(dq2, 2), tdk2 = t(dk2, 1), tdv2 = t(dv2, 1);
+    void* stream = r == 0 ? reinterpret_cast<void*>(uintptr_t{0x1000}) : nullptr;
+    const hsapResult_t refused =
+        hsapAttentionForwardOnStream(batch, &tq, &tk, &tv, &to, lse.data(), stream);
+    if (r == 0) {
+      EXPECT_EQ(refused, hsapInvalidArgument);
+      EXPECT_THAT(hsapGetLastError(), HasSubstr("cudaStream is not NULL but the batch is on a "
+                                                "host communicator"));
+    } else {
+      EXPECT_EQ(refused, hsapInvalidUsage);
+      EXPECT_THAT(hsapGetLastError(), HasSubstr("rank 0 rejected its arguments"));
+    }
+    ASSERT_EQ(hsapAttentionForward(batch, &tq, &tk, &tv, &to, lse.data()), hsapSuccess)
+        << hsapGetLastError();
+    ASSERT_EQ(hsapAttentionForwardOnStream(batch, &tq, &tk, &tv, &to2, lse2.data(), nullptr),
+              hsapSuccess)
+        << hsapGetLastError();
+    EXPECT_EQ(out, out2);
+    EXPECT_EQ(lse, lse2);
+    ASSERT_EQ(
+        hsapAttentionBackward(batch, &tdout, &tq, &tk, &tv, &to, lse.data(), &tdq, &tdk, &tdv),
+        hsapSuccess)
+        << hsapGetLastError();
+    ASSERT_EQ(hsapAttentionBackwardOnStream(batch, &tdout, &tq, &tk, &tv, &to, lse.data(), &tdq2,
+                                            &tdk2, &tdv2, nullptr),
+              hsapSuccess)
+        << hsapGetLastError();
+    EXPECT_EQ(dq, dq2);
+    EXPECT_EQ(dk, dk2);
+    EXPECT_EQ(dv, dv2);
+    EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+  });
+  hsapLayoutDestroy(layout);
+  for (hsapComm_t c : comms) EXPECT_EQ(hsapCommDestroy(c), hsapSuccess);
+}
+
 // One host rank: creation is collective, but a single rank needs no peer.
 class ApiBatchOneRankTest : public ::testing::Test {
  protected:

@@ -10,6 +10,7 @@
 #include "tests/support/emulated_device.h"
 // clang-format on
 
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <memory>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "attention/reference.h"
 #include "gmock/gmock.h"
@@ -375,6 +377,240 @@ TEST(EmulatedLoopbackBatch, ForcedCudnnIsRefusedAtCreation) {
     gpus.clear();
   }
   EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
+}
+
+// Streams per call (Batch::Forward / Backward's `stream`, hsapAttentionForwardOnStream): on
+// each rank, forward on stream A, forward on stream B, backward on A, then a forward on the
+// communicator's own stream. The inputs are written on A by a late "kernel" (it sleeps
+// first), so a call that did not wait for its stream's earlier work reads garbage; after
+// each call a "kernel" on the call's stream copies its results to the host, so a stream that
+// did not wait for the call's work copies them before they exist. Calls 1 and 3 run on other
+// streams than the call before them, which still holds the communicator's pool.
+template <class Cfg>
+void RunPerCallStreams(int R, bool fused, bool comm_streams) {
+  testing::ScopedEnv fused_env("HSAP_FUSED_FORWARD", fused ? "1" : nullptr);
+  EmulatedCudaRuntime::Options options;
+  options.watchdog = absl::Seconds(60);
+  EmulatedCudaRuntime emu(options);
+  const CudaRuntimeApi& rt = emu.runtime();
+  const absl::Duration timeout = absl::Seconds(60);
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  const Layout layout = testing::RandomLayout(80, DocMix::kLongTail, 71, false);
+  BatchOptions opts;
+  opts.dtype = DType::kF32;
+  opts.heads_q = kHeadsQ;
+  opts.heads_kv = kHeadsKv;
+  opts.head_dim = kDim;
+  testing::DistCase c;
+  c.dtype = DType::kF32;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, layout.num_tokens(), 71);
+  // Call 0's outputs with call 2's gradients; call 1's and call 3's outputs.
+  std::vector<testing::RowOutputs> got(3);
+  for (testing::RowOutputs& g : got) {
+    g.out = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+    g.dq = HostTensor(DType::kF32, layout.num_tokens(), kHeadsQ, kDim);
+    g.dk = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+    g.dv = HostTensor(DType::kF32, layout.num_tokens(), kHeadsKv, kDim);
+    g.lse.assign(layout.num_tokens() * kHeadsQ, 0.0f);
+  }
+  {
+    auto transports = CreateLoopbackTransports(rt, R, timeout);
+    ASSERT_TRUE(transports.ok()) << transports.status();
+    std::vector<std::unique_ptr<Communicator>> comms;
+    std::vector<std::shared_ptr<GpuComm>> gpus;
+    std::vector<cudaStream> own(R, nullptr);
+    for (int r = 0; r < R; ++r) {
+      comms.push_back(std::make_unique<Communicator>(std::move((*transports)[r]), timeout, 1));
+      absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
+      ASSERT_TRUE(d.ok()) << d.status();
+      if (comm_streams) {
+        ASSERT_EQ(rt.StreamCreateWithFlags(&own[r], kCudaStreamNonBlocking), 0);
+      }
+      auto gpu = GpuComm::Create(*std::move(d), own[r], timeout);
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      gpus.push_back(*std::move(gpu));
+    }
+    auto kernels = std::make_shared<const RuntimeKernels<Cfg>>(emu);
+    testing::OnEveryRank(R, [&](int r) {
+      std::unique_ptr<RunnerFactory> runners = NewGpuRunners(gpus[r], kernels);
+      auto batch = Batch::Create(*comms[r], layout, {}, opts, *runners);
+      ASSERT_TRUE(batch.ok()) << "rank " << r << ": " << batch.status();
+      Batch& b = **batch;
+      std::vector<testing::ShardTensors> t;
+      for (const testing::RowOutputs& g : got) {
+        t.emplace_back(in, g, ShardOf(*b.schedule()), kHeadsQ);
+      }
+      // Device buffers of NaN until the late kernel writes the inputs.
+      auto nan_like = [](const auto& v) {
+        return std::vector<uint8_t>(v.size() * sizeof(v[0]), 0xff);
+      };
+      OnDevice q(rt, nan_like(t[0].q)), k(rt, nan_like(t[0].k)), v(rt, nan_like(t[0].v)),
+          dout(rt, nan_like(t[0].dout)), dq(rt, nan_like(t[0].dq)), dk(rt, nan_like(t[0].dk)),
+          dv(rt, nan_like(t[0].dv));
+      std::vector<std::unique_ptr<OnDevice>> out, lse;
+      for (int i = 0; i < 3; ++i) {
+        out.push_back(std::make_unique<OnDevice>(rt, nan_like(t[i].out)));
+        lse.push_back(std::make_unique<OnDevice>(rt, nan_like(t[i].lse)));
+      }
+      cudaStream a = nullptr, bs = nullptr;
+      ASSERT_EQ(rt.StreamCreateWithFlags(&a, kCudaStreamNonBlocking), 0);
+      ASSERT_EQ(rt.StreamCreateWithFlags(&bs, kCudaStreamNonBlocking), 0);
+      auto on = [&](cudaStream s, std::function<void()> kernel) {
+        ASSERT_EQ(emu.Launch(0, s, std::move(kernel)), 0);
+      };
+      auto put = [](const OnDevice& d, const auto& v) {
+        std::memcpy(d.get(), v.data(), v.size() * sizeof(v[0]));
+      };
+      auto take = [](auto& v, const OnDevice& d) {
+        std::memcpy(v.data(), d.get(), v.size() * sizeof(v[0]));
+      };
+      on(a, [&] {
+        absl::SleepFor(absl::Milliseconds(30));
+        put(q, t[0].q);
+        put(k, t[0].k);
+        put(v, t[0].v);
+        put(dout, t[0].dout);
+      });
+      absl::Status s =
+          b.Forward(q.get(), k.get(), v.get(), out[0]->get(), lse[0]->f(), absl::OkStatus(), a);
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
+      on(a, [&] { take(t[0].out, *out[0]), take(t[0].lse, *lse[0]); });
+      s = b.Forward(q.get(), k.get(), v.get(), out[1]->get(), lse[1]->f(), absl::OkStatus(), bs);
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
+      on(bs, [&] { take(t[1].out, *out[1]), take(t[1].lse, *lse[1]); });
+      s = b.Backward(dout.get(), q.get(), k.get(), v.get(), out[0]->get(), lse[0]->f(), dq.get(),
+                     dk.get(), dv.get(), absl::OkStatus(), a);
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
+      on(a, [&] { take(t[0].dq, dq), take(t[0].dk, dk), take(t[0].dv, dv); });
+      // The communicator's own stream after calls on callers' streams.
+      s = b.Forward(q.get(), k.get(), v.get(), out[2]->get(), lse[2]->f());
+      ASSERT_TRUE(s.ok()) << "rank " << r << ": " << s;
+      if (own[r] != nullptr) {
+        ASSERT_EQ(rt.StreamSynchronize(own[r]), 0);
+      }
+      for (cudaStream st : {a, bs}) {
+        ASSERT_EQ(rt.StreamSynchronize(st), 0);
+        ASSERT_EQ(rt.StreamDestroy(st), 0);
+      }
+      out[2]->Download(t[2].out);
+      lse[2]->Download(t[2].lse);
+      for (int i = 0; i < 3; ++i) t[i].Unslice(got[i]);
+    });
+    EXPECT_EQ(kernels->error(), "");
+    gpus.clear();
+    for (cudaStream s : own) {
+      if (s != nullptr) {
+        EXPECT_EQ(rt.StreamDestroy(s), 0);
+      }
+    }
+  }
+  const ReferenceInputs ri = in.Reference(*DimsFromOptions(opts), DType::kF32);
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(::testing::Message() << "call " << (i == 0 ? 0 : i == 1 ? 1 : 3));
+    testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got[i],
+                                    /*backward=*/i == 0, testing::kCudaKernelFloor);
+  }
+  EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_EQ(emu.live_streams(), 0);
+  EXPECT_EQ(emu.live_events(), 0);
+  EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
+}
+
+TEST(EmulatedLoopbackBatch, StreamsPerCallWithStages) {
+  RunPerCallStreams<testing::SmallTileCfg<float, 2, true>>(3, /*fused=*/false,
+                                                           /*comm_streams=*/false);
+}
+
+// The fused forward's windows and flags, on communicators with callers' streams of their own.
+TEST(EmulatedLoopbackBatch, StreamsPerCallWithTheFusedForward) {
+  RunPerCallStreams<testing::SmallTileCfg<float, 2, true, 2>>(2, /*fused=*/true,
+                                                              /*comm_streams=*/true);
+}
+
+// A call's stream of another GPU is refused on its rank (GpuComm::CheckStream, the check of
+// hsapAttentionForwardOnStream), and its peers fail the call too; the next call works.
+TEST(EmulatedLoopbackBatch, AStreamOfAnotherGpuIsRefusedOnEveryRank) {
+  EmulatedCudaRuntime::Options options;
+  options.devices = 2;
+  options.watchdog = absl::Seconds(60);
+  EmulatedCudaRuntime emu(options);
+  const CudaRuntimeApi& rt = emu.runtime();
+  const absl::Duration timeout = absl::Seconds(60);
+  constexpr int R = 2;
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  const Layout layout = testing::RandomLayout(40, DocMix::kLongTail, 73, false);
+  BatchOptions opts;
+  opts.dtype = DType::kF32;
+  opts.heads_q = kHeadsQ;
+  opts.heads_kv = kHeadsKv;
+  opts.head_dim = kDim;
+  {
+    auto transports = CreateLoopbackTransports(rt, R, timeout);
+    ASSERT_TRUE(transports.ok()) << transports.status();
+    std::vector<std::unique_ptr<Communicator>> comms;
+    std::vector<std::shared_ptr<GpuComm>> gpus;
+    for (int r = 0; r < R; ++r) {
+      comms.push_back(std::make_unique<Communicator>(std::move((*transports)[r]), timeout, 1));
+      absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
+      ASSERT_TRUE(d.ok()) << d.status();
+      auto gpu = GpuComm::Create(*std::move(d), nullptr, timeout);
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      gpus.push_back(*std::move(gpu));
+    }
+    auto kernels =
+        std::make_shared<const RuntimeKernels<testing::SmallTileCfg<float, 2, true>>>(emu);
+    testing::OnEveryRank(R, [&](int r) {
+      ASSERT_EQ(rt.SetDevice(0), 0);
+      std::unique_ptr<RunnerFactory> runners = NewGpuRunners(gpus[r], kernels);
+      auto batch = Batch::Create(*comms[r], layout, {}, opts, *runners);
+      ASSERT_TRUE(batch.ok()) << "rank " << r << ": " << batch.status();
+      Batch& b = **batch;
+      const size_t n = b.local_tokens();
+      OnDevice q(rt, std::vector<float>(n * kHeadsQ * kDim, 0.5f)),
+          k(rt, std::vector<float>(n * kHeadsKv * kDim, 0.25f)),
+          v(rt, std::vector<float>(n * kHeadsKv * kDim, 1.0f)),
+          out(rt, std::vector<float>(n * kHeadsQ * kDim)),
+          lse(rt, std::vector<float>(n * kHeadsQ + 1));
+      cudaStream stream = nullptr;
+      ASSERT_EQ(rt.SetDevice(r == 0 ? 1 : 0), 0);  // rank 0's stream is one of GPU 1
+      ASSERT_EQ(rt.StreamCreateWithFlags(&stream, kCudaStreamNonBlocking), 0);
+      ASSERT_EQ(rt.SetDevice(0), 0);
+      const absl::Status check = gpus[r]->CheckStream(stream, "cudaStream");
+      EXPECT_EQ(check.ok(), r != 0) << check;
+      if (r == 0) {
+        EXPECT_EQ(check.code(), absl::StatusCode::kInvalidArgument);
+        EXPECT_THAT(check.message(),
+                    ::testing::HasSubstr("cudaStream is not a stream of its device"));
+      }
+      absl::Status s = check.ok()
+                           ? b.Forward(q.get(), k.get(), v.get(), out.get(), lse.f(), check, stream)
+                           : b.Forward(nullptr, nullptr, nullptr, nullptr, nullptr, check);
+      EXPECT_FALSE(s.ok()) << "rank " << r;
+      if (r != 0) {
+        EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+        EXPECT_THAT(s.message(), ::testing::HasSubstr("rank 0 rejected its arguments"));
+      }
+      // The batch still works: every rank on a stream of the right GPU.
+      cudaStream good = nullptr;
+      ASSERT_EQ(rt.StreamCreateWithFlags(&good, kCudaStreamNonBlocking), 0);
+      s = b.Forward(q.get(), k.get(), v.get(), out.get(), lse.f(), absl::OkStatus(), good);
+      EXPECT_TRUE(s.ok()) << "rank " << r << ": " << s;
+      EXPECT_EQ(rt.StreamSynchronize(good), 0);
+      std::vector<float> o(n * kHeadsQ * kDim, 0.0f);
+      out.Download(o);
+      for (float x : o) ASSERT_FLOAT_EQ(x, 1.0f) << "rank " << r;  // the mean of V's 1.0
+      EXPECT_EQ(rt.StreamDestroy(good), 0);
+      EXPECT_EQ(rt.StreamDestroy(stream), 0);
+    });
+    gpus.clear();
+  }
+  EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_EQ(emu.live_streams(), 0);
+  EXPECT_EQ(emu.live_events(), 0);
   EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
 }
 
