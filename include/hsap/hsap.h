@@ -339,6 +339,19 @@ hsapResult_t hsapBatchCreate(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t l
 hsapResult_t hsapBatchCreateWithPartition(hsapBatch_t* batch, hsapComm_t comm, hsapLayout_t layout,
                                           hsapPartition_t partition,
                                           const hsapBatchConfig_t* config);
+/* Collective: numBatches batches over one partition at once, batch i of layouts[i] and
+ * configs[i] (numBatches in [1, 256]) -- a training step's masks and dtypes over its row
+ * (e.g. the partition of hsapPartitionCreateForLayouts) -- as hsapBatchCreateWithPartition
+ * would make them one by one, with the collective agreement of one batch: the ranks agree
+ * once on the partition, numBatches and every batch's layout and config (in order), and a
+ * rank whose arguments differ or are wrong makes the call fail on every rank (hsapInvalidUsage
+ * on its peers), as hsapBatchCreateWithPartition does. On success batches[0..numBatches-1]
+ * are written; on failure none is. With numBatches == 1 it is hsapBatchCreateWithPartition
+ * (ranks may mix the two). */
+hsapResult_t hsapBatchCreateManyWithPartition(hsapBatch_t* batches, int numBatches, hsapComm_t comm,
+                                              const hsapLayout_t* layouts,
+                                              hsapPartition_t partition,
+                                              const hsapBatchConfig_t* configs);
 /* Not collective. Destroy every batch before its communicator (see hsapCommDestroy). */
 hsapResult_t hsapBatchDestroy(hsapBatch_t batch);
 /* The partition the batch uses (owned by the batch; do not destroy). */

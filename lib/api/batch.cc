@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +32,9 @@ namespace {
 
 // Size of version 1 of hsapBatchConfig_t.
 constexpr size_t kBatchConfigV1Size = sizeof(hsapBatchConfig_t);
+
+// The most batches hsapBatchCreateManyWithPartition makes in one call (hsap.h).
+constexpr int kMaxBatchesTogether = 256;
 
 absl::StatusOr<Batch*> BatchFromHandle(hsapBatch_t batch) {
   if (batch == nullptr || batch->batch == nullptr) {
@@ -292,6 +296,74 @@ hsapResult_t hsapBatchCreateWithPartition(hsapBatch_t* batch, hsapComm_t comm, h
                           hsap::Batch::CreateWithPartition(c, l, std::move(shared), options,
                                                            *backend.runners, local));
     *batch = hsap::NewBatchHandle(std::move(b), std::move(backend.kernels), *comm);
+    return absl::OkStatus();
+  });
+}
+
+hsapResult_t hsapBatchCreateManyWithPartition(hsapBatch_t* batches, int numBatches, hsapComm_t comm,
+                                              const hsapLayout_t* layouts,
+                                              hsapPartition_t partition,
+                                              const hsapBatchConfig_t* configs) {
+  return hsap::RunApi("hsapBatchCreateManyWithPartition", [&]() -> absl::Status {
+    if (comm == nullptr || comm->comm == nullptr) {
+      return absl::InvalidArgumentError("comm is null; create communicators with hsapCommInitAll");
+    }
+    hsap::Communicator& c = *comm->comm;
+    std::shared_ptr<const hsap::Partition> shared;
+    absl::Status local =
+        hsap::FirstError([&] { return hsap::CheckNotNull(batches, "batches"); },
+                         [&]() -> absl::Status {
+                           if (numBatches < 1 || numBatches > hsap::kMaxBatchesTogether) {
+                             return absl::InvalidArgumentError(
+                                 absl::StrCat("numBatches = ", numBatches, "; it must be in [1, ",
+                                              hsap::kMaxBatchesTogether, "]"));
+                           }
+                           return absl::OkStatus();
+                         },
+                         [&] { return hsap::CheckNotNull(layouts, "layouts"); },
+                         [&] { return hsap::CheckNotNull(configs, "configs"); },
+                         [&]() -> absl::Status {
+                           for (int i = 0; i < numBatches; ++i) {
+                             if (layouts[i] == nullptr) {
+                               return absl::InvalidArgumentError(absl::StrCat(
+                                   "layouts[", i, "] is null; create it with hsapLayoutCreate"));
+                             }
+                           }
+                           return absl::OkStatus();
+                         },
+                         [&]() -> absl::Status {
+                           HSAP_RETURN_IF_ERROR(hsap::PartitionFromHandle(partition).status());
+                           shared = partition->partition;
+                           return absl::OkStatus();
+                         });
+    // Each batch's options and backend (kernels, runners), in order; the first failure ends
+    // the list (the rank then still takes part in the agreement).
+    std::vector<const hsap::Layout*> ls;
+    std::vector<hsap::BatchOptions> options;
+    std::vector<hsap::BatchBackend> backends;
+    for (int i = 0; local.ok() && i < numBatches; ++i) {
+      absl::StatusOr<hsap::BatchOptions> o = hsap::OptionsFromConfig(&configs[i]);
+      if (!o.ok()) {
+        local = absl::Status(o.status().code(),
+                             absl::StrCat("configs[", i, "]: ", o.status().message()));
+        break;
+      }
+      hsap::BatchBackend backend =
+          hsap::BackendForCreate(*comm, *o, layouts[i]->layout, /*planned=*/false, local);
+      if (!local.ok()) break;
+      ls.push_back(&layouts[i]->layout);
+      options.push_back(*o);
+      backends.push_back(std::move(backend));
+    }
+    std::vector<hsap::RunnerFactory*> runners;
+    for (hsap::BatchBackend& b : backends) runners.push_back(b.runners.get());
+    if (!local.ok()) ls.clear(), options.clear(), runners.clear();
+    HSAP_ASSIGN_OR_RETURN(
+        std::vector<std::unique_ptr<hsap::Batch>> made,
+        hsap::Batch::CreateManyWithPartition(c, ls, std::move(shared), options, runners, local));
+    for (size_t i = 0; i < made.size(); ++i) {
+      batches[i] = hsap::NewBatchHandle(std::move(made[i]), std::move(backends[i].kernels), *comm);
+    }
     return absl::OkStatus();
   });
 }

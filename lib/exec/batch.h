@@ -4,7 +4,11 @@
 // same partition) and builds its own schedule, after an AllGather of a fingerprint of its
 // inputs (layout, weights, dtype, heads, head dim, scale) has shown that all ranks agree; a
 // rank whose inputs differ makes every rank fail with FailedPrecondition naming it ("rank
-// 2's layout differs from rank 0's").
+// 2's layout differs from rank 0's"). Runners that prepare locally (the host's,
+// RunnerFactory::PreparesLocally) are made before that AllGather, whose record then says
+// whether they were, so creation is one collective round; others (the GPU's) are made after
+// it and agreed on in a second round. CreateManyWithPartition makes several batches over one
+// partition with the rounds of one.
 //
 // Forward and Backward are collective too. Each call first exchanges (call number, kind,
 // batch, argument check) with every rank, so that mismatched calls (one rank calling
@@ -16,6 +20,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -81,6 +86,17 @@ class Batch {
       const BatchOptions& options, const KernelSet& kernels = HandWrittenKernels(),
       absl::Status local_check = absl::OkStatus());
 
+  // Several batches over one partition (a model's masks and dtypes over one row: a step's
+  // key) in the collective rounds of one batch: the ranks agree once on the partition, the
+  // number of batches and every batch's layout and options (in order), with the checks of
+  // CreateWithPartition (a rank whose inputs differ makes every rank fail, naming the field);
+  // layouts[i], options[i] and runners[i] make batch i (all three the same length, at least
+  // 1). With one batch it is CreateWithPartition (ranks may mix the two).
+  static absl::StatusOr<std::vector<std::unique_ptr<Batch>>> CreateManyWithPartition(
+      Communicator& comm, absl::Span<const Layout* const> layouts,
+      std::shared_ptr<const Partition> partition, absl::Span<const BatchOptions> options,
+      absl::Span<RunnerFactory* const> runners, absl::Status local_check = absl::OkStatus());
+
   // A batch under a plan (hierarchy.h): head-parallel groups, uneven shards and heads. The
   // plan's num_ranks must be the communicator's size; heads_q and heads_kv must match the
   // options. Ranks agree on the layout, the plan and the options as above. Tensors are this
@@ -129,6 +145,9 @@ class Batch {
   // After the factory made (or failed to make) this rank's runner: every rank learns whether
   // every rank has one; keeps it.
   absl::Status AgreeOnRunner(absl::StatusOr<std::unique_ptr<BatchRunner>> runner);
+  // This rank's schedule over partition_ (kept) and the runner of it.
+  absl::StatusOr<std::unique_ptr<BatchRunner>> Prepare(const Layout& layout,
+                                                       RunnerFactory& runners);
   // The per-call agreement; kind: 1 forward, 2 backward.
   absl::Status AgreeOnCall(uint64_t kind, const absl::Status& local_check);
   // The creation agreement; `inputs` hashes what must be equal beyond layout and options

@@ -79,6 +79,7 @@ class HostRunnerFactory : public RunnerFactory {
   explicit HostRunnerFactory(const KernelSet& kernels) : kernels_(kernels) {}
 
   bool RunsRelays() const override { return true; }
+  bool PreparesLocally() const override { return true; }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,

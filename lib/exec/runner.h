@@ -70,7 +70,12 @@ class RunnerFactory {
   virtual bool RunsRelays() const { return false; }
   // The same for plan batches alone (the fan-outs of hierarchy.h); by default RunsRelays().
   virtual bool RunsPlanFanOuts() const { return RunsRelays(); }
-  // Called once on every rank of `comm` after the ranks agreed on the batch; `schedule` /
+  // Whether ForSchedule / ForHierarchy run no collective and may run before the ranks agree
+  // on the batch (the host runners): batch creation then agrees once, on the inputs and the
+  // runners together (batch.h).
+  virtual bool PreparesLocally() const { return false; }
+  // Called once on every rank of `comm` after the ranks agreed on the batch (before, when
+  // PreparesLocally); `schedule` /
   // `rank` outlive the runner. May run collectives on the communicator (every rank's
   // factory takes part, in the same order, whether or not its own preparation failed).
   virtual absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,

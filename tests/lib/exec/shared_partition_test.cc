@@ -6,6 +6,7 @@
 // when the partition is the one it would choose.
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
+#include "lib/comm/communicator.h"
+#include "lib/exec/batch.h"
+#include "lib/sched/partition.h"
 #include "tests/support/distributed_harness.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/traffic_bound.h"
@@ -38,10 +42,10 @@ std::vector<Layout> HybridLayers(const std::vector<int64_t>& cu, int64_t window)
 hsapPartition_t SharedPartition(const std::vector<hsapLayout_t>& layouts, int ranks,
                                 const std::vector<double>& weights) {
   hsapPartition_t partition = nullptr;
-  EXPECT_EQ(hsapPartitionCreateForLayouts(&partition, layouts.data(),
-                                          static_cast<int>(layouts.size()), ranks,
-                                          weights.empty() ? nullptr : weights.data()),
-            hsapSuccess)
+  EXPECT_EQ(
+      hsapPartitionCreateForLayouts(&partition, layouts.data(), static_cast<int>(layouts.size()),
+                                    ranks, weights.empty() ? nullptr : weights.data()),
+      hsapSuccess)
       << hsapGetLastError();
   return partition;
 }
@@ -191,6 +195,197 @@ TEST(SharedPartitionTest, MismatchesFailOnEveryRank) {
   for (hsapPartition_t p : {equal, uneven, three, wrong_row}) hsapPartitionDestroy(p);
   hsapLayoutDestroy(layout);
   hsapLayoutDestroy(other_row);
+}
+
+// hsapBatchCreateManyWithPartition: a step's masks and dtypes made at once compute the bits
+// of the batches made one by one (hsapBatchCreateWithPartition, checked against the
+// reference above), and hold the partition's tokens.
+TEST(SharedPartitionTest, ManyAtOnceGiveTheBitsOfOneByOne) {
+  constexpr int R = 3;
+  const std::vector<int64_t> cu = {0, 90, 91, 200, 260};
+  const std::vector<Layout> layers = HybridLayers(cu, 30);
+  std::vector<hsapLayout_t> handles;
+  for (const Layout& l : layers) handles.push_back(testing::ToCLayout(l));
+  hsapPartition_t partition = SharedPartition(handles, R, {});
+  ASSERT_NE(partition, nullptr);
+  // Batch i: mask i % 3, fp32 then bf16.
+  std::vector<hsapLayout_t> layouts;
+  std::vector<hsapBatchConfig_t> configs;
+  for (hsapDataType_t dtype : {hsapFloat32, hsapBFloat16}) {
+    for (hsapLayout_t l : handles) {
+      hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+      bc.dtype = dtype;
+      bc.numHeadsQ = 4;
+      bc.numHeadsKV = 2;
+      bc.headDim = 32;
+      layouts.push_back(l);
+      configs.push_back(bc);
+    }
+  }
+  const int n = static_cast<int>(layouts.size());
+  hsapComm_t comms[R];
+  ASSERT_EQ(hsapCommInitAll(comms, R, nullptr), hsapSuccess);
+  for (int i = 0; i < n; ++i) {
+    SCOPED_TRACE(::testing::Message() << "batch " << i);
+    DistCase c;
+    c.ranks = R;
+    c.dtype = configs[i].dtype == hsapFloat32 ? DType::kF32 : DType::kBF16;
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    RowInputs in(c, layers[0].num_tokens(), 20 + i);
+    auto q = testing::ScatterRow(partition, R, in.q), k = testing::ScatterRow(partition, R, in.k),
+         v = testing::ScatterRow(partition, R, in.v),
+         dout = testing::ScatterRow(partition, R, in.dout);
+    testing::OnEveryRank(R, [&](int r) {
+      std::vector<hsapBatch_t> many(n, nullptr);
+      ASSERT_EQ(hsapBatchCreateManyWithPartition(many.data(), n, comms[r], layouts.data(),
+                                                 partition, configs.data()),
+                hsapSuccess)
+          << hsapGetLastError();
+      hsapBatch_t one = nullptr;
+      ASSERT_EQ(hsapBatchCreateWithPartition(&one, comms[r], layouts[i], partition, &configs[i]),
+                hsapSuccess)
+          << hsapGetLastError();
+      int64_t rows = 0;
+      ASSERT_EQ(hsapBatchGetLocalTokens(many[i], &rows), hsapSuccess);
+      hsapPartition_t own = nullptr;
+      ASSERT_EQ(hsapBatchGetPartition(many[i], &own), hsapSuccess);
+      EXPECT_EQ(RangesOf(own, r), RangesOf(partition, r));
+      const size_t es = DTypeSize(c.dtype);
+      std::vector<std::vector<uint8_t>> res;  // out, dq, dk, dv, lse of `many`, then `one`
+      for (hsapBatch_t b : {many[i], one}) {
+        std::vector<uint8_t> out(rows * 4 * 32 * es + 1), dq(out.size()),
+            dk(rows * 2 * 32 * es + 1), dv(dk.size()), lse((rows * 4 + 1) * sizeof(float));
+        auto t = [&](std::vector<uint8_t>& x, int heads) {
+          return hsapTensor_t{x.data(), configs[i].dtype, rows, heads, 32};
+        };
+        hsapTensor_t tq = t(q[r], 4), tk = t(k[r], 2), tv = t(v[r], 2), td = t(dout[r], 4),
+                     to = t(out, 4), tdq = t(dq, 4), tdk = t(dk, 2), tdv = t(dv, 2);
+        float* l = reinterpret_cast<float*>(lse.data());
+        ASSERT_EQ(hsapAttentionForward(b, &tq, &tk, &tv, &to, l), hsapSuccess)
+            << hsapGetLastError();
+        ASSERT_EQ(hsapAttentionBackward(b, &td, &tq, &tk, &tv, &to, l, &tdq, &tdk, &tdv),
+                  hsapSuccess)
+            << hsapGetLastError();
+        for (auto* x : {&out, &dq, &dk, &dv, &lse}) res.push_back(std::move(*x));
+      }
+      for (int j = 0; j < 5; ++j) EXPECT_EQ(res[j], res[j + 5]) << "rank " << r << " tensor " << j;
+      for (hsapBatch_t b : many) EXPECT_EQ(hsapBatchDestroy(b), hsapSuccess);
+      EXPECT_EQ(hsapBatchDestroy(one), hsapSuccess);
+    });
+  }
+  for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+  hsapPartitionDestroy(partition);
+  for (hsapLayout_t l : handles) hsapLayoutDestroy(l);
+}
+
+// Many batches at once cost the collective rounds of one: the host runners are made before
+// the one agreement (RunnerFactory::PreparesLocally), which covers them all.
+TEST(SharedPartitionTest, ManyAtOnceTakeTheRoundsOfOne) {
+  constexpr int R = 3;
+  const std::vector<Layout> layers = HybridLayers({0, 50, 120, 121}, 16);
+  auto partition = std::make_shared<const Partition>(
+      *Partition::Create(std::vector<const Layout*>{&layers[0], &layers[1], &layers[2]}, R, {}));
+  CommOptions options;
+  options.num_threads = 1;
+  auto world = Communicator::CreateHostWorld(R, options);
+  ASSERT_TRUE(world.ok()) << world.status();
+  BatchOptions bo;
+  bo.dtype = DType::kF32;
+  bo.heads_q = 2;
+  bo.heads_kv = 1;
+  bo.head_dim = 32;
+  std::vector<uint64_t> one(R), many(R);
+  testing::OnEveryRank(R, [&](int r) {
+    Communicator& comm = *(*world)[r];
+    std::unique_ptr<RunnerFactory> runners = HostRunners(HandWrittenKernels());
+    uint64_t before = comm.transport().counters().messages_sent;
+    auto single = Batch::CreateWithPartition(comm, layers[1], partition, bo, *runners);
+    ASSERT_TRUE(single.ok()) << single.status();
+    one[r] = comm.transport().counters().messages_sent - before;
+    std::vector<const Layout*> ls;
+    std::vector<BatchOptions> os;
+    std::vector<RunnerFactory*> fs;
+    for (const Layout& l : layers) {
+      for (DType d : {DType::kF32, DType::kBF16}) {
+        ls.push_back(&l);
+        os.push_back(bo);
+        os.back().dtype = d;
+        fs.push_back(runners.get());
+      }
+    }
+    before = comm.transport().counters().messages_sent;
+    auto made = Batch::CreateManyWithPartition(comm, ls, partition, os, fs);
+    ASSERT_TRUE(made.ok()) << made.status();
+    many[r] = comm.transport().counters().messages_sent - before;
+    EXPECT_EQ(made->size(), 6u);
+  });
+  for (int r = 0; r < R; ++r) {
+    EXPECT_GT(one[r], 0u) << "rank " << r;
+    EXPECT_EQ(many[r], one[r]) << "rank " << r;
+  }
+}
+
+// Ranks whose batch lists differ -- in length, in one batch's dtype or layout, or a bad
+// argument on one rank -- fail together, naming what differs, instead of waiting.
+TEST(SharedPartitionTest, ManyAtOnceMismatchesFailOnEveryRank) {
+  const std::vector<Layout> layers = HybridLayers({0, 60, 100}, 8);
+  std::vector<hsapLayout_t> handles;
+  for (const Layout& l : layers) handles.push_back(testing::ToCLayout(l));
+  hsapPartition_t partition = SharedPartition(handles, 2, {});
+  hsapBatchConfig_t bc = HSAP_BATCH_CONFIG_INITIALIZER;
+  bc.dtype = hsapFloat32;
+  bc.numHeadsQ = 2;
+  bc.numHeadsKV = 1;
+  bc.headDim = 32;
+  hsapBatchConfig_t bf16 = bc;
+  bf16.dtype = hsapBFloat16;
+  hsapBatchConfig_t bad = bc;
+  bad.headDim = 30;
+  struct Side {
+    std::vector<hsapLayout_t> layouts;
+    std::vector<hsapBatchConfig_t> configs;
+  };
+  struct Case {
+    Side rank0, rank1;
+    hsapResult_t expect0, expect1;
+    std::string message0, message1;
+  };
+  const Side two{{handles[0], handles[1]}, {bc, bc}};
+  const std::vector<Case> cases = {
+      {two, Side{{handles[0], handles[1], handles[2]}, {bc, bc, bc}}, hsapInvalidUsage,
+       hsapInvalidUsage, "rank 1 created 3 batches together but rank 0 2", "but rank 0 2"},
+      {two, Side{{handles[0], handles[1]}, {bc, bf16}}, hsapInvalidUsage, hsapInvalidUsage,
+       "rank 1's dtype (of one of the 2 batches", "rank 1's dtype"},
+      {two, Side{{handles[0], handles[2]}, {bc, bc}}, hsapInvalidUsage, hsapInvalidUsage,
+       "rank 1's layout", "rank 1's layout"},
+      {two, Side{{handles[0], handles[1]}, {bc, bad}}, hsapInvalidUsage, hsapInvalidArgument,
+       "rank 1 rejected its arguments", "head_dim = 30"},
+      {two, Side{{handles[0], nullptr}, {bc, bc}}, hsapInvalidUsage, hsapInvalidArgument,
+       "rank 1 rejected its arguments", "layouts[1] is null"},
+  };
+  for (const Case& k : cases) {
+    hsapComm_t comms[2];
+    ASSERT_EQ(hsapCommInitAll(comms, 2, nullptr), hsapSuccess);
+    hsapResult_t results[2];
+    std::string messages[2];
+    testing::OnEveryRank(2, [&](int r) {
+      const Side& side = r == 0 ? k.rank0 : k.rank1;
+      std::vector<hsapBatch_t> batches(side.layouts.size(), nullptr);
+      results[r] = hsapBatchCreateManyWithPartition(
+          batches.data(), static_cast<int>(batches.size()), comms[r], side.layouts.data(),
+          partition, side.configs.data());
+      messages[r] = hsapGetLastError();
+      for (hsapBatch_t b : batches) EXPECT_EQ(b, nullptr);
+    });
+    EXPECT_EQ(results[0], k.expect0) << messages[0];
+    EXPECT_EQ(results[1], k.expect1) << messages[1];
+    EXPECT_THAT(messages[0], HasSubstr(k.message0));
+    EXPECT_THAT(messages[1], HasSubstr(k.message1));
+    for (hsapComm_t comm : comms) hsapCommDestroy(comm);
+  }
+  hsapPartitionDestroy(partition);
+  for (hsapLayout_t l : handles) hsapLayoutDestroy(l);
 }
 
 TEST(SharedPartitionTest, CreateForLayoutsRejectsBadArguments) {
