@@ -92,10 +92,8 @@ def train(args, distributed: bool) -> dict:
         if distributed:
             import torch.distributed as dist
 
-            key = hsap_hf.step_key(model.config, cu_seqlens=cu)  # hsap: cached per layout
-            for mask in key.masks:  # the batches now, so that key_ms holds all of it
-                key.batch(mask, config.num_attention_heads, config.num_key_value_heads,
-                          config.head_dim, torch.float32)
+            # hsap: cached per layout; every mask's batch made now, in one collective call
+            key = hsap_hf.step_key(model.config, cu_seqlens=cu, dtypes=[torch.float32])
             t1 = time.perf_counter()
             with key:  # hsap: the attention layers find the key here
                 out = model(**hsap_hf.dispatch_inputs(key, ids))  # hsap: this rank's tokens

@@ -628,17 +628,54 @@ class Batch(_Handle):
                 raise ValueError(f"hsap: {len(w)} weights for {comm.size} ranks")
             _call("hsapBatchCreate", ctypes.byref(self._handle), comm.handle, layout.handle,
                   _ptr(w, ctypes.c_double), ctypes.byref(config))
+        self._adopt(comm, layout, config, softmax_scale)
+
+    def _adopt(self, comm: Comm, layout: Layout, config: Any,
+               softmax_scale: float | None) -> None:
+        """Fills the Python side of a created handle from its layout and config."""
         self.comm = comm  # the batch must be destroyed before its communicator
         self.num_tokens = layout.num_tokens
-        self.num_heads_q, self.num_heads_kv, self.head_dim = num_heads_q, num_heads_kv, head_dim
+        self.num_heads_q, self.num_heads_kv = config.numHeadsQ, config.numHeadsKV
+        self.head_dim = config.headDim
         self.dtype = dtype_name(config.dtype)
-        self.softmax_scale = (1.0 / math.sqrt(head_dim) if softmax_scale is None
+        self.softmax_scale = (1.0 / math.sqrt(self.head_dim) if softmax_scale is None
                               else float(softmax_scale))
         self.rank, self.size = comm.rank, comm.size
         part = ctypes.c_void_p()
         _call("hsapBatchGetPartition", self.handle, ctypes.byref(part))
         self._partition_handle = part  # owned by the batch: valid while it is open
         self._ranges = [self._rank_ranges(r) for r in range(self.size)]
+
+    @classmethod
+    def create_many(cls, comm: Comm, layouts: Sequence[Layout], partition: Partition,
+                    shapes: Sequence[tuple]) -> list["Batch"]:
+        """Collective: several batches over one partition at once, in the collective rounds
+        of one (hsapBatchCreateManyWithPartition): batch i of layouts[i] and shapes[i] =
+        (num_heads_q, num_heads_kv, head_dim, dtype, softmax_scale or None). Every rank
+        passes the same lists (checked: a mismatch fails on every rank)."""
+        n = len(layouts)
+        if n != len(shapes) or n == 0:
+            raise ValueError(f"hsap: {n} layouts and {len(shapes)} shapes; one shape per "
+                             "layout, at least one")
+        configs = (L.BatchConfig * n)()
+        for i, (nq, nkv, hd, dtype, scale) in enumerate(shapes):
+            c = L.new_config(L.BatchConfig)
+            c.dtype = dtype_code(dtype)
+            c.numHeadsQ, c.numHeadsKV, c.headDim = nq, nkv, hd
+            c.softmaxScale = 0.0 if scale is None else float(scale)
+            configs[i] = c
+        handles = (ctypes.c_void_p * n)()
+        layout_handles = (ctypes.c_void_p * n)(*[lay.handle.value for lay in layouts])
+        _call("hsapBatchCreateManyWithPartition", handles, n, comm.handle, layout_handles,
+              partition.handle, configs)
+        batches = []
+        for i in range(n):
+            b = cls.__new__(cls)
+            _Handle.__init__(b)
+            b._handle = ctypes.c_void_p(handles[i])
+            b._adopt(comm, layouts[i], configs[i], shapes[i][4])
+            batches.append(b)
+        return batches
 
     @property
     def _partition(self) -> ctypes.c_void_p:

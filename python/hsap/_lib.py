@@ -184,6 +184,7 @@ _PROTOTYPES: dict[str, tuple] = {
     "hsapBatchCreate": (_P(_H), _H, _H, c_double_p, _P(BatchConfig)),
     "hsapBatchCreateWithPlan": (_P(_H), _H, _H, _H, _P(BatchConfig)),
     "hsapBatchCreateWithPartition": (_P(_H), _H, _H, _H, _P(BatchConfig)),
+    "hsapBatchCreateManyWithPartition": (_P(_H), ctypes.c_int, _H, _P(_H), _H, _P(BatchConfig)),
     "hsapBatchDestroy": (_H,),
     "hsapBatchGetPartition": (_H, _P(_H)),
     "hsapBatchGetLocalTokens": (_H, c_int64_p),

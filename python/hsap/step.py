@@ -236,6 +236,31 @@ class StepKey:
                 self._batches[key] = batch
         return batch
 
+    def prepare(self, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                dtypes: Iterable[Any] = (torch.float32,), masks: Iterable[Any] | None = None,
+                softmax_scale: float | None = None) -> list[Batch]:
+        """Makes the batches of `masks` (default: the key's) x `dtypes` for one head shape
+        that do not exist yet, all in one collective call (hsapBatchCreateManyWithPartition:
+        the ranks agree once for all of them, instead of once per batch as the first call of
+        each layer would). Collective: every rank calls it with the same arguments. Returns
+        the batches, in (dtype, mask) order."""
+        specs = [mask_spec(m) for m in (self.masks if masks is None else masks)]
+        scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        wanted = []
+        for dtype in dtypes:
+            code = _core.dtype_code(dtype)
+            for spec in dict.fromkeys(specs):
+                wanted.append((spec, int(num_heads_q), int(num_heads_kv), int(head_dim), code,
+                               np.float32(scale).item()))
+        with self._lock:
+            missing = [k for k in dict.fromkeys(wanted) if k not in self._batches]
+            if missing:
+                made = Batch.create_many(
+                    self.comm, [self.layout(k[0]) for k in missing], self.partition,
+                    [(k[1], k[2], k[3], _core.dtype_name(k[4]), scale) for k in missing])
+                self._batches.update(zip(missing, made))
+            return [self._batches[k] for k in wanted]
+
     @property
     def batches(self) -> list[Batch]:
         return list(self._batches.values())

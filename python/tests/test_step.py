@@ -107,6 +107,47 @@ def test_every_mask_over_one_partition_matches_sdpa_and_round_trips():
             assert_close(f"{kind} {param} {dtype} {name}", got, ref[j], naive[j])
 
 
+def test_prepare_makes_every_batch_in_one_call():
+    T = int(CU[-1])
+    q, g, k, v = _inputs(T, 11)
+
+    def body(comm):
+        lazy, eager = hsap.StepKey(comm, CU, MASKS), hsap.StepKey(comm, CU, MASKS)
+        made = eager.prepare(4, 2, 32, (torch.float32, torch.bfloat16))
+        assert len(made) == 6 and len(eager.batches) == 6
+        assert eager.prepare(4, 2, 32, (torch.bfloat16,)) == made[3:]  # nothing new
+        same = []
+        for mask in MASKS:
+            for dtype in (torch.float32, torch.bfloat16):
+                outs = []
+                for key in (lazy, eager):
+                    qs, ks, vs = [key.dispatch(t).to(dtype).requires_grad_(True)
+                                  for t in (q, k, v)]
+                    out = key.attention(qs, ks, vs, mask)
+                    out.backward(key.dispatch(g).to(dtype))
+                    outs.append((out.detach(), qs.grad, ks.grad, vs.grad))
+                same.append(all(torch.equal(a, b) for a, b in zip(*outs)))
+        assert len(eager.batches) == 6  # the layers found the prepared batches
+        # A rank whose list differs makes every rank fail, none waits.
+        other = hsap.StepKey(comm, CU, MASKS)
+        try:
+            other.prepare(4, 2, 32, (torch.float32,) if comm.rank == 0 else (torch.bfloat16,))
+            failed = None
+        except hsap.HsapError as e:
+            failed = str(e)
+        for key in (lazy, eager, other):
+            key.close()
+        return same, failed
+
+    results, errors = run_ranks(3, body)
+    for e in errors:
+        if e is not None:
+            raise e
+    for same, failed in results:
+        assert all(same)
+        assert failed is not None and "dtype" in failed
+
+
 def test_gather_cache_varlen_and_megatron():
     T = int(CU[-1])
     q, g, k, v = _inputs(T, 9)

@@ -101,11 +101,14 @@ def model_masks(config: Any) -> list[Any]:
 
 def step_key(config: Any = None, *, position_ids: Any = None, cu_seqlens: Any = None,
              masks: Iterable[Any] | None = None, comm: Any = None, group: Any = None,
-             weights: Any = None) -> StepKey:
+             weights: Any = None, dtypes: Iterable[Any] | None = None) -> StepKey:
     """The step's key (cached: a row that comes again reuses its key) from HF-style
     position_ids ([1, T], restarting at 0 per document) or cu_seqlens, for the masks of
     `config`'s layers (or `masks`), on `comm` (default: the communicator of the
-    torch.distributed group `group`, made on first use)."""
+    torch.distributed group `group`, made on first use). With `dtypes` (e.g.
+    [torch.float32], or [torch.bfloat16] under autocast) and a config, the batches of every
+    mask in those dtypes are made now, in one collective call (StepKey.prepare), rather than
+    one by one by the first layer of each mask."""
     from hsap.step import cu_seqlens_from_position_ids
 
     if (position_ids is None) == (cu_seqlens is None):
@@ -114,7 +117,13 @@ def step_key(config: Any = None, *, position_ids: Any = None, cu_seqlens: Any = 
     if masks is None:
         masks = model_masks(config) if config is not None else ["causal"]
     comm = comm if comm is not None else StepKey.comm_for(group)
-    return StepKey.get(comm, cu, masks, weights=weights, group=group)
+    key = StepKey.get(comm, cu, masks, weights=weights, group=group)
+    if dtypes is not None and config is not None:
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        key.prepare(heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                    dtypes)
+    return key
 
 
 def dispatch_inputs(key: StepKey, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
