@@ -53,7 +53,7 @@ const char* CreatedWith(uint64_t mode) {
          : mode == kByPartition ? "over a partition (hsapBatchCreateWithPartition)"
          : mode == kManyByPartition
              ? "with others over a partition (hsapBatchCreateManyWithPartition)"
-             : "from weights (hsapBatchCreate)";
+             : "without a plan (hsapBatchCreate)";
 }
 
 const char* InputsName(uint64_t mode) {

@@ -1,6 +1,7 @@
 // The CUDA communicator entry points and the dlopen paths. On a machine without a GPU these
 // check the clear hsapUnsupported reports; the GPU tests at the end skip there.
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -507,6 +508,86 @@ TEST(CudaGpu, LoopbackBatchReportsItsEngines) {
   hsapBatch_t batch = nullptr;
   EXPECT_NE(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess);
   EXPECT_THAT(LastError(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
+  hsapLayoutDestroy(c_layout);
+  EXPECT_EQ(hsapCommDestroy(comm), hsapSuccess) << LastError();
+}
+
+// hsapAttentionForwardOnStream / BackwardOnStream on a GPU: the calls on two streams of the
+// caller's and on CUDA's default stream (NULL) compute what the plain calls compute; each
+// returns once enqueued, and the results are read after its stream. (The ordering itself is
+// tested on the emulated runtime, tests/lib/cuda/exec/gpu_batch_emulated_test.cc.)
+TEST(CudaGpu, LoopbackCallsOnCallersStreams) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  hsapComm_t comm = nullptr;
+  ASSERT_EQ(hsapCommInitLoopback(&comm, 1, nullptr), hsapSuccess) << LastError();
+  const Layout layout =
+      hsap::testing::RandomLayout(300, hsap::testing::DocMix::kLongTail, 37, false);
+  hsapLayout_t c_layout = hsap::testing::ToCLayout(layout);
+  hsapBatchConfig_t config = HSAP_BATCH_CONFIG_INITIALIZER;
+  config.dtype = hsapFloat32;
+  config.numHeadsQ = 4;
+  config.numHeadsKV = 2;
+  config.headDim = 64;
+  hsapBatch_t batch = nullptr;
+  ASSERT_EQ(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess) << LastError();
+  const int64_t n = layout.num_tokens();
+  const size_t qn = n * 4 * 64, kn = n * 2 * 64;
+  std::vector<float> hq(qn), hk(kn), hv(kn), hd(qn);
+  for (size_t i = 0; i < qn; ++i) hq[i] = hd[i] = static_cast<float>((i * 37) % 101) / 101.0f;
+  for (size_t i = 0; i < kn; ++i) hk[i] = hv[i] = static_cast<float>((i * 53) % 97) / 97.0f;
+  DevicePlacement placement(rt);
+  auto place = [&](std::vector<float>& h) { return placement.Place(h.data(), h.size() * 4); };
+  std::vector<float> zeros_q(qn, 0.0f), zeros_k(kn, 0.0f), zeros_l(4 * n + 1, 0.0f);
+  void* q = place(hq);
+  void* k = place(hk);
+  void* v = place(hv);
+  void* dout = place(hd);
+  auto t = [&](void* p, int heads) { return hsapTensor_t{p, hsapFloat32, n, heads, 64}; };
+  hsapTensor_t tq = t(q, 4), tk = t(k, 2), tv = t(v, 2), td = t(dout, 4);
+  cudaStream streams[2] = {nullptr, nullptr};
+  for (cudaStream& s : streams) {
+    ASSERT_TRUE(rt->Check(rt->StreamCreateWithFlags(&s, kCudaStreamNonBlocking), "stream").ok());
+  }
+  // Call 0: the plain calls; 1, 2: the caller's streams; 3: CUDA's default stream.
+  std::vector<std::vector<float>> outs(4, std::vector<float>(qn)), dqs(4, std::vector<float>(qn));
+  for (int call = 0; call < 4; ++call) {
+    SCOPED_TRACE(::testing::Message() << "call " << call);
+    void* out = place(zeros_q);
+    void* lse = place(zeros_l);
+    void* dq = place(zeros_q);
+    void* dk = place(zeros_k);
+    void* dv = place(zeros_k);
+    hsapTensor_t to = t(out, 4), tdq = t(dq, 4), tdk = t(dk, 2), tdv = t(dv, 2);
+    float* l = static_cast<float*>(lse);
+    void* stream = call == 1 || call == 2 ? streams[call - 1] : nullptr;
+    if (call == 0) {
+      ASSERT_EQ(hsapAttentionForward(batch, &tq, &tk, &tv, &to, l), hsapSuccess) << LastError();
+      ASSERT_EQ(hsapAttentionBackward(batch, &td, &tq, &tk, &tv, &to, l, &tdq, &tdk, &tdv),
+                hsapSuccess)
+          << LastError();
+    } else {
+      ASSERT_EQ(hsapAttentionForwardOnStream(batch, &tq, &tk, &tv, &to, l, stream), hsapSuccess)
+          << LastError();
+      ASSERT_EQ(hsapAttentionBackwardOnStream(batch, &td, &tq, &tk, &tv, &to, l, &tdq, &tdk, &tdv,
+                                              stream),
+                hsapSuccess)
+          << LastError();
+    }
+    ASSERT_TRUE(rt->Check(rt->StreamSynchronize(static_cast<cudaStream>(stream)), "sync").ok());
+    placement.Fetch(out, outs[call].data(), qn * 4);
+    placement.Fetch(dq, dqs[call].data(), qn * 4);
+  }
+  for (int call = 1; call < 4; ++call) {
+    EXPECT_EQ(outs[call], outs[0]) << "call " << call;  // forward has no atomics
+    for (size_t i = 0; i < qn; ++i) {
+      ASSERT_NEAR(dqs[call][i], dqs[0][i], 1e-5f * (1.0f + std::abs(dqs[0][i])))
+          << "call " << call << " dq[" << i << "]";
+    }
+  }
+  for (cudaStream s : streams) rt->StreamDestroy(s);
+  EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
   hsapLayoutDestroy(c_layout);
   EXPECT_EQ(hsapCommDestroy(comm), hsapSuccess) << LastError();
 }
