@@ -175,7 +175,9 @@ TEST(ApiLayoutTest, RejectsBadDocumentsAndNamesTheArgument) {
   const std::vector<Case> cases = {
       {{1, 10, 30}, {}, {}, "cu_seqlens[0]"},
       {{0, 10, 5}, {}, {}, "non-decreasing"},
-      {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {0, 21}, "params[1]"},
+      // A window longer than its document is the whole document (clamped); a negative one
+      // is an error.
+      {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {0, -3}, "params[1]"},
       {{0, 10, 30}, {hsapMaskPrefixLM, hsapMaskCausal}, {11, 0}, "params[0]"},
       {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {0, 0}, "params[1]"},
       {{0, 10, 30}, {hsapMaskCausal, hsapMaskSlidingWindow}, {}, "params"},
