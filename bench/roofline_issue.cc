@@ -15,10 +15,19 @@ namespace {
 // ---- instruction costs counted in the SASS (CUDA 13.0 ptxas, sm_90, bf16, head dim 128,
 // band variant, `cuobjdump -sass` of the NVRTC cubin; docs/gpu_backend.md shows how) ----
 //
-// A 16-byte cp.async of a K/V (forward) or Q/dO/K/V (backward) tile row chunk: the generic
-// cp_async_rows / cp_async_tile loop (4x unrolled, 117 instructions per 4 chunks): 64-bit row
-// address, zero-fill select and the LDGSTS.
+// A 16-byte cp.async of a K/V (forward) or Q/dO/K/V (backward) tile row chunk.
+// Measured code: the generic cp_async_rows / cp_async_tile loop (4x unrolled, 117
+// instructions per 4 chunks): 64-bit row address, zero-fill select and the LDGSTS.
 constexpr double kCopyAlu = 12.75, kCopyImad = 12.5, kCopyOther = 3.75;
+// Current code (cp_async_rows of hsap_mma.cuh, fixed chunk column per thread): per copy the
+// LDGSTS, one IMAD.WIDE bumping the 64-bit source, the zero-fill ISETP against an
+// immediate and a VIADD of the shared address; per tile (both tensors of a tile pair) the
+// row's 64-bit address, the stage's shared base and the valid-row count: the copy block
+// of the forward's tile loop holds 95 instructions for 16 copies (44 ALU, 25 IMAD, 26 other).
+constexpr double kFixedCopyAlu = 2, kFixedCopyImad = 1, kFixedCopyOther = 1;
+constexpr double kFixedCopyAluPerTile = 12, kFixedCopyImadPerTile = 9,
+                 kFixedCopyOtherPerTile = 10;
+
 // Forward, per score held by a thread (kBN / 2 of them per warp-tile): the per-element mask
 // (7.25 ALU + 0.75 IMAD per score, evaluated predicated for every tile, full ones too), the
 // scale, -inf select, NaN/+inf and saw-key flags, row max, exp2f's range check, sum and
@@ -48,6 +57,19 @@ constexpr double kBarrierCycles = 30, kShuffleCycles = 30, kL1Cycles = 35, kL2Cy
 
 double CeilDiv(double a, double b) { return std::ceil(a / b); }
 
+// The copies of one warp-tile: `chunks` 16-byte copies per thread.
+void AddCopies(WarpTileMix& m, double chunks, bool generic) {
+  if (generic) {
+    m.alu += kCopyAlu * chunks;
+    m.imad += kCopyImad * chunks;
+    m.other += kCopyOther * chunks;
+  } else {
+    m.alu += kFixedCopyAlu * chunks + kFixedCopyAluPerTile;
+    m.imad += kFixedCopyImad * chunks + kFixedCopyImadPerTile;
+    m.other += kFixedCopyOther * chunks + kFixedCopyOtherPerTile;
+  }
+}
+
 }  // namespace
 
 PipeCycles PipeCyclesOf(const GpuSpec& gpu) {
@@ -74,19 +96,16 @@ WarpTileTime TimeOf(const WarpTileMix& m, const PipeCycles& p) {
   return t;
 }
 
-namespace {
+KernelCode MeasuredKernelCode() { return KernelCode{}; }
 
-// What the forward's code does per score and per copy; the shipped kernel is the default.
-struct FwdVariant {
-  bool mask_every_tile = true;  // per-score band test on every tile (else diagonal ones only)
-  bool generic_copy = true;     // the 64-bit row walk per 16-byte cp.async
-  bool accurate_exp2 = true;    // exp2f with its range check, the scale multiplied apart
-  bool per_score_flags = true;  // NaN/+inf and saw-key flags per score
-  int row_blocks = 1;           // m16 row blocks per warp
-};
+KernelCode CurrentKernelCode() {
+  KernelCode k;
+  k.generic_copy = false;  // cp_async_rows: addresses computed once per tile
+  return k;
+}
 
-WarpTileMix ForwardMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
-                       const FwdVariant& v) {
+WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+                               const KernelCode& v) {
   const double bn = t.block_n, d = c.head_dim, rb = v.row_blocks;
   const double scores = rb * 16 * bn / 32;             // per thread
   const double chunks = 2 * bn * (d / 8) / t.threads;  // K and V copies per thread
@@ -101,22 +120,18 @@ WarpTileMix ForwardMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
   m.hmma = rb * bn * d / 64;  // S (bn/8 x d/16), PV (bn/16 x d/8) per row block
   m.ldsm = bn * d / 128 + (t.q_in_registers ? 0 : rb * d / 16);  // K, V shared; Q per block
   m.mufu = scores + 2 * rb;  // p, and each row's rescale
-  m.alu = alu * scores + (v.generic_copy ? kCopyAlu : 1) * chunks + kFwdAluPerTile;
-  m.imad = imad * scores + (v.generic_copy ? kCopyImad : 0) * chunks + kFwdImadPerTile;
+  m.alu = alu * scores + kFwdAluPerTile;
+  m.imad = imad * scores + kFwdImadPerTile;
   m.fp32 = fp32 * scores + rb * d / 2 + kFwdFp32PerTile;  // + O rescale
-  m.other = (v.generic_copy ? kCopyOther : 1) * chunks + kFwdOtherPerTile + 8 * (rb - 1);
+  m.other = kFwdOtherPerTile + 8 * (rb - 1);
+  AddCopies(m, chunks, v.generic_copy);
   m.exposed = 2 * kBarrierCycles + 4 * kShuffleCycles;
   m.useful_flops = rb * 4 * 16 * bn * d;
   return m;
 }
 
-}  // namespace
-
-WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t) {
-  return ForwardMix(c, t, FwdVariant{});
-}
-
-WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t) {
+WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+                                   const KernelCode& code) {
   const double bm = t.bwd_block_m, bn = t.bwd_block_n, d = c.head_dim;
   const double warps = t.bwd_threads / 32, key_groups = bn / 16, split = warps / key_groups;
   const double dw = d / split, qt = bm / 8, dt = dw / 8, ksteps = d / 16;
@@ -127,20 +142,32 @@ WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::Cu
   m.hmma = 2 * qt * ksteps + 2 * dt * (bm / 16);  // S^T, dP^T; dV, dK
   m.ldsm = ksteps * (2 + 2 * std::ceil(qt / 2)) + (bm / 16) * 2 * std::ceil(dt / 2);
   m.mufu = elems;
-  m.alu = kKeyAluPerElem * elems + kKeyAluPerKStep * ksteps + kCopyAlu * chunks + kKeyAluPerTile;
-  m.imad =
-      kKeyImadPerElem * elems + kKeyImadPerKStep * ksteps + kCopyImad * chunks + kKeyImadPerTile;
+  m.alu = kKeyAluPerElem * elems + kKeyAluPerKStep * ksteps + kKeyAluPerTile;
+  m.imad = kKeyImadPerElem * elems + kKeyImadPerKStep * ksteps + kKeyImadPerTile;
   m.fp32 = kKeyFp32PerElem * elems;
-  m.other = kKeyOtherPerElem * elems + kKeyOtherPerKStep * ksteps + kCopyOther * chunks +
-            kKeyOtherPerTile;
+  m.other = kKeyOtherPerElem * elems + kKeyOtherPerKStep * ksteps + kKeyOtherPerTile;
+  AddCopies(m, chunks, code.generic_copy);
+  if (!code.bwd_accurate_exp) {  // branch-free ex2.approx(fma(s, c, -lse*log2e))
+    m.alu -= 3 * elems;
+    m.imad -= 4 * elems;
+    m.fp32 -= 5 * elems;
+    m.other -= 3 * elems;
+  }
   // Three barriers, thread 0's walk (shared-memory round trips) and the lse/delta loads that
   // warp 0 stores before the third barrier.
   m.exposed = 3 * kBarrierCycles + 2 * kBarrierCycles + kL2Cycles;
+  if (!code.bwd_walk_in_loop) {  // tile list precomputed per key item: no thread-0 walk
+    m.alu -= 25;
+    m.imad -= 10;
+    m.other -= 15;
+    m.exposed -= 2 * kBarrierCycles;
+  }
   m.useful_flops = 8 * 16 * bm * dw;  // S, dP, dV, dK of the warp's keys (its part of D)
   return m;
 }
 
-WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t) {
+WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+                                     const KernelCode& code) {
   const double bn = t.bwd_block_n, d = c.head_dim;
   const double dq_bn = bn < 32 || c.head_dim == 240 ? 16 : 32;
   const double dq_split = d > 128 ? 2 : 1, dqw = d / dq_split;
@@ -152,13 +179,11 @@ WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& c, const jit::
   m.hmma = 2 * kt * ksteps + dt * (dq_bn / 16);  // S, dP; dQ
   m.ldsm = ksteps * (2 + 2 * std::ceil(kt / 2)) + (dq_bn / 16) * std::ceil(dt / 2);
   m.mufu = elems;
-  m.alu = kQueryAluPerElem * elems + kQueryAluPerKStep * ksteps + kCopyAlu * chunks +
-          kQueryAluPerTile;
-  m.imad = kQueryImadPerElem * elems + kQueryImadPerKStep * ksteps + kCopyImad * chunks +
-           kQueryImadPerTile;
+  m.alu = kQueryAluPerElem * elems + kQueryAluPerKStep * ksteps + kQueryAluPerTile;
+  m.imad = kQueryImadPerElem * elems + kQueryImadPerKStep * ksteps + kQueryImadPerTile;
   m.fp32 = kQueryFp32PerElem * elems;
-  m.other = kQueryOtherPerElem * elems + kQueryOtherPerKStep * ksteps + kCopyOther * chunks +
-            kQueryOtherPerTile;
+  m.other = kQueryOtherPerElem * elems + kQueryOtherPerKStep * ksteps + kQueryOtherPerTile;
+  AddCopies(m, chunks, code.generic_copy);
   m.exposed = 3 * kBarrierCycles + 2 * kBarrierCycles;
   m.useful_flops = 2 * 16 * dq_bn * dqw;  // dQ only: S and dP are recomputed
   return m;
@@ -256,21 +281,21 @@ IssuePrediction PredictIssue(const std::vector<WarpTileMix>& mixes,
 }
 
 double ForwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
-                              int registers, const GpuSpec& gpu) {
-  const WarpTileMix m = ForwardWarpTileMix(c, t);
+                              int registers, const GpuSpec& gpu, const KernelCode& code) {
+  const WarpTileMix m = ForwardWarpTileMix(c, t, code);
   return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t.threads, registers, t.fwd_smem_bytes,
                       gpu)
       .tflops;
 }
 
 double BackwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
-                               int registers, const GpuSpec& gpu) {
+                               int registers, const GpuSpec& gpu, const KernelCode& code) {
   if (!t.bwd_tensor_core || !c.deterministic_dq) return 0;
   const double pairs = 1e9, dq_bn = t.bwd_block_n < 32 || c.head_dim == 240 ? 16 : 32;
   const double split = c.head_dim > 128 ? 2 : 1;  // warps sharing keys or query rows
   const double warps = t.bwd_threads / 32.0, key_groups = t.bwd_block_n / 16.0;
   const double key_split = warps / key_groups;
-  return PredictIssue({BackwardKeyWarpTileMix(c, t), BackwardQueryWarpTileMix(c, t)},
+  return PredictIssue({BackwardKeyWarpTileMix(c, t, code), BackwardQueryWarpTileMix(c, t, code)},
                       {pairs / (16 * t.bwd_block_m) * key_split, pairs / (16 * dq_bn) * split},
                       10 * pairs * c.head_dim, t.bwd_threads, registers, t.bwd_smem_bytes, gpu)
       .tflops;
@@ -296,17 +321,19 @@ absl::StatusOr<DocumentWork> WorkOnDocuments(const jit::CudaKernelConfig& c,
 absl::StatusOr<IssuePrediction> PredictForwardOnDocuments(const jit::CudaKernelConfig& c,
                                                           int registers,
                                                           const std::vector<int64_t>& cu_seqlens,
-                                                          int heads, const GpuSpec& gpu) {
+                                                          int heads, const GpuSpec& gpu,
+                                                          const KernelCode& code) {
   HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens));
   const double flops = 4.0 * w.counts.pairs * c.head_dim * heads;
-  return PredictIssue({ForwardWarpTileMix(c, w.tiles)}, {w.counts.fwd * heads}, flops,
+  return PredictIssue({ForwardWarpTileMix(c, w.tiles, code)}, {w.counts.fwd * heads}, flops,
                       w.tiles.threads, registers, w.tiles.fwd_smem_bytes, gpu);
 }
 
 absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernelConfig& c,
                                                            int registers,
                                                            const std::vector<int64_t>& cu_seqlens,
-                                                           int heads, const GpuSpec& gpu) {
+                                                           int heads, const GpuSpec& gpu,
+                                                           const KernelCode& code) {
   HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens));
   if (!w.tiles.bwd_tensor_core || !c.deterministic_dq) {
     return absl::UnimplementedError(
@@ -314,8 +341,8 @@ absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernel
   }
   const double flops = 10.0 * w.counts.pairs * c.head_dim * heads;
   const double warps = w.tiles.bwd_threads / 32;
-  return PredictIssue({BackwardKeyWarpTileMix(c, w.tiles), BackwardQueryWarpTileMix(c, w.tiles),
-                       BackwardKeyWalkStepMix()},
+  return PredictIssue({BackwardKeyWarpTileMix(c, w.tiles, code),
+                       BackwardQueryWarpTileMix(c, w.tiles, code), BackwardKeyWalkStepMix()},
                       {w.counts.bwd_key * heads, w.counts.bwd_query * heads,
                        w.counts.bwd_key_walk_steps * heads * warps},
                       flops,
@@ -323,81 +350,66 @@ absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernel
 }
 
 std::vector<ChangedMix> ForwardChanges(const jit::CudaKernelConfig& c, const jit::CudaTiles& t) {
+  const KernelCode now = CurrentKernelCode();
   std::vector<ChangedMix> out;
-  auto add = [&](const char* name, const char* what, const FwdVariant& v) {
-    out.push_back({{name, what}, ForwardMix(c, t, v)});
+  KernelCode all = now;
+  auto add = [&](bool pending, const char* name, const char* what, auto&& change) {
+    if (!pending) return;  // done in the current code
+    KernelCode k = now;
+    change(k);
+    change(all);
+    out.push_back({{name, what}, ForwardWarpTileMix(c, t, k)});
   };
-  FwdVariant v;
-  v.mask_every_tile = false;
-  add("mask only diagonal tiles",
+  add(now.mask_every_tile, "mask only diagonal tiles",
       "classify each key tile once (inside the band or cut by it); the per-score band test "
       "only on the tiles the band cuts",
-      v);
-  v = {};
-  v.generic_copy = false;
-  add("copy addresses precomputed",
-      "cp.async from per-thread source/destination pointers bumped per tile (one IADD per "
-      "16-byte copy instead of the generic 64-bit row walk)",
-      v);
-  v = {};
-  v.accurate_exp2 = false;
-  add("exp2 with the scale folded",
-      "p = ex2.approx(fma(s, scale*log2e, -m)): one FFMA and one MUFU per score", v);
-  v = {};
-  v.per_score_flags = false;
-  add("NaN/inf flags per row",
+      [](KernelCode& k) { k.mask_every_tile = false; });
+  add(now.generic_copy, "copy addresses precomputed",
+      "cp.async from per-thread source/destination addresses computed once per tile (one "
+      "64-bit add per 16-byte copy instead of the generic 64-bit row walk)",
+      [](KernelCode& k) { k.generic_copy = false; });
+  add(now.accurate_exp2, "exp2 with the scale folded",
+      "p = ex2.approx(fma(s, scale*log2e, -m)): one FFMA and one MUFU per score",
+      [](KernelCode& k) { k.accurate_exp2 = false; });
+  add(now.per_score_flags, "NaN/inf flags per row",
       "no per-score NaN/+inf and saw-key flags: a NaN or +inf score makes the row's l NaN, no "
       "visible key leaves m = -inf; test them once at the end",
-      v);
-  v = {false, false, false, false, 1};
-  add("all four", "the four changes above together", v);
-  v.row_blocks = 2;
-  add("all four + 32 rows per warp",
-      "and two m16 row blocks per warp (128x64 tiles on 4 warps, FlashAttention-2's forward "
-      "shape): each K/V fragment and copy serves twice the rows (registers: O 128 + S 64 "
-      "floats per thread; needs the per-score state above gone to fit 255)",
-      v);
+      [](KernelCode& k) { k.per_score_flags = false; });
+  if (out.size() > 1) out.push_back({{"all of the above", "the changes above together"},
+                                     ForwardWarpTileMix(c, t, all)});
+  all.row_blocks = 2;
+  out.push_back({{"all + 32 rows per warp",
+                  "and two m16 row blocks per warp (128x64 tiles on 4 warps, FlashAttention-2's "
+                  "forward shape): each K/V fragment and copy serves twice the rows (registers: "
+                  "O 128 + S 64 floats per thread; needs the per-score state above gone to fit "
+                  "255)"},
+                 ForwardWarpTileMix(c, t, all)});
   return out;
 }
 
 std::vector<ChangedMix> BackwardKeyChanges(const jit::CudaKernelConfig& c,
                                            const jit::CudaTiles& t) {
-  const WarpTileMix base = BackwardKeyWarpTileMix(c, t);
-  const double elems = 16.0 * t.bwd_block_m / 32;
-  const double chunks = 2.0 * t.bwd_block_m * (c.head_dim / 8.0) / t.bwd_threads;
+  const KernelCode now = CurrentKernelCode();
   std::vector<ChangedMix> out;
-  auto copy = [&](WarpTileMix& m) {
-    m.alu -= (kCopyAlu - 1) * chunks;
-    m.imad -= kCopyImad * chunks;
-    m.other -= (kCopyOther - 1) * chunks;
+  KernelCode all = now;
+  auto add = [&](bool pending, const char* name, const char* what, auto&& change) {
+    if (!pending) return;
+    KernelCode k = now;
+    change(k);
+    change(all);
+    out.push_back({{name, what}, BackwardKeyWarpTileMix(c, t, k)});
   };
-  auto exp2 = [&](WarpTileMix& m) {  // branch-free ex2.approx(fma(s, c, -lse*log2e))
-    m.alu -= 3 * elems;
-    m.imad -= 4 * elems;
-    m.fp32 -= 5 * elems;
-    m.other -= 3 * elems;
-  };
-  auto walk = [&](WarpTileMix& m) {  // tile list precomputed per key item: no thread-0 walk
-    m.alu -= 25;
-    m.imad -= 10;
-    m.other -= 15;
-    m.exposed -= 2 * kBarrierCycles;
-  };
-  out.push_back({{"copy addresses precomputed", "pointer bump per 16-byte copy"}, base});
-  copy(out.back().mix);
-  out.push_back({{"exp2 branch-free", "one FFMA + ex2.approx per element, no per-element "
-                                      "branch around expf"},
-                 base});
-  exp2(out.back().mix);
-  out.push_back({{"walk off the critical path",
-                  "the key item's query tiles listed once (host or a prologue), not walked by "
-                  "thread 0 between barriers"},
-                 base});
-  walk(out.back().mix);
-  out.push_back({{"all three", "the three changes above together"}, base});
-  copy(out.back().mix);
-  exp2(out.back().mix);
-  walk(out.back().mix);
+  add(now.generic_copy, "copy addresses precomputed", "pointer bump per 16-byte copy",
+      [](KernelCode& k) { k.generic_copy = false; });
+  add(now.bwd_accurate_exp, "exp2 branch-free",
+      "one FFMA + ex2.approx per element, no per-element branch around expf",
+      [](KernelCode& k) { k.bwd_accurate_exp = false; });
+  add(now.bwd_walk_in_loop, "walk off the critical path",
+      "the key item's query tiles listed once (host or a prologue), not walked by thread 0 "
+      "between barriers",
+      [](KernelCode& k) { k.bwd_walk_in_loop = false; });
+  if (out.size() > 1) out.push_back({{"all of the above", "the changes above together"},
+                                     BackwardKeyWarpTileMix(c, t, all)});
   return out;
 }
 

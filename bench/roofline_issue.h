@@ -58,6 +58,23 @@ struct WarpTileMix {
   double useful_flops = 0;  // of the visible-pair products this warp-tile advances
 };
 
+// What the kernels' code does per copy, score and tile: the code as it is now
+// (CurrentKernelCode) and as it was when the H200 figures were measured (MeasuredKernelCode,
+// commit 32fe21d: the figures the test holds the model to). Each flag is one change of the
+// ranked plan (ForwardChanges, BackwardKeyChanges); the SASS each cost was counted from is
+// named in roofline_issue.cc.
+struct KernelCode {
+  bool generic_copy = true;     // the 64-bit row walk per 16-byte cp.async (fwd and bwd)
+  bool mask_every_tile = true;  // forward: per-score band test on every tile
+  bool accurate_exp2 = true;    // forward: exp2f with its range check, the scale apart
+  bool per_score_flags = true;  // forward: NaN/+inf and saw-key flags per score
+  bool bwd_accurate_exp = true;  // backward key pass: expf per element, branched
+  bool bwd_walk_in_loop = true;   // backward key pass: thread 0 walks between barriers
+  int row_blocks = 1;            // forward: m16 row blocks per warp
+};
+KernelCode MeasuredKernelCode();
+KernelCode CurrentKernelCode();
+
 // Scheduler cycles per instruction of each pipe (see the top of this file).
 struct PipeCycles {
   double hmma = 6, alu = 2, imad = 2, fp32 = 1, mufu = 8, other = 1;
@@ -72,12 +89,15 @@ struct WarpTileTime {
 };
 WarpTileTime TimeOf(const WarpTileMix& mix, const PipeCycles& pipes);
 
-// The mixes of the shipped tensor-core kernels for `config` with `tiles` (tensor-core
-// tiles: tiles.bwd_tensor_core for the backward ones).
-WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles);
-WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles);
+// The mixes of the shipped tensor-core kernels for `config` with `tiles` (tensor-core tiles:
+// tiles.bwd_tensor_core for the backward ones), of `code` (default: the current one).
+WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
+                               const KernelCode& code = CurrentKernelCode());
+WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
+                                   const KernelCode& code = CurrentKernelCode());
 WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& config,
-                                     const jit::CudaTiles& tiles);
+                                     const jit::CudaTiles& tiles,
+                                     const KernelCode& code = CurrentKernelCode());
 // One step of the key pass's walk (a block or a segment looked at by thread 0), charged to
 // every warp of the CTA (they wait for it at the barrier).
 WarpTileMix BackwardKeyWalkStepMix();
@@ -117,27 +137,31 @@ IssuePrediction PredictIssue(const std::vector<WarpTileMix>& mixes,
 absl::StatusOr<IssuePrediction> PredictForwardOnDocuments(const jit::CudaKernelConfig& config,
                                                           int registers,
                                                           const std::vector<int64_t>& cu_seqlens,
-                                                          int heads, const GpuSpec& gpu);
+                                                          int heads, const GpuSpec& gpu,
+                                                          const KernelCode& code = CurrentKernelCode());
 absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernelConfig& config,
                                                            int registers,
                                                            const std::vector<int64_t>& cu_seqlens,
-                                                           int heads, const GpuSpec& gpu);
+                                                           int heads, const GpuSpec& gpu,
+                                                           const KernelCode& code = CurrentKernelCode());
 
 // Full-tile rates of one kernel without a workload (every warp-tile full, no tail): the
 // forward, and the backward's key and dq passes together (per visible pair: one key-pass
 // warp-tile per 16 x kBM pairs, one dq warp-tile per 16 x kDqBN).
 double ForwardSchedulerTflops(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
-                              int registers, const GpuSpec& gpu);
+                              int registers, const GpuSpec& gpu,
+                              const KernelCode& code = CurrentKernelCode());
 double BackwardSchedulerTflops(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
-                               int registers, const GpuSpec& gpu);
+                               int registers, const GpuSpec& gpu,
+                               const KernelCode& code = CurrentKernelCode());
 
 // A change to the kernels and the mix it would leave: the ranked plan of hsap_roofline.
 struct MixChange {
   std::string name;
   std::string what;  // one line: what changes in the kernel
 };
-// The forward's candidate changes, each applied alone to `base` (and all of them together
-// as the last entry), with the new mix and the rows per warp it assumes (16 or 32).
+// The candidate changes not yet made to the current code, each applied alone (then all of
+// them together, then with 32 rows per warp), with the mix each would leave.
 struct ChangedMix {
   MixChange change;
   WarpTileMix mix;

@@ -41,8 +41,12 @@
 //                  warps of a key group compute the same S^T, dP^T (the price of keeping dK,
 //                  dV in registers); query items split D the same way (kDqSplit = 2, 64
 //                  floats of dQ at D = 256 instead of 128, which spilled).
-// ptxas (CUDA 13) gives 160-250 registers and no spills for these on sm_80 and sm_90, bf16 and
-// f16, deterministic and atomic dq (docs/gpu_backend.md has the table).
+// ptxas (CUDA 13) gives 170-250 registers and no spills for these on sm_80 and sm_90, bf16 and
+// f16, deterministic and atomic dq (docs/gpu_backend.md has the table). The kernel declares the
+// 2 CTAs per SM it is sized for (__launch_bounds__ minimum): without it, once the precomputed
+// cp.async addresses had brought the D = 64 kernel to ~185 registers, ptxas chose 3 CTAs per SM
+// on its own, capped it at 168 and spilled the item loop's step count (8 bytes, sm_80 bf16 GQA-8).
+// At D = 128 and 256 the declaration changes nothing (same registers, same instruction mix).
 //
 // Shared memory (storage type, rows padded by 8 elements = 16 bytes so that the 8 rows an
 // ldmatrix reads fall into distinct bank groups): key items K, V tiles [kBN][kLd], two stages
@@ -147,21 +151,6 @@ struct MmaBwdShape {
                     (kWarps % kRowGroups == 0 && kDQW % 8 == 0 && kD % kDQW == 0),
                 "hsap: atomic dq needs the query tile's row groups to divide the warps");
 };
-
-// rows x kD elements of head `head` of a [*, heads, kD] storage-typed tensor, rows row0..,
-// into dst (kLd-strided) with cp.async; rows [valid, kRows) are zero-filled, not read.
-template <typename T, int kRows, int kD, int kLd, int kThreads>
-HSAP_DEV void cp_async_tile(T* dst, const void* src, long long row0, int valid, int heads,
-                            int head) {
-  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool ok = r < valid;
-    const T* g = static_cast<const T*>(src) +
-                 (ok ? ((row0 + r) * heads + head) * static_cast<long long>(kD) + c * 8 : 0);
-    cp_async_16_zfill(dst + r * kLd + c * 8, g, ok);
-  }
-}
 
 // A 16x16 A fragment of a row-major smem matrix: rows row0.., columns col0...
 template <typename T, int kLdA>
@@ -372,9 +361,8 @@ HSAP_DEV void mma_bwd_issue_stage(const BwdParams& p, typename Cfg::T* stages, f
   constexpr int kD = S::kD, kBM = S::kBM, kLd = S::kLd, kThreads = S::kThreads;
   constexpr int kStage = 2 * kBM * kLd;
   T* q_tile = stages + st * kStage;
-  cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile, p.q, t.q0, t.rows, p.heads_q, t.h);
-  cp_async_tile<T, kBM, kD, kLd, kThreads>(q_tile + kBM * kLd, p.dout, t.q0, t.rows, p.heads_q,
-                                           t.h);
+  cp_async_rows_pair<kBM, kD, kLd, kThreads, kBM * kLd>(q_tile, p.q, p.dout, t.q0, t.rows,
+                                                       p.heads_q, t.h);
   float* st_stats = stats + st * 2 * kBM;
   for (int r = threadIdx.x; r < kBM; r += kThreads) {
     const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
@@ -491,10 +479,8 @@ __device__ void mma_bwd_key_item(const BwdParams& p, int kvh, long long kt0, lon
   const int g = lane >> 2, t4 = lane & 3;
   const int kg = warp % S::kKeyGroups, dh = warp / S::kKeyGroups;
 
-  cp_async_tile<T, kBN, kD, kLd, kThreads>(Ks, p.k, kt0, static_cast<int>(kt1 - kt0), p.heads_kv,
-                                           kvh);
-  cp_async_tile<T, kBN, kD, kLd, kThreads>(Vs, p.v, kt0, static_cast<int>(kt1 - kt0), p.heads_kv,
-                                           kvh);
+  cp_async_rows_pair<kBN, kD, kLd, kThreads, kBN * kLd>(Ks, p.k, p.v, kt0,
+                                                       static_cast<int>(kt1 - kt0), p.heads_kv, kvh);
   mma_bwd_issue_stage<Cfg>(p, stages, stats, 0, cur);
   cp_async_commit();
 
@@ -652,9 +638,8 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
     }
     auto issue = [&](int st, const MmaTile& t) {
       T* k_tile = stages + st * kStage;
-      cp_async_tile<T, kBN, kD, kLd, kThreads>(k_tile, p.k, t.k0, t.key_hi, p.heads_kv, kvh);
-      cp_async_tile<T, kBN, kD, kLd, kThreads>(k_tile + kBN * kLd, p.v, t.k0, t.key_hi, p.heads_kv,
-                                               kvh);
+      cp_async_rows_pair<kBN, kD, kLd, kThreads, kBN * kLd>(k_tile, p.k, p.v, t.k0, t.key_hi,
+                                                           p.heads_kv, kvh);
     };
     if (threadIdx.x == 0) {
       walk->si = qb.seg_begin - 1;
@@ -663,8 +648,8 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
     }
     __syncthreads();
     MmaTile cur = *shared_tile;
-    cp_async_tile<T, kQM, kD, kLd, kThreads>(Qs, p.q, q0, rows, p.heads_q, h);
-    cp_async_tile<T, kQM, kD, kLd, kThreads>(dOs, p.dout, q0, rows, p.heads_q, h);
+    cp_async_rows_pair<kQM, kD, kLd, kThreads, kQM * kLd>(Qs, p.q, p.dout, q0, rows, p.heads_q,
+                                                         h);  // dOs = Qs + kQM * kLd
     if (cur.valid) issue(0, cur);
     cp_async_commit();  // Q, dO (and the first K, V)
 
@@ -733,9 +718,9 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
 
 // The tensor-core backward (see the top of this file). Any grid: CTAs take the key items
 // (key tile, kv head) and, with kDeterministicDq, the query items (block, query head) in a
-// grid-stride loop.
+// grid-stride loop. At least 2 CTAs per SM: the register budget of the top of this file.
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_mma_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Cfg::kBwdThreads, 2) attn_bwd_mma_kernel(const BwdParams p) {
   using S = MmaBwdShape<Cfg>;
   static_assert(Cfg::kBwdSmemBytes == S::kSmemBytes,
                 "hsap: generator and device disagree on the mma backward shared memory size");

@@ -64,22 +64,6 @@ template <class Cfg>
 using MmaFwdShapeOf = MmaFwdShape<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
                                   Cfg::kFwdStages, Cfg::kQInRegisters>;
 
-// Rows [0, kRows) of head `head` of a [rows, heads, kD] 16-bit tensor, starting at row
-// `row0`, into dst (kLdh-strided) by 16-byte cp.async; rows [valid, kRows) are zero-filled
-// without reading global memory. The caller commits the group.
-template <int kRows, int kD, int kLdh, int kThreads>
-HSAP_DEV void cp_async_rows(unsigned short* dst, const void* src, long long row0, int valid,
-                            int heads, int head) {
-  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-  const unsigned short* base = static_cast<const unsigned short*>(src);
-  for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool ok = r < valid;
-    const long long at = ok ? ((row0 + r) * heads + head) * static_cast<long long>(kD) + c * 8 : 0;
-    cp_async_16_zfill(dst + r * kLdh + c * 8, base + at, ok);
-  }
-}
-
 // Walks the key tiles of one query chunk in work-list order: the segments [si, seg_end),
 // each over its visible key range for the chunk's rows, kBN keys per tile. Segments that
 // break the contract are reported and skipped, as the FMA core does.

@@ -1,7 +1,8 @@
 // The tensor-core instruction layer: mma.sync m16n8k16 (bf16 / f16 in, fp32 accumulate),
 // ldmatrix, cp.async with commit/wait groups, and the bf16x2 / f16x2 packing that feeds them.
-// Each function is one PTX instruction (sm_80 and up); the kernels of hsap_attention.cuh are
-// written on top of these and of nothing else tensor-core specific.
+// Each function is one PTX instruction (sm_80 and up), except the tile copy at the end, built
+// on cp.async; the kernels of hsap_attention.cuh are written on top of these and of nothing
+// else tensor-core specific.
 //
 // NVRTC-clean (no include at all); include after hsap_device.cuh (HSAP_DEV, hsap_dev::bf16).
 // Under HSAP_DEVICE_EMULATION each instruction is a warp-collective operation of the CPU
@@ -228,6 +229,91 @@ struct MmaOps<f16> {
   }
   static HSAP_DEV unsigned pack(float lo, float hi) { return pack_f16x2(lo, hi); }
 };
+
+// ---- Tile copies on cp.async (used by the forward and the backward) ----
+//
+// Rows [0, kRows) of head `head` of a [rows, heads, kD] 16-bit tensor, starting at row
+// `row0`, into dst (kLd elements per row) by 16-byte cp.async; rows [valid, kRows) are
+// zero-filled without reading global memory. The caller commits the group.
+// When the kD / 8 chunks of a row divide kThreads (head dims 64, 128 and 256 on 128 or 256
+// threads), each thread copies one fixed chunk column of rows r, r + kRowStep, ...: its
+// source address is computed once per call (one 64-bit multiply-add) and bumped by a constant
+// stride per copy, its shared address is the same register plus a compile-time offset, and
+// the zero-fill is one compare with an immediate. The generic walk (other head dims)
+// recomputes the 64-bit row address and selects per 16-byte copy: ~29 instructions per copy
+// against ~4 (docs/gpu_backend.md, "Why 137 and 93"). Addresses are computed as integers:
+// those of zero-filled rows may lie past the tensor and are never read.
+template <int kRows, int kD, int kLd, int kThreads>
+HSAP_DEV void cp_async_rows(void* dst, const void* src, long long row0, int valid, int heads,
+                            int head) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  unsigned short* const to = static_cast<unsigned short*>(dst);
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kRowStep = kThreads / kChunks;  // rows between two copies of a thread
+    constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
+    const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    const long long row_elems = static_cast<long long>(heads) * kD;
+    unsigned long long at =
+        reinterpret_cast<unsigned long long>(src) +
+        2ull * static_cast<unsigned long long>((row0 + r) * row_elems + head * kD + c * 8);
+    const unsigned long long step = 2ull * static_cast<unsigned long long>(kRowStep * row_elems);
+    unsigned short* const first = to + r * kLd + c * 8;
+    const int left = valid - r;  // copy i reads global memory iff i * kRowStep < left
+    HSAP_UNROLL
+    for (int i = 0; i < kCopies; ++i) {
+      if (kRows % kRowStep == 0 || r + i * kRowStep < kRows) {
+        cp_async_16_zfill(first + i * kRowStep * kLd, reinterpret_cast<const void*>(at),
+                          i * kRowStep < left);
+      }
+      at += step;
+    }
+  } else {
+    const unsigned short* base = static_cast<const unsigned short*>(src);
+    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < valid;
+      const long long at =
+          ok ? ((row0 + r) * heads + head) * static_cast<long long>(kD) + c * 8 : 0;
+      cp_async_16_zfill(to + r * kLd + c * 8, base + at, ok);
+    }
+  }
+}
+
+// Two tensors with the same rows (K and V, or Q and dO): `a` into dst, `b` into dst + kGap
+// elements. One row offset, one zero-fill test and one shared address serve both.
+template <int kRows, int kD, int kLd, int kThreads, int kGap>
+HSAP_DEV void cp_async_rows_pair(void* dst, const void* a, const void* b, long long row0,
+                                 int valid, int heads, int head) {
+  constexpr int kChunks = kD / 8;
+  unsigned short* const to = static_cast<unsigned short*>(dst);
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
+    const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
+    const long long row_elems = static_cast<long long>(heads) * kD;
+    const unsigned long long off =
+        2ull * static_cast<unsigned long long>((row0 + r) * row_elems + head * kD + c * 8);
+    unsigned long long at_a = reinterpret_cast<unsigned long long>(a) + off;
+    unsigned long long at_b = reinterpret_cast<unsigned long long>(b) + off;
+    const unsigned long long step = 2ull * static_cast<unsigned long long>(kRowStep * row_elems);
+    unsigned short* const first = to + r * kLd + c * 8;
+    const int left = valid - r;
+    HSAP_UNROLL
+    for (int i = 0; i < kCopies; ++i) {
+      if (kRows % kRowStep == 0 || r + i * kRowStep < kRows) {
+        const bool ok = i * kRowStep < left;
+        cp_async_16_zfill(first + i * kRowStep * kLd, reinterpret_cast<const void*>(at_a), ok);
+        cp_async_16_zfill(first + kGap + i * kRowStep * kLd, reinterpret_cast<const void*>(at_b),
+                          ok);
+      }
+      at_a += step;
+      at_b += step;
+    }
+  } else {
+    cp_async_rows<kRows, kD, kLd, kThreads>(to, a, row0, valid, heads, head);
+    cp_async_rows<kRows, kD, kLd, kThreads>(to + kGap, b, row0, valid, heads, head);
+  }
+}
 
 }  // namespace hsap_dev
 

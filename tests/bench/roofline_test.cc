@@ -1,6 +1,7 @@
 #include "bench/roofline.h"
 
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "bench/attn_perf_options.h"
@@ -132,9 +133,12 @@ std::vector<H200Row> H200Rows() {
   };
 }
 
-// Registers of the shipped sm90_bf16_d128_g1_band_tc kernels in ptxas' report (CUDA 13; the
-// variant compile test prints them): 2 CTAs of 4 warps per SM, 2 warps per scheduler.
+// Registers of the sm90_bf16_d128_g1_band_tc kernels in ptxas' report (CUDA 13; the variant
+// compile test prints them): as measured on the H200 (MeasuredKernelCode), and now. Both give
+// 2 CTAs of 4 warps per SM (the forward's 87 KB of shared memory allows no third), 2 warps
+// per scheduler.
 constexpr int kFwdRegisters = 241, kBwdRegisters = 244;
+constexpr int kFwdRegistersNow = 184, kBwdRegistersNow = 241;
 
 // The model explains the measured rows within [0.8, 1.25] of the measurement: a change to the
 // kernels' instruction mix, tiles or occupancy, or to the model, that breaks the explanation
@@ -142,10 +146,10 @@ constexpr int kFwdRegisters = 241, kBwdRegisters = 244;
 TEST(IssueModel, ExplainsTheH200Rows) {
   const jit::CudaKernelConfig c = Bf16D128();
   for (const H200Row& row : H200Rows()) {
-    absl::StatusOr<IssuePrediction> f =
-        PredictForwardOnDocuments(c, kFwdRegisters, row.cu_seqlens, 16, H200());
-    absl::StatusOr<IssuePrediction> b =
-        PredictBackwardOnDocuments(c, kBwdRegisters, row.cu_seqlens, 16, H200());
+    absl::StatusOr<IssuePrediction> f = PredictForwardOnDocuments(
+        c, kFwdRegisters, row.cu_seqlens, 16, H200(), MeasuredKernelCode());
+    absl::StatusOr<IssuePrediction> b = PredictBackwardOnDocuments(
+        c, kBwdRegisters, row.cu_seqlens, 16, H200(), MeasuredKernelCode());
     ASSERT_TRUE(f.ok()) << f.status();
     ASSERT_TRUE(b.ok()) << b.status();
     EXPECT_EQ(f->warps_per_scheduler, 2) << row.name;
@@ -162,25 +166,58 @@ TEST(IssueModel, ExplainsTheH200Rows) {
 }
 
 // The forward's warp-tile at 64 x 64, D = 128 as counted in the SASS: 128 HMMA, 72 ldmatrix,
-// 34 MUFU, and about 13 times as many other instructions, most of them on the half-rate ALU.
+// 34 MUFU, and about 13 times as many other instructions, most of them on the half-rate ALU
+// (the measured code); the current code's tile loop (cuobjdump -sass of the NVRTC cubin, the
+// loop's instructions less the segment change of the walk) holds about 1,330.
 TEST(IssueModel, ForwardMixMatchesTheKernel) {
   const jit::CudaKernelConfig c = Bf16D128();
   absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
   ASSERT_TRUE(t.ok()) << t.status();
-  const WarpTileMix m = ForwardWarpTileMix(c, *t);
+  auto total = [](const WarpTileMix& m) {
+    return m.hmma + m.ldsm + m.mufu + m.alu + m.imad + m.fp32 + m.other;
+  };
+  const WarpTileMix m = ForwardWarpTileMix(c, *t, MeasuredKernelCode());
   EXPECT_DOUBLE_EQ(m.hmma, 128);
   EXPECT_DOUBLE_EQ(m.ldsm, 72);
   EXPECT_DOUBLE_EQ(m.mufu, 34);
-  const double total = m.hmma + m.ldsm + m.mufu + m.alu + m.imad + m.fp32 + m.other;
-  EXPECT_NEAR(total, 1655, 0.05 * 1655);  // the loop's executed SASS instructions
+  EXPECT_NEAR(total(m), 1655, 0.05 * 1655);  // the loop's executed SASS instructions
   EXPECT_NEAR(m.alu, 820, 0.05 * 820);
   const WarpTileTime time = TimeOf(m, PipeCyclesOf(H200()));
   EXPECT_NEAR(PipeCyclesOf(H200()).hmma, 8, 1e-3);  // mma.sync at half the dense rate
   EXPECT_LT(time.tensor, 0.3 * time.busy);
   EXPECT_GT(time.alu, 0.4 * time.busy);
+  // The current code, pipe by pipe as in its SASS (ALU 685, IMAD 83, FP32 252, other 79).
+  const WarpTileMix now = ForwardWarpTileMix(c, *t);
+  EXPECT_DOUBLE_EQ(now.hmma, 128);
+  EXPECT_NEAR(total(now), 1333, 0.05 * 1333);
+  EXPECT_NEAR(now.alu, 685, 0.05 * 685);
+  EXPECT_NEAR(now.imad, 83, 0.1 * 83);
+  EXPECT_NEAR(now.other, 79, 0.2 * 79);  // uniform-datapath ops the model does not split out
   // Backward warp-tiles: 64 HMMA per 16 keys x 16 queries, 96 per 16 rows x 32 keys.
   EXPECT_DOUBLE_EQ(BackwardKeyWarpTileMix(c, *t).hmma, 64);
   EXPECT_DOUBLE_EQ(BackwardQueryWarpTileMix(c, *t).hmma, 96);
+}
+
+// The current code's predicted figures on the H200 rows (not yet measured: no GPU was lent
+// when they changed): faster than the measured code on every row, by the model's factor.
+TEST(IssueModel, CurrentCodeIsPredictedFasterOnTheH200Rows) {
+  const jit::CudaKernelConfig c = Bf16D128();
+  for (const H200Row& row : H200Rows()) {
+    absl::StatusOr<IssuePrediction> f0 = PredictForwardOnDocuments(
+        c, kFwdRegisters, row.cu_seqlens, 16, H200(), MeasuredKernelCode());
+    absl::StatusOr<IssuePrediction> f =
+        PredictForwardOnDocuments(c, kFwdRegistersNow, row.cu_seqlens, 16, H200());
+    absl::StatusOr<IssuePrediction> b0 = PredictBackwardOnDocuments(
+        c, kBwdRegisters, row.cu_seqlens, 16, H200(), MeasuredKernelCode());
+    absl::StatusOr<IssuePrediction> b =
+        PredictBackwardOnDocuments(c, kBwdRegistersNow, row.cu_seqlens, 16, H200());
+    ASSERT_TRUE(f0.ok() && f.ok() && b0.ok() && b.ok()) << row.name;
+    std::printf("[ predicted ] %-40s fwd %5.1f -> %5.1f TFLOP/s (x%.2f), bwd %5.1f -> %5.1f (x%.2f)\n",
+                row.name, f0->tflops, f->tflops, f->tflops / f0->tflops, b0->tflops, b->tflops,
+                b->tflops / b0->tflops);
+    EXPECT_GT(f->tflops, 1.15 * f0->tflops) << row.name;
+    EXPECT_GT(b->tflops, 1.02 * b0->tflops) << row.name;
+  }
 }
 
 // Warp-tile counts follow the kernels' walks: one causal document of 4 blocks of 64 rows.
@@ -201,28 +238,34 @@ TEST(IssueModel, CountsWarpTilesOfACausalDocument) {
   EXPECT_DOUBLE_EQ(n.bwd_query, 4 * (2 + 4 + 6 + 8));
 }
 
-// Every change of the plan gains on its own; together, with 32 rows per warp
-// (FlashAttention-2's forward shape), they about double the forward. The serial-pipe model
-// still puts that below the issue's 330 TFLOP/s: it credits no overlap of pipes, which the
-// same model applied to FlashAttention-2's own mix (about 310) shows is worth ~20 % there
+// Every change of the plan not yet made gains on its own; with 32 rows per warp
+// (FlashAttention-2's forward shape) they about double the measured forward. The serial-pipe
+// model still puts that below the issue's 330 TFLOP/s: it credits no overlap of pipes, which
+// the same model applied to FlashAttention-2's own mix (about 310) shows is worth ~20 % there
 // (370 measured on H100; docs/gpu_backend.md).
 TEST(IssueModel, ForwardChangesRank) {
   const jit::CudaKernelConfig c = Bf16D128();
   absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
   ASSERT_TRUE(t.ok()) << t.status();
   const std::vector<ChangedMix> changes = ForwardChanges(c, *t);
-  ASSERT_GE(changes.size(), 2u);
-  const double base = ForwardSchedulerTflops(c, *t, kFwdRegisters, H200());
+  ASSERT_GE(changes.size(), 1u);
+  const double measured =
+      ForwardSchedulerTflops(c, *t, kFwdRegisters, H200(), MeasuredKernelCode());
+  const double base = ForwardSchedulerTflops(c, *t, kFwdRegistersNow, H200());
+  EXPECT_GT(base, measured);
   auto rate = [&](const WarpTileMix& m) {
-    return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t->threads, kFwdRegisters,
+    return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t->threads, kFwdRegistersNow,
                         t->fwd_smem_bytes, H200())
         .tflops;
   };
   for (const ChangedMix& ch : changes) EXPECT_GT(rate(ch.mix), base) << ch.change.name;
-  const double all = rate(changes[changes.size() - 2].mix), rows32 = rate(changes.back().mix);
-  for (size_t i = 0; i + 2 < changes.size(); ++i) EXPECT_GT(all, rate(changes[i].mix));
-  EXPECT_GT(rows32, all);
-  EXPECT_GT(rows32, 1.8 * base);
+  const double rows32 = rate(changes.back().mix);
+  if (changes.size() > 2) {
+    const double all = rate(changes[changes.size() - 2].mix);
+    for (size_t i = 0; i + 2 < changes.size(); ++i) EXPECT_GT(all, rate(changes[i].mix));
+    EXPECT_GT(rows32, all);
+  }
+  EXPECT_GT(rows32, 1.8 * measured);
   EXPECT_LT(rows32, 330);
 }
 
