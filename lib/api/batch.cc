@@ -167,6 +167,12 @@ absl::Status CheckCallStream(const hsapBatch_st& batch, bool on_stream, void* st
       static_cast<cuda::cudaStream>(RunnerStream(batch, on_stream, stream)), "cudaStream");
 }
 
+// The forward's and backward's log-sum-exp: needed whenever the rank holds tokens.
+absl::Status CheckLse(const float* lse, int64_t local_tokens) {
+  if (lse == nullptr && local_tokens > 0) return absl::InvalidArgumentError("lse is null");
+  return absl::OkStatus();
+}
+
 // on_stream: an OnStream call, on `stream`.
 absl::Status Forward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_t* k,
                      const hsapTensor_t* v, hsapTensor_t* out, float* lse, bool on_stream,
@@ -181,10 +187,7 @@ absl::Status Forward(hsapBatch_t batch, const hsapTensor_t* q, const hsapTensor_
                  [&] { return CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
                  [&] { return CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
                  [&] { return CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
-                 [&]() -> absl::Status {
-                   if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
-                   return absl::OkStatus();
-                 },
+                 [&] { return CheckLse(lse, n); },
                  [&] { return CheckCallStream(*batch, on_stream, stream); });
   if (!local.ok()) return b.Forward(nullptr, nullptr, nullptr, nullptr, nullptr, local);
   return b.Forward(q->data, k->data, v->data, out->data, lse, absl::OkStatus(),
@@ -206,10 +209,7 @@ absl::Status Backward(hsapBatch_t batch, const hsapTensor_t* dout, const hsapTen
                  [&] { return CheckTensor(k, "k", t, n, d.heads_kv, d.head_dim); },
                  [&] { return CheckTensor(v, "v", t, n, d.heads_kv, d.head_dim); },
                  [&] { return CheckTensor(out, "out", t, n, d.heads_q, d.head_dim); },
-                 [&]() -> absl::Status {
-                   if (lse == nullptr && n > 0) return absl::InvalidArgumentError("lse is null");
-                   return absl::OkStatus();
-                 },
+                 [&] { return CheckLse(lse, n); },
                  [&] { return CheckTensor(dq, "dq", t, n, d.heads_q, d.head_dim); },
                  [&] { return CheckTensor(dk, "dk", t, n, d.heads_kv, d.head_dim); },
                  [&] { return CheckTensor(dv, "dv", t, n, d.heads_kv, d.head_dim); },
