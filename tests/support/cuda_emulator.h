@@ -8,6 +8,7 @@
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
 // CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
 // lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h),
+// mbarrier and the TMA bulk tensor copies (emulated_tma.h),
 // dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
 // acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
 // A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
@@ -45,6 +46,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -139,6 +141,8 @@ struct alignas(16) uint4 {
 
 // The tensor-core instructions of jit/device/hsap_mma.cuh (mma, ldmatrix, cp.async).
 #include "tests/support/emulated_ptx.h"
+// mbarrier and the TMA bulk tensor copies of jit/device/hsap_tma.cuh.
+#include "tests/support/emulated_tma.h"
 #include "tests/support/emulator_fibers.h"
 
 namespace hsap_emu {
@@ -287,6 +291,28 @@ class Barrier {
   Residency* const residency_;
 };
 
+// The CTA's shared window: on the GPU its base is aligned far beyond any pattern of the
+// shared-memory address (the TMA / wgmma swizzles repeat every 1024 bytes at most), so that
+// a kernel may align a generic pointer into it; the emulator's buffer is aligned to 1024.
+inline constexpr std::size_t kSharedWindowAlignment = 1024;
+template <typename T>
+struct SharedWindowAllocator {
+  using value_type = T;
+  SharedWindowAllocator() = default;
+  template <typename U>
+  SharedWindowAllocator(const SharedWindowAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(
+        ::operator new(n * sizeof(T), std::align_val_t{kSharedWindowAlignment}));
+  }
+  void deallocate(T* p, std::size_t) {
+    ::operator delete(p, std::align_val_t{kSharedWindowAlignment});
+  }
+  friend bool operator==(const SharedWindowAllocator&, const SharedWindowAllocator&) {
+    return true;
+  }
+};
+
 // A completed __syncthreads counts as progress of the CTA's device (when it has a residency).
 struct Cta {
   explicit Cta(int threads, size_t smem_floats, Residency* residency = nullptr)
@@ -295,9 +321,10 @@ struct Cta {
   }
   Barrier bar;
   std::vector<std::unique_ptr<Barrier>> warp_bars;
-  std::vector<float> smem;
+  std::vector<float, SharedWindowAllocator<float>> smem;
   std::vector<float> shfl;
   std::vector<PtxWarpExchange> ptx;  // per warp
+  TmaCtaState tma;                   // mbarriers and TMA copies in flight
 };
 
 inline thread_local Cta* tl_cta = nullptr;
@@ -310,6 +337,16 @@ inline bool InSharedMemory(const void* p, std::size_t bytes) {
   const auto end = begin + tl_cta->smem.size() * sizeof(float);
   const auto q = reinterpret_cast<std::uintptr_t>(p);
   return begin <= q && q + bytes <= end;
+}
+
+// The hooks of emulated_tma.h.
+inline TmaCtaState& ThisCtaTma() { return tl_cta->tma; }
+inline std::uintptr_t SharedWindowBase() {
+  return reinterpret_cast<std::uintptr_t>(tl_cta->smem.data());
+}
+inline void YieldThread() {
+  StopIfFaulted();
+  tl_fibers->Yield();
 }
 
 inline void SyncWarp() {
