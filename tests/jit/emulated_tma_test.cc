@@ -21,6 +21,8 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/cuda/runtime/tensor_map.h"
+#include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/emulated_tensor_map.h"
 
 namespace hsap {
@@ -422,6 +424,50 @@ TEST(EmulatedTma, MisuseFaults) {
     });
     EXPECT_FALSE(s.ok()) << c.name;
     EXPECT_THAT(s.message(), HasSubstr(c.message)) << c.name;
+  }
+}
+
+// The host path the sm_90a kernels take: the library's EncodeTiledTensorMap through the
+// (emulated) driver, the map passed by value as a kernel parameter, a [tokens][heads][d] bf16
+// tensor seen as (d, tokens, heads) with the 128B swizzle, one 64 x 16 box per load.
+TEST(EmulatedTma, LoadsThroughAMapTheLibraryEncoded) {
+  constexpr int kTokens = 40, kHeads = 3, kD = 128;
+  std::vector<uint16_t> storage(kTokens * kHeads * kD + 64);
+  uint16_t* qkv = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64 / 2;
+  for (int i = 0; i < kTokens * kHeads * kD; ++i) qkv[i] = static_cast<uint16_t>(i + 1);
+  testing::EmulatedCudaRuntime emu;
+  cuda::TiledTensorMapSpec spec;
+  spec.dtype = cuda::TensorMapDataTypeOf(DType::kBF16);
+  spec.global_address = qkv;
+  spec.global_dims = {kD, kTokens, kHeads};
+  spec.global_strides = {kHeads * kD * 2, kD * 2};
+  spec.box_dims = {64, 16, 1};
+  spec.swizzle = cuda::TensorMapSwizzle::k128B;
+  absl::StatusOr<cuda::TensorMapBytes> bytes = cuda::EncodeTiledTensorMap(emu.driver(), spec);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  TensorMap param;
+  static_assert(sizeof(param) == sizeof(*bytes));
+  std::memcpy(&param, &*bytes, sizeof(param));
+  const uint32_t box_bytes = cuda::TensorMapBoxBytes(spec);
+  ASSERT_EQ(box_bytes, 2048u);
+  std::vector<uint16_t> got(1024);
+  absl::Status s = Launch(32, 4096, [&, param]() {  // the map captured by value, as a parameter
+    if (threadIdx.x != 0) return;
+    unsigned long long* bar = BarAt(0);
+    hsap_dev::mbarrier_init(bar, 1);
+    hsap_dev::mbarrier_arrive_expect_tx(bar, box_bytes);
+    hsap_dev::tma_load_3d(Smem() + 1024, &param, 64, 32, 2, bar);  // d 64.., tokens 32..47, head 2
+    hsap_dev::mbarrier_wait_parity(bar, 0);
+    std::memcpy(got.data(), Smem() + 1024, 2048);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 64; ++col) {
+      const int token = 32 + row, d = 64 + col;
+      const uint16_t want = token < kTokens ? qkv[(token * kHeads + 2) * kD + d] : 0;
+      const uint32_t byte = SwizzledByte(static_cast<uint32_t>(row * 128 + col * 2), 128, 0);
+      ASSERT_EQ(got[byte / 2], want) << row << " " << col;
+    }
   }
 }
 
