@@ -11,6 +11,7 @@
 #include "jit/device/hsap_tma.cuh"
 // clang-format on
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -358,6 +359,38 @@ TEST(EmulatedTma, SharedMemoryIsStaleUntilTheWait) {
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(before, -7.0f);
   EXPECT_EQ(after, 10.0f);
+}
+
+// CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA: elements outside the tensor are NaN.
+TEST(EmulatedTma, NanRequestFillsOutsideWithNan) {
+  alignas(16) static float tensor[4 * 8];
+  for (int i = 0; i < 32; ++i) tensor[i] = static_cast<float>(i);
+  alignas(64) TensorMap map;
+  const uint64_t dims[2] = {8, 4}, strides[1] = {32};
+  const uint32_t box[2] = {8, 4}, estr[2] = {1, 1};
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kFloat32, 2, tensor, dims, strides, box, estr,
+                                              0, 0, 0, /*oob_fill=*/1),
+            0);
+  float got[32];
+  absl::Status s = Launch(32, 2048, [&] {
+    if (threadIdx.x != 0) return;
+    hsap_dev::mbarrier_init(BarAt(0), 1);
+    hsap_dev::mbarrier_arrive_expect_tx(BarAt(0), 128);
+    hsap_dev::tma_load_2d(Smem() + 1024, &map, -2, 1, BarAt(0));
+    hsap_dev::mbarrier_wait_parity(BarAt(0), 0);
+    std::memcpy(got, Smem() + 1024, sizeof(got));
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int r = 0; r < 4; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      const int x = c - 2, y = r + 1;
+      if (x >= 0 && y < 4) {
+        EXPECT_EQ(got[r * 8 + c], tensor[y * 8 + x]) << r << " " << c;
+      } else {
+        EXPECT_TRUE(std::isnan(got[r * 8 + c])) << r << " " << c;
+      }
+    }
+  }
 }
 
 TEST(EmulatedTma, MisuseFaults) {
