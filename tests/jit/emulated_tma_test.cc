@@ -29,10 +29,11 @@
 namespace hsap {
 namespace {
 
-using ::testing::HasSubstr;
 using hsap_dev::TensorMap;
+using ::testing::HasSubstr;
 
-constexpr int kSwizzleNone = 0, kSwizzle32B = 1, kSwizzle64B = 2, kSwizzle128B = 3;  // CUtensorMapSwizzle
+constexpr int kSwizzleNone = 0, kSwizzle32B = 1, kSwizzle64B = 2,
+              kSwizzle128B = 3;           // CUtensorMapSwizzle
 constexpr int kUint16 = 1, kFloat32 = 7;  // CUtensorMapDataType
 
 absl::Status Launch(int threads, size_t smem_bytes, const std::function<void()>& kernel) {
@@ -92,9 +93,9 @@ TEST(EmulatedMbarrier, ArrivalAfterCompletionCountsForTheNextPhase) {
     r[0] = hsap_dev::mbarrier_try_wait_parity(bar, 0);  // 1 of 2
     hsap_dev::mbarrier_arrive(bar);                     // phase 0 completes
     r[1] = hsap_dev::mbarrier_try_wait_parity(bar, 0);
-    hsap_dev::mbarrier_arrive(bar);                     // 1 of 2 in phase 1
+    hsap_dev::mbarrier_arrive(bar);  // 1 of 2 in phase 1
     r[2] = hsap_dev::mbarrier_try_wait_parity(bar, 1);
-    hsap_dev::mbarrier_arrive(bar);                     // phase 1 completes
+    hsap_dev::mbarrier_arrive(bar);  // phase 1 completes
     r[3] = hsap_dev::mbarrier_try_wait_parity(bar, 1);
     r[4] = hsap_dev::mbarrier_try_wait_parity(bar, 0);  // phase 2 is current: incomplete
   });
@@ -114,8 +115,8 @@ TEST(EmulatedMbarrier, TxCountMayGoNegativeBeforeTheExpectTx) {
   alignas(64) TensorMap map;
   const uint64_t dims[2] = {16, 8}, strides[1] = {32};
   const uint32_t box[2] = {16, 8}, estr[2] = {1, 1};
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kUint16, 2, tensor, dims, strides, box, estr,
-                                              0, 0, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kUint16, 2, tensor, dims, strides, box, estr, 0,
+                                              0, 0, 0),
             0);
   bool before = true, after = false;
   uint16_t first = 0;
@@ -248,7 +249,8 @@ TEST_P(EmulatedTmaBoxTest, LandsSwizzledWithZerosOutsideTheTensor) {
     elements *= c.dims[i];
   }
   std::vector<uint16_t> storage(elements + 8);
-  uint16_t* tensor = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) % 16) % 16 / 2;
+  uint16_t* tensor =
+      storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) % 16) % 16 / 2;
   for (uint64_t i = 0; i < elements; ++i) tensor[i] = static_cast<uint16_t>(i % 65521 + 1);
   alignas(64) TensorMap map;
   const std::vector<uint32_t> estr(c.rank, 1);
@@ -318,8 +320,7 @@ std::vector<BoxCase> BoxCases() {
     const std::string n = absl::StrCat("sw", sw);
     cases.push_back({n + "_2d_inside", 2, {100, 37}, 4, {inner, 16}, {8, 3}, sw, 1024});
     cases.push_back({n + "_2d_top_left", 2, {100, 37}, 4, {inner, 16}, {-5, -9}, sw, 2048});
-    cases.push_back(
-        {n + "_2d_bottom_right", 2, {100, 37}, 4, {inner, 16}, {90, 30}, sw, 1024});
+    cases.push_back({n + "_2d_bottom_right", 2, {100, 37}, 4, {inner, 16}, {90, 30}, sw, 1024});
     cases.push_back({n + "_2d_shifted", 2, {100, 37}, 4, {inner, 8}, {0, 0}, sw, 1024 + 128});
     cases.push_back({n + "_3d_edges", 3, {40, 6, 5}, 8, {inner, 4, 3}, {-2, 4, 3}, sw, 4096});
   }
@@ -398,11 +399,11 @@ TEST(EmulatedTma, MisuseFaults) {
   alignas(64) static TensorMap map2d, map3d, narrow;
   const uint64_t dims[3] = {64, 16, 4}, strides[2] = {128, 128 * 16};
   const uint32_t box[3] = {64, 16, 1}, estr[3] = {1, 1, 1};
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map2d, kUint16, 2, tensor, dims, strides, box,
-                                              estr, 0, kSwizzle128B, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map2d, kUint16, 2, tensor, dims, strides, box, estr,
+                                              0, kSwizzle128B, 0, 0),
             0);
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map3d, kUint16, 3, tensor, dims, strides, box,
-                                              estr, 0, 0, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map3d, kUint16, 3, tensor, dims, strides, box, estr,
+                                              0, 0, 0, 0),
             0);
   const uint32_t narrow_box[2] = {32, 16};  // 64-byte rows under the 128B swizzle
   ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&narrow, kUint16, 2, tensor, dims, strides,
@@ -522,9 +523,8 @@ TEST(EmulatedTensorMapEncode, RefusesWhatTheDriverRefuses) {
     int interleave = 0, swizzle = 3, l2 = 0, oob = 0;
   };
   auto encode = [&](const Args& a) {
-    return hsap_emu::EmuEncodeTiledTensorMap(a.map, a.dtype, a.rank, a.address, a.dims,
-                                             a.strides, a.box, a.estr, a.interleave, a.swizzle,
-                                             a.l2, a.oob);
+    return hsap_emu::EmuEncodeTiledTensorMap(a.map, a.dtype, a.rank, a.address, a.dims, a.strides,
+                                             a.box, a.estr, a.interleave, a.swizzle, a.l2, a.oob);
   };
   Args ok;
   ok.map = map;
@@ -537,28 +537,53 @@ TEST(EmulatedTensorMapEncode, RefusesWhatTheDriverRefuses) {
   };
   const int kInvalid = hsap_emu::kEmuCuErrorInvalidValue;
   const std::vector<Broken> broken = {
-      {"map not 64-byte aligned", [](Args& a) { a.map = static_cast<char*>(a.map) + 32; }, kInvalid},
+      {"map not 64-byte aligned", [](Args& a) { a.map = static_cast<char*>(a.map) + 32; },
+       kInvalid},
       {"dtype", [](Args& a) { a.dtype = 16; }, kInvalid},
       {"packed dtype", [](Args& a) { a.dtype = 13; }, hsap_emu::kEmuCuErrorNotSupported},
       {"rank 0", [](Args& a) { a.rank = 0; }, kInvalid},
       {"rank 6", [](Args& a) { a.rank = 6; }, kInvalid},
-      {"interleave with rank 2", [](Args& a) { a.interleave = 1; a.swizzle = 0; }, kInvalid},
+      {"interleave with rank 2",
+       [](Args& a) {
+         a.interleave = 1;
+         a.swizzle = 0;
+       },
+       kInvalid},
       {"address", [&](Args& a) { a.address = tensor + 1; }, kInvalid},
       {"dim 0", [](Args& a) { a.dims[1] = 0; }, kInvalid},
       {"dim 2^32 + 1", [](Args& a) { a.dims[0] = (uint64_t{1} << 32) + 1; }, kInvalid},
       {"stride not a multiple of 16", [](Args& a) { a.strides[0] = 520; }, kInvalid},
       {"stride 2^40", [](Args& a) { a.strides[0] = uint64_t{1} << 40; }, kInvalid},
       {"box 0", [](Args& a) { a.box[1] = 0; }, kInvalid},
-      {"box 257", [](Args& a) { a.box[1] = 257; a.swizzle = 0; }, kInvalid},
-      {"inner box bytes not a multiple of 16", [](Args& a) { a.box[0] = 12; a.swizzle = 0; },
+      {"box 257",
+       [](Args& a) {
+         a.box[1] = 257;
+         a.swizzle = 0;
+       },
+       kInvalid},
+      {"inner box bytes not a multiple of 16",
+       [](Args& a) {
+         a.box[0] = 12;
+         a.swizzle = 0;
+       },
        kInvalid},
       {"element stride 9", [](Args& a) { a.estr[1] = 9; }, kInvalid},
       {"128B swizzle, 256-byte rows", [](Args& a) { a.box[0] = 128; }, kInvalid},
       {"64B swizzle, 128-byte rows", [](Args& a) { a.swizzle = 2; }, kInvalid},
-      {"32B swizzle, 64-byte rows", [](Args& a) { a.swizzle = 1; a.box[0] = 32; }, kInvalid},
+      {"32B swizzle, 64-byte rows",
+       [](Args& a) {
+         a.swizzle = 1;
+         a.box[0] = 32;
+       },
+       kInvalid},
       {"swizzle 7", [](Args& a) { a.swizzle = 7; }, kInvalid},
       {"l2 promotion 4", [](Args& a) { a.l2 = 4; }, kInvalid},
-      {"NaN fill of an integer type", [](Args& a) { a.dtype = 1; a.oob = 1; }, kInvalid},
+      {"NaN fill of an integer type",
+       [](Args& a) {
+         a.dtype = 1;
+         a.oob = 1;
+       },
+       kInvalid},
   };
   for (const Broken& b : broken) {
     Args a = ok;

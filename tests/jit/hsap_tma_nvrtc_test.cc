@@ -86,9 +86,9 @@ TEST(HsapTmaNvrtc, CompilesWithTmaAndMbarrierSassAndNoSpill) {
     std::filesystem::remove_all(dir);
     ASSERT_EQ(sass.count("every_tma_instruction"), 1u) << arch;
     const std::string& text = sass.at("every_tma_instruction");
-    for (const char* op : {"UTMALDG.2D", "UTMALDG.3D", "UTMALDG.4D", "UTMACCTL.PF",
-                           "SYNCS.EXCH.64", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64",
-                           "FENCE.VIEW.ASYNC.S"}) {
+    for (const char* op :
+         {"UTMALDG.2D", "UTMALDG.3D", "UTMALDG.4D", "UTMACCTL.PF", "SYNCS.EXCH.64",
+          "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64", "FENCE.VIEW.ASYNC.S"}) {
       EXPECT_THAT(text, HasSubstr(op)) << arch << "\n" << text;
     }
   }
