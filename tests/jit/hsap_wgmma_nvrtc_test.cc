@@ -48,7 +48,7 @@ every_wgmma_instruction(const unsigned short* in, float* out) {
   wgmma_commit_group();
   wgmma_wait_group<1>();
   wgmma_fence_operand(s);
-  const unsigned r[4] = {__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]),
+  unsigned r[4] = {__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]),
                          __float_as_uint(s[3])};
   float sum = 0.0f;
 #pragma unroll
@@ -72,6 +72,7 @@ every_wgmma_instruction(const unsigned short* in, float* out) {
   wgmma_commit_group();
   wgmma_wait_group<0>();
   wgmma_fence_operand(q);
+  wgmma_fence_operand(r);
 #pragma unroll
   for (int i = 0; i < 64; ++i) sum += q[i];
   out[threadIdx.x] = sum;
