@@ -37,6 +37,8 @@
 //     and issues after it), a descriptor whose operand leaves shared memory or has a matrix
 //     base offset (not modelled: hsap_wgmma.cuh never sets one), N not a multiple of 8 in
 //     [8, 256].
+//   - Not caught: A registers (RS) changed between the issue and the wait (the emulator has
+//     their values from the issue); reads of the accumulators in flight (they see NaN).
 //   - Not modelled: the async proxy (shared memory written by ordinary stores needs a
 //     fence.proxy.async before wgmma reads it: the emulator reads it either way), the
 //     hardware's internal summation order (below).
@@ -153,14 +155,20 @@ struct ThreadState {
 
 }  // namespace wgmma
 
+// Allocated at a CTA's first warpgroup instruction: CTAs that use none (every pre-sm_90
+// kernel) pay nothing for it.
 struct WgmmaCtaState {
-  explicit WgmmaCtaState(int threads)
-      : threads(static_cast<std::size_t>(threads)),
-        exchanges(static_cast<std::size_t>((threads + 127) / 128)),
-        regs(static_cast<std::size_t>((threads + 127) / 128), 0) {}
   std::vector<wgmma::ThreadState> threads;
   std::vector<wgmma::Exchange> exchanges;  // per warpgroup
   std::vector<int> regs;                   // per warpgroup: setmaxnreg's count (0: none yet)
+
+  void EnsureFor(int cta_threads) {
+    if (!threads.empty()) return;
+    const auto groups = static_cast<std::size_t>((cta_threads + 127) / 128);
+    threads.resize(static_cast<std::size_t>(cta_threads));
+    exchanges.resize(groups);
+    regs.assign(groups, 0);
+  }
 };
 
 namespace wgmma {
@@ -171,7 +179,9 @@ inline float InFlight() { return std::bit_cast<float>(kInFlightBits); }
 inline bool IsInFlight(float x) { return std::bit_cast<std::uint32_t>(x) == kInFlightBits; }
 
 inline ThreadState& This() {
-  return ThisCtaWgmma().threads[static_cast<std::size_t>(ThisThreadIndex())];
+  WgmmaCtaState& cta = ThisCtaWgmma();
+  cta.EnsureFor(CtaThreads());
+  return cta.threads[static_cast<std::size_t>(ThisThreadIndex())];
 }
 
 inline std::string SlotText(const Slot& s) {
