@@ -30,6 +30,7 @@ HSAP_EMBED_FILE(hsap_embedded_wgmma_cuh, "jit/device/hsap_wgmma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_mma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
+HSAP_EMBED_FILE(hsap_embedded_tma_cuh, "jit/device/hsap_tma.cuh");
 
 namespace hsap::jit {
 namespace {
@@ -444,6 +445,7 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
        std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
       {"hsap_attention_mma_bwd.cuh",
        std::string(hsap_embedded_attention_mma_bwd_cuh, hsap_embedded_attention_mma_bwd_cuh_end)},
+      {"hsap_tma.cuh", std::string(hsap_embedded_tma_cuh, hsap_embedded_tma_cuh_end)},
   };
   return *headers;
 }

@@ -9,7 +9,8 @@
 // CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
 // lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h), the
 // sm_90a warpgroup instructions wgmma / setmaxnreg (emulated_wgmma.h: a barrier per
-// warpgroup), dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
+// warpgroup), mbarrier and the TMA bulk tensor copies (emulated_tma.h), dynamic shared
+// memory (one buffer per CTA, 1024-byte aligned), atomics (std::atomic_ref), the
 // acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
 // A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
 // Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
@@ -46,6 +47,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -142,6 +144,8 @@ struct alignas(16) uint4 {
 // sm_90a warpgroup instructions of jit/device/hsap_wgmma.cuh (wgmma, setmaxnreg).
 #include "tests/support/emulated_ptx.h"
 #include "tests/support/emulated_wgmma.h"
+// mbarrier and the TMA bulk tensor copies of jit/device/hsap_tma.cuh.
+#include "tests/support/emulated_tma.h"
 #include "tests/support/emulator_fibers.h"
 
 namespace hsap_emu {
@@ -290,6 +294,28 @@ class Barrier {
   Residency* const residency_;
 };
 
+// The CTA's shared window: on the GPU its base is aligned far beyond any pattern of the
+// shared-memory address (the TMA / wgmma swizzles repeat every 1024 bytes at most), so that
+// a kernel may align a generic pointer into it; the emulator's buffer is aligned to 1024.
+inline constexpr std::size_t kSharedWindowAlignment = 1024;
+template <typename T>
+struct SharedWindowAllocator {
+  using value_type = T;
+  SharedWindowAllocator() = default;
+  template <typename U>
+  SharedWindowAllocator(const SharedWindowAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(
+        ::operator new(n * sizeof(T), std::align_val_t{kSharedWindowAlignment}));
+  }
+  void deallocate(T* p, std::size_t) {
+    ::operator delete(p, std::align_val_t{kSharedWindowAlignment});
+  }
+  friend bool operator==(const SharedWindowAllocator&, const SharedWindowAllocator&) {
+    return true;
+  }
+};
+
 // A completed __syncthreads counts as progress of the CTA's device (when it has a residency).
 struct Cta {
   explicit Cta(int threads, size_t smem_floats, Residency* residency = nullptr)
@@ -305,10 +331,11 @@ struct Cta {
   Barrier bar;
   std::vector<std::unique_ptr<Barrier>> warp_bars;
   std::vector<std::unique_ptr<Barrier>> warpgroup_bars;  // threads 128g .. 128g + 127
-  std::vector<float> smem;
+  std::vector<float, SharedWindowAllocator<float>> smem;
   std::vector<float> shfl;
   std::vector<PtxWarpExchange> ptx;  // per warp
   WgmmaCtaState wgmma;
+  TmaCtaState tma;  // mbarriers and TMA copies in flight
 };
 
 inline thread_local Cta* tl_cta = nullptr;
@@ -321,6 +348,16 @@ inline bool InSharedMemory(const void* p, std::size_t bytes) {
   const auto end = begin + tl_cta->smem.size() * sizeof(float);
   const auto q = reinterpret_cast<std::uintptr_t>(p);
   return begin <= q && q + bytes <= end;
+}
+
+// The hooks of emulated_tma.h.
+inline TmaCtaState& ThisCtaTma() { return tl_cta->tma; }
+inline std::uintptr_t SharedWindowBase() {
+  return reinterpret_cast<std::uintptr_t>(tl_cta->smem.data());
+}
+inline void YieldThread() {
+  StopIfFaulted();
+  tl_fibers->Yield();
 }
 
 // The hooks of emulated_wgmma.h.
