@@ -12,6 +12,7 @@
 #define HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,6 +20,7 @@
 #include "absl/types/span.h"
 #include "attention/worklist.h"
 #include "lib/cuda/cudnn/engine_choice.h"
+#include "lib/cuda/cudnn/piece_runner.h"
 
 namespace hsap::cuda {
 
@@ -26,6 +28,9 @@ struct EngineSetup {
   EngineMode mode = EngineMode::kAuto;
   CudnnAvailability cudnn;        // default: "cuDNN was not looked for"
   bool has_piece_runner = false;  // whether the executors can run cuDNN pieces
+  // What runs the cuDNN pieces in the GPU executors (lib/cuda/exec/cudnn_steps.h); the GPU
+  // runners (NewGpuRunners) set has_piece_runner to whether there is one.
+  std::shared_ptr<CudnnPieceRunner> runner;
 };
 
 // The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is
