@@ -67,8 +67,7 @@ class FakeCudnnRunner : public cuda::CudnnPieceRunner {
     int64_t q0, lq, k0, lk;  // rows
   };
   // The call's entries from its device arrays; false (recorded) when they break the contract.
-  bool Entries(const cuda::SdpaShape& shape, const cuda::SdpaCall& call,
-               std::vector<Entry>* out) {
+  bool Entries(const cuda::SdpaShape& shape, const cuda::SdpaCall& call, std::vector<Entry>* out) {
     const int64_t q_row = int64_t{shape.heads_q} * shape.head_dim;
     const int64_t kv_row = int64_t{shape.heads_kv} * shape.head_dim;
     for (int b = 0; b < call.num_entries; ++b) {
@@ -169,8 +168,8 @@ class FakeCudnnRunner : public cuda::CudnnPieceRunner {
             const size_t kb = static_cast<size_t>(((e.k0 + j) * shape.heads_kv + kvh) * d);
             double dp = 0;
             for (int c = 0; c < d; ++c) {
-              dp += static_cast<double>(LoadAsFloat(t, a.dout, qb + c)) *
-                    LoadAsFloat(t, a.v, kb + c);
+              dp +=
+                  static_cast<double>(LoadAsFloat(t, a.dout, qb + c)) * LoadAsFloat(t, a.v, kb + c);
             }
             const double ds = p * (dp - delta);
             const size_t lq = static_cast<size_t>((i * shape.heads_q + h) * d);

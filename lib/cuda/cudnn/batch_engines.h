@@ -3,7 +3,9 @@
 //
 // EngineSetup is what the choice starts from: the mode ($HSAP_ATTENTION_ENGINE), what cuDNN
 // offers on the device (ProbeCudnn; not probed under `jit`) and whether the GPU executors
-// have a cuDNN piece runner to hand the cuDNN pieces to. This version of libhsap has none
+// have a cuDNN piece runner to hand the cuDNN pieces to (EngineSetup::runner, which the GPU
+// executors call through lib/cuda/exec/cudnn_steps.h; the tests give them a host fake). This
+// version of libhsap has none that calls libcudnn
 // (docs/gpu_backend.md, "Attention engines", says what is missing): BatchCudnnStatus then
 // says so, under `auto` every piece runs on the JIT kernels with that reason in the tally,
 // and under `cudnn` batch creation fails (FailedPrecondition naming the variable, the reason

@@ -62,8 +62,8 @@ struct SdpaForwardArgs {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  void* o = nullptr;        // rows like q, storage dtype
-  float* stats = nullptr;   // [num_entries, heads_q, max_q_len]
+  void* o = nullptr;       // rows like q, storage dtype
+  float* stats = nullptr;  // [num_entries, heads_q, max_q_len]
 };
 
 struct SdpaBackwardArgs {

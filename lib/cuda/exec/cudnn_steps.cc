@@ -65,8 +65,8 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
     const SdpaShape& shape, std::shared_ptr<CudnnPieceRunner> runner, cudaStream stream) {
   if (runner == nullptr) return absl::InvalidArgumentError("CudnnSteps::Build: no piece runner");
   if (steps.size() != engines.num_steps()) {
-    return absl::InternalError(absl::StrCat("CudnnSteps::Build: ", steps.size(),
-                                            " work lists for ", engines.num_steps(), " steps"));
+    return absl::InternalError(absl::StrCat("CudnnSteps::Build: ", steps.size(), " work lists for ",
+                                            engines.num_steps(), " steps"));
   }
   auto out = std::unique_ptr<CudnnSteps>(new CudnnSteps());
   out->shape_ = shape;
@@ -120,7 +120,8 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
   }
   // Scratch: O / dQ | dK | dV | Stats.
   const size_t es = DTypeSize(shape.dtype);
-  const size_t o_bytes = AlignPool(static_cast<size_t>(q_end) * shape.heads_q * shape.head_dim * es);
+  const size_t o_bytes =
+      AlignPool(static_cast<size_t>(q_end) * shape.heads_q * shape.head_dim * es);
   const size_t kv_bytes =
       AlignPool(static_cast<size_t>(k_end) * shape.heads_kv * shape.head_dim * es);
   const size_t total = o_bytes + 2 * kv_bytes + static_cast<size_t>(stats) * sizeof(float);
@@ -185,8 +186,8 @@ absl::Status CudnnSteps::RunBackward(size_t step, const Backward& b, const Devic
     g.num_entries = c.sdpa.num_entries;
     g.heads = shape_.heads_q;
     HSAP_RETURN_IF_ERROR(kernels.GatherStats(g, stream));
-    const SdpaBackwardArgs args{b.q,     b.k,      b.v,  b.out, b.dout, stats_,
-                                b.delta, b.stride, o_,   dk_,   dv_};
+    const SdpaBackwardArgs args{b.q,     b.k,      b.v, b.out, b.dout, stats_,
+                                b.delta, b.stride, o_,  dk_,   dv_};
     HSAP_RETURN_IF_ERROR(runner_->Backward(shape_, c.sdpa, args, stream));
     const struct {
       float* dst;

@@ -86,7 +86,7 @@ class CudnnSteps {
 
  private:
   struct Call {
-    SdpaCall sdpa;                           // device arrays in memory_
+    SdpaCall sdpa;                                // device arrays in memory_
     const hsap_dev::EntryRows* q_rows = nullptr;  // [num_entries], device
     const hsap_dev::EntryRows* k_rows = nullptr;
     int64_t total_q = 0, total_k = 0;  // rows over the entries

@@ -314,8 +314,8 @@ class GpuRunnerFactory : public RunnerFactory {
           std::optional<FusedRoutes> reached,
           w.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
                      kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
-                     /*willing=*/kernels_->max_fused_steps() > 0 &&
-                         comm.topology().single_node() && !cudnn_pieces,
+                     /*willing=*/kernels_->max_fused_steps() > 0 && comm.topology().single_node() &&
+                         !cudnn_pieces,
                      program.status()));
       if (reached.has_value()) {  // else out of reach: stages, on every rank
         routes = *std::move(reached);
@@ -347,9 +347,9 @@ class GpuRunnerFactory : public RunnerFactory {
                                           dims.scale, comm_->stream()));
     HSAP_RETURN_IF_ERROR(
         comm_->pool().Reserve(program->pool_bytes(), absl::StrCat(program->pool_bytes(), " B")));
-    auto runner = std::make_unique<GpuPlanRunner>(
-        comm_, kernels_, comm.transport(), std::move(program), comm.topology().node_of_rank(),
-        std::move(cudnn));
+    auto runner =
+        std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program),
+                                        comm.topology().node_of_rank(), std::move(cudnn));
     runner->set_engines(std::move(engines));
     return runner;
   }

@@ -333,8 +333,8 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   const QuerySide side{rows, dims.heads_q, dims.heads_kv, dims.scale};
   const hsap_dev::FwdParams p = ForwardParams(side, q, out32, lse32);
   // Step 0 is the local work, step i + 1 stage i's (the engine choice's order).
-  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk,
-                    const void* vv, int64_t k_rows) {
+  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                    int64_t k_rows) {
     return AttendStepForward(ctx.cudnn, step, *ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 

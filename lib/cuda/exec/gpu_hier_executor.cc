@@ -336,8 +336,8 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
                        p.kv_head_of_q()};
   const hsap_dev::FwdParams fp = ForwardParams(side, g.gq, out32, lse32);
   // Step 0 is the local work, step i + 1 sub-ring step i's (the engine choice's order).
-  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk,
-                    const void* vv, int64_t k_rows) {
+  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk, const void* vv,
+                    int64_t k_rows) {
     return AttendStepForward(ctx.cudnn, step, *ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
   };
   auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };

@@ -305,7 +305,8 @@ TEST(AttentionPiecesTest, APartOfThePiecesAsAWorkList) {
         }
         for (int64_t a = blk.q_begin; a < blk.q_end; ++a) {
           for (int64_t b = seg.k_begin; b < seg.k_end; ++b) {
-            if (b - a >= seg.diag_lo && b - a <= seg.diag_hi) ++got[static_cast<size_t>(a * kr + b)];
+            if (b - a >= seg.diag_lo && b - a <= seg.diag_hi)
+              ++got[static_cast<size_t>(a * kr + b)];
           }
         }
       }

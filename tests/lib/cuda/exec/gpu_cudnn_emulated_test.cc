@@ -73,7 +73,7 @@ struct BatchRun {
 // One batch on R host-world ranks with emulated devices: a ring batch (plan == null) or a
 // batch under `plan`; forward once, backward once, checked against the reference.
 BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engine, uint64_t seed,
-             bool check = true) {
+                  bool check = true) {
   BatchRun res;
   const int64_t T = layout.num_tokens();
   CommOptions comm_options;
@@ -138,9 +138,9 @@ BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engi
     ASSERT_TRUE(f.ok()) << "rank " << r << ": " << f;
     report.forward_calls = fake->forward_calls();
     report.forward_pairs = fake->forward_pairs();
-    absl::Status b = (*batch)->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(),
-                                        t.out.data(), t.lse.data(), t.dq.data(), t.dk.data(),
-                                        t.dv.data());
+    absl::Status b =
+        (*batch)->Backward(t.dout.data(), t.q.data(), t.k.data(), t.v.data(), t.out.data(),
+                           t.lse.data(), t.dq.data(), t.dk.data(), t.dv.data());
     ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b;
     report.backward_calls = fake->backward_calls();
     report.backward_pairs = fake->backward_pairs();
@@ -158,10 +158,10 @@ BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engi
       EXPECT_EQ(bwd.ring_received, pb.bytes_received) << "rank " << r;
     } else {
       const RankHierarchy& h = *(*batch)->hierarchy();
-      EXPECT_EQ(static_cast<const HierTraffic&>(fwd),
-                PredictForwardTraffic(h, kDim, DType::kBF16)) << "rank " << r;
-      EXPECT_EQ(static_cast<const HierTraffic&>(bwd),
-                PredictBackwardTraffic(h, kDim, DType::kBF16)) << "rank " << r;
+      EXPECT_EQ(static_cast<const HierTraffic&>(fwd), PredictForwardTraffic(h, kDim, DType::kBF16))
+          << "rank " << r;
+      EXPECT_EQ(static_cast<const HierTraffic&>(bwd), PredictBackwardTraffic(h, kDim, DType::kBF16))
+          << "rank " << r;
     }
     report.moved = fwd.sent() + bwd.sent();
     t.Unslice(o);
@@ -195,8 +195,8 @@ std::pair<int64_t, int64_t> ExpectFakeRanTheTally(const BatchRun& run) {
 }
 
 TEST(GpuCudnnEngine, RingBatchesUnderCudnnRunEveryPieceOnTheRunner) {
-  for (auto [tokens, mix, seed] : {std::tuple{96, DocMix::kLongTail, 301},
-                                   {130, DocMix::kOneHuge, 302}}) {
+  for (auto [tokens, mix, seed] :
+       {std::tuple{96, DocMix::kLongTail, 301}, {130, DocMix::kOneHuge, 302}}) {
     SCOPED_TRACE(::testing::Message() << tokens << " tokens, seed " << seed);
     const Layout layout = testing::RandomLayout(tokens, mix, seed, /*causal_only=*/false);
     const BatchRun run = RunBatch(layout, 3, nullptr, {EngineMode::kCudnn, 91900}, seed);
@@ -211,9 +211,8 @@ TEST(GpuCudnnEngine, RingBatchesUnderAutoSplitPiecesBetweenTheEngines) {
   // left bands (a window document's queries against a previous rank's keys) on the JIT
   // kernels, in the same steps. Long window and causal documents split over the ranks, and
   // a random layout.
-  const Layout split = *Layout::FromDocuments({0, 130, 160},
-                                              {MaskKind::kSlidingWindow, MaskKind::kPrefixLM},
-                                              {13, 11});
+  const Layout split = *Layout::FromDocuments(
+      {0, 130, 160}, {MaskKind::kSlidingWindow, MaskKind::kPrefixLM}, {13, 11});
   const Layout random = testing::RandomLayout(120, DocMix::kOneHuge, 311, false);
   for (const Layout* layout : {&split, &random}) {
     SCOPED_TRACE(::testing::Message() << layout->num_tokens() << " tokens");
@@ -239,8 +238,12 @@ TEST(GpuCudnnEngine, SliceLayoutsOnTwoRanks) {
 
 TEST(GpuCudnnEngine, PlanBatchesUnderBothModes) {
   // Two head-parallel groups of two: each rank holds 2 query heads and their K/V head.
-  const Plan plan = testing::MakePlan({{2, 2}, kHeadsQ, kHeadsKv, testing::HeadSplit::kContiguous,
-                                       /*uneven=*/true, 331});
+  const Plan plan = testing::MakePlan({{2, 2},
+                                       kHeadsQ,
+                                       kHeadsKv,
+                                       testing::HeadSplit::kContiguous,
+                                       /*uneven=*/true,
+                                       331});
   const Layout layout = testing::RandomLayout(100, DocMix::kOneHuge, 331, false);
   for (EngineCase engine : {EngineCase{EngineMode::kCudnn, 91900}, {EngineMode::kAuto, 90200}}) {
     SCOPED_TRACE(EngineModeName(engine.mode));
@@ -274,8 +277,8 @@ TEST(GpuCudnnEngine, CudnnRefusesAnFp32BatchAtCreation) {
     setup.cudnn = {absl::OkStatus(), 91900, 90};
     setup.runner = std::make_shared<FakeCudnnRunner>(
         [](cudaStream, std::function<void()>) { return absl::OkStatus(); });
-    auto batch = Batch::Create(*(*comms)[r], layout, {}, options,
-                               *NewGpuRunners(*gpu, kernels, setup));
+    auto batch =
+        Batch::Create(*(*comms)[r], layout, {}, options, *NewGpuRunners(*gpu, kernels, setup));
     ASSERT_FALSE(batch.ok());
     EXPECT_THAT(batch.status().message(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
     EXPECT_THAT(batch.status().message(), HasSubstr("not fp32"));
