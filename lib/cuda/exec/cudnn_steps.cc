@@ -146,24 +146,30 @@ const DeviceWorkLists::List& CudnnSteps::JitWork(size_t step,
   return HasCalls(step) ? steps_[step].jit : all;
 }
 
+template <typename Params>
+Params CudnnSteps::StatsRows(const Call& c, int64_t lse_stride) const {
+  Params p{};
+  p.entries = c.q_rows;
+  p.lse_stride = lse_stride;
+  p.stats_head_stride = c.sdpa.max_q_len;
+  p.stats_entry_stride = c.sdpa.max_q_len * shape_.heads_q;
+  p.total_rows = c.total_q;
+  p.num_entries = c.sdpa.num_entries;
+  p.heads = shape_.heads_q;
+  return p;
+}
+
 absl::Status CudnnSteps::RunForward(size_t step, const Forward& f, const DeviceKernels& kernels,
                                     cudaStream stream) const {
   if (!HasCalls(step)) return absl::OkStatus();
   for (const Call& c : steps_[step].calls) {
     const SdpaForwardArgs args{f.q, f.k, f.v, o_, stats_};
     HSAP_RETURN_IF_ERROR(runner_->Forward(shape_, c.sdpa, args, stream));
-    hsap_dev::EntryMergeParams m{};
+    hsap_dev::EntryMergeParams m = StatsRows<hsap_dev::EntryMergeParams>(c, f.lse_stride);
     m.out = f.out32;
     m.lse = f.lse32;
     m.o = o_;
     m.stats = stats_;
-    m.entries = c.q_rows;
-    m.lse_stride = f.lse_stride;
-    m.stats_head_stride = c.sdpa.max_q_len;
-    m.stats_entry_stride = c.sdpa.max_q_len * shape_.heads_q;
-    m.total_rows = c.total_q;
-    m.num_entries = c.sdpa.num_entries;
-    m.heads = shape_.heads_q;
     HSAP_RETURN_IF_ERROR(kernels.MergeEntries(m, stream));
   }
   return absl::OkStatus();
@@ -175,16 +181,9 @@ absl::Status CudnnSteps::RunBackward(size_t step, const Backward& b, const Devic
   const long long q_row = static_cast<long long>(shape_.heads_q) * shape_.head_dim;
   const long long kv_row = static_cast<long long>(shape_.heads_kv) * shape_.head_dim;
   for (const Call& c : steps_[step].calls) {
-    hsap_dev::StatsGatherParams g{};
+    hsap_dev::StatsGatherParams g = StatsRows<hsap_dev::StatsGatherParams>(c, b.stride);
     g.lse = b.lse;
     g.stats = stats_;
-    g.entries = c.q_rows;
-    g.lse_stride = b.stride;
-    g.stats_head_stride = c.sdpa.max_q_len;
-    g.stats_entry_stride = c.sdpa.max_q_len * shape_.heads_q;
-    g.total_rows = c.total_q;
-    g.num_entries = c.sdpa.num_entries;
-    g.heads = shape_.heads_q;
     HSAP_RETURN_IF_ERROR(kernels.GatherStats(g, stream));
     const SdpaBackwardArgs args{b.q,     b.k,      b.v, b.out, b.dout, stats_,
                                 b.delta, b.stride, o_,  dk_,   dv_};

@@ -96,6 +96,10 @@ class CudnnSteps {
     DeviceWorkLists::List jit;  // the JIT pieces' work (used when calls is not empty)
   };
   CudnnSteps() = default;
+  // The entry, stride and Stats-layout fields of a call's merge or gather (the query rows,
+  // lse [heads_q, lse_stride], Stats [entries, heads_q, max_q_len]).
+  template <typename Params>
+  Params StatsRows(const Call& c, int64_t lse_stride) const;
 
   SdpaShape shape_;
   std::shared_ptr<CudnnPieceRunner> runner_;
