@@ -239,8 +239,9 @@ TEST(GpuCudnnEngine, SliceLayoutsOnTwoRanks) {
 }
 
 TEST(GpuCudnnEngine, PlanBatchesUnderBothModes) {
-  // Two head-parallel groups of two: each rank holds 2 query heads and their K/V head.
-  const Plan plan = testing::MakePlan({{2, 2},
+  // Head-parallel groups of two and one: ranks of 2 query heads and their K/V head, and one
+  // rank of all 4 and both K/V heads.
+  const Plan plan = testing::MakePlan({{2, 1},
                                        kHeadsQ,
                                        kHeadsKv,
                                        testing::HeadSplit::kContiguous,
