@@ -11,10 +11,12 @@
 #include <mutex>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/params.h"
 #include "base/status_macros.h"
 #include "jit/cache.h"
@@ -276,6 +278,7 @@ absl::StatusOr<const NvrtcApi*> LoadNvrtc() {
 absl::StatusOr<int> ParseCudaArch(absl::string_view arch) {
   absl::string_view digits = arch;
   if (absl::ConsumePrefix(&digits, "sm_") || absl::ConsumePrefix(&digits, "compute_")) {
+    absl::ConsumeSuffix(&digits, "a");  // architecture-specific features (sm_90a)
     int value = 0;
     if (!digits.empty() && digits.size() <= 4 &&
         std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
@@ -283,8 +286,13 @@ absl::StatusOr<int> ParseCudaArch(absl::string_view arch) {
       return value;
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "CUDA architecture \"", arch, "\" is not of the form sm_XX or compute_XX (e.g. sm_90)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("CUDA architecture \"", arch,
+                   "\" is not of the form sm_XX[a] or compute_XX[a] (e.g. sm_90, sm_90a)"));
+}
+
+bool CudaArchSpecific(absl::string_view arch) {
+  return ParseCudaArch(arch).ok() && absl::EndsWith(arch, "a");
 }
 
 absl::StatusOr<std::string> CudaBinary::LoweredName(absl::string_view expression) const {
@@ -322,7 +330,11 @@ absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, Compil
     }
     target_arch = best;
   }
-  const std::string target = absl::StrCat(want_ptx ? "compute_" : "sm_", target_arch);
+  // The architecture-specific suffix ("a": wgmma, setmaxnreg, ...) is kept when the exact
+  // architecture is compiled for; PTX for a lower virtual architecture cannot carry it.
+  const bool specific = CudaArchSpecific(request.arch) && target_arch == arch;
+  const std::string target =
+      absl::StrCat(want_ptx ? "compute_" : "sm_", target_arch, specific ? "a" : "");
   std::vector<std::string> options = DefaultNvrtcOptions(target);
   options.insert(options.end(), request.extra_options.begin(), request.extra_options.end());
 

@@ -72,8 +72,12 @@ struct NvrtcApi {
 // unloaded). UnimplementedError when none is found, naming the places searched.
 absl::StatusOr<const NvrtcApi*> LoadNvrtc();
 
-// "sm_90" -> 90, "sm_80" -> 80, "compute_75" -> 75; InvalidArgument otherwise.
+// "sm_90" -> 90, "sm_90a" -> 90, "sm_80" -> 80, "compute_75" -> 75; InvalidArgument otherwise.
 absl::StatusOr<int> ParseCudaArch(absl::string_view arch);
+// Whether `arch` names architecture-specific features ("sm_90a", "compute_90a": wgmma,
+// setmaxnreg; code for them runs on that architecture only). The target of such a request
+// keeps the suffix (--gpu-architecture=sm_90a), and so does the cache key.
+bool CudaArchSpecific(absl::string_view arch);
 
 struct CudaCompileRequest {
   std::string program_name = "hsap_kernels.cu";  // shown in logs
@@ -81,7 +85,7 @@ struct CudaCompileRequest {
   // (include name, content) of every header the source includes; NVRTC sees only these
   // (no include directory is searched).
   std::vector<std::pair<std::string, std::string>> headers;
-  std::string arch;        // "sm_80", "sm_90", ...
+  std::string arch;        // "sm_80", "sm_90", "sm_90a", ...
   bool force_ptx = false;  // PTX even when a cubin for `arch` could be built
   std::vector<std::string> name_expressions;
   std::vector<std::string> extra_options;  // appended to the default options
