@@ -29,6 +29,7 @@ HSAP_EMBED_FILE(hsap_embedded_mma_cuh, "jit/device/hsap_mma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_mma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
+HSAP_EMBED_FILE(hsap_embedded_tma_cuh, "jit/device/hsap_tma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_fwd_cuh, "jit/device/hsap_attention_wgmma_fwd.cuh");
 
 namespace hsap::jit {
@@ -494,6 +495,7 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
        std::string(hsap_embedded_attention_cuh, hsap_embedded_attention_cuh_end)},
       {"hsap_attention_mma_bwd.cuh",
        std::string(hsap_embedded_attention_mma_bwd_cuh, hsap_embedded_attention_mma_bwd_cuh_end)},
+      {"hsap_tma.cuh", std::string(hsap_embedded_tma_cuh, hsap_embedded_tma_cuh_end)},
       {"hsap_attention_wgmma_fwd.cuh", std::string(hsap_embedded_attention_wgmma_fwd_cuh,
                                                    hsap_embedded_attention_wgmma_fwd_cuh_end)},
   };
