@@ -38,9 +38,10 @@ namespace {
 constexpr int kMaxPeers = 15;
 
 // The parameter list of the sm_90a forward, as its explicit instantiation spells it.
+// (nvcc requires the __grid_constant__ annotations of the declaration there too.)
 constexpr char kWgmmaFwdParams[] =
-    "hsap_dev::FwdParams, const hsap_dev::TensorMap, const hsap_dev::TensorMap, const "
-    "hsap_dev::TensorMap";
+    "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
+    "hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap";
 
 // Threads per query row: head dims above 128 split a row over 4 lanes to keep the
 // per-thread accumulator at <= 64 floats.
