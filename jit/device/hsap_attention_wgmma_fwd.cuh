@@ -210,11 +210,11 @@ HSAP_DEV void wgmma_fwd_zero_v_tail(unsigned char* vt, int cols, int ct, unsigne
   mbarrier_wait_parity(fix, phase);
 }
 
-// S = Q K^T for this warpgroup's 64 rows (q_wg: its first row in panel 0) and the tile's
-// kBN keys.
+// Issues S = Q K^T for this warpgroup's 64 rows (q_wg: its first row in panel 0) and the
+// tile's kBN keys as one wgmma group (kD / 16 k-steps); s is written when the group completes.
 template <class S, bool kBf16>
-HSAP_DEV void wgmma_fwd_scores(float (&s)[S::kBN / 2], const unsigned char* q_wg,
-                               const unsigned char* kt) {
+HSAP_DEV void wgmma_fwd_issue_scores(float (&s)[S::kBN / 2], const unsigned char* q_wg,
+                                     const unsigned char* kt) {
   HSAP_UNROLL
   for (int i = 0; i < S::kBN / 2; ++i) s[i] = 0.0f;
   wgmma_fence();  // s was written by ordinary instructions
@@ -223,35 +223,89 @@ HSAP_DEV void wgmma_fwd_scores(float (&s)[S::kBN / 2], const unsigned char* q_wg
     const int panel = kk / 4, byte = (kk % 4) * 32;
     const unsigned long long a =
         wgmma_desc(q_wg + panel * S::kBM * 128 + byte, 16, 1024, kSwizzle128B);
-    const unsigned long long b = wgmma_desc(kt + panel * S::kBN * 128 + byte, 16, 1024,
-                                            kSwizzle128B);
+    const unsigned long long b =
+        wgmma_desc(kt + panel * S::kBN * 128 + byte, 16, 1024, kSwizzle128B);
     wgmma_m64k16_ss<S::kBN, kBf16, false>(s, a, b, kk > 0);
   }
   wgmma_commit_group();
-  wgmma_wait_group<0>();
 }
 
-// O += P V: P from the softmaxed S accumulators (8-column blocks 2kc, 2kc + 1 are the A
-// fragment of k-step kc), V through the MN-major descriptor.
-template <class S, class Ops, bool kBf16>
-HSAP_DEV void wgmma_fwd_pv(float (&o)[S::kD / 2], const float (&s)[S::kBN / 2],
-                           const unsigned char* vt) {
-  wgmma_fence();  // o (rescaled) and the A registers were written by ordinary instructions
+// Issues O += P V as one wgmma group: p holds P packed to bf16/f16 pairs in the A layout
+// (k-step kc: the S blocks 2kc and 2kc + 1), V goes through the MN-major descriptor. o and p
+// must not be touched until the group completes.
+template <class S, bool kBf16>
+HSAP_DEV void wgmma_fwd_issue_pv(float (&o)[S::kD / 2], const unsigned (&p)[S::kBN / 16][4],
+                                 const unsigned char* vt) {
+  wgmma_fence();  // o (rescaled) and p were written by ordinary instructions
   HSAP_UNROLL
   for (int kc = 0; kc < S::kBN / 16; ++kc) {
-    const float* p = s + 8 * kc;  // blocks 2kc (p[0..3]) and 2kc + 1 (p[4..7])
-    const unsigned a[4] = {Ops::pack(p[0], p[1]), Ops::pack(p[2], p[3]), Ops::pack(p[4], p[5]),
-                           Ops::pack(p[6], p[7])};
-    const unsigned long long b =
-        wgmma_desc(vt + kc * 16 * 128, S::kBN * 128, 1024, kSwizzle128B);
-    wgmma_m64k16_rs<S::kD, kBf16, true>(o, a, b, true);
+    const unsigned long long b = wgmma_desc(vt + kc * 16 * 128, S::kBN * 128, 1024, kSwizzle128B);
+    wgmma_m64k16_rs<S::kD, kBf16, true>(o, p[kc], b, true);
   }
   wgmma_commit_group();
-  wgmma_wait_group<0>();
+}
+
+// P (the softmaxed scores, fp32) packed into the A fragments of P V.
+template <class S, class Ops>
+HSAP_DEV void wgmma_fwd_pack_p(unsigned (&p)[S::kBN / 16][4], const float (&s)[S::kBN / 2]) {
+  HSAP_UNROLL
+  for (int kc = 0; kc < S::kBN / 16; ++kc) {
+    const float* x = s + 8 * kc;  // blocks 2kc (x[0..3]) and 2kc + 1 (x[4..7])
+    p[kc][0] = Ops::pack(x[0], x[1]);
+    p[kc][1] = Ops::pack(x[2], x[3]);
+    p[kc][2] = Ops::pack(x[4], x[5]);
+    p[kc][3] = Ops::pack(x[6], x[7]);
+  }
+}
+
+// One consumer thread's state over a chunk: the running softmax of its two rows, the O
+// accumulator, the scores of the tile in hand and P of the tile whose P V is next.
+template <class S>
+struct WgmmaFwdRows {
+  OnlineSoftmax smx[2];
+  bool saw_key[2], non_finite[2];
+  float o[S::kD / 2];
+  float s[S::kBN / 2];
+  unsigned p[S::kBN / 16][4];
+  float rescale[2];
+
+  HSAP_DEV void init() {
+    smx[0].init();
+    smx[1].init();
+    saw_key[0] = saw_key[1] = non_finite[0] = non_finite[1] = false;
+    HSAP_UNROLL
+    for (int i = 0; i < S::kD / 2; ++i) o[i] = 0.0f;
+  }
+  // The masked online softmax of s (tile `tile` at the chunk's q0, rows): s becomes P (fp32),
+  // rescale the factor o needs before this tile's P V.
+  template <bool kHasBand, int kBN>
+  HSAP_DEV void softmax(const KeyTileWalk<kHasBand, kBN>& tile, long long q0, int rows, int row0,
+                        int t, float scale_log2) {
+    const int cols = tile.cols();
+    const bool masked =
+        kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, tile.k0, cols);
+    mma_fwd_softmax_scores<S>(reinterpret_cast<float(&)[S::kNTiles][4]>(s), rescale, smx, saw_key,
+                              non_finite, tile.seg, masked, q0, rows, tile.k0, cols, row0, t,
+                              scale_log2);
+  }
+};
+
+// Waits for tile n's K and V (stage n % kStages) and, when the tile holds fewer than kBN
+// valid keys, zeroes its V rows past them.
+template <class S>
+HSAP_DEV void wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int cols, int ct,
+                                unsigned* fixes) {
+  const int stage = static_cast<int>(n % S::kStages);
+  mbarrier_wait_parity(&sm.full[stage], (n / S::kStages) & 1u);
+  if (cols < S::kBN) wgmma_fwd_zero_v_tail<S>(sm.v_stage(stage), cols, ct, sm.fix, (*fixes)++ & 1u);
 }
 
 // The consumers: warpgroup wg (0 or 1 after the producer) computes rows [64 wg, 64 wg + 64)
-// of every chunk.
+// of every chunk. FlashAttention-3's intra-warpgroup pipelining: with S of tile i in hand as
+// P, the loop issues S = Q K^T of tile i + 1, then O += P V of tile i, waits for the first
+// group only, and runs the softmax of tile i + 1 while P V of tile i is still on the tensor
+// cores; it then waits for P V (before O is rescaled and P overwritten, which the ISA forbids
+// while the wgmma that reads them is pending) and releases tile i's stage.
 template <class Cfg, class S>
 HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* lse,
                                 long long q_rows, long long k_rows, int heads_q, int h,
@@ -259,6 +313,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
                                 unsigned int* error_flag) {
   using T = typename Cfg::T;
   using Ops = MmaOps<T>;
+  using Walk = KeyTileWalk<Cfg::kHasBand, S::kBN>;
   constexpr bool kBf16 = WgmmaIsBf16<T>::kValue;
   const int ct = static_cast<int>(threadIdx.x) - 128;  // consumer thread, 0..255
   const int wg = ct / 128, warp = (ct % 128) / 32, lane = ct % 32;
@@ -266,40 +321,50 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
   const int row0 = wg * 64 + warp * 16 + g;  // this lane's row g in the chunk
   const float scale_log2 = scale * 1.4426950408889634f;
   const unsigned char* q_wg = sm.q + wg * 64 * 128;
-  unsigned n = 0, chunk = 0, fixes = 0;
+  unsigned n = 0, chunk = 0, fixes = 0;  // tiles and chunks consumed, V fixes
+  WgmmaFwdRows<S> r;
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += S::kBM, ++chunk) {
     const int rows = static_cast<int>(min64(S::kBM, qb.q_end - q0));
-    OnlineSoftmax smx[2];
-    smx[0].init();
-    smx[1].init();
-    bool saw_key[2] = {false, false}, non_finite[2] = {false, false};
-    float o[S::kD / 2];
-    HSAP_UNROLL
-    for (int i = 0; i < S::kD / 2; ++i) o[i] = 0.0f;
+    r.init();
     mbarrier_wait_parity(sm.q_full, chunk & 1u);
-    // The consumers walk the same tiles as the producer (the walk reports nothing here:
-    // report() writes from thread 0 only, the producer's).
-    KeyTileWalk<Cfg::kHasBand, S::kBN> tile{segments,   qb.seg_begin, qb.seg_end, q0, rows, k_rows,
-                                            error_flag, KeySegment{}, false,      0,  0};
-    for (tile.enter(); tile.valid(); tile.next(), ++n) {
-      const int stage = static_cast<int>(n % S::kStages);
-      mbarrier_wait_parity(&sm.full[stage], (n / S::kStages) & 1u);
-      const int cols = tile.cols();
-      const long long k0 = tile.k0;
-      if (cols < S::kBN) wgmma_fwd_zero_v_tail<S>(sm.v_stage(stage), cols, ct, sm.fix, fixes++ & 1u);
-      float s[S::kBN / 2];
-      wgmma_fwd_scores<S, kBf16>(s, q_wg, sm.k_stage(stage));
-      const bool masked =
-          Cfg::kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, k0, cols);
-      mma_fwd_softmax<S>(reinterpret_cast<float(&)[S::kNTiles][4]>(s),
-                         reinterpret_cast<float(&)[S::kDTiles][4]>(o), smx, saw_key, non_finite,
-                         tile.seg, masked, q0, rows, k0, cols, row0, t, scale_log2);
-      wgmma_fwd_pv<S, Ops, kBf16>(o, s, sm.v_stage(stage));
-      mbarrier_arrive(&sm.empty[stage]);  // this thread's wgmma reads of the stage are done
+    // The consumers walk the same tiles as the producer (reports come from thread 0 only,
+    // the producer's).
+    Walk tile{segments, qb.seg_begin, qb.seg_end, q0, rows, k_rows, error_flag, KeySegment{},
+              false,    0,            0};
+    tile.enter();
+    if (tile.valid()) {  // prologue: S of the first tile, softmaxed, as P
+      wgmma_fwd_acquire<S>(sm, n, tile.cols(), ct, &fixes);
+      wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage(n % S::kStages));
+      wgmma_wait_group<0>();
+      r.softmax(tile, q0, rows, row0, t, scale_log2);
+      mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
+      wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
     }
-    mbarrier_arrive(sm.q_empty);
-    mma_fwd_merge<S>(reinterpret_cast<const float(&)[S::kDTiles][4]>(o), smx, saw_key, non_finite,
-                     out, lse, q_rows, heads_q, h, q0, rows, row0, t);
+    while (tile.valid()) {
+      Walk next = tile;
+      next.next();
+      const int stage = static_cast<int>(n % S::kStages);
+      if (next.valid()) {
+        wgmma_fwd_acquire<S>(sm, n + 1, next.cols(), ct, &fixes);
+        wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage((n + 1) % S::kStages));
+      }
+      wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(stage));
+      if (next.valid()) {
+        wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
+        r.softmax(next, q0, rows, row0, t, scale_log2);
+      }
+      wgmma_wait_group<0>();  // P V of tile n: o and p are free, the stage is read
+      mbarrier_arrive(&sm.empty[stage]);
+      if (next.valid()) {
+        mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
+        wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
+      }
+      tile = next;
+      ++n;
+    }
+    mbarrier_arrive(sm.q_empty);  // every S of the chunk has completed
+    mma_fwd_merge<S>(reinterpret_cast<const float(&)[S::kDTiles][4]>(r.o), r.smx, r.saw_key,
+                     r.non_finite, out, lse, q_rows, heads_q, h, q0, rows, row0, t);
   }
 }
 
