@@ -18,6 +18,7 @@
 #include "jit/device/hsap_mma.cuh"
 #include "jit/device/hsap_params.cuh"
 #include "jit/device/hsap_sync.cuh"
+#include "jit/device/hsap_wgmma.cuh"
 #include "jit/device/hsap_worklist.cuh"
 
 // The device headers' text, embedded at build time (jit/embed_file.h).
@@ -26,6 +27,7 @@ HSAP_EMBED_FILE(hsap_embedded_device_cuh, "jit/device/hsap_device.cuh");
 HSAP_EMBED_FILE(hsap_embedded_sync_cuh, "jit/device/hsap_sync.cuh");
 HSAP_EMBED_FILE(hsap_embedded_worklist_cuh, "jit/device/hsap_worklist.cuh");
 HSAP_EMBED_FILE(hsap_embedded_mma_cuh, "jit/device/hsap_mma.cuh");
+HSAP_EMBED_FILE(hsap_embedded_wgmma_cuh, "jit/device/hsap_wgmma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_mma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
@@ -490,6 +492,7 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
       {"hsap_worklist.cuh",
        std::string(hsap_embedded_worklist_cuh, hsap_embedded_worklist_cuh_end)},
       {"hsap_mma.cuh", std::string(hsap_embedded_mma_cuh, hsap_embedded_mma_cuh_end)},
+      {"hsap_wgmma.cuh", std::string(hsap_embedded_wgmma_cuh, hsap_embedded_wgmma_cuh_end)},
       {"hsap_attention_mma_fwd.cuh",
        std::string(hsap_embedded_attention_mma_fwd_cuh, hsap_embedded_attention_mma_fwd_cuh_end)},
       {"hsap_attention.cuh",

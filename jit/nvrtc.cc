@@ -278,7 +278,7 @@ absl::StatusOr<const NvrtcApi*> LoadNvrtc() {
 absl::StatusOr<int> ParseCudaArch(absl::string_view arch) {
   absl::string_view digits = arch;
   if (absl::ConsumePrefix(&digits, "sm_") || absl::ConsumePrefix(&digits, "compute_")) {
-    absl::ConsumeSuffix(&digits, "a");  // architecture-specific features (sm_90a)
+    absl::ConsumeSuffix(&digits, "a");
     int value = 0;
     if (!digits.empty() && digits.size() <= 4 &&
         std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
@@ -288,12 +288,10 @@ absl::StatusOr<int> ParseCudaArch(absl::string_view arch) {
   }
   return absl::InvalidArgumentError(
       absl::StrCat("CUDA architecture \"", arch,
-                   "\" is not of the form sm_XX[a] or compute_XX[a] (e.g. sm_90, sm_90a)"));
+                   "\" is not of the form sm_XX, sm_XXa or compute_XX (e.g. sm_90, sm_90a)"));
 }
 
-bool CudaArchSpecific(absl::string_view arch) {
-  return ParseCudaArch(arch).ok() && absl::EndsWith(arch, "a");
-}
+bool IsArchSpecificTarget(absl::string_view arch) { return absl::EndsWith(arch, "a"); }
 
 absl::StatusOr<std::string> CudaBinary::LoweredName(absl::string_view expression) const {
   for (const auto& [expr, lowered] : lowered_names) {
@@ -315,6 +313,13 @@ absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, Compil
 
   const bool want_ptx =
       request.force_ptx || request.arch.rfind("compute_", 0) == 0 || !api.SupportsCubin(arch);
+  const bool arch_specific = IsArchSpecificTarget(request.arch);
+  if (arch_specific && !api.SupportsCubin(arch)) {
+    // sm_XXa code exists for that architecture only: no lower virtual architecture serves.
+    return absl::UnimplementedError(absl::StrCat("CUDA architecture ", request.arch,
+                                                 " is arch-specific and ", api.Identity(),
+                                                 " does not know sm_", arch));
+  }
   int target_arch = arch;
   if (want_ptx && !api.SupportsCubin(target_arch)) {
     // The closest lower virtual architecture this NVRTC knows; the driver JITs upward.
@@ -330,11 +335,8 @@ absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, Compil
     }
     target_arch = best;
   }
-  // The architecture-specific suffix ("a": wgmma, setmaxnreg, ...) is kept when the exact
-  // architecture is compiled for; PTX for a lower virtual architecture cannot carry it.
-  const bool specific = CudaArchSpecific(request.arch) && target_arch == arch;
   const std::string target =
-      absl::StrCat(want_ptx ? "compute_" : "sm_", target_arch, specific ? "a" : "");
+      absl::StrCat(want_ptx ? "compute_" : "sm_", target_arch, arch_specific ? "a" : "");
   std::vector<std::string> options = DefaultNvrtcOptions(target);
   options.insert(options.end(), request.extra_options.begin(), request.extra_options.end());
 

@@ -72,12 +72,12 @@ struct NvrtcApi {
 // unloaded). UnimplementedError when none is found, naming the places searched.
 absl::StatusOr<const NvrtcApi*> LoadNvrtc();
 
-// "sm_90" -> 90, "sm_90a" -> 90, "sm_80" -> 80, "compute_75" -> 75; InvalidArgument otherwise.
+// "sm_90" -> 90, "sm_80" -> 80, "compute_75" -> 75, "sm_90a" -> 90; InvalidArgument otherwise.
+// The "a" suffix names the architecture-specific target (sm_90a: wgmma, setmaxnreg, ...),
+// whose code runs on that exact architecture only (IsArchSpecificTarget).
 absl::StatusOr<int> ParseCudaArch(absl::string_view arch);
-// Whether `arch` names architecture-specific features ("sm_90a", "compute_90a": wgmma,
-// setmaxnreg; code for them runs on that architecture only). The target of such a request
-// keeps the suffix (--gpu-architecture=sm_90a), and so does the cache key.
-bool CudaArchSpecific(absl::string_view arch);
+// True for "sm_90a" / "compute_90a" (ParseCudaArch must accept `arch`).
+bool IsArchSpecificTarget(absl::string_view arch);
 
 struct CudaCompileRequest {
   std::string program_name = "hsap_kernels.cu";  // shown in logs
@@ -85,7 +85,7 @@ struct CudaCompileRequest {
   // (include name, content) of every header the source includes; NVRTC sees only these
   // (no include directory is searched).
   std::vector<std::pair<std::string, std::string>> headers;
-  std::string arch;        // "sm_80", "sm_90", "sm_90a", ...
+  std::string arch;        // "sm_80", "sm_90", "sm_90a" (arch-specific: never a lower fallback)
   bool force_ptx = false;  // PTX even when a cubin for `arch` could be built
   std::vector<std::string> name_expressions;
   std::vector<std::string> extra_options;  // appended to the default options
@@ -110,7 +110,9 @@ std::vector<std::string> DefaultNvrtcOptions(absl::string_view target);
 
 // Compiles `request` (through `cache` unless it is null; CompileCache::Global() is the
 // usual argument). Errors: Unimplemented (no NVRTC, or an architecture below every
-// supported one), InvalidArgument (bad arch string), CompileError (log + source path).
+// supported one, or an arch-specific "sm_XXa" this NVRTC does not know: its code cannot
+// come from a lower architecture), InvalidArgument (bad arch string), CompileError (log +
+// source path).
 absl::StatusOr<CudaBinary> CompileCuda(const CudaCompileRequest& request, CompileCache* cache);
 
 // ---- ELF64 symbol table (to check that a cubin defines the kernels we look up) ----

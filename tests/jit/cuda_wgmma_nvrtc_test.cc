@@ -110,8 +110,8 @@ TEST(WgmmaForwardSelection, GeneratorEmitsTheWgmmaForward) {
 TEST(WgmmaForwardSelection, ArchSuffixParses) {
   EXPECT_EQ(*ParseCudaArch("sm_90a"), 90);
   EXPECT_EQ(*ParseCudaArch("compute_90a"), 90);
-  EXPECT_TRUE(CudaArchSpecific("sm_90a"));
-  EXPECT_FALSE(CudaArchSpecific("sm_90"));
+  EXPECT_TRUE(IsArchSpecificTarget("sm_90a"));
+  EXPECT_FALSE(IsArchSpecificTarget("sm_90"));
   EXPECT_FALSE(ParseCudaArch("sm_90b").ok());
   EXPECT_FALSE(ParseCudaArch("sm_a").ok());
   EXPECT_FALSE(ParseCudaArch("sm_90aa").ok());

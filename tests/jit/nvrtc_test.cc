@@ -58,7 +58,12 @@ TEST(ParseCudaArch, AcceptsSmAndComputeOnly) {
   EXPECT_EQ(*ParseCudaArch("sm_80"), 80);
   EXPECT_EQ(*ParseCudaArch("compute_75"), 75);
   EXPECT_EQ(*ParseCudaArch("sm_100"), 100);
-  for (const char* bad : {"", "sm_", "sm90", "sm_9x", "gfx90a", "sm_-1", "sm_123456", "sm_1"}) {
+  EXPECT_EQ(*ParseCudaArch("sm_90a"), 90);
+  EXPECT_EQ(*ParseCudaArch("compute_90a"), 90);
+  EXPECT_TRUE(IsArchSpecificTarget("sm_90a"));
+  EXPECT_FALSE(IsArchSpecificTarget("sm_90"));
+  for (const char* bad : {"", "sm_", "sm90", "sm_9x", "gfx90a", "sm_-1", "sm_123456", "sm_1",
+                          "sm_a", "sm_90aa", "sm_9a", "sm_a90"}) {
     absl::StatusOr<int> a = ParseCudaArch(bad);
     ASSERT_FALSE(a.ok()) << bad;
     EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
