@@ -111,9 +111,10 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
 // The sm_90a forward (hsap_attention_wgmma_fwd.cuh, WgmmaFwdShape::kSmemBytes): 1 KiB of
 // slack to align the tiles to the 1024-byte atoms of the 128-byte swizzle, the Q tile of 128
 // rows and `stages` K and V tiles of `bn` rows, 16-bit elements without padding (the swizzle
-// spreads the rows over the banks), then 2 * stages + 3 mbarriers.
+// spreads the rows over the banks), then 2 * stages + 3 mbarriers, a 32-byte descriptor per
+// stage (WgmmaTileInfo) and 16 bytes for the chunk's tile count.
 int WgmmaFwdSmemBytes(int d, int bn, int stages) {
-  return 1024 + 2 * (128 + 2 * stages * bn) * d + 8 * (2 * stages + 3);
+  return 1024 + 2 * (128 + 2 * stages * bn) * d + 8 * (2 * stages + 3) + 32 * stages + 16;
 }
 
 // The sm_90a forward's key tiles. Per consumer thread the O accumulator takes D/2 fp32

@@ -93,8 +93,10 @@ struct WgmmaFwdShape {
   static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
   static constexpr int kNumBars = 2 * kStages + 3;
+  static constexpr int kInfoOffset = kBarOffset + 8 * kNumBars;  // WgmmaTileInfo[kStages]
+  static constexpr int kChunkOffset = kInfoOffset + 32 * kStages;  // the chunk's tile count
   // 1 KiB of alignment slack first (jit/codegen_cuda.cc WgmmaFwdSmemBytes: same formula).
-  static constexpr int kSmemBytes = 1024 + kBarOffset + 8 * kNumBars;
+  static constexpr int kSmemBytes = 1024 + kChunkOffset + 16;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128*40 + 256*232 <= 65536
   static_assert(kD == 64 || kD == 128 || kD == 256,
@@ -129,6 +131,18 @@ HSAP_DEV unsigned shared_window_offset(const void* p) {
 #endif
 }
 
+// What the consumers need of a K/V tile, written by the producer into its stage's slot before
+// it arms the stage's `full` barrier (mbarrier.arrive has release semantics and the
+// consumers' try_wait acquire semantics, so they read it after their wait), so that the
+// consumers hold no work-list walk in registers.
+struct WgmmaTileInfo {
+  long long k0;                // first key row of the tile
+  long long diag_lo, diag_hi;  // the segment's band
+  int cols;                    // valid keys, <= kBN
+  int masked;                  // 1: some score of the tile is outside the band
+};
+static_assert(sizeof(WgmmaTileInfo) == 32, "WgmmaFwdShape::kChunkOffset assumes 32 bytes");
+
 // The shared-memory tiles and barriers of one CTA.
 template <class S>
 struct WgmmaFwdSmem {
@@ -140,6 +154,8 @@ struct WgmmaFwdSmem {
   unsigned long long* q_full;
   unsigned long long* q_empty;
   unsigned long long* fix;  // the consumers zeroed a tile's V rows past its valid keys
+  WgmmaTileInfo* info;      // [kStages]
+  int* chunk_tiles;         // the tiles of the chunk whose Q is in q (written with Q)
 
   HSAP_DEV explicit WgmmaFwdSmem(void* raw) {
     unsigned char* base = static_cast<unsigned char*>(raw);
@@ -152,6 +168,8 @@ struct WgmmaFwdSmem {
     q_full = empty + S::kStages;
     q_empty = q_full + 1;
     fix = q_empty + 1;
+    info = reinterpret_cast<WgmmaTileInfo*>(base + S::kInfoOffset);
+    chunk_tiles = reinterpret_cast<int*>(base + S::kChunkOffset);
   }
   HSAP_DEV unsigned char* k_stage(int s) const { return k + s * S::kTileBytes; }
   HSAP_DEV unsigned char* v_stage(int s) const { return v + s * S::kTileBytes; }
@@ -172,16 +190,27 @@ HSAP_DEV void wgmma_fwd_produce(const WgmmaFwdSmem<S>& sm, const TensorMap* tq,
     // A fresh barrier's phase 0 is incomplete, so waiting on parity 1 (the phase "before"
     // it) passes at once: the first use of every empty barrier does not wait.
     mbarrier_wait_parity(sm.q_empty, (chunk & 1u) ^ 1u);
+    using Walk = KeyTileWalk<Cfg::kHasBand, S::kBN>;
+    Walk walk{segments, qb.seg_begin, qb.seg_end, q0, rows, k_rows, error_flag, KeySegment{},
+              false,    0,            0};
+    int tiles = 0;
+    for (walk.enter(); walk.valid(); walk.next()) ++tiles;
+    *sm.chunk_tiles = tiles;  // published by the arrive on q_full
     mbarrier_arrive_expect_tx(sm.q_full, S::kQBytes);
     HSAP_UNROLL
     for (int p = 0; p < S::kPanels; ++p) {
       tma_load_3d(sm.q + p * S::kBM * 128, tq, p * 64, h, static_cast<int>(q0), sm.q_full);
     }
-    KeyTileWalk<Cfg::kHasBand, S::kBN> walk{segments,   qb.seg_begin, qb.seg_end, q0, rows, k_rows,
-                                            error_flag, KeySegment{}, false,      0,  0};
+    walk = Walk{segments, qb.seg_begin, qb.seg_end, q0, rows, k_rows, nullptr, KeySegment{},
+                false,    0,            0};  // the same tiles again (reported above)
     for (walk.enter(); walk.valid(); walk.next(), ++n) {
       const int stage = static_cast<int>(n % S::kStages);
       mbarrier_wait_parity(&sm.empty[stage], ((n / S::kStages) & 1u) ^ 1u);
+      const int cols = walk.cols();
+      const bool masked =
+          Cfg::kHasBand && !walk.full && !tile_inside_band(walk.seg, q0, rows, walk.k0, cols);
+      sm.info[stage] = WgmmaTileInfo{walk.k0, walk.seg.diag_lo, walk.seg.diag_hi, cols,
+                                     masked ? 1 : 0};
       mbarrier_arrive_expect_tx(&sm.full[stage], 2 * S::kTileBytes);
       const int k0 = static_cast<int>(walk.k0);
       HSAP_UNROLL
@@ -210,6 +239,15 @@ HSAP_DEV void wgmma_fwd_zero_v_tail(unsigned char* vt, int cols, int ct, unsigne
   mbarrier_wait_parity(fix, phase);
 }
 
+// Pins P's registers around the asynchronous window of the P V that reads them, as
+// wgmma_fence_operand does for accumulators (hsap_wgmma.cuh): the compiler must not move the
+// next tile's packing above the wait.
+HSAP_DEV void wgmma_fwd_pin(unsigned (&p)[4]) {
+#ifndef HSAP_DEVICE_EMULATION
+  asm volatile("" : "+r"(p[0]), "+r"(p[1]), "+r"(p[2]), "+r"(p[3])::"memory");
+#endif
+}
+
 // Issues S = Q K^T for this warpgroup's 64 rows (q_wg: its first row in panel 0) and the
 // tile's kBN keys as one wgmma group (kD / 16 k-steps); s is written when the group completes.
 template <class S, bool kBf16>
@@ -217,7 +255,8 @@ HSAP_DEV void wgmma_fwd_issue_scores(float (&s)[S::kBN / 2], const unsigned char
                                      const unsigned char* kt) {
   HSAP_UNROLL
   for (int i = 0; i < S::kBN / 2; ++i) s[i] = 0.0f;
-  wgmma_fence();  // s was written by ordinary instructions
+  wgmma_fence_operand(s);  // the zeros stay before the fence (hsap_wgmma.cuh)
+  wgmma_fence();           // s was written by ordinary instructions
   HSAP_UNROLL
   for (int kk = 0; kk < S::kD / 16; ++kk) {
     const int panel = kk / 4, byte = (kk % 4) * 32;
@@ -236,7 +275,8 @@ HSAP_DEV void wgmma_fwd_issue_scores(float (&s)[S::kBN / 2], const unsigned char
 template <class S, bool kBf16>
 HSAP_DEV void wgmma_fwd_issue_pv(float (&o)[S::kD / 2], const unsigned (&p)[S::kBN / 16][4],
                                  const unsigned char* vt) {
-  wgmma_fence();  // o (rescaled) and p were written by ordinary instructions
+  wgmma_fence_operand(o);  // the rescale stays before the fence
+  wgmma_fence();           // o (rescaled) and p were written by ordinary instructions
   HSAP_UNROLL
   for (int kc = 0; kc < S::kBN / 16; ++kc) {
     const unsigned long long b = wgmma_desc(vt + kc * 16 * 128, S::kBN * 128, 1024, kSwizzle128B);
@@ -276,28 +316,29 @@ struct WgmmaFwdRows {
     HSAP_UNROLL
     for (int i = 0; i < S::kD / 2; ++i) o[i] = 0.0f;
   }
-  // The masked online softmax of s (tile `tile` at the chunk's q0, rows): s becomes P (fp32),
-  // rescale the factor o needs before this tile's P V.
-  template <bool kHasBand, int kBN>
-  HSAP_DEV void softmax(const KeyTileWalk<kHasBand, kBN>& tile, long long q0, int rows, int row0,
-                        int t, float scale_log2) {
-    const int cols = tile.cols();
-    const bool masked =
-        kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, tile.k0, cols);
+  // The masked online softmax of s (the tile `info` describes, at the chunk's q0, rows): s
+  // becomes P (fp32), rescale the factor o needs before this tile's P V.
+  HSAP_DEV void softmax(const WgmmaTileInfo& info, long long q0, int rows, int row0, int t,
+                        float scale_log2) {
+    const KeySegment seg{0, 0, info.diag_lo, info.diag_hi};
     mma_fwd_softmax_scores<S>(reinterpret_cast<float(&)[S::kNTiles][4]>(s), rescale, smx, saw_key,
-                              non_finite, tile.seg, masked, q0, rows, tile.k0, cols, row0, t,
-                              scale_log2);
+                              non_finite, seg, info.masked != 0, q0, rows, info.k0, info.cols,
+                              row0, t, scale_log2);
   }
 };
 
-// Waits for tile n's K and V (stage n % kStages) and, when the tile holds fewer than kBN
-// valid keys, zeroes its V rows past them.
+// Waits for tile n's K and V (stage n % kStages) and returns what the producer said of it;
+// when the tile holds fewer than kBN valid keys, zeroes its V rows past them first.
 template <class S>
-HSAP_DEV void wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int cols, int ct,
-                                unsigned* fixes) {
+HSAP_DEV WgmmaTileInfo wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int ct,
+                                         unsigned* fixes) {
   const int stage = static_cast<int>(n % S::kStages);
   mbarrier_wait_parity(&sm.full[stage], (n / S::kStages) & 1u);
-  if (cols < S::kBN) wgmma_fwd_zero_v_tail<S>(sm.v_stage(stage), cols, ct, sm.fix, (*fixes)++ & 1u);
+  const WgmmaTileInfo info = sm.info[stage];
+  if (info.cols < S::kBN) {
+    wgmma_fwd_zero_v_tail<S>(sm.v_stage(stage), info.cols, ct, sm.fix, (*fixes)++ & 1u);
+  }
+  return info;
 }
 
 // The consumers: warpgroup wg (0 or 1 after the producer) computes rows [64 wg, 64 wg + 64)
@@ -308,12 +349,10 @@ HSAP_DEV void wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int cols,
 // while the wgmma that reads them is pending) and releases tile i's stage.
 template <class Cfg, class S>
 HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* lse,
-                                long long q_rows, long long k_rows, int heads_q, int h,
-                                float scale, const QueryBlock qb, const KeySegment* segments,
-                                unsigned int* error_flag) {
+                                long long q_rows, int heads_q, int h, float scale,
+                                const QueryBlock qb) {
   using T = typename Cfg::T;
   using Ops = MmaOps<T>;
-  using Walk = KeyTileWalk<Cfg::kHasBand, S::kBN>;
   constexpr bool kBf16 = WgmmaIsBf16<T>::kValue;
   const int ct = static_cast<int>(threadIdx.x) - 128;  // consumer thread, 0..255
   const int wg = ct / 128, warp = (ct % 128) / 32, lane = ct % 32;
@@ -327,39 +366,39 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     const int rows = static_cast<int>(min64(S::kBM, qb.q_end - q0));
     r.init();
     mbarrier_wait_parity(sm.q_full, chunk & 1u);
-    // The consumers walk the same tiles as the producer (reports come from thread 0 only,
-    // the producer's).
-    Walk tile{segments, qb.seg_begin, qb.seg_end, q0, rows, k_rows, error_flag, KeySegment{},
-              false,    0,            0};
-    tile.enter();
-    if (tile.valid()) {  // prologue: S of the first tile, softmaxed, as P
-      wgmma_fwd_acquire<S>(sm, n, tile.cols(), ct, &fixes);
+    const int tiles = *sm.chunk_tiles;
+    if (tiles > 0) {  // prologue: S of the first tile, softmaxed, as P
+      const WgmmaTileInfo info = wgmma_fwd_acquire<S>(sm, n, ct, &fixes);
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage(n % S::kStages));
       wgmma_wait_group<0>();
-      r.softmax(tile, q0, rows, row0, t, scale_log2);
+      wgmma_fence_operand(r.s);
+      r.softmax(info, q0, rows, row0, t, scale_log2);
       mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
       wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
     }
-    while (tile.valid()) {
-      Walk next = tile;
-      next.next();
+    // Tile n is in hand as P. The branch-free steady state (ptxas must see which group
+    // wait_group<1> leaves pending, or it serializes every wgmma), then the last tile.
+    for (int i = 0; i + 1 < tiles; ++i, ++n) {
       const int stage = static_cast<int>(n % S::kStages);
-      if (next.valid()) {
-        wgmma_fwd_acquire<S>(sm, n + 1, next.cols(), ct, &fixes);
-        wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage((n + 1) % S::kStages));
-      }
+      const WgmmaTileInfo info = wgmma_fwd_acquire<S>(sm, n + 1, ct, &fixes);
+      wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage((n + 1) % S::kStages));
       wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(stage));
-      if (next.valid()) {
-        wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
-        r.softmax(next, q0, rows, row0, t, scale_log2);
-      }
+      wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
+      wgmma_fence_operand(r.s);
+      r.softmax(info, q0, rows, row0, t, scale_log2);
       wgmma_wait_group<0>();  // P V of tile n: o and p are free, the stage is read
+      wgmma_fence_operand(r.o);
+      HSAP_UNROLL
+      for (int kc = 0; kc < S::kBN / 16; ++kc) wgmma_fwd_pin(r.p[kc]);
       mbarrier_arrive(&sm.empty[stage]);
-      if (next.valid()) {
-        mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
-        wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
-      }
-      tile = next;
+      mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
+      wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
+    }
+    if (tiles > 0) {
+      wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(n % S::kStages));
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(r.o);
+      mbarrier_arrive(&sm.empty[n % S::kStages]);
       ++n;
     }
     mbarrier_arrive(sm.q_empty);  // every S of the chunk has completed
@@ -416,8 +455,7 @@ __global__ void __launch_bounds__(384, 1)
     }
   } else {
     setmaxnreg_inc<S::kConsumerRegs>();
-    wgmma_fwd_consume<Cfg, S>(sm, p.out, p.lse, p.q_rows, p.k_rows, p.heads_q, h, p.scale, qb,
-                              p.segments, p.error_flag);
+    wgmma_fwd_consume<Cfg, S>(sm, p.out, p.lse, p.q_rows, p.heads_q, h, p.scale, qb);
   }
 }
 

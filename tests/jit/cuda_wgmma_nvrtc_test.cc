@@ -5,7 +5,8 @@
 //   - NVRTC compiles the forward for sm_90a (bf16 and f16; d 64, 128, 256; banded and
 //     full-only), ptxas' report shows no spill, at most the 168 registers per thread that 384
 //     threads leave at one CTA per SM (the consumers then raise theirs to 232 by setmaxnreg),
-//     one CTA per SM fitting the shared memory the generator computed; and the SASS holds
+//     one CTA per SM fitting the shared memory the generator computed, no wgmma serialized by
+//     ptxas (warning C7514); and the SASS holds
 //     HGMMA (wgmma), UTMALDG (TMA) and SYNCS (mbarrier) instructions and no HMMA.
 // The compiles take a few seconds each: the sanitizer pass (HSAP_TEST_SWEEP=subset) compiles
 // the first and the last of the configurations.
@@ -81,8 +82,9 @@ TEST(WgmmaForwardSelection, GeneratorEmitsTheWgmmaForward) {
   EXPECT_TRUE(fwd.tensor_core);
   EXPECT_EQ(fwd.threads, 384);
   EXPECT_EQ(fwd.min_ctas_per_sm, 1);
-  // 1 KiB alignment slack + Q (128 x 128) + 2 stages of K and V (128 x 128) + 7 mbarriers.
-  EXPECT_EQ(fwd.dynamic_smem_bytes, 1024 + 2 * (128 + 2 * 2 * 128) * 128 + 8 * 7);
+  // 1 KiB alignment slack + Q (128 x 128) + 2 stages of K and V (128 x 128) + 7 mbarriers +
+  // 2 tile descriptors + the chunk's tile count.
+  EXPECT_EQ(fwd.dynamic_smem_bytes, 1024 + 2 * (128 + 2 * 2 * 128) * 128 + 8 * 7 + 2 * 32 + 16);
   EXPECT_EQ(s->tiles.wgmma_block_n, 128);
   EXPECT_EQ(s->tiles.wgmma_stages, 2);
   // The fused forward keeps the mma.sync core.
@@ -141,10 +143,8 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
   REQUIRE_NVRTC();
   const std::vector<CudaKernelConfig> configs = testing::Sweep(
       std::vector<CudaKernelConfig>{Config("sm_90a", DType::kBF16, 128, true),
-                                    Config("sm_90a", DType::kF16, 64, true),
-                                    Config("sm_90a", DType::kBF16, 64, false),
-                                    Config("sm_90a", DType::kF16, 128, false),
-                                    Config("sm_90a", DType::kBF16, 256, true)},
+                                    Config("sm_90a", DType::kF16, 64, false),
+                                    Config("sm_90a", DType::kF16, 256, true)},
       2);
   const std::string cuobjdump = testing::FindCuobjdump();
   const std::string dir = testing::MakeTestTempDir("cuda_wgmma_nvrtc_test");
@@ -161,6 +161,9 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
     EXPECT_EQ(r.spill_store_bytes, 0);
     EXPECT_EQ(r.spill_load_bytes, 0);
     EXPECT_LE(r.registers, 168);  // 65536 / 384, rounded down to a multiple of 8
+    // ptxas' C7514 ("wgmma.mma_async instructions are serialized due to ...") would mean a
+    // wait after every wgmma: the pipelining lost.
+    EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
     std::string limiter;
     const int ctas =
         CudaCtasPerSm(90, e.threads, r.registers, e.dynamic_smem_bytes + r.static_smem_bytes,
