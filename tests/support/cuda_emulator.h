@@ -7,8 +7,10 @@
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
 // CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
-// lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h),
-// dynamic shared memory (one buffer per CTA), atomics (std::atomic_ref), the
+// lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h), the
+// sm_90a warpgroup instructions wgmma / setmaxnreg (emulated_wgmma.h: a barrier per
+// warpgroup), mbarrier and the TMA bulk tensor copies (emulated_tma.h), dynamic shared
+// memory (one buffer per CTA, 1024-byte aligned), atomics (std::atomic_ref), the
 // acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
 // A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
 // Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
@@ -45,6 +47,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -138,8 +141,12 @@ struct alignas(16) uint4 {
   }
 };
 
-// The tensor-core instructions of jit/device/hsap_mma.cuh (mma, ldmatrix, cp.async).
+// The tensor-core instructions of jit/device/hsap_mma.cuh (mma, ldmatrix, cp.async), and the
+// sm_90a warpgroup instructions of jit/device/hsap_wgmma.cuh (wgmma, setmaxnreg).
 #include "tests/support/emulated_ptx.h"
+#include "tests/support/emulated_wgmma.h"
+// mbarrier and the TMA bulk tensor copies of jit/device/hsap_tma.cuh.
+#include "tests/support/emulated_tma.h"
 #include "tests/support/emulator_fibers.h"
 
 namespace hsap_emu {
@@ -288,17 +295,49 @@ class Barrier {
   Residency* const residency_;
 };
 
+// The CTA's shared window: on the GPU its base is aligned far beyond any pattern of the
+// shared-memory address (the TMA / wgmma swizzles repeat every 1024 bytes at most), so that
+// a kernel may align a generic pointer into it; the emulator's buffer is aligned to 1024.
+inline constexpr std::size_t kSharedWindowAlignment = 1024;
+template <typename T>
+struct SharedWindowAllocator {
+  using value_type = T;
+  SharedWindowAllocator() = default;
+  template <typename U>
+  SharedWindowAllocator(const SharedWindowAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    return static_cast<T*>(
+        ::operator new(n * sizeof(T), std::align_val_t{kSharedWindowAlignment}));
+  }
+  void deallocate(T* p, std::size_t) {
+    ::operator delete(p, std::align_val_t{kSharedWindowAlignment});
+  }
+  friend bool operator==(const SharedWindowAllocator&, const SharedWindowAllocator&) {
+    return true;
+  }
+};
+
 // A completed __syncthreads counts as progress of the CTA's device (when it has a residency).
 struct Cta {
   explicit Cta(int threads, size_t smem_floats, Residency* residency = nullptr)
-      : bar(threads, residency), smem(smem_floats, 0.0f), shfl(threads, 0.0f), ptx(threads / 32) {
+      : bar(threads, residency),
+        smem(smem_floats, 0.0f),
+        shfl(threads, 0.0f),
+        ptx(threads / 32),
+        wgmma(threads) {
     for (int w = 0; w < threads / 32; ++w) warp_bars.push_back(std::make_unique<Barrier>(32));
+    for (int g = 0; g < threads; g += 128) {  // the last may be partial: wgmma faults there
+      warpgroup_bars.push_back(std::make_unique<Barrier>(std::min(128, threads - g)));
+    }
   }
   Barrier bar;
   std::vector<std::unique_ptr<Barrier>> warp_bars;
-  std::vector<float> smem;
+  std::vector<std::unique_ptr<Barrier>> warpgroup_bars;  // threads 128g .. 128g + 127
+  std::vector<float, SharedWindowAllocator<float>> smem;
   std::vector<float> shfl;
   std::vector<PtxWarpExchange> ptx;  // per warp
+  WgmmaCtaState wgmma;
+  TmaCtaState tma;  // mbarriers and TMA copies in flight
 };
 
 inline thread_local Cta* tl_cta = nullptr;
@@ -311,6 +350,29 @@ inline bool InSharedMemory(const void* p, std::size_t bytes) {
   const auto end = begin + tl_cta->smem.size() * sizeof(float);
   const auto q = reinterpret_cast<std::uintptr_t>(p);
   return begin <= q && q + bytes <= end;
+}
+
+// The hooks of emulated_tma.h.
+inline TmaCtaState& ThisCtaTma() { return tl_cta->tma; }
+inline std::uintptr_t SharedWindowBase() {
+  return reinterpret_cast<std::uintptr_t>(tl_cta->smem.data());
+}
+inline void YieldThread() {
+  StopIfFaulted();
+  tl_fibers->Yield();
+}
+
+// The hooks of emulated_wgmma.h.
+inline WgmmaCtaState& ThisCtaWgmma() { return tl_cta->wgmma; }
+inline int ThisThreadIndex() { return static_cast<int>(threadIdx.x); }
+inline int CtaThreads() { return static_cast<int>(blockDim.x); }
+inline unsigned char* SharedWindow() {
+  return reinterpret_cast<unsigned char*>(tl_cta->smem.data());
+}
+inline std::size_t SharedWindowBytes() { return tl_cta->smem.size() * sizeof(float); }
+inline void SyncWarpgroup() {
+  tl_cta->warpgroup_bars[threadIdx.x / 128]->arrive_and_wait();
+  StopIfFaulted();
 }
 
 inline void SyncWarp() {
@@ -347,6 +409,7 @@ inline void RunCtaThreads(Cta& cta, int threads, const std::function<void()>& ke
           // Left the kernel: faulted, or stopped by another thread's fault.
         }
         cta.warp_bars[static_cast<size_t>(t / 32)]->arrive_and_drop();
+        cta.warpgroup_bars[static_cast<size_t>(t / 128)]->arrive_and_drop();
         cta.bar.arrive_and_drop();
       },
       [&](int t) {

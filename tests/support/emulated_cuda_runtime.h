@@ -19,7 +19,8 @@
 //   events       belong to the device current at creation; complete when their stream reaches
 //                them; recording on a stream of another device fails.
 //   driver       cuStreamWriteValue32 / cuStreamWaitValue32 (on device or pinned memory),
-//                cuDeviceGet / GetName / TotalMem, contexts as the devices' primary ones.
+//                cuDeviceGet / GetName / TotalMem, contexts as the devices' primary ones,
+//                cuTensorMapEncodeTiled (emulated_tensor_map.h: the driver's refusals).
 //                Modules and kernel launches are not emulated (Unsupported): kernels run through
 //                Launch() below, with the driver's stream rule.
 //
@@ -59,6 +60,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "lib/cuda/runtime/cuda_loader.h"
+#include "tests/support/emulated_tensor_map.h"
 
 namespace hsap::testing {
 
@@ -450,6 +452,20 @@ inline void EmulatedCudaRuntime::FillTables() {
   };
   d.StreamWaitValue32 = [](cudaStream s, unsigned long long addr, unsigned v, unsigned flags) {
     return Drv([&](EmulatedCudaRuntime& e) { return e.StreamMemOp(s, addr, v, flags, false); });
+  };
+  // cuTensorMapEncodeTiled: the driver's documented requirements and the emulator's layout of
+  // the 128 bytes (tests/support/emulated_tensor_map.h), which the emulated TMA decodes.
+  d.TensorMapEncodeTiled = [](void* map, int dtype, unsigned rank, void* address,
+                              const unsigned long long* dims, const unsigned long long* strides,
+                              const unsigned* box, const unsigned* element_strides,
+                              int interleave, int swizzle, int l2, int oob_fill) {
+    return Drv([&](EmulatedCudaRuntime&) -> cuda::CUresult {
+      static_assert(sizeof(unsigned long long) == sizeof(uint64_t));
+      return hsap_emu::EmuEncodeTiledTensorMap(
+          map, dtype, rank, address, reinterpret_cast<const uint64_t*>(dims),
+          reinterpret_cast<const uint64_t*>(strides), box, element_strides, interleave, swizzle,
+          l2, oob_fill);
+    });
   };
   d.DeviceGet = [](int* dev, int ordinal) {
     return Drv([&](EmulatedCudaRuntime& e) -> cuda::CUresult {

@@ -127,6 +127,12 @@ absl::StatusOr<std::unique_ptr<CudaDriverApi>> LoadDriverImpl() {
   HSAP_BIND(handle, api, DeviceGet, "cuDeviceGet");
   HSAP_BIND(handle, api, DeviceGetName, "cuDeviceGetName");
   HSAP_BIND(handle, api, DeviceTotalMem, "cuDeviceTotalMem_v2");
+  // Optional: only the sm_90a kernels need it, and EncodeTiledTensorMap says so when absent.
+  if (absl::Status s = Bind(handle, "cuTensorMapEncodeTiled", api->path,
+                            &api->TensorMapEncodeTiled, /*optional=*/true);
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = api->Check(api->Init(0), "cuInit(0)"); !s.ok()) {
     // A driver without a usable device (or a stub library) is "no CUDA device".
     return absl::UnimplementedError(absl::StrCat("no CUDA device: ", s.message()));

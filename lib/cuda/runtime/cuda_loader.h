@@ -132,6 +132,13 @@ struct CudaDriverApi {
   CUresult (*DeviceGet)(int*, int) = nullptr;
   CUresult (*DeviceGetName)(char*, int, int) = nullptr;
   CUresult (*DeviceTotalMem)(size_t*, int) = nullptr;  // cuDeviceTotalMem_v2
+  // cuTensorMapEncodeTiled (CUDA 12.0+; null when the driver lacks it): (tensorMap,
+  // CUtensorMapDataType, tensorRank, globalAddress, globalDim, globalStrides, boxDim,
+  // elementStrides, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+  // CUtensorMapFloatOOBfill); the enums are C ints. Use lib/cuda/runtime/tensor_map.h.
+  CUresult (*TensorMapEncodeTiled)(void*, int, unsigned, void*, const unsigned long long*,
+                                   const unsigned long long*, const unsigned*, const unsigned*,
+                                   int, int, int, int) = nullptr;
   absl::Status Check(CUresult r, absl::string_view what) const;
 };
 // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
