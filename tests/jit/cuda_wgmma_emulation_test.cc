@@ -5,8 +5,9 @@
 // wgmma consumer warpgroups), against the fp64 reference under the project's rule
 // (attention/tolerance.h):
 //   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
-// The tensor maps are encoded by the host code the runtime uses (lib/cuda/runtime/
-// tensor_map.h, EncodeTiledTensorMap) on the emulated driver. Packed documents of 100-300
+// The tensor maps are encoded by the host code the runtime uses (lib/cuda/exec/
+// wgmma_tensor_maps.h on lib/cuda/runtime/tensor_map.h) through the emulated driver's
+// cuTensorMapEncodeTiled (tests/support/emulated_cuda_runtime.h). Packed documents of 100-300
 // tokens end inside and across the 128-row query tiles and the key tiles, so TMA boxes cross
 // documents and the tensor's end; every mask kind, GQA 2:1 and a run-time kv-head map, d 64,
 // 128 and 256, bf16 and f16. Under the sanitizers (HSAP_TEST_SWEEP=subset) the
@@ -20,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,15 +155,18 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
   fp.heads_q = p.dims.heads_q;
   fp.heads_kv = p.dims.heads_kv;
   fp.scale = p.dims.scale;
-  absl::StatusOr<cuda::WgmmaTensorMaps> maps =
-      cuda::EncodeWgmmaTensorMaps(fp, Cfg::kHeadDim, Cfg::kWgmmaBlockN);
+  testing::EmulatedCudaRuntime emu;
+  absl::StatusOr<cuda::WgmmaForwardMaps> maps =
+      cuda::EncodeWgmmaForwardMaps(emu.driver(), fp, p.dtype, Cfg::kHeadDim, Cfg::kWgmmaBlockN);
   EXPECT_TRUE(maps.ok()) << maps.status();
   if (!maps.ok()) return ~0u;
+  hsap_dev::TensorMap tq, tk, tv;  // the kernel parameters, as cuLaunchKernel copies them
+  static_assert(sizeof(tq) == sizeof(maps->q));
+  std::memcpy(&tq, &maps->q, sizeof(tq));
+  std::memcpy(&tk, &maps->k, sizeof(tk));
+  std::memcpy(&tv, &maps->v, sizeof(tv));
   EXPECT_EQ(hsap_emu::Launch(fp.num_blocks, fp.heads_q, 384, Cfg::kWgmmaSmemBytes, false,
-                             [&] {
-                               hsap_dev::attn_fwd_wgmma_kernel<Cfg>(fp, maps->q, maps->k,
-                                                                    maps->v);
-                             }),
+                             [&] { hsap_dev::attn_fwd_wgmma_kernel<Cfg>(fp, tq, tk, tv); }),
             absl::OkStatus());
   return error_flag;
 }
