@@ -17,7 +17,8 @@
 
 namespace hsap::cuda {
 
-// `config.arch` empty: the current device's (CurrentCudaArch). Unimplemented without a
+// `config.arch` empty: the current device's (CurrentCudaArch; on compute capability 9.0
+// "sm_90a" where the wgmma/TMA forward applies, jit::JitCudaArch). Unimplemented without a
 // CUDA device or NVRTC; the compile or load error otherwise.
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config);
 

@@ -1,0 +1,99 @@
+// The sm_90a forward's tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through the emulated
+// driver's cuTensorMapEncodeTiled: the geometry the kernel assumes (hsap_attention_wgmma_fwd.cuh)
+// and the refusals, each naming the argument.
+#include "lib/cuda/exec/wgmma_tensor_maps.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/support/emulated_cuda_runtime.h"
+#include "tests/support/emulated_tensor_map.h"
+
+namespace hsap::cuda {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Tensors {
+  alignas(16) uint16_t q[300 * 4 * 128];
+  alignas(16) uint16_t k[200 * 2 * 128];
+  alignas(16) uint16_t v[200 * 2 * 128];
+  hsap_dev::FwdParams Params() {
+    hsap_dev::FwdParams p{};
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.q_rows = 300;
+    p.k_rows = 200;
+    p.heads_q = 4;
+    p.heads_kv = 2;
+    return p;
+  }
+};
+
+TEST(WgmmaTensorMaps, GeometryIsTheKernels) {
+  testing::EmulatedCudaRuntime emu;
+  auto t = std::make_unique<Tensors>();
+  absl::StatusOr<WgmmaForwardMaps> maps =
+      EncodeWgmmaForwardMaps(emu.driver(), t->Params(), DType::kBF16, 128, 128);
+  ASSERT_TRUE(maps.ok()) << maps.status();
+  struct Want {
+    const TensorMapBytes* map;
+    const void* base;
+    uint64_t heads, rows, box_rows;
+  };
+  for (const Want& w : {Want{&maps->q, t->q, 4, 300, 128}, Want{&maps->k, t->k, 2, 200, 128},
+                        Want{&maps->v, t->v, 2, 200, 128}}) {
+    hsap_emu::EmuTensorMap m;
+    ASSERT_TRUE(hsap_emu::EmuDecodeTensorMap(w.map, m));
+    EXPECT_EQ(m.rank, 3);
+    EXPECT_EQ(m.dtype, static_cast<int>(TensorMapDataType::kBfloat16));
+    EXPECT_EQ(m.swizzle, static_cast<int>(TensorMapSwizzle::k128B));
+    EXPECT_EQ(m.oob_fill, static_cast<int>(TensorMapOobFill::kZero));
+    EXPECT_EQ(m.address, reinterpret_cast<uint64_t>(w.base));
+    EXPECT_EQ(m.dims[0], 128u);
+    EXPECT_EQ(m.dims[1], w.heads);
+    EXPECT_EQ(m.dims[2], w.rows);
+    EXPECT_EQ(m.strides[1], 256u);               // one head: 128 elements
+    EXPECT_EQ(m.strides[2], w.heads * 256u);     // one row: every head
+    EXPECT_EQ(m.box[0], 64);                     // 128 bytes: the swizzle's span
+    EXPECT_EQ(m.box[1], 1);
+    EXPECT_EQ(m.box[2], w.box_rows);
+  }
+  // f16, and a key tile of 64 rows (head dim 256).
+  absl::StatusOr<WgmmaForwardMaps> f16 =
+      EncodeWgmmaForwardMaps(emu.driver(), t->Params(), DType::kF16, 64, 64);
+  ASSERT_TRUE(f16.ok()) << f16.status();
+  hsap_emu::EmuTensorMap m;
+  ASSERT_TRUE(hsap_emu::EmuDecodeTensorMap(&f16->k, m));
+  EXPECT_EQ(m.dtype, static_cast<int>(TensorMapDataType::kFloat16));
+  EXPECT_EQ(m.box[2], 64);
+}
+
+TEST(WgmmaTensorMaps, RefusalsNameTheArgument) {
+  testing::EmulatedCudaRuntime emu;
+  auto t = std::make_unique<Tensors>();
+  auto encode = [&](hsap_dev::FwdParams p, DType dtype, int d, int bn) {
+    return EncodeWgmmaForwardMaps(emu.driver(), p, dtype, d, bn).status();
+  };
+  const hsap_dev::FwdParams good = t->Params();
+  EXPECT_THAT(encode(good, DType::kF32, 128, 128).message(), HasSubstr("dtype"));
+  EXPECT_THAT(encode(good, DType::kBF16, 96, 128).message(), HasSubstr("head dim 96"));
+  EXPECT_THAT(encode(good, DType::kBF16, 128, 512).message(), HasSubstr("key tile"));
+  hsap_dev::FwdParams p = good;
+  p.k = reinterpret_cast<const char*>(t->k) + 2;  // not 16-byte aligned
+  absl::Status s = encode(p, DType::kBF16, 128, 128);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("tensor map of k"));
+  p = good;
+  p.q_rows = 1LL << 31;
+  s = encode(p, DType::kBF16, 128, 128);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("q has 2147483648 rows"));
+}
+
+}  // namespace
+}  // namespace hsap::cuda
