@@ -43,7 +43,8 @@
 //   The compiler knows none of this: between the mma and the wait it may move ordinary reads
 //   of the accumulators across the wait. wgmma_fence_operand(d) (an empty asm that "writes"
 //   each register) pins them: call it on the accumulators after wgmma_wait_group and before
-//   the wgmma that follows their ordinary use (CUTLASS does the same).
+//   the wgmma that follows their ordinary use (CUTLASS does the same); on an RS operation's
+//   A fragment (unsigned[4]) after the wait that frees it.
 //
 // ---- The shared-memory matrix descriptor ("Asynchronous Warpgroup Level Matrix Shared
 //      Memory Layout", "Matrix Descriptor Format") ----
@@ -135,6 +136,8 @@ HSAP_DEV void wgmma_m64k16_rs(float (&d)[N / 2], const unsigned (&a)[4],
 }
 template <int kRegs>
 HSAP_DEV void wgmma_fence_operand(float (&)[kRegs]) {}
+template <int kRegs>
+HSAP_DEV void wgmma_fence_operand(unsigned (&)[kRegs]) {}
 template <int kRegs>
 HSAP_DEV void setmaxnreg_inc() {
   static_assert(SetmaxnregCheck<kRegs>::ok, "");
@@ -363,11 +366,17 @@ HSAP_DEV void wgmma_m64k16_rs(float (&d)[N / 2], const unsigned (&a)[4],
   HSAP_WGMMA_ALL_N(HSAP_WGMMA_RS_CASE)
 }
 
-// Pins the accumulators in place around the asynchronous window (see the top of the file).
+// Pins the accumulators (float) or an A fragment (unsigned) in place around the
+// asynchronous window (see the top of the file).
 template <int kRegs>
 HSAP_DEV void wgmma_fence_operand(float (&d)[kRegs]) {
   HSAP_UNROLL
   for (int i = 0; i < kRegs; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int kRegs>
+HSAP_DEV void wgmma_fence_operand(unsigned (&r)[kRegs]) {
+  HSAP_UNROLL
+  for (int i = 0; i < kRegs; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
 template <int kRegs>

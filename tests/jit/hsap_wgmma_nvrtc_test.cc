@@ -16,6 +16,7 @@ namespace {
 
 using ::hsap::testing::ReadFile;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // Two warpgroups: the first gives registers back and idles (a producer's shape), the second
 // takes them and runs every wgmma form: SS and RS, bf16 and f16, B K-major and N-major,
@@ -33,12 +34,12 @@ every_wgmma_instruction(const unsigned short* in, float* out) {
     setmaxnreg_dec<40>();
     return;
   }
-  setmaxnreg_inc<232>();
+  setmaxnreg_inc<240>();
   const unsigned long long a = wgmma_desc(tile, 16, 1024, kSwizzle128B);
   const unsigned long long b64 = wgmma_desc(tile + 4096, 16, 512, kSwizzle64B);
   const unsigned long long b32 = wgmma_desc(tile + 8192, 16, 256, kSwizzle32B);
   const unsigned long long bn = wgmma_desc(tile + 12288, 128, 256, kSwizzleNone);
-  float s[32], o[64], p[128];
+  float s[32], o[64];
   wgmma_fence();
   wgmma_m64k16_ss<64, true, false>(s, a, b64, false);
   wgmma_m64k16_ss<64, true, true>(s, a + 2, b32, true);
@@ -47,19 +48,33 @@ every_wgmma_instruction(const unsigned short* in, float* out) {
   wgmma_commit_group();
   wgmma_wait_group<1>();
   wgmma_fence_operand(s);
-  const unsigned r[4] = {__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]),
+  unsigned r[4] = {__float_as_uint(s[0]), __float_as_uint(s[1]), __float_as_uint(s[2]),
                          __float_as_uint(s[3])};
-  wgmma_fence();
-  wgmma_m64k16_rs<256, true, true>(p, r, b32, false);
-  wgmma_m64k16_rs<256, false, false>(p, r, bn, true);
-  wgmma_commit_group();
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) sum += s[i];
   wgmma_wait_group<0>();
   wgmma_fence_operand(o);
-  wgmma_fence_operand(p);
-  float sum = 0.0f;
-  for (int i = 0; i < 32; ++i) sum += s[i];
+#pragma unroll
   for (int i = 0; i < 64; ++i) sum += o[i];
+  float p[128];  // no input: scale-d is false (the ISA reads none)
+  wgmma_fence();
+  wgmma_m64k16_rs<256, true, true>(p, r, b32, false);
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(p);
+#pragma unroll
   for (int i = 0; i < 128; ++i) sum += p[i];
+  float q[64];
+  wgmma_fence();
+  wgmma_m64k16_rs<128, false, false>(q, r, bn, false);
+  wgmma_m64k16_rs<128, false, true>(q, r, b64, true);  // in flight on q: ordered
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(q);
+  wgmma_fence_operand(r);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sum += q[i];
   out[threadIdx.x] = sum;
 }
 )";
@@ -81,16 +96,20 @@ TEST(HsapWgmmaNvrtc, CompilesForSm90aWithHgmmaInTheSass) {
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->kind, CudaBinary::Kind::kCubin);
   EXPECT_EQ(b->target, "sm_90a");
+  // Not asserted: whether ptxas keeps this synthetic kernel's wgmma pipeline. NVRTC 13.0
+  // reports "C7511 ... serialized due to insufficient register resources" for it (nvcc 13.0
+  // on the same source does not); a real kernel's test checks its own log.
   const std::string cuobjdump = testing::FindCuobjdump();
   if (cuobjdump.empty()) GTEST_SKIP() << "no cuobjdump: the SASS is not checked";
   const std::string dir = testing::MakeTestTempDir("wgmma_sass");
   const auto sass = testing::SassByFunction(cuobjdump, b->image, dir);
   ASSERT_EQ(sass.count("every_wgmma_instruction"), 1u);
   const std::string& text = sass.at("every_wgmma_instruction");
-  for (const char* op : {"HGMMA.64x64x16.F32.BF16", "HGMMA.64x128x16.F32 ", "HGMMA.64x256x16.F32.BF16",
-                         "HGMMA.64x256x16.F32 ", "USETMAXREG", "WARPGROUP"}) {
+  for (const char* op : {"HGMMA.64x64x16.F32.BF16", "HGMMA.64x128x16.F32 ",
+                         "HGMMA.64x256x16.F32.BF16", "USETMAXREG", "WARPGROUP"}) {
     EXPECT_THAT(text, HasSubstr(op)) << text;
   }
+  EXPECT_THAT(text, Not(HasSubstr("STL"))) << "spills";
 }
 
 TEST(HsapWgmmaNvrtc, EmitsTheNamedInstructions) {
@@ -109,9 +128,8 @@ TEST(HsapWgmmaNvrtc, EmitsTheNamedInstructions) {
            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16",
            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16",
            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
-           "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16",
            "setmaxnreg.dec.sync.aligned.u32 40",
-           "setmaxnreg.inc.sync.aligned.u32 232",
+           "setmaxnreg.inc.sync.aligned.u32 240",
        }) {
     EXPECT_THAT(b->image, HasSubstr(instruction));
   }

@@ -37,6 +37,8 @@
 //     and issues after it), a descriptor whose operand leaves shared memory or has a matrix
 //     base offset (not modelled: hsap_wgmma.cuh never sets one), N not a multiple of 8 in
 //     [8, 256].
+//   - Not caught: A registers (RS) changed between the issue and the wait (the emulator has
+//     their values from the issue); reads of the accumulators in flight (they see NaN).
 //   - Not modelled: the async proxy (shared memory written by ordinary stores needs a
 //     fence.proxy.async before wgmma reads it: the emulator reads it either way), the
 //     hardware's internal summation order (below).
