@@ -34,6 +34,11 @@ constexpr double kFixedCopyAluPerTile = 12, kFixedCopyImadPerTile = 9,
 // pack: 590 ALU, 44 IMAD, 252 FP32 in the 32-score loop body of hsap_attention_mma_fwd.cuh.
 constexpr double kFwdAluPerScore = 18, kFwdMaskAluPerScore = 7.25;
 constexpr double kFwdImadPerScore = 1.3, kFwdMaskImadPerScore = 0.75;
+// Whole tiles (mma_fwd_softmax<S, true>: no row/column bounds, band test, -inf select or
+// saw-key flag; the NaN/+inf FSETPs stay; the softmax block of the tile loop 821 -> 332
+// instructions): per score what makes the whole-tile loop's 266 ALU and 55 IMAD with the
+// per-tile and copy terms below (the loop: 919 instructions, against 1,408 on cut tiles).
+constexpr double kFwdWholeAluPerScore = 5.8, kFwdWholeImadPerScore = 0.53;
 constexpr double kFwdFp32PerScore = 5.5;  // FMUL scale, FADD, 2 FMUL (exp2f), FADD sum, F2FP/2
 constexpr double kFwdAluPerTile = 36, kFwdImadPerTile = 13, kFwdFp32PerTile = 12;
 constexpr double kFwdOtherPerTile = 41;  // 8 SHFL, 2 BAR, branches, walk, cp.async commit/wait
@@ -100,19 +105,25 @@ KernelCode MeasuredKernelCode() { return KernelCode{}; }
 
 KernelCode CurrentKernelCode() {
   KernelCode k;
-  k.generic_copy = false;  // cp_async_rows: addresses computed once per tile
+  k.generic_copy = false;     // cp_async_rows: addresses computed once per tile
+  k.mask_every_tile = false;  // mma_fwd_softmax<S, kWhole>: the test only on cut tiles
   return k;
 }
 
 WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
-                               const KernelCode& v) {
+                               const KernelCode& v, bool cut) {
   const double bn = t.block_n, d = c.head_dim, rb = v.row_blocks;
   const double scores = rb * 16 * bn / 32;             // per thread
   const double chunks = 2 * bn * (d / 8) / t.threads;  // K and V copies per thread
-  const bool mask = c.has_band && v.mask_every_tile;
+  const bool general = v.mask_every_tile || cut;       // the per-score test runs
+  const bool mask = c.has_band && general;
   double alu = kFwdAluPerScore - kFwdMaskAluPerScore, imad = kFwdImadPerScore - kFwdMaskImadPerScore;
   double fp32 = kFwdFp32PerScore;
   if (mask) alu += kFwdMaskAluPerScore, imad += kFwdMaskImadPerScore;
+  if (!general) {
+    alu = kFwdWholeAluPerScore;
+    imad = kFwdWholeImadPerScore;
+  }
   if (!v.accurate_exp2) alu -= 1, fp32 -= 3;  // FFMA + ex2.approx: no FSETP, no FMULs
   if (!v.per_score_flags) alu -= 4;
   WarpTileMix m;
@@ -225,7 +236,18 @@ WarpTileCounts CountWarpTiles(const WorkList& work, const jit::CudaKernelConfig&
       for (int64_t q0 = b.q_begin; q0 < b.q_end; q0 += bm) {  // forward chunks
         int64_t lo, hi;
         visible(s, q0, std::min(bm, b.q_end - q0), &lo, &hi);
-        if (lo < hi) n.fwd += (t.threads / 32) * CeilDiv(hi - lo, bn);
+        if (lo >= hi) continue;
+        const int64_t rows = std::min(bm, b.q_end - q0), warps = t.threads / 32;
+        n.fwd += warps * CeilDiv(hi - lo, bn);
+        // As the kernel decides (hsap_attention_mma_fwd.cuh): per CTA tile the band test, per
+        // warp its rows, per tile its keys.
+        const int64_t full_warps = std::min<int64_t>(warps, rows / 16);
+        for (int64_t k0 = lo; k0 < hi; k0 += bn) {
+          const int64_t cols = std::min(bn, hi - k0);
+          const bool inside = k0 - (q0 + rows - 1) >= s.diag_lo && (k0 + cols - 1) - q0 <= s.diag_hi;
+          const bool whole = cols == bn && (!c.has_band || inside);
+          n.fwd_cut += whole ? warps - full_warps : warps;
+        }
       }
       for (int64_t q0 = b.q_begin; q0 < b.q_end; q0 += qm) {  // dq chunks
         int64_t lo, hi;
@@ -325,8 +347,14 @@ absl::StatusOr<IssuePrediction> PredictForwardOnDocuments(const jit::CudaKernelC
                                                           const KernelCode& code) {
   HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens));
   const double flops = 4.0 * w.counts.pairs * c.head_dim * heads;
-  return PredictIssue({ForwardWarpTileMix(c, w.tiles, code)}, {w.counts.fwd * heads}, flops,
-                      w.tiles.threads, registers, w.tiles.fwd_smem_bytes, gpu);
+  if (code.mask_every_tile) {
+    return PredictIssue({ForwardWarpTileMix(c, w.tiles, code)}, {w.counts.fwd * heads}, flops,
+                        w.tiles.threads, registers, w.tiles.fwd_smem_bytes, gpu);
+  }
+  return PredictIssue(
+      {ForwardWarpTileMix(c, w.tiles, code), ForwardWarpTileMix(c, w.tiles, code, /*cut=*/true)},
+      {(w.counts.fwd - w.counts.fwd_cut) * heads, w.counts.fwd_cut * heads}, flops,
+      w.tiles.threads, registers, w.tiles.fwd_smem_bytes, gpu);
 }
 
 absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernelConfig& c,

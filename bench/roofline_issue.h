@@ -91,8 +91,10 @@ WarpTileTime TimeOf(const WarpTileMix& mix, const PipeCycles& pipes);
 
 // The mixes of the shipped tensor-core kernels for `config` with `tiles` (tensor-core tiles:
 // tiles.bwd_tensor_core for the backward ones), of `code` (default: the current one).
+// The forward's mix is that of a whole tile (every score visible, no per-score test) unless
+// `cut` or the code tests every tile (mask_every_tile).
 WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
-                               const KernelCode& code = CurrentKernelCode());
+                               const KernelCode& code = CurrentKernelCode(), bool cut = false);
 WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& config, const jit::CudaTiles& tiles,
                                    const KernelCode& code = CurrentKernelCode());
 WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& config,
@@ -108,6 +110,9 @@ WarpTileMix BackwardKeyWalkStepMix();
 // chunk, the kDqBN-key tiles), and the visible pairs.
 struct WarpTileCounts {
   double fwd = 0, bwd_key = 0, bwd_query = 0;
+  // Forward warp-tiles that take the per-score test: the band cuts the CTA's tile, the tile
+  // holds fewer than kBN keys, or the warp's 16 rows are not all valid (the rest are whole).
+  double fwd_cut = 0;
   // Steps of the key pass's walk (next_key_tile): every key item scans every block and
   // segment of its query heads, thread 0 alone while the CTA waits at a barrier.
   double bwd_key_walk_steps = 0;

@@ -141,9 +141,12 @@ HSAP_DEV void mma_fwd_scores(float (&s)[S::kNTiles][4],
 // `masked`), then the online softmax of rows g (hr = 0: c0, c1) and g + 8 (hr = 1: c2, c3):
 // s becomes P, and rescale[hr] is the factor the row's accumulator must be multiplied by
 // before P V is added to it. This lane holds key columns j * 8 + 2t + e. saw_key and
-// non_finite note, per row, a visible key and a NaN or +inf score. (The sm_90a forward
-// calls this while the previous tile's P V is still in flight on its accumulator.)
-template <class S>
+// non_finite note, per row, a visible key and a NaN or +inf score. (The sm_90a forward calls
+// this while the previous tile's P V is still in flight on its accumulator.)
+// kWhole: the caller knows every score of the warp's 16 rows visible (a full tile of keys,
+// all 16 rows valid, no band cut): no per-score test at all (the band cuts few tiles of a
+// long causal row; the test was ~8 instructions per score, docs/gpu_backend.md).
+template <class S, bool kWhole>
 HSAP_DEV void mma_fwd_softmax_scores(float (&s)[S::kNTiles][4], float (&rescale)[2],
                                      OnlineSoftmax (&sm)[2], bool (&saw_key)[2],
                                      bool (&non_finite)[2], const KeySegment seg, bool masked,
@@ -158,10 +161,13 @@ HSAP_DEV void mma_fwd_softmax_scores(float (&s)[S::kNTiles][4], float (&rescale)
       HSAP_UNROLL
       for (int e = 0; e < 2; ++e) {
         const int c = j * 8 + 2 * t + e;
-        bool visible = r < rows && c < cols;
-        if (masked && visible) {
-          const long long diag = (k0 + c) - (q0 + r);
-          visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+        bool visible = true;
+        if constexpr (!kWhole) {
+          visible = r < rows && c < cols;
+          if (masked && visible) {
+            const long long diag = (k0 + c) - (q0 + r);
+            visible = diag >= seg.diag_lo && diag <= seg.diag_hi;
+          }
         }
         const float x = visible ? s[j][2 * hr + e] * scale_log2 : neg_inf();
         saw_key[hr] = saw_key[hr] || visible;
@@ -198,14 +204,14 @@ HSAP_DEV void mma_fwd_rescale(float (&o)[S::kDTiles][4], const float (&rescale)[
 }
 
 // mma_fwd_softmax_scores, then the accumulator rescaled: s becomes P, o is ready for P V.
-template <class S>
+template <class S, bool kWhole>
 HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][4],
                               OnlineSoftmax (&sm)[2], bool (&saw_key)[2], bool (&non_finite)[2],
                               const KeySegment seg, bool masked, long long q0, int rows,
                               long long k0, int cols, int row0, int t, float scale_log2) {
   float rescale[2];
-  mma_fwd_softmax_scores<S>(s, rescale, sm, saw_key, non_finite, seg, masked, q0, rows, k0, cols,
-                            row0, t, scale_log2);
+  mma_fwd_softmax_scores<S, kWhole>(s, rescale, sm, saw_key, non_finite, seg, masked, q0, rows,
+                                    k0, cols, row0, t, scale_log2);
   mma_fwd_rescale<S>(o, rescale);
 }
 
@@ -371,8 +377,14 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
                              Kt + ((lane >> 4) * 8 + (lane & 7)) * kLdh + ((lane >> 3) & 1) * 8);
       const bool masked =
           Cfg::kHasBand && !tile.full && !tile_inside_band(tile.seg, q0, rows, k0, cols);
-      mma_fwd_softmax<S>(s, o, sm, saw_key, non_finite, tile.seg, masked, q0, rows, k0, cols,
-                         warp * 16 + g, t, scale_log2);
+      // Warp-uniform: the per-score test only where the band or the tile's edges cut it.
+      if (!masked && cols == kBN && warp * 16 + 16 <= rows) {
+        mma_fwd_softmax<S, true>(s, o, sm, saw_key, non_finite, tile.seg, false, q0, rows, k0,
+                                 cols, warp * 16 + g, t, scale_log2);
+      } else {
+        mma_fwd_softmax<S, false>(s, o, sm, saw_key, non_finite, tile.seg, masked, q0, rows, k0,
+                                  cols, warp * 16 + g, t, scale_log2);
+      }
       mma_fwd_pv<S, Ops>(o, s, Vt + (((lane >> 3) & 1) * 8 + (lane & 7)) * kLdh + (lane >> 4) * 8);
       tile.next();
     }

@@ -321,9 +321,9 @@ struct WgmmaFwdRows {
   HSAP_DEV void softmax(const WgmmaTileInfo& info, long long q0, int rows, int row0, int t,
                         float scale_log2) {
     const KeySegment seg{0, 0, info.diag_lo, info.diag_hi};
-    mma_fwd_softmax_scores<S>(reinterpret_cast<float(&)[S::kNTiles][4]>(s), rescale, smx, saw_key,
-                              non_finite, seg, info.masked != 0, q0, rows, info.k0, info.cols,
-                              row0, t, scale_log2);
+    mma_fwd_softmax_scores<S, false>(reinterpret_cast<float(&)[S::kNTiles][4]>(s), rescale, smx,
+                                     saw_key, non_finite, seg, info.masked != 0, q0, rows, info.k0,
+                                     info.cols, row0, t, scale_log2);
   }
 };
 

@@ -11,6 +11,7 @@
 #include "jit/device/hsap_tma.cuh"
 // clang-format on
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -21,15 +22,18 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/cuda/runtime/tensor_map.h"
+#include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/emulated_tensor_map.h"
 
 namespace hsap {
 namespace {
 
-using ::testing::HasSubstr;
 using hsap_dev::TensorMap;
+using ::testing::HasSubstr;
 
-constexpr int kSwizzleNone = 0, kSwizzle32B = 1, kSwizzle64B = 2, kSwizzle128B = 3;  // CUtensorMapSwizzle
+constexpr int kSwizzleNone = 0, kSwizzle32B = 1, kSwizzle64B = 2,
+              kSwizzle128B = 3;           // CUtensorMapSwizzle
 constexpr int kUint16 = 1, kFloat32 = 7;  // CUtensorMapDataType
 
 absl::Status Launch(int threads, size_t smem_bytes, const std::function<void()>& kernel) {
@@ -89,9 +93,9 @@ TEST(EmulatedMbarrier, ArrivalAfterCompletionCountsForTheNextPhase) {
     r[0] = hsap_dev::mbarrier_try_wait_parity(bar, 0);  // 1 of 2
     hsap_dev::mbarrier_arrive(bar);                     // phase 0 completes
     r[1] = hsap_dev::mbarrier_try_wait_parity(bar, 0);
-    hsap_dev::mbarrier_arrive(bar);                     // 1 of 2 in phase 1
+    hsap_dev::mbarrier_arrive(bar);  // 1 of 2 in phase 1
     r[2] = hsap_dev::mbarrier_try_wait_parity(bar, 1);
-    hsap_dev::mbarrier_arrive(bar);                     // phase 1 completes
+    hsap_dev::mbarrier_arrive(bar);  // phase 1 completes
     r[3] = hsap_dev::mbarrier_try_wait_parity(bar, 1);
     r[4] = hsap_dev::mbarrier_try_wait_parity(bar, 0);  // phase 2 is current: incomplete
   });
@@ -111,8 +115,8 @@ TEST(EmulatedMbarrier, TxCountMayGoNegativeBeforeTheExpectTx) {
   alignas(64) TensorMap map;
   const uint64_t dims[2] = {16, 8}, strides[1] = {32};
   const uint32_t box[2] = {16, 8}, estr[2] = {1, 1};
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kUint16, 2, tensor, dims, strides, box, estr,
-                                              0, 0, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kUint16, 2, tensor, dims, strides, box, estr, 0,
+                                              0, 0, 0),
             0);
   bool before = true, after = false;
   uint16_t first = 0;
@@ -245,7 +249,8 @@ TEST_P(EmulatedTmaBoxTest, LandsSwizzledWithZerosOutsideTheTensor) {
     elements *= c.dims[i];
   }
   std::vector<uint16_t> storage(elements + 8);
-  uint16_t* tensor = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) % 16) % 16 / 2;
+  uint16_t* tensor =
+      storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) % 16) % 16 / 2;
   for (uint64_t i = 0; i < elements; ++i) tensor[i] = static_cast<uint16_t>(i % 65521 + 1);
   alignas(64) TensorMap map;
   const std::vector<uint32_t> estr(c.rank, 1);
@@ -315,8 +320,7 @@ std::vector<BoxCase> BoxCases() {
     const std::string n = absl::StrCat("sw", sw);
     cases.push_back({n + "_2d_inside", 2, {100, 37}, 4, {inner, 16}, {8, 3}, sw, 1024});
     cases.push_back({n + "_2d_top_left", 2, {100, 37}, 4, {inner, 16}, {-5, -9}, sw, 2048});
-    cases.push_back(
-        {n + "_2d_bottom_right", 2, {100, 37}, 4, {inner, 16}, {90, 30}, sw, 1024});
+    cases.push_back({n + "_2d_bottom_right", 2, {100, 37}, 4, {inner, 16}, {90, 30}, sw, 1024});
     cases.push_back({n + "_2d_shifted", 2, {100, 37}, 4, {inner, 8}, {0, 0}, sw, 1024 + 128});
     cases.push_back({n + "_3d_edges", 3, {40, 6, 5}, 8, {inner, 4, 3}, {-2, 4, 3}, sw, 4096});
   }
@@ -358,16 +362,48 @@ TEST(EmulatedTma, SharedMemoryIsStaleUntilTheWait) {
   EXPECT_EQ(after, 10.0f);
 }
 
+// CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA: elements outside the tensor are NaN.
+TEST(EmulatedTma, NanRequestFillsOutsideWithNan) {
+  alignas(16) static float tensor[4 * 8];
+  for (int i = 0; i < 32; ++i) tensor[i] = static_cast<float>(i);
+  alignas(64) TensorMap map;
+  const uint64_t dims[2] = {8, 4}, strides[1] = {32};
+  const uint32_t box[2] = {8, 4}, estr[2] = {1, 1};
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kFloat32, 2, tensor, dims, strides, box, estr,
+                                              0, 0, 0, /*oob_fill=*/1),
+            0);
+  float got[32];
+  absl::Status s = Launch(32, 2048, [&] {
+    if (threadIdx.x != 0) return;
+    hsap_dev::mbarrier_init(BarAt(0), 1);
+    hsap_dev::mbarrier_arrive_expect_tx(BarAt(0), 128);
+    hsap_dev::tma_load_2d(Smem() + 1024, &map, -2, 1, BarAt(0));
+    hsap_dev::mbarrier_wait_parity(BarAt(0), 0);
+    std::memcpy(got, Smem() + 1024, sizeof(got));
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int r = 0; r < 4; ++r) {
+    for (int c = 0; c < 8; ++c) {
+      const int x = c - 2, y = r + 1;
+      if (x >= 0 && y < 4) {
+        EXPECT_EQ(got[r * 8 + c], tensor[y * 8 + x]) << r << " " << c;
+      } else {
+        EXPECT_TRUE(std::isnan(got[r * 8 + c])) << r << " " << c;
+      }
+    }
+  }
+}
+
 TEST(EmulatedTma, MisuseFaults) {
   alignas(16) static uint16_t tensor[64 * 64];
   alignas(64) static TensorMap map2d, map3d, narrow;
   const uint64_t dims[3] = {64, 16, 4}, strides[2] = {128, 128 * 16};
   const uint32_t box[3] = {64, 16, 1}, estr[3] = {1, 1, 1};
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map2d, kUint16, 2, tensor, dims, strides, box,
-                                              estr, 0, kSwizzle128B, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map2d, kUint16, 2, tensor, dims, strides, box, estr,
+                                              0, kSwizzle128B, 0, 0),
             0);
-  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map3d, kUint16, 3, tensor, dims, strides, box,
-                                              estr, 0, 0, 0, 0),
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map3d, kUint16, 3, tensor, dims, strides, box, estr,
+                                              0, 0, 0, 0),
             0);
   const uint32_t narrow_box[2] = {32, 16};  // 64-byte rows under the 128B swizzle
   ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&narrow, kUint16, 2, tensor, dims, strides,
@@ -425,6 +461,50 @@ TEST(EmulatedTma, MisuseFaults) {
   }
 }
 
+// The host path the sm_90a kernels take: the library's EncodeTiledTensorMap through the
+// (emulated) driver, the map passed by value as a kernel parameter, a [tokens][heads][d] bf16
+// tensor seen as (d, tokens, heads) with the 128B swizzle, one 64 x 16 box per load.
+TEST(EmulatedTma, LoadsThroughAMapTheLibraryEncoded) {
+  constexpr int kTokens = 40, kHeads = 3, kD = 128;
+  std::vector<uint16_t> storage(kTokens * kHeads * kD + 64);
+  uint16_t* qkv = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64 / 2;
+  for (int i = 0; i < kTokens * kHeads * kD; ++i) qkv[i] = static_cast<uint16_t>(i + 1);
+  testing::EmulatedCudaRuntime emu;
+  cuda::TiledTensorMapSpec spec;
+  spec.dtype = cuda::TensorMapDataTypeOf(DType::kBF16);
+  spec.global_address = qkv;
+  spec.global_dims = {kD, kTokens, kHeads};
+  spec.global_strides = {kHeads * kD * 2, kD * 2};
+  spec.box_dims = {64, 16, 1};
+  spec.swizzle = cuda::TensorMapSwizzle::k128B;
+  absl::StatusOr<cuda::TensorMapBytes> bytes = cuda::EncodeTiledTensorMap(emu.driver(), spec);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  TensorMap param;
+  static_assert(sizeof(param) == sizeof(*bytes));
+  std::memcpy(&param, &*bytes, sizeof(param));
+  const uint32_t box_bytes = cuda::TensorMapBoxBytes(spec);
+  ASSERT_EQ(box_bytes, 2048u);
+  std::vector<uint16_t> got(1024);
+  absl::Status s = Launch(32, 4096, [&, param]() {  // the map captured by value, as a parameter
+    if (threadIdx.x != 0) return;
+    unsigned long long* bar = BarAt(0);
+    hsap_dev::mbarrier_init(bar, 1);
+    hsap_dev::mbarrier_arrive_expect_tx(bar, box_bytes);
+    hsap_dev::tma_load_3d(Smem() + 1024, &param, 64, 32, 2, bar);  // d 64.., tokens 32..47, head 2
+    hsap_dev::mbarrier_wait_parity(bar, 0);
+    std::memcpy(got.data(), Smem() + 1024, 2048);
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 64; ++col) {
+      const int token = 32 + row, d = 64 + col;
+      const uint16_t want = token < kTokens ? qkv[(token * kHeads + 2) * kD + d] : 0;
+      const uint32_t byte = SwizzledByte(static_cast<uint32_t>(row * 128 + col * 2), 128, 0);
+      ASSERT_EQ(got[byte / 2], want) << row << " " << col;
+    }
+  }
+}
+
 // ---- the emulated cuTensorMapEncodeTiled ----
 
 // Each of the driver's documented requirements, broken alone, from a valid 2d bf16 map.
@@ -443,9 +523,8 @@ TEST(EmulatedTensorMapEncode, RefusesWhatTheDriverRefuses) {
     int interleave = 0, swizzle = 3, l2 = 0, oob = 0;
   };
   auto encode = [&](const Args& a) {
-    return hsap_emu::EmuEncodeTiledTensorMap(a.map, a.dtype, a.rank, a.address, a.dims,
-                                             a.strides, a.box, a.estr, a.interleave, a.swizzle,
-                                             a.l2, a.oob);
+    return hsap_emu::EmuEncodeTiledTensorMap(a.map, a.dtype, a.rank, a.address, a.dims, a.strides,
+                                             a.box, a.estr, a.interleave, a.swizzle, a.l2, a.oob);
   };
   Args ok;
   ok.map = map;
@@ -458,28 +537,53 @@ TEST(EmulatedTensorMapEncode, RefusesWhatTheDriverRefuses) {
   };
   const int kInvalid = hsap_emu::kEmuCuErrorInvalidValue;
   const std::vector<Broken> broken = {
-      {"map not 64-byte aligned", [](Args& a) { a.map = static_cast<char*>(a.map) + 32; }, kInvalid},
+      {"map not 64-byte aligned", [](Args& a) { a.map = static_cast<char*>(a.map) + 32; },
+       kInvalid},
       {"dtype", [](Args& a) { a.dtype = 16; }, kInvalid},
       {"packed dtype", [](Args& a) { a.dtype = 13; }, hsap_emu::kEmuCuErrorNotSupported},
       {"rank 0", [](Args& a) { a.rank = 0; }, kInvalid},
       {"rank 6", [](Args& a) { a.rank = 6; }, kInvalid},
-      {"interleave with rank 2", [](Args& a) { a.interleave = 1; a.swizzle = 0; }, kInvalid},
+      {"interleave with rank 2",
+       [](Args& a) {
+         a.interleave = 1;
+         a.swizzle = 0;
+       },
+       kInvalid},
       {"address", [&](Args& a) { a.address = tensor + 1; }, kInvalid},
       {"dim 0", [](Args& a) { a.dims[1] = 0; }, kInvalid},
       {"dim 2^32 + 1", [](Args& a) { a.dims[0] = (uint64_t{1} << 32) + 1; }, kInvalid},
       {"stride not a multiple of 16", [](Args& a) { a.strides[0] = 520; }, kInvalid},
       {"stride 2^40", [](Args& a) { a.strides[0] = uint64_t{1} << 40; }, kInvalid},
       {"box 0", [](Args& a) { a.box[1] = 0; }, kInvalid},
-      {"box 257", [](Args& a) { a.box[1] = 257; a.swizzle = 0; }, kInvalid},
-      {"inner box bytes not a multiple of 16", [](Args& a) { a.box[0] = 12; a.swizzle = 0; },
+      {"box 257",
+       [](Args& a) {
+         a.box[1] = 257;
+         a.swizzle = 0;
+       },
+       kInvalid},
+      {"inner box bytes not a multiple of 16",
+       [](Args& a) {
+         a.box[0] = 12;
+         a.swizzle = 0;
+       },
        kInvalid},
       {"element stride 9", [](Args& a) { a.estr[1] = 9; }, kInvalid},
       {"128B swizzle, 256-byte rows", [](Args& a) { a.box[0] = 128; }, kInvalid},
       {"64B swizzle, 128-byte rows", [](Args& a) { a.swizzle = 2; }, kInvalid},
-      {"32B swizzle, 64-byte rows", [](Args& a) { a.swizzle = 1; a.box[0] = 32; }, kInvalid},
+      {"32B swizzle, 64-byte rows",
+       [](Args& a) {
+         a.swizzle = 1;
+         a.box[0] = 32;
+       },
+       kInvalid},
       {"swizzle 7", [](Args& a) { a.swizzle = 7; }, kInvalid},
       {"l2 promotion 4", [](Args& a) { a.l2 = 4; }, kInvalid},
-      {"NaN fill of an integer type", [](Args& a) { a.dtype = 1; a.oob = 1; }, kInvalid},
+      {"NaN fill of an integer type",
+       [](Args& a) {
+         a.dtype = 1;
+         a.oob = 1;
+       },
+       kInvalid},
   };
   for (const Broken& b : broken) {
     Args a = ok;

@@ -65,8 +65,8 @@ namespace hsap_emu {
 struct TmaCtaState;
 [[noreturn]] inline void Fault(const std::string& what);
 inline bool InSharedMemory(const void* p, std::size_t bytes);  // [p, p + bytes) in CTA smem
-inline TmaCtaState& ThisCtaTma();                               // the calling thread's CTA's
-inline std::uintptr_t SharedWindowBase();                       // the CTA's shared window
+inline TmaCtaState& ThisCtaTma();                              // the calling thread's CTA's
+inline std::uintptr_t SharedWindowBase();                      // the CTA's shared window
 inline void YieldThread();  // lets the CTA's other threads run (a spin's pause)
 
 namespace tma {
@@ -136,8 +136,7 @@ inline void CheckAddress(const void* bar, const char* op) {
                        " (mbarrier objects are 8-byte aligned)"));
   }
   if (!InSharedMemory(bar, 8)) {
-    Fault(absl::StrCat(op, ": the mbarrier at 0x",
-                       absl::Hex(reinterpret_cast<std::uintptr_t>(bar)),
+    Fault(absl::StrCat(op, ": the mbarrier at 0x", absl::Hex(reinterpret_cast<std::uintptr_t>(bar)),
                        " is not in shared memory"));
   }
 }
@@ -213,8 +212,8 @@ inline void Arrive(std::uint64_t* bar, bool expect_tx, std::uint32_t bytes) {
     CheckTx(b, bar, op);
   }
   if (b.pending == 0) {
-    Fault(absl::StrCat(op, ": more arrivals than the count ", b.expected,
-                       " in phase ", b.phase, " of the mbarrier at ", Where(bar),
+    Fault(absl::StrCat(op, ": more arrivals than the count ", b.expected, " in phase ", b.phase,
+                       " of the mbarrier at ", Where(bar),
                        " (the phase waits only for its tx-count, ", b.tx, " bytes)"));
   }
   --b.pending;
@@ -304,8 +303,8 @@ inline void Perform(const PendingLoad& l) {
   const EmuTensorMap& m = l.map;
   const SwizzleMode swizzle = *SwizzleFromTensorMap(m.swizzle);
   const std::uintptr_t window = SharedWindowBase();
-  const std::uint32_t base = static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(l.dst) -
-                                                        window);
+  const std::uint32_t base =
+      static_cast<std::uint32_t>(reinterpret_cast<std::uintptr_t>(l.dst) - window);
   const std::uint32_t elements = BoxBytes(m) / m.element_bytes;
   int k[5] = {0, 0, 0, 0, 0};  // the element's index in the box, dimension 0 fastest
   for (std::uint32_t e = 0; e < elements; ++e) {
@@ -361,7 +360,8 @@ inline bool TryWaitParity(std::uint64_t* bar, std::uint32_t parity) {
                        " never completed: phase ", b.phase, " waits for ", b.pending, " of ",
                        b.expected, " arrivals and ", b.tx,
                        " tx bytes, and no mbarrier operation or TMA copy of the CTA happened "
-                       "for ", WaitWatchdogMs().load(), " ms (a GPU would hang)"));
+                       "for ",
+                       WaitWatchdogMs().load(), " ms (a GPU would hang)"));
   }
   YieldThread();
   return false;

@@ -11,7 +11,7 @@
 namespace hsap::cuda {
 namespace {
 
-constexpr uint64_t kMaxDim = uint64_t{1} << 32;     // "less than or equal to 2^32"
+constexpr uint64_t kMaxDim = uint64_t{1} << 32;       // "less than or equal to 2^32"
 constexpr uint64_t kStrideLimit = uint64_t{1} << 40;  // "less than 2^40"
 
 absl::Status Invalid(const std::string& field, const std::string& rule, const std::string& fix) {
@@ -132,11 +132,11 @@ absl::Status ValidateTiledTensorMapSpec(const TiledTensorMapSpec& s) {
   // elementSizeInBytes( tensorDataType ) } must be a multiple of 16 bytes."
   const uint64_t inner = uint64_t{s.box_dims[0]} * static_cast<unsigned>(element);
   if (inner % 16 != 0) {
-    return Invalid("box_dims[0]",
-                   absl::StrCat(s.box_dims[0], " elements of ", element,
-                                " bytes make an inner box of ", inner,
-                                " bytes, not a multiple of 16"),
-                   absl::StrCat("use a multiple of ", 16 / std::min(element, 16), " elements"));
+    return Invalid(
+        "box_dims[0]",
+        absl::StrCat(s.box_dims[0], " elements of ", element, " bytes make an inner box of ", inner,
+                     " bytes, not a multiple of 16"),
+        absl::StrCat("use a multiple of ", 16 / std::min(element, 16), " elements"));
   }
   // "When interleave is CU_TENSOR_MAP_INTERLEAVE_NONE and swizzle is not
   // CU_TENSOR_MAP_SWIZZLE_NONE, the bounding box inner dimension (computed as boxDim[0]
@@ -183,12 +183,13 @@ uint32_t TensorMapBoxBytes(const TiledTensorMapSpec& s) {
 }
 
 absl::StatusOr<TensorMapBytes> EncodeTiledTensorMap(const CudaDriverApi& driver,
-                                                   const TiledTensorMapSpec& s) {
+                                                    const TiledTensorMapSpec& s) {
   HSAP_RETURN_IF_ERROR(ValidateTiledTensorMapSpec(s));
   if (driver.TensorMapEncodeTiled == nullptr) {
     return absl::UnimplementedError(
-        absl::StrCat(driver.path, " lacks cuTensorMapEncodeTiled: TMA tensor maps need a CUDA "
-                                  "12.0 or newer driver"));
+        absl::StrCat(driver.path,
+                     " lacks cuTensorMapEncodeTiled: TMA tensor maps need a CUDA "
+                     "12.0 or newer driver"));
   }
   const uint32_t rank = static_cast<uint32_t>(s.global_dims.size());
   unsigned long long dims[5] = {}, strides[5] = {};

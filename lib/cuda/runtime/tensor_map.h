@@ -89,7 +89,7 @@ uint32_t TensorMapBoxBytes(const TiledTensorMapSpec& spec);
 
 // ValidateTiledTensorMapSpec, then cuTensorMapEncodeTiled of `driver`.
 absl::StatusOr<TensorMapBytes> EncodeTiledTensorMap(const CudaDriverApi& driver,
-                                                   const TiledTensorMapSpec& spec);
+                                                    const TiledTensorMapSpec& spec);
 // Same, with the process' driver (LoadCudaDriver).
 absl::StatusOr<TensorMapBytes> EncodeTiledTensorMap(const TiledTensorMapSpec& spec);
 

@@ -53,7 +53,11 @@ std::vector<Broken> BrokenSpecs() {
        "global_dims"},
       {"missing stride", [](auto& s) { s.global_strides.pop_back(); }, "global_strides"},
       {"missing box", [](auto& s) { s.box_dims.pop_back(); }, "box_dims"},
-      {"steps for another rank", [](auto& s) { s.element_strides = {1, 1}; }, "element_strides"},
+      {"steps for another rank",
+       [](auto& s) {
+         s.element_strides = {1, 1};
+       },
+       "element_strides"},
       {"null address", [](auto& s) { s.global_address = nullptr; }, "global_address"},
       {"misaligned address", [](auto& s) { s.global_address = g_tensor + 4; }, "global_address"},
       {"empty dimension", [](auto& s) { s.global_dims[1] = 0; }, "global_dims[1]"},
@@ -71,8 +75,16 @@ std::vector<Broken> BrokenSpecs() {
          s.swizzle = TensorMapSwizzle::kNone;
        },
        "box_dims[0]"},
-      {"step 0", [](auto& s) { s.element_strides = {1, 0, 1}; }, "element_strides[1]"},
-      {"step 9", [](auto& s) { s.element_strides = {1, 1, 9}; }, "element_strides[2]"},
+      {"step 0",
+       [](auto& s) {
+         s.element_strides = {1, 0, 1};
+       },
+       "element_strides[1]"},
+      {"step 9",
+       [](auto& s) {
+         s.element_strides = {1, 1, 9};
+       },
+       "element_strides[2]"},
       {"128B swizzle, 256-byte rows", [](auto& s) { s.box_dims[0] = 128; }, "box_dims[0]"},
       {"64B swizzle, 128-byte rows", [](auto& s) { s.swizzle = TensorMapSwizzle::k64B; },
        "box_dims[0]"},
@@ -82,8 +94,7 @@ std::vector<Broken> BrokenSpecs() {
          s.box_dims[0] = 32;
        },
        "box_dims[0]"},
-      {"swizzle value 4", [](auto& s) { s.swizzle = static_cast<TensorMapSwizzle>(4); },
-       "swizzle"},
+      {"swizzle value 4", [](auto& s) { s.swizzle = static_cast<TensorMapSwizzle>(4); }, "swizzle"},
       {"L2 promotion value 4",
        [](auto& s) { s.l2_promotion = static_cast<TensorMapL2Promotion>(4); }, "l2_promotion"},
       {"NaN fill of integers",
@@ -168,12 +179,13 @@ TEST(EncodeTiledTensorMap, EncodesThroughTheDriverAndAgreesWithItsRefusals) {
     std::vector<unsigned long long> strides(s.global_strides.begin(), s.global_strides.end());
     std::vector<unsigned> box(s.box_dims.begin(), s.box_dims.end());
     std::vector<unsigned> steps(s.global_dims.size(), 1);
-    if (!s.element_strides.empty()) steps.assign(s.element_strides.begin(), s.element_strides.end());
+    if (!s.element_strides.empty())
+      steps.assign(s.element_strides.begin(), s.element_strides.end());
     TensorMapBytes raw;
     const CUresult r = emu.driver().TensorMapEncodeTiled(
         &raw, static_cast<int>(s.dtype), static_cast<unsigned>(dims.size()),
-        const_cast<void*>(s.global_address), dims.data(), strides.data(), box.data(),
-        steps.data(), 0, static_cast<int>(s.swizzle), static_cast<int>(s.l2_promotion),
+        const_cast<void*>(s.global_address), dims.data(), strides.data(), box.data(), steps.data(),
+        0, static_cast<int>(s.swizzle), static_cast<int>(s.l2_promotion),
         static_cast<int>(s.oob_fill));
     EXPECT_NE(r, 0) << b.what << ": the emulated driver accepts what the library refuses";
     EXPECT_FALSE(EncodeTiledTensorMap(emu.driver(), s).ok()) << b.what;
