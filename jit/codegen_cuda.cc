@@ -119,10 +119,11 @@ int WgmmaFwdSmemBytes(int d, int bn, int stages) {
 
 // The sm_90a forward's key tiles. Per consumer thread the O accumulator takes D/2 fp32
 // registers and S bn/2 (64 query rows x N over 128 threads), P bn/4 packed pairs; the
-// setmaxnreg budget of a consumer is 232. D 64 and 128: 128 keys per tile (O + S = 96 or
-// 128 registers), a ring of 3 or 2 K/V stages (115 and 161 KiB). D 256: 64 keys (O alone is
-// 128 registers), 2 stages (194 KiB). One CTA per SM: the two consumer warpgroups keep the
-// tensor cores busy between them while the producer streams the next tiles.
+// setmaxnreg budget of a consumer is 240 (the producer keeps 24). D 64 and 128: 128 keys
+// per tile (O + S + P = 128 or 160 registers), a ring of 3 or 2 K/V stages (113 and 161
+// KiB). D 256: 64 keys (O alone is 128 registers), 2 stages (193 KiB). One CTA per SM: the
+// two consumer warpgroups keep the tensor cores busy between them while the producer
+// streams the next tiles.
 void ChooseWgmmaForwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
   t->wgmma_fwd = true;
   t->wgmma_block_n = c.head_dim <= 128 ? 128 : 64;

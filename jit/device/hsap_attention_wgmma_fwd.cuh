@@ -8,12 +8,12 @@
 //
 // CTA: 384 threads, three warpgroups (grid (num_blocks, heads_q), one work-list block of one
 // head per CTA, walked in chunks of kBM = 128 query rows):
-//   - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to 40); its thread 0
+//   - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to 24); its thread 0
 //     walks the chunks and their key tiles in work-list order (KeyTileWalk) and issues the TMA
 //     loads: the chunk's Q tile once into q_full, then each K/V tile of kBN keys into stage
 //     n % kStages after waiting for that stage's `empty` barrier, arming `full[stage]` with the
 //     tile's bytes (mbarrier.arrive.expect_tx; the loads complete the transaction);
-//   - warpgroups 1 and 2, the consumers (setmaxnreg.inc to 232), own query rows [0, 64) and
+//   - warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240), own query rows [0, 64) and
 //     [64, 128) of the chunk. Per tile: wait full[stage]; S = Q K^T by wgmma m64nKBNk16 with
 //     both operands in shared memory (kD / 16 k-steps); online softmax in fp32 on the
 //     accumulator registers; P rounded to bf16/f16 in registers as the A operand of
@@ -98,7 +98,7 @@ struct WgmmaFwdShape {
   // 1 KiB of alignment slack first (jit/codegen_cuda.cc WgmmaFwdSmemBytes: same formula).
   static constexpr int kSmemBytes = 1024 + kChunkOffset + 16;
   static constexpr int kConsumerThreads = 256;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128*40 + 256*232 <= 65536
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128*24 + 256*240 <= 65536
   static_assert(kD == 64 || kD == 128 || kD == 256,
                 "hsap: the sm_90a forward takes head dims 64, 128 and 256 (64-element panels)");
   static_assert(kBN % 16 == 0 && kBN >= 16 && kBN <= 256,
@@ -318,12 +318,20 @@ struct WgmmaFwdRows {
   }
   // The masked online softmax of s (the tile `info` describes, at the chunk's q0, rows): s
   // becomes P (fp32), rescale the factor o needs before this tile's P V.
+  // warp_rows_valid: all 16 rows of the calling warp are rows of the chunk. Warp-uniform: the
+  // per-score test runs only where the band or the tile's edges cut the warp's 16 x kBN scores.
   HSAP_DEV void softmax(const WgmmaTileInfo& info, long long q0, int rows, int row0, int t,
-                        float scale_log2) {
+                        float scale_log2, bool warp_rows_valid) {
     const KeySegment seg{0, 0, info.diag_lo, info.diag_hi};
-    mma_fwd_softmax_scores<S, false>(reinterpret_cast<float(&)[S::kNTiles][4]>(s), rescale, smx,
-                                     saw_key, non_finite, seg, info.masked != 0, q0, rows, info.k0,
-                                     info.cols, row0, t, scale_log2);
+    auto& s4 = reinterpret_cast<float(&)[S::kNTiles][4]>(s);
+    if (!info.masked && info.cols == S::kBN && warp_rows_valid) {
+      mma_fwd_softmax_scores<S, true>(s4, rescale, smx, saw_key, non_finite, seg, false, q0, rows,
+                                      info.k0, info.cols, row0, t, scale_log2);
+    } else {
+      mma_fwd_softmax_scores<S, false>(s4, rescale, smx, saw_key, non_finite, seg,
+                                       info.masked != 0, q0, rows, info.k0, info.cols, row0, t,
+                                       scale_log2);
+    }
   }
 };
 
@@ -364,6 +372,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
   WgmmaFwdRows<S> r;
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += S::kBM, ++chunk) {
     const int rows = static_cast<int>(min64(S::kBM, qb.q_end - q0));
+    const bool warp_rows_valid = wg * 64 + warp * 16 + 16 <= rows;
     r.init();
     mbarrier_wait_parity(sm.q_full, chunk & 1u);
     const int tiles = *sm.chunk_tiles;
@@ -372,7 +381,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage(n % S::kStages));
       wgmma_wait_group<0>();
       wgmma_fence_operand(r.s);
-      r.softmax(info, q0, rows, row0, t, scale_log2);
+      r.softmax(info, q0, rows, row0, t, scale_log2, warp_rows_valid);
       mma_fwd_rescale<S>(reinterpret_cast<float(&)[S::kDTiles][4]>(r.o), r.rescale);
       wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
     }
@@ -385,7 +394,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
       wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(stage));
       wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
       wgmma_fence_operand(r.s);
-      r.softmax(info, q0, rows, row0, t, scale_log2);
+      r.softmax(info, q0, rows, row0, t, scale_log2, warp_rows_valid);
       wgmma_wait_group<0>();  // P V of tile n: o and p are free, the stage is read
       wgmma_fence_operand(r.o);
       HSAP_UNROLL

@@ -4,7 +4,7 @@
 //     variant's name, the NVRTC target and so the cache key;
 //   - NVRTC compiles the forward for sm_90a (bf16 and f16; d 64, 128, 256; banded and
 //     full-only), ptxas' report shows no spill, at most the 168 registers per thread that 384
-//     threads leave at one CTA per SM (the consumers then raise theirs to 232 by setmaxnreg),
+//     threads leave at one CTA per SM (the consumers then raise theirs to 240 by setmaxnreg),
 //     one CTA per SM fitting the shared memory the generator computed, no wgmma serialized by
 //     ptxas (warning C7514); and the SASS holds
 //     HGMMA (wgmma), UTMALDG (TMA) and SYNCS (mbarrier) instructions and no HMMA.
