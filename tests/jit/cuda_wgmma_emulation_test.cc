@@ -228,6 +228,28 @@ TEST(CudaWgmmaEmulation, ForwardFullOnlyVariant) {
       128);
 }
 
+// User slices: causal blocks, some with a window, and full rectangles onto earlier blocks
+// (chunks whose segments are partly or wholly invisible to some of their rows).
+TEST(CudaWgmmaEmulation, ForwardArbitrarySlices) {
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 6), 128);
+}
+
+// A banded segment given to the full-only variant: reported and skipped by the producer,
+// whose tile count the consumers follow, so the CTA neither hangs nor computes it.
+TEST(CudaWgmmaEmulation, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, false>;
+  Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 11);
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
+  ASSERT_TRUE(w.ok());
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r),
+            static_cast<unsigned int>(hsap_dev::kErrorBandInFullOnlyVariant));
+  // The full document's rows (380..480) were computed; the causal document's were not.
+  EXPECT_GT(r.lse[400], -INFINITY);
+  EXPECT_EQ(r.lse[10], -INFINITY);
+}
+
 // NaN and infinity as a naive softmax has them, like the mma.sync and FMA kernels; and a
 // non-finite V row of another document, read by a TMA box that crosses the segment's end,
 // does not reach this document's rows (the kernel zeroes V rows past the valid keys).
