@@ -266,16 +266,20 @@ constexpr float kRowSawNoKey = 0.0f;
 constexpr float kRowSawKey = 1.0f;
 constexpr float kRowIsNaN = 2.0f;
 
-// One row of the online softmax over a tile: s holds scores in log2 units, becomes
-// probabilities relative to the running max m; l and the output row o are rescaled; `state`
+// One row of the online softmax over a tile: s holds the raw scores q.k, becomes
+// probabilities relative to the running max m of s * scale (natural units, as the lse and
+// the backward's p = e^(s * scale - lse): an lse formed in base 2 from pre-scaled queries
+// would carry |lse| ulps of the base change that the backward's p does not, a per-row
+// scaling of dq); l and the output row o are rescaled; `state`
 // is updated as above (a NaN row keeps m, l, o and gets zero probabilities).
-HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m, float* l, float* o,
-                                    float* state) {
+HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float scale, float* m,
+                                    float* l, float* o, float* state) {
   vf x[kKV];
   vf mx = vset1(kNegInf);
   bool non_finite = false;
+  const vf sv = vset1(scale), log2e = vset1(kLog2e);
   HSAP_UNROLL for (int c = 0; c < kKV; ++c) {
-    x[c] = vload(s + c * kVL);
+    x[c] = vmul(vload(s + c * kVL), sv);
     if (!full) x[c] = vkeep(x[c], c * kVL, a, b, kNegInf);
     non_finite = non_finite || vany_nan_or_inf(x[c]);
     mx = vmax(mx, x[c]);
@@ -292,11 +296,11 @@ HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m,
   const vf mv = vset1(m_new);
   vf sum = vzero();
   HSAP_UNROLL for (int c = 0; c < kKV; ++c) {
-    const vf p = vexp2(vsub(x[c], mv));
+    const vf p = vexp2(vmul(vsub(x[c], mv), log2e));
     vstore(s + c * kVL, p);
     sum = vadd(sum, p);
   }
-  const float alpha = m_old == kNegInf ? 0.0f : exp2f(m_old - m_new);
+  const float alpha = m_old == kNegInf ? 0.0f : expf(m_old - m_new);
   *l = *l * alpha + vsum(sum);
   if (alpha != 1.0f) {
     const vf av = vset1(alpha);
@@ -305,11 +309,14 @@ HSAP_INLINE void online_softmax_row(float* s, int a, int b, bool full, float* m,
   *m = m_new;
 }
 
-// Backward row: p = 2^(s * c2 - lse2) on the visible keys (0 elsewhere), ds = p * (dp - delta);
-// a NaN lse, score or dp makes the row's p or ds NaN on its visible keys, as a naive backward.
-// Leaves p in s and ds in dp.
+// Backward row: p = e^(s * scale - lse) on the visible keys (0 elsewhere), ds = p * (dp -
+// delta); a NaN lse, score or dp makes the row's p or ds NaN on its visible keys, as a naive
+// backward. Leaves p in s and ds in dp. The exponent is formed in the natural domain, one
+// rounding of s * scale - lse, then taken to base 2: its error scales with |s * scale - lse|
+// (small where p matters). Forming s * (scale * log2e) - lse * log2e instead rounds both
+// products apart, an error of |lse| ulps in every p of the row (dq over the rule on long rows).
 HSAP_INLINE void probs_and_dscores_row(float* s, float* dp, int a, int b, bool full, float lse,
-                                       float delta, float c2) {
+                                       float delta, float scale) {
   if (lse == kNegInf) {  // the row sees no key at all
     HSAP_UNROLL for (int c = 0; c < kKV; ++c) {
       vstore(s + c * kVL, vzero());
@@ -317,9 +324,9 @@ HSAP_INLINE void probs_and_dscores_row(float* s, float* dp, int a, int b, bool f
     }
     return;
   }
-  const vf c2v = vset1(c2), lv = vset1(lse * kLog2e), dv = vset1(delta);
+  const vf sv = vset1(scale), lv = vset1(lse), dv = vset1(delta), log2e = vset1(kLog2e);
   HSAP_UNROLL for (int c = 0; c < kKV; ++c) {
-    vf p = vexp2(vfmsub(vload(s + c * kVL), c2v, lv));
+    vf p = vexp2(vmul(vfmsub(vload(s + c * kVL), sv, lv), log2e));
     if (!full) p = vkeep(p, c * kVL, a, b, 0.0f);
     vstore(s + c * kVL, p);
     vstore(dp + c * kVL, vmul(p, vsub(vload(dp + c * kVL), dv)));
@@ -400,17 +407,16 @@ HSAP_EXPORT void hsap_convert(const HsapHostConvertTask* t) {
 
 HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
   const int nr = static_cast<int>(t->q_end - t->q_begin);
-  float* const qs = t->scratch;      // [kBQA][kDP] queries * scale * log2(e)
+  float* const qs = t->scratch;      // [kBQA][kDP] queries (fp32)
   float* const o = qs + kBQA * kDP;  // [kBQA][kDP] unnormalised output
   float* const s = o + kBQA * kDP;   // [kBQA][kBK] scores, then probabilities
-  float* const m = s + kBQA * kBK;   // running max (log2 units)
+  float* const m = s + kBQA * kBK;   // running max of s * scale
   float* const l = m + kBQA;         // running sum
   float* const state = l + kBQA;     // kRowSawNoKey, kRowSawKey or kRowIsNaN
   const storage_t* q = static_cast<const storage_t*>(t->q) + t->q_head * kD;
-  const float qmul = t->scale * kLog2e;
   for (int r = 0; r < kBQA; ++r) {
     if (r < nr) {
-      load_row(q + (t->q_begin + r) * t->q_row_stride, qs + r * kDP, qmul);
+      load_row(q + (t->q_begin + r) * t->q_row_stride, qs + r * kDP, 1.0f);
     } else {
       zero_floats(qs + r * kDP, kDP);
     }
@@ -434,7 +440,8 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
         int a = 0, b = kBK;
         if (!full)
           row_interval(g.k_begin, g.k_end, g.diag_lo, g.diag_hi, t->q_begin + r, kt0, &a, &b);
-        online_softmax_row(s + r * kBK, a, b, full, m + r, l + r, o + r * kDP, state + r);
+        online_softmax_row(s + r * kBK, a, b, full, t->scale, m + r, l + r, o + r * kDP,
+                           state + r);
       }
       gemm_pb(s, kBK, 1, kBK, t->v + tile * (kBK * kDP), kDP, o, kDP, nr);
     }
@@ -449,9 +456,8 @@ HSAP_EXPORT void hsap_forward(const HsapHostForwardTask* t) {
       continue;
     }
     if (l[r] == 0.0f) continue;  // no visible key: the partial (0, -inf) changes nothing
-    const float lse2 = (m[r] + log2f(l[r])) * kLn2;
     merge_row(t->out + row * t->out_row_stride + t->q_head * kD, t->lse + row, o + r * kDP,
-              1.0f / l[r], lse2);
+              1.0f / l[r], m[r] + logf(l[r]));
   }
 }
 
@@ -463,7 +469,6 @@ HSAP_EXPORT void hsap_backward(const HsapHostBackwardTask* t) {
   float* const dq = dv + kBK * kDP;   // [kBQA][kDP] dS.K of one item and head
   zero_floats(s, 2 * kBQA * kBK + 2 * kBK * kDP);
   const int64_t kt0 = t->tile * kBK;
-  const float c2 = t->scale * kLog2e;
   const __m256 sc = _mm256_set1_ps(t->scale);
   for (int64_t ii = 0; ii < t->num_items; ++ii) {
     const HsapHostKvItem it = t->items[ii];
@@ -482,7 +487,8 @@ HSAP_EXPORT void hsap_backward(const HsapHostBackwardTask* t) {
         const int64_t row = it.q_begin + r;
         int a = 0, b = kBK;
         if (!full) row_interval(it.k_begin, it.k_end, it.diag_lo, it.diag_hi, row, kt0, &a, &b);
-        probs_and_dscores_row(s + r * kBK, dp + r * kBK, a, b, full, lse[row], delta[row], c2);
+        probs_and_dscores_row(s + r * kBK, dp + r * kBK, a, b, full, lse[row], delta[row],
+                              t->scale);
       }
       gemm_pb(s, 1, kBK, nr, da, t->qd_row_stride, dv, kDP, kBK);   // dV += P^T dO
       gemm_pb(dp, 1, kBK, nr, qa, t->qd_row_stride, dk, kDP, kBK);  // dK += dS^T Q

@@ -135,13 +135,83 @@ TEST(HsapWgmmaNvrtc, EmitsTheNamedInstructions) {
   }
 }
 
+// Every N the layer provides (16 .. 256), SS and RS: each asm string's register list and
+// operand numbering assemble (ptxas builds the cubin) and name their shape.
+constexpr const char* kEveryShape = R"(
+#include "hsap_device.cuh"
+#include "hsap_wgmma.cuh"
+template <int N>
+__device__ float one_shape(unsigned long long a, unsigned long long b, const unsigned (&r)[4]) {
+  using namespace hsap_dev;
+  float d[N / 2];
+  wgmma_fence();
+  wgmma_m64k16_ss<N, (N / 16) % 2 == 0, (N / 16) % 3 == 0>(d, a, b, false);
+  wgmma_m64k16_rs<N, (N / 16) % 2 == 1, (N / 16) % 3 != 0>(d, r, b, true);
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(d);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) sum += d[i];
+  return sum;
+}
+// One kernel per N (separate kernels keep ptxas quick: no N's accumulators outlive it).
+template <int N>
+__global__ void __launch_bounds__(128, 1) every_wgmma_shape(float* out) {
+  __shared__ __align__(1024) unsigned short tile[8192];
+  for (int i = threadIdx.x; i < 8192; i += 128) tile[i] = static_cast<unsigned short>(i);
+  __syncthreads();
+  const unsigned long long a = hsap_dev::wgmma_desc(tile, 16, 1024, hsap_dev::kSwizzle128B);
+  const unsigned long long b = hsap_dev::wgmma_desc(tile + 4096, 16, 1024, hsap_dev::kSwizzle128B);
+  const unsigned r[4] = {threadIdx.x, threadIdx.x * 3u, threadIdx.x * 5u, threadIdx.x * 7u};
+  out[threadIdx.x] = one_shape<N>(a, b, r);
+}
+template __global__ void every_wgmma_shape<16>(float*);
+template __global__ void every_wgmma_shape<32>(float*);
+template __global__ void every_wgmma_shape<48>(float*);
+template __global__ void every_wgmma_shape<64>(float*);
+template __global__ void every_wgmma_shape<80>(float*);
+template __global__ void every_wgmma_shape<96>(float*);
+template __global__ void every_wgmma_shape<112>(float*);
+template __global__ void every_wgmma_shape<128>(float*);
+template __global__ void every_wgmma_shape<144>(float*);
+template __global__ void every_wgmma_shape<160>(float*);
+template __global__ void every_wgmma_shape<176>(float*);
+template __global__ void every_wgmma_shape<192>(float*);
+template __global__ void every_wgmma_shape<208>(float*);
+template __global__ void every_wgmma_shape<224>(float*);
+template __global__ void every_wgmma_shape<240>(float*);
+template __global__ void every_wgmma_shape<256>(float*);
+)";
+
+TEST(HsapWgmmaNvrtc, EveryShapeAssembles) {
+  if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message();
+  CudaCompileRequest r = EveryInstruction("sm_90a");
+  r.program_name = "hsap_wgmma_shapes_test.cu";
+  r.source = kEveryShape;
+  absl::StatusOr<CudaBinary> cubin = CompileCuda(r, nullptr);
+  ASSERT_TRUE(cubin.ok()) << cubin.status();
+  r.force_ptx = true;
+  absl::StatusOr<CudaBinary> ptx = CompileCuda(r, nullptr);
+  ASSERT_TRUE(ptx.ok()) << ptx.status();
+  for (int n = 16; n <= 256; n += 16) {
+    for (const char* type : {"bf16.bf16", "f16.f16"}) {
+      EXPECT_THAT(ptx->image,
+                  HasSubstr(absl::StrCat("wgmma.mma_async.sync.aligned.m64n", n, "k16.f32.", type)))
+          << n << " " << type;
+    }
+  }
+}
+
 // Without the "a" the instructions do not exist: ptxas refuses, and the log says which.
 TEST(HsapWgmmaNvrtc, PlainSm90RefusesWgmmaWithAClearLog) {
   if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message();
   absl::StatusOr<CudaBinary> b = CompileCuda(EveryInstruction("sm_90"), nullptr);
   ASSERT_FALSE(b.ok());
-  EXPECT_THAT(b.status().message(), HasSubstr("wgmma"));
-  EXPECT_THAT(b.status().message(), HasSubstr("sm_90"));
+  // ptxas: "Instruction 'wgmma.fence' not supported on .target 'sm_90'" (and the same for
+  // wgmma.mma_async and setmaxnreg).
+  EXPECT_THAT(b.status().message(), HasSubstr("'wgmma.fence' not supported on .target 'sm_90'"));
+  EXPECT_THAT(b.status().message(), HasSubstr("'setmaxnreg.inc' not supported"));
 }
 
 }  // namespace

@@ -323,8 +323,7 @@ struct Cta {
       : bar(threads, residency),
         smem(smem_floats, 0.0f),
         shfl(threads, 0.0f),
-        ptx(threads / 32),
-        wgmma(threads) {
+        ptx(threads / 32) {
     for (int w = 0; w < threads / 32; ++w) warp_bars.push_back(std::make_unique<Barrier>(32));
     for (int g = 0; g < threads; g += 128) {  // the last may be partial: wgmma faults there
       warpgroup_bars.push_back(std::make_unique<Barrier>(std::min(128, threads - g)));

@@ -155,14 +155,20 @@ struct ThreadState {
 
 }  // namespace wgmma
 
+// Allocated at a CTA's first warpgroup instruction: CTAs that use none (every pre-sm_90
+// kernel) pay nothing for it.
 struct WgmmaCtaState {
-  explicit WgmmaCtaState(int threads)
-      : threads(static_cast<std::size_t>(threads)),
-        exchanges(static_cast<std::size_t>((threads + 127) / 128)),
-        regs(static_cast<std::size_t>((threads + 127) / 128), 0) {}
   std::vector<wgmma::ThreadState> threads;
   std::vector<wgmma::Exchange> exchanges;  // per warpgroup
   std::vector<int> regs;                   // per warpgroup: setmaxnreg's count (0: none yet)
+
+  void EnsureFor(int cta_threads) {
+    if (!threads.empty()) return;
+    const auto groups = static_cast<std::size_t>((cta_threads + 127) / 128);
+    threads.resize(static_cast<std::size_t>(cta_threads));
+    exchanges.resize(groups);
+    regs.assign(groups, 0);
+  }
 };
 
 namespace wgmma {
@@ -173,7 +179,9 @@ inline float InFlight() { return std::bit_cast<float>(kInFlightBits); }
 inline bool IsInFlight(float x) { return std::bit_cast<std::uint32_t>(x) == kInFlightBits; }
 
 inline ThreadState& This() {
-  return ThisCtaWgmma().threads[static_cast<std::size_t>(ThisThreadIndex())];
+  WgmmaCtaState& cta = ThisCtaWgmma();
+  cta.EnsureFor(CtaThreads());
+  return cta.threads[static_cast<std::size_t>(ThisThreadIndex())];
 }
 
 inline std::string SlotText(const Slot& s) {

@@ -115,6 +115,11 @@ TEST(SharedPartitionTest, RanksAsProcesses) {
   c.ranks = 3;
   c.processes = true;
   ExpectEveryMaskOverTheSharedPartition(cu, c, 52);
+  // One rank, fp32: the JIT host forward once formed the lse in base 2 from pre-scaled
+  // queries, |lse| ulps away from the backward's e^(s * scale - lse); on this input dq
+  // exceeded the rule by 11 % (2.84e-6 against 2.56e-6).
+  c.ranks = 1;
+  ExpectEveryMaskOverTheSharedPartition(cu, c, 31);
 }
 
 // Over the partition hsapBatchCreate would choose, a batch computes the same bits.
