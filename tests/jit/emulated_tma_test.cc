@@ -343,23 +343,35 @@ TEST(EmulatedTma, SharedMemoryIsStaleUntilTheWait) {
   ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kFloat32, 2, tensor, dims, strides, box, estr,
                                               0, 0, 0, 0),
             0);
-  float before = -1, after = -1;
-  absl::Status s = Launch(32, 2048, [&] {
+  // Two copies on two barriers: waiting on the first lands only the first.
+  float before = -1, after = -1, other_before = -1, other_after = -1;
+  absl::Status s = Launch(32, 4096, [&] {
     if (threadIdx.x != 0) return;
     unsigned long long* bar = BarAt(0);
+    unsigned long long* other_bar = BarAt(8);
     float* dst = reinterpret_cast<float*>(Smem() + 1024);
+    float* other = reinterpret_cast<float*>(Smem() + 2048);
     dst[9] = -7.0f;
+    other[9] = -8.0f;
     hsap_dev::mbarrier_init(bar, 1);
+    hsap_dev::mbarrier_init(other_bar, 1);
     hsap_dev::mbarrier_arrive_expect_tx(bar, 256);
+    hsap_dev::mbarrier_arrive_expect_tx(other_bar, 256);
     hsap_dev::tma_load_2d(dst, &map, 0, 0, bar);
+    hsap_dev::tma_load_2d(other, &map, 0, 0, other_bar);
     hsap_dev::fence_proxy_async_shared();
     before = dst[9];
     hsap_dev::mbarrier_wait_parity(bar, 0);
     after = dst[9];
+    other_before = other[9];
+    hsap_dev::mbarrier_wait_parity(other_bar, 0);
+    other_after = other[9];
   });
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(before, -7.0f);
   EXPECT_EQ(after, 10.0f);
+  EXPECT_EQ(other_before, -8.0f);
+  EXPECT_EQ(other_after, 10.0f);
 }
 
 // CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA: elements outside the tensor are NaN.
