@@ -4,15 +4,18 @@
 // mbarriers (hsap_tma.cuh), wgmma with fp32 accumulators in registers (hsap_wgmma.cuh), and
 // warp specialization with register reallocation. Same Params, work lists, masking, NaN/inf
 // rules and partial (out, lse) merge as the mma.sync core (hsap_attention_mma_fwd.cuh), whose
-// softmax (mma_fwd_softmax) and epilogue (mma_fwd_merge) it calls on the same fragment layout.
+// softmax (mma_fwd_softmax_scores) and epilogue (mma_fwd_merge) it calls on the same fragment
+// layout.
 //
 // CTA: 384 threads, three warpgroups (grid (num_blocks, heads_q), one work-list block of one
 // head per CTA, walked in chunks of kBM = 128 query rows):
 //   - warpgroup 0, the producer, gives registers back (setmaxnreg.dec to 24); its thread 0
 //     walks the chunks and their key tiles in work-list order (KeyTileWalk) and issues the TMA
-//     loads: the chunk's Q tile once into q_full, then each K/V tile of kBN keys into stage
-//     n % kStages after waiting for that stage's `empty` barrier, arming `full[stage]` with the
-//     tile's bytes (mbarrier.arrive.expect_tx; the loads complete the transaction);
+//     loads: the chunk's Q tile once into q_full (with the chunk's tile count), then each K/V
+//     tile of kBN keys into stage n % kStages after waiting for that stage's `empty` barrier,
+//     writing the tile's descriptor (WgmmaTileInfo: first key, band, valid keys, masked) into
+//     the stage's slot and arming `full[stage]` with the tile's bytes
+//     (mbarrier.arrive.expect_tx; the loads complete the transaction);
 //   - warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240), own query rows [0, 64) and
 //     [64, 128) of the chunk. Per tile: wait full[stage]; S = Q K^T by wgmma m64nKBNk16 with
 //     both operands in shared memory (kD / 16 k-steps); online softmax in fp32 on the
@@ -20,11 +23,13 @@
 //     O += P V by wgmma m64nDk16 (A from registers, V through a transposed descriptor);
 //     release the stage (every consumer thread arrives on empty[stage]). After the chunk's
 //     last tile they release Q (q_empty) and merge (O / l, lse) into out/lse.
-// While the consumers compute tile n the producer has the next kStages - 1 tiles in flight.
-// Simplified against FlashAttention-3 (stated, so that the device measurements can be read
-// against it): the softmax of one tile is not yet overlapped with the GEMMs of the next
-// within a warpgroup, and the two consumer warpgroups are not ping-pong scheduled with named
-// barriers; they run the same loop concurrently on their own rows.
+// Overlap: while the consumers compute tile n the producer has the next kStages - 1 tiles in
+// flight; within a consumer warpgroup, FlashAttention-3's two-stage pipelining (S of tile
+// n + 1 and P V of tile n issued together, the softmax of tile n + 1 running while P V of
+// tile n is on the tensor cores; wgmma_fwd_consume). Not done: ping-pong scheduling of the
+// two consumer warpgroups (they run the same loop side by side on their own rows). Written
+// with an mbarrier pair (the emulator has no named barriers) it cost 16-112 bytes of spills
+// at d 128 and 256 (the try_wait loops inside the pipelined region), so it was left out.
 //
 // Shared memory (the base aligned up to 1024 bytes of the CTA's shared window, so that every
 // tile starts on a 1024-byte atom of the 128-byte swizzle with the descriptors' base offset 0):
@@ -32,8 +37,9 @@
 //   [kBN rows][64 elements] each; a panel row is 128 bytes, TMA writes it with the 128-byte
 //   swizzle (CU_TENSOR_MAP_SWIZZLE_128B): within each 1024-byte group of 8 rows the 16-byte
 //   chunk c of row r lands at chunk c ^ (r % 8) (tests/support/emulated_swizzle.h);
-//   then the mbarriers full[kStages], empty[kStages], q_full, q_empty, fix.
-// Tensor maps (built on the host, lib/cuda/exec/jit_device_kernels.cc, passed by value as
+//   then the mbarriers full[kStages], empty[kStages], q_full, q_empty, fix, the tile
+//   descriptors [kStages] and the chunk's tile count.
+// Tensor maps (built on the host, lib/cuda/exec/wgmma_tensor_maps.h, passed by value as
 // __grid_constant__ parameters): 3-D over (head dim, heads, rows) of the 16-bit q, k, v
 // tensors ([rows, heads, D]), boxes of (64, 1, 128) for Q and (64, 1, kBN) for K and V,
 // 128-byte swizzle, out-of-bounds elements zero-filled. A box that crosses the tensor's end
