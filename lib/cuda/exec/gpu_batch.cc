@@ -433,7 +433,7 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   // The fused kernel takes up to 8 stages per launch (more run as further launches).
   if (fused) config.role = {7};
   // Compute capability 9.0: the sm_90a variant (wgmma/TMA forward) where it applies.
-  config.arch = jit::JitCudaArch(arch, config);
+  HSAP_ASSIGN_OR_RETURN(config.arch, JitArchForDevice(arch, config));
   if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
     return absl::Status(s.code(),
                         absl::StrCat("the CUDA kernels cannot serve this batch: ", s.message()));

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/params.h"
 #include "base/status_macros.h"
 #include "jit/cache.h"
 #include "jit/cuda_kernels.h"
@@ -228,11 +229,17 @@ class JitDeviceKernels : public DeviceKernels {
 
 }  // namespace
 
+absl::StatusOr<std::string> JitArchForDevice(const std::string& device_arch,
+                                             const jit::CudaKernelConfig& config) {
+  HSAP_ASSIGN_OR_RETURN(const bool sm90a, GetBoolParam(Param::kJitSm90a));
+  return sm90a ? jit::JitCudaArch(device_arch, config) : device_arch;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config) {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   if (config.arch.empty()) {
     HSAP_ASSIGN_OR_RETURN(std::string arch, CurrentCudaArch());
-    config.arch = jit::JitCudaArch(arch, config);  // sm_90a on compute capability 9.0
+    HSAP_ASSIGN_OR_RETURN(config.arch, JitArchForDevice(arch, config));
   }
   HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
   int device = 0, sms = 1;

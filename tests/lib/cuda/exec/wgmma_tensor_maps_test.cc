@@ -1,6 +1,7 @@
-// The sm_90a forward's tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through the emulated
-// driver's cuTensorMapEncodeTiled: the geometry the kernel assumes (hsap_attention_wgmma_fwd.cuh)
-// and the refusals, each naming the argument.
+// The sm_90a forward's host side: its tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through
+// the emulated driver's cuTensorMapEncodeTiled (the geometry the kernel assumes,
+// hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the argument), and the arch the
+// runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A).
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 
 #include <cstdint>
@@ -9,8 +10,10 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/cuda/exec/jit_device_kernels.h"
 #include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/emulated_tensor_map.h"
+#include "tests/support/scoped_env.h"
 
 namespace hsap::cuda {
 namespace {
@@ -93,6 +96,27 @@ TEST(WgmmaTensorMaps, RefusalsNameTheArgument) {
   s = encode(p, DType::kBF16, 128, 128);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("q has 2147483648 rows"));
+}
+
+TEST(JitArchForDevice, Sm90aOnComputeCapability90UnlessHsapJitSm90aIsOff) {
+  jit::CudaKernelConfig c;
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  {
+    testing::ScopedEnv unset("HSAP_JIT_SM90A", nullptr);
+    EXPECT_EQ(*JitArchForDevice("sm_90", c), "sm_90a");
+    EXPECT_EQ(*JitArchForDevice("sm_80", c), "sm_80");
+  }
+  {
+    testing::ScopedEnv off("HSAP_JIT_SM90A", "0");
+    EXPECT_EQ(*JitArchForDevice("sm_90", c), "sm_90");
+  }
+  {
+    testing::ScopedEnv bad("HSAP_JIT_SM90A", "maybe");
+    absl::StatusOr<std::string> arch = JitArchForDevice("sm_90", c);
+    EXPECT_EQ(arch.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(arch.status().message(), HasSubstr("HSAP_JIT_SM90A"));
+  }
 }
 
 }  // namespace
