@@ -98,6 +98,15 @@ for layout in causal packed; do
   keep "speed_$layout.txt"
 done
 
+# 3a. The causal row once more on the sm_90 JIT kernels (the mma.sync forward): on a compute
+# capability 9.0 GPU step 3 ran the sm_90a forward (wgmma, TMA; docs/gpu_backend.md), so the
+# two rows compare them; elsewhere both run the same kernels.
+say "## speed, the causal row with HSAP_JIT_SM90A=0 (sm_90 kernels; step 3 ran sm_90a's on a 9.0 GPU)"
+run "speed_causal_sm90.txt" 90 env HSAP_JIT_SM90A=0 "$PERF" --backend cuda-loopback --ranks 1 \
+  --dtype bf16 --head-dim 128 --heads 16 --kv-heads 16 -b 32768 -e 32768 -n 5 -w 2 -c 0 \
+  --docs-dist single
+keep "speed_causal_sm90.txt"
+
 # 3b. Calibration of the cost model (docs/cost_model.md): one causal document of 16K-128K
 # tokens on one rank, hsap's kernels and cuDNN's, written as a calibration file that
 # hsap_plan --calibration reads.

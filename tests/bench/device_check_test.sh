@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/device_check.sh without a GPU: it parses (bash -n), and its dry run lists, in order,
 # the build, the GPU tests, the one-rank speed runs beside cuDNN (bf16, D = 128, 32768 tokens,
-# one causal document and a packed row), the 4- and 8-rank loopback ring and plan runs of
+# one causal document and a packed row; the causal row again with HSAP_JIT_SM90A=0), the 4-
+# and 8-rank loopback ring and plan runs of
 # 16K-128K tokens with the reference check on, and the compute-sanitizer run.
 # Usage: device_check_test.sh DEVICE_CHECK_SH
 set -uo pipefail
@@ -42,6 +43,12 @@ for layout in causal packed; do
 done
 grep -q -- "--docs-dist single" <<< "$(grep '> speed_causal.txt' <<< "$out")" ||
   fail "the causal speed run is not one document"
+
+# The causal row again on the sm_90 kernels (HSAP_JIT_SM90A=0), beside the sm_90a forward.
+l=$(grep "> speed_causal_sm90.txt" <<< "$out") || fail "no sm_90 comparison run"
+for want in "HSAP_JIT_SM90A=0" "--ranks 1" "--head-dim 128" "-b 32768" "--docs-dist single"; do
+  grep -q -- "$want" <<< "$l" || fail "the sm_90 comparison run lacks $want: $l"
+done
 
 # Calibration: one rank, one causal document of 16K-128K tokens, the file hsap_plan reads.
 l=$(grep "> calibration.txt" <<< "$out") || fail "no calibration run"
