@@ -2,8 +2,8 @@
 # bench/device_check.sh without a GPU: it parses (bash -n), and its dry run lists, in order,
 # the build, the GPU tests, the one-rank speed runs beside cuDNN (bf16, D = 128, 32768 tokens,
 # one causal document and a packed row; the causal row again with HSAP_JIT_SM90A=0), the 4-
-# and 8-rank loopback ring and plan runs of
-# 16K-128K tokens with the reference check on, and the compute-sanitizer run.
+# and 8-rank loopback ring and plan runs of 16K-128K tokens with the reference check on, and
+# the compute-sanitizer run.
 # Usage: device_check_test.sh DEVICE_CHECK_SH
 set -uo pipefail
 script=$1
