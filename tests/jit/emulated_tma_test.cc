@@ -374,6 +374,65 @@ TEST(EmulatedTma, SharedMemoryIsStaleUntilTheWait) {
   EXPECT_EQ(other_after, 10.0f);
 }
 
+// The pipeline the sm_90a kernels run: a producer thread fills a ring of 3 stages by TMA
+// (full barriers: its arrive.expect_tx plus the copy's bytes), 64 consumer threads read each
+// tile through the 128B swizzle and free the stage (empty barriers: 64 arrivals). 13 tiles
+// (the last crossing the tensor's end) take every barrier through 4 or 5 phases, with the
+// parities the kernels use (the producer's first wait on each empty stage passes at once).
+TEST(EmulatedTma, ProducerConsumerRingOverManyPhases) {
+  constexpr int kRows = 200, kCols = 32, kBox = 16, kStages = 3, kTiles = (kRows + kBox - 1) / kBox;
+  static float tensor[kRows * kCols];
+  for (int i = 0; i < kRows * kCols; ++i) tensor[i] = static_cast<float>(i % 997);
+  alignas(64) TensorMap map;
+  const uint64_t dims[2] = {kCols, kRows}, strides[1] = {kCols * 4};
+  const uint32_t box[2] = {kCols, kBox}, estr[2] = {1, 1};
+  ASSERT_EQ(hsap_emu::EmuEncodeTiledTensorMap(&map, kFloat32, 2, tensor, dims, strides, box, estr,
+                                              0, kSwizzle128B, 0, 0),
+            0);
+  double sums[64] = {};  // per consumer thread: column (t % 32), rows of parity t / 32
+  absl::Status s = Launch(96, 8192, [&] {
+    unsigned long long* full = BarAt(0);
+    unsigned long long* empty = BarAt(64);
+    auto stage_tile = [](int stage) { return Smem() + 1024 + stage * 2048; };
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        hsap_dev::mbarrier_init(&full[i], 1);
+        hsap_dev::mbarrier_init(&empty[i], 64);
+      }
+      hsap_dev::fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // the producer warp: one thread issues
+      if (threadIdx.x != 0) return;
+      for (int t = 0; t < kTiles; ++t) {
+        const int stage = t % kStages;
+        hsap_dev::mbarrier_wait_parity(&empty[stage], ((t / kStages) & 1) ^ 1);
+        hsap_dev::mbarrier_arrive_expect_tx(&full[stage], kBox * kCols * 4);
+        hsap_dev::tma_load_2d(stage_tile(stage), &map, 0, t * kBox, &full[stage]);
+      }
+      return;
+    }
+    const int c = static_cast<int>(threadIdx.x - 32);
+    for (int t = 0; t < kTiles; ++t) {
+      const int stage = t % kStages;
+      hsap_dev::mbarrier_wait_parity(&full[stage], (t / kStages) & 1);
+      const unsigned char* tile = stage_tile(stage);
+      for (int r = c / 32; r < kBox; r += 2) {
+        float v;
+        std::memcpy(&v, tile + SwizzledByte(r * 128 + (c % 32) * 4, 128, 0), 4);
+        sums[c] += v;
+      }
+      hsap_dev::mbarrier_arrive(&empty[stage]);
+    }
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int c = 0; c < 64; ++c) {
+    double want = 0;
+    for (int r = c / 32; r < kRows; r += 2) want += tensor[r * kCols + c % 32];
+    EXPECT_EQ(sums[c], want) << c;
+  }
+}
+
 // CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA: elements outside the tensor are NaN.
 TEST(EmulatedTma, NanRequestFillsOutsideWithNan) {
   alignas(16) static float tensor[4 * 8];
