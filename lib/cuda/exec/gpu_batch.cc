@@ -248,6 +248,11 @@ class GpuRunnerFactory : public RunnerFactory {
   bool RunsRelays() const override { return true; }
   // The plan executor runs the hierarchy's node fan-outs (gpu_hier_executor.h).
   bool RunsPlanFanOuts() const override { return true; }
+  // The sm_90a forward's 128-row tile where its kernels are those (the default elsewhere).
+  int64_t WorkBlockRows() const override {
+    const int64_t rows = kernels_ != nullptr ? kernels_->forward_block_rows() : 0;
+    return rows > 0 ? rows : kKernelBlockQ;
+  }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,

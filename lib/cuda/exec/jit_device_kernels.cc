@@ -163,6 +163,8 @@ class JitDeviceKernels : public DeviceKernels {
     return Launch(add_entries_, "add entries", HelperGrid(p, helper_ctas_), &p, s);
   }
 
+  // The sm_90a forward computes 128 query rows per CTA (WgmmaFwdShape::kBM).
+  int64_t forward_block_rows() const override { return fwd_.wgmma ? 128 : 0; }
   int max_fused_steps() const override { return max_fused_steps_; }
   int fused_copy_ctas() const override { return fused_copy_ctas_; }
   int fused_resident_ctas() const override { return fused_resident_; }

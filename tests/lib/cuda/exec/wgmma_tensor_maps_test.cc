@@ -1,7 +1,8 @@
 // The sm_90a forward's host side: its tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through
 // the emulated driver's cuTensorMapEncodeTiled (the geometry the kernel assumes,
-// hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the argument), and the arch the
-// runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A).
+// hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the argument), the arch the
+// runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A), and the work-list block rows the
+// GPU runners ask for (the forward's CTA tile).
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/cuda/exec/gpu_batch.h"
 #include "lib/cuda/exec/jit_device_kernels.h"
 #include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/emulated_tensor_map.h"
@@ -117,6 +119,38 @@ TEST(JitArchForDevice, Sm90aOnComputeCapability90UnlessHsapJitSm90aIsOff) {
     EXPECT_EQ(arch.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(arch.status().message(), HasSubstr("HSAP_JIT_SM90A"));
   }
+}
+
+// Kernels that launch nothing and say which work-list blocks their forward was built for.
+class TileKernels : public DeviceKernels {
+ public:
+  explicit TileKernels(int64_t rows) : rows_(rows) {}
+  int64_t forward_block_rows() const override { return rows_; }
+  absl::Status Forward(const hsap_dev::FwdParams&, cudaStream) const override { return No(); }
+  absl::Status Backward(const hsap_dev::BwdParams&, cudaStream) const override { return No(); }
+  absl::Status Delta(const hsap_dev::DeltaParams&, cudaStream) const override { return No(); }
+  absl::Status Init(const hsap_dev::InitParams&, cudaStream) const override { return No(); }
+  absl::Status Convert(const hsap_dev::ConvertParams&, cudaStream) const override { return No(); }
+  absl::Status Accumulate(const hsap_dev::AccumulateParams&, cudaStream) const override {
+    return No();
+  }
+  absl::Status CopyChunks(const hsap_dev::ChunksParams&, cudaStream) const override {
+    return No();
+  }
+  absl::Status AddChunks(const hsap_dev::ChunksParams&, cudaStream) const override {
+    return No();
+  }
+
+ private:
+  static absl::Status No() { return absl::UnimplementedError("no launches here"); }
+  int64_t rows_;
+};
+
+TEST(GpuRunners, WorkListBlocksFollowTheForwardsTile) {
+  EXPECT_EQ(NewGpuRunners(nullptr, std::make_shared<const TileKernels>(128))->WorkBlockRows(),
+            128);
+  EXPECT_EQ(NewGpuRunners(nullptr, std::make_shared<const TileKernels>(0))->WorkBlockRows(),
+            kKernelBlockQ);
 }
 
 }  // namespace
