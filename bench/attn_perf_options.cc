@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "bench/bench_util.h"
+#include "lib/cuda/cudnn/engine_choice.h"
 
 namespace hsap::bench::attn_perf {
 
@@ -64,6 +65,10 @@ namespace hsap::bench::attn_perf {
       "                         loopback transfer stages (0); sets $HSAP_FUSED_FORWARD.\n"
       "                         Default: hsap's choice (stages for several ranks on one\n"
       "                         GPU, docs/gpu_backend.md)\n"
+      "      --engine E         cuda-loopback: the engine of hsap's attention pieces, auto |\n"
+      "                         cudnn | jit (sets $HSAP_ATTENTION_ENGINE; each row prints the\n"
+      "                         engine tally as '# engines'). cuDNN's whole-row call is\n"
+      "                         timed beside it either way (--cudnn)\n"
       "      --calibration-out FILE  cuda-loopback, --ranks 1, no plan: write each row's\n"
       "                         forward and backward TFLOP/s (ours as engine jit, cuDNN's\n"
       "                         as cudnn) as a calibration file for hsap_plan --calibration\n");
@@ -161,6 +166,8 @@ bool ApplyShapeOption(const Arg& a, Options& o) {
     o.cudnn = static_cast<int>(need_int(0));
   } else if (arg == "--calibration-out") {
     o.calibration_out = value;
+  } else if (arg == "--engine") {
+    o.engine = value;
   } else if (arg == "--fused") {
     o.fused = static_cast<int>(need_int(0));
   } else if (arg == "--kv-heads") {
@@ -233,6 +240,12 @@ void CheckOptions(Options& o, bool end_set) {
   if (o.cudnn != 0 && o.backend != "cuda-loopback")
     Usage("--cudnn 1 needs --backend cuda-loopback");
   if (o.fused != -1 && o.fused != 0 && o.fused != 1) Usage("--fused must be 0 or 1");
+  if (!o.engine.empty()) {
+    if (!hsap::cuda::ParseEngineMode(o.engine, "--engine").ok()) {
+      Usage("--engine must be auto, cudnn or jit");
+    }
+    if (o.backend != "cuda-loopback") Usage("--engine needs --backend cuda-loopback");
+  }
   if (!o.calibration_out.empty() &&
       (o.backend != "cuda-loopback" || o.ranks != 1 || o.plan_mode())) {
     Usage(

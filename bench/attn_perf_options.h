@@ -45,7 +45,8 @@ struct Options {
   std::string plan_file;
   std::string backend = "host";  // host | cuda-loopback
   int cudnn = -1;                // cuDNN comparison; -1: on with cuda-loopback
-  int fused = -1;  // cuda-loopback: 1 forward through peer windows, 0 stages, -1 hsap's choice
+  int fused = -1;      // cuda-loopback: 1 forward through peer windows, 0 stages, -1 hsap's choice
+  std::string engine;  // cuda-loopback: auto | cudnn | jit ($HSAP_ATTENTION_ENGINE); "": unset
   // cuda-loopback, one rank, no plan: the measured TFLOP/s of each row written there as a
   // calibration file (lib/planner/calibration.h) for hsap_plan --calibration.
   std::string calibration_out;

@@ -197,6 +197,16 @@ void RunRank(const Setup& setup, Row& row, int r, RankRuns* runs) {
       e) {
     return fail(e);
   }
+  if (on_gpu) {
+    size_t size = 0;
+    if (hsapBatchGetEngineReport(batch, nullptr, &size) == hsapSuccess && size > 0) {
+      std::string report(size, '\0');
+      if (hsapBatchGetEngineReport(batch, report.data(), &size) == hsapSuccess) {
+        report.resize(size - 1);
+        runs->engines[r] = report;
+      }
+    }
+  }
   const int64_t n = row.local[r];
   lse[r].assign(static_cast<size_t>(n) * o.heads + 1, 0.0f);
   DeviceCopies gpu(setup.cuda_rt);
@@ -272,6 +282,7 @@ bool RunRanks(const Setup& s, Row& row, RankRuns* runs) {
   runs->links.assign(R, {});
   runs->result.assign(R, hsapSuccess);
   runs->error.assign(R, {});
+  runs->engines.assign(R, {});
   runs->pool_bytes.assign(R, 0);
   for (int m = 0; m < 2; ++m) {
     runs->part_fwd_s[m].assign(R, 0.0);

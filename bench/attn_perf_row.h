@@ -76,6 +76,8 @@ struct RankRuns {
   std::vector<hsapResult_t> result;
   std::vector<std::string> error;
   std::vector<size_t> pool_bytes;
+  // CUDA backend: each rank's engine report (hsapBatchGetEngineReport: pieces per engine).
+  std::vector<std::string> engines;
   // CUDA backend: [0] compute only, [1] transfers only (seconds per call, per rank).
   std::vector<double> part_fwd_s[2], part_bwd_s[2];
 };

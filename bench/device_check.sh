@@ -4,11 +4,13 @@
 #   2. the GPU tests: loopback ranks on one GPU against the fp64 reference (lib_api_cuda_test),
 #      cuDNN's fused attention (bench_cudnn_attention_test), the fp64 GPU reference against
 #      the host's (lib_cuda_exec_gpu_reference_test);
-#   3. speed, one rank: bf16, d 128, 16 heads, 32768 tokens, one causal document and a packed
-#      row; hsap's forward and backward TFLOP/s beside cuDNN's whole-row call on the same
-#      inputs in the same run (ours/cuDNN), for each attention engine hsap has;
+#   3. speed, one rank: bf16, d 128, 16 heads, 32768 tokens (one causal document, a packed
+#      row) and 131072 (one causal document); hsap's forward and backward TFLOP/s beside
+#      cuDNN's whole-row call on the same inputs in the same run (ours/cuDNN), with
+#      --engine cudnn and --engine jit; then the calibration run (16K-128K, jit);
 #   4. 4 and 8 loopback ranks on the GPU, ring and plan batches of 16K-128K tokens (causal and
-#      packed), the first row of each run checked against the fp64 reference on the GPU;
+#      packed), the first row of each run checked against the fp64 reference on the GPU; a
+#      4-rank 64K packed row with --engine cudnn beside cuDNN's whole-row call;
 #   5. compute-sanitizer memcheck on the loopback reference test (its sweep's subset).
 # Every step has a time limit and says what it found; the summary ends with the tables.
 # Results go to $OUT (when set) or ./device_check_out: logs per step and summary.txt.
@@ -85,35 +87,52 @@ for t in "lib_api_cuda_test --gtest_filter=CudaGpu.*:CudaLoopback.*" \
 done
 say "GPU tests done ($(elapsed))"
 
-# 3. Speed, one rank, beside cuDNN's whole-row call.
-say "## speed, one GPU, one rank: bf16, d 128, 16 heads, 32768 tokens (ours beside cuDNN's whole row)"
-say "# attention engines: jit (hsap's JIT kernels); cuDNN as an engine of the executors is not built yet, so its whole-row call is the comparison"
-for layout in causal packed; do
-  case $layout in
-    causal) docs=(--docs-dist single) ;;
-    packed) docs=(--docs-dist longtail --tokens-per-doc 2048) ;;
-  esac
-  run "speed_$layout.txt" 90 "$PERF" --backend cuda-loopback --ranks 1 --dtype bf16 --head-dim 128 \
-    --heads 16 --kv-heads 16 -b 32768 -e 32768 -n 5 -w 2 -c 0 "${docs[@]}"
-  keep "speed_$layout.txt"
+# 3. Speed, one rank, beside cuDNN's whole-row call, per attention engine (--engine sets
+# $HSAP_ATTENTION_ENGINE; each row prints its '# engines' tally). The 128K causal row with the
+# JIT engine is the calibration run's last row (3b).
+say "## speed, one GPU, one rank: bf16, d 128, 16 heads (ours beside cuDNN's whole row, per engine)"
+# engine_run LOG LIMIT ARGS...: hsap_attn_perf ARGS; a build whose executors have no cuDNN
+# piece runner refuses --engine cudnn at batch creation: said, and not a failure of the check.
+engine_run() {
+  local log=$1 limit=$2 before=$status
+  shift 2
+  if ! run "$log" "$limit" "$PERF" "$@" && [ "$DRY" != 1 ] &&
+     grep -q "no cuDNN piece runner" "$RESULTS/$log"; then
+    status=$before
+    say "  $log: --engine cudnn not run: this build has no cuDNN piece runner (docs/gpu_backend.md)"
+    return 0
+  fi
+  keep "$log"
+}
+for engine in cudnn jit; do
+  for layout in causal packed long; do
+    case $layout in
+      causal) rows=(-b 32768 -e 32768 -n 5 -w 2 --docs-dist single) ;;
+      packed) rows=(-b 32768 -e 32768 -n 5 -w 2 --docs-dist longtail --tokens-per-doc 2048) ;;
+      long) [ "$engine" = jit ] && continue  # 3b's last row
+            rows=(-b 131072 -e 131072 -n 2 -w 1 --docs-dist single) ;;
+    esac
+    engine_run "speed_${layout}_$engine.txt" 90 --backend cuda-loopback --ranks 1 --dtype bf16 \
+      --head-dim 128 --heads 16 --kv-heads 16 -c 0 --engine "$engine" "${rows[@]}"
+  done
 done
 
-# 3a. The causal row once more on the sm_90 JIT kernels (the mma.sync forward): on a compute
-# capability 9.0 GPU step 3 ran the sm_90a forward (wgmma, TMA; docs/gpu_backend.md), so the
-# two rows compare them; elsewhere both run the same kernels.
-say "## speed, the causal row with HSAP_JIT_SM90A=0 (sm_90 kernels; step 3 ran sm_90a's on a 9.0 GPU)"
-run "speed_causal_sm90.txt" 90 env HSAP_JIT_SM90A=0 "$PERF" --backend cuda-loopback --ranks 1 \
-  --dtype bf16 --head-dim 128 --heads 16 --kv-heads 16 -b 32768 -e 32768 -n 5 -w 2 -c 0 \
-  --docs-dist single
-keep "speed_causal_sm90.txt"
+# 3a. The causal JIT row once more on the sm_90 JIT kernels (the mma.sync forward): on a
+# compute capability 9.0 GPU step 3 ran the sm_90a forward (wgmma, TMA; docs/gpu_backend.md),
+# so the two rows compare them; elsewhere both run the same kernels.
+say "## speed, the causal JIT row with HSAP_JIT_SM90A=0 (sm_90 kernels; step 3 ran sm_90a's on a 9.0 GPU)"
+run "speed_causal_jit_sm90.txt" 90 env HSAP_JIT_SM90A=0 "$PERF" --backend cuda-loopback \
+  --ranks 1 --dtype bf16 --head-dim 128 --heads 16 --kv-heads 16 -c 0 --engine jit \
+  -b 32768 -e 32768 -n 5 -w 2 --docs-dist single
+keep "speed_causal_jit_sm90.txt"
 
 # 3b. Calibration of the cost model (docs/cost_model.md): one causal document of 16K-128K
-# tokens on one rank, hsap's kernels and cuDNN's, written as a calibration file that
-# hsap_plan --calibration reads.
+# tokens on one rank, hsap's JIT kernels and cuDNN's whole-row call, written as a calibration
+# file that hsap_plan --calibration reads.
 say "## calibration: one GPU, one causal document of 16K-128K tokens, bf16, d 128, 16 heads"
 run "calibration.txt" 150 "$PERF" --backend cuda-loopback --ranks 1 --dtype bf16 --head-dim 128 \
   --heads 16 --kv-heads 16 -b 16384 -e 131072 -f 2 -n 3 -w 1 -c 0 --docs-dist single \
-  --calibration-out "$RESULTS/calibration.json"
+  --engine jit --calibration-out "$RESULTS/calibration.json"
 keep "calibration.txt"
 
 # 4. Loopback ranks: ring and plan batches, the first row of each run checked on the GPU.
@@ -133,6 +152,11 @@ loopback ring4_packed --ranks 4 -b 16384 -e 65536 -f 2 --docs-dist longtail --to
 loopback ring8_causal --ranks 8 -b 32768 -e 131072 -f 2 --docs-dist single
 loopback plan2x2_packed --groups 2,2 -b 16384 -e 65536 -f 2 --docs-dist longtail --tokens-per-doc 4096
 loopback plan2x4_causal --groups 4,4 -b 32768 -e 131072 -f 2 --docs-dist single
+# The cuDNN engine on 4 loopback ranks, 64K packed, beside one cuDNN call over the row (goal:
+# the whole call within 1.3x of it).
+say "### ring4_packed_cudnn"
+engine_run loopback_ring4_packed_cudnn.txt 90 "${COMMON[@]}" "${CHECK[@]}" --cudnn 1 \
+  --engine cudnn --ranks 4 -b 65536 -e 65536 --docs-dist longtail --tokens-per-doc 2048
 say "loopback rows done ($(elapsed))"
 
 # 5. compute-sanitizer memcheck on the loopback reference test (the subset of its cases).

@@ -155,6 +155,10 @@ bool RunRow(const Setup& s, int64_t T, bool fused_forward, bool* use_cudnn, bool
   }
   if (!PrintRowLine(s, row, runs, f, fused_forward, wrong_col)) return false;
   if (o.check != 0) std::printf("%s\n", CheckLine(T, check).c_str());
+  // Which engine ran hsap's pieces (rank 0; $HSAP_ATTENTION_ENGINE, --engine).
+  if (s.on_gpu && !runs.engines.empty()) {
+    std::printf("# engines %lld: rank 0: %s\n", (long long)T, runs.engines[0].c_str());
+  }
   PrintCudnnLines(cudnn, T, f.fwd_flop, f.fwd_tflops, f.bwd_tflops, &totals->cudnn);
   if (recording != nullptr) {
     const double block =
@@ -183,6 +187,7 @@ int main(int argc, char** argv) {
   if (o.backend == "cuda-loopback" && o.fused >= 0) {
     setenv("HSAP_FUSED_FORWARD", o.fused != 0 ? "1" : "0", /*overwrite=*/1);
   }
+  if (!o.engine.empty()) setenv("HSAP_ATTENTION_ENGINE", o.engine.c_str(), /*overwrite=*/1);
   Setup s;
   s.plan = o.plan_mode() ? MakePlan(o) : nullptr;
   if (s.plan != nullptr) {

@@ -270,4 +270,73 @@ std::vector<CudnnCall> GroupIntoCalls(absl::Span<const AttentionPiece> pieces,
   return calls;
 }
 
+PieceBand BandOfPiece(const AttentionPiece& piece) {
+  const int64_t shift = piece.k_begin - piece.q_begin;  // buffer diagonal of the corner
+  const int64_t br = piece.k_len - piece.q_len;         // bottom-right alignment
+  const int64_t l = piece.mask.left_bound;
+  int64_t lo = -kNoDiagLimit, hi = kNoDiagLimit;  // relative to the corner
+  switch (piece.mask.kind) {
+    case CudnnMaskKind::kNone:
+      break;
+    case CudnnMaskKind::kCausalTopLeft:
+      hi = 0;
+      break;
+    case CudnnMaskKind::kCausalBottomRight:
+      hi = br;
+      break;
+    case CudnnMaskKind::kWindowTopLeft:
+      lo = 1 - l;
+      hi = 0;
+      break;
+    case CudnnMaskKind::kWindowBottomRight:
+      lo = br - l + 1;
+      hi = br;
+      break;
+    case CudnnMaskKind::kLeftBandTopLeft:
+      lo = 1 - l;
+      break;
+  }
+  return {NoLower(lo) ? lo : lo + shift, NoUpper(hi) ? hi : hi + shift};
+}
+
+WorkList PiecesAsWorkList(const WorkList& work, absl::Span<const AttentionPiece> pieces,
+                          absl::Span<const size_t> which) {
+  std::vector<const AttentionPiece*> chosen;
+  for (size_t i : which) {
+    if (i < pieces.size()) chosen.push_back(&pieces[i]);
+  }
+  WorkList out;
+  for (const QueryBlock& block : work.blocks) {
+    std::vector<int64_t> cuts = {block.q_begin, block.q_end};
+    for (const AttentionPiece* p : chosen) {
+      for (int64_t row : {p->q_begin, p->q_end()}) {
+        if (row > block.q_begin && row < block.q_end) cuts.push_back(row);
+      }
+    }
+    std::sort(cuts.begin(), cuts.end());
+    cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+    for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+      const int64_t r0 = cuts[c], r1 = cuts[c + 1];
+      QueryBlock part{r0, r1, static_cast<int64_t>(out.segments.size()), 0};
+      for (const AttentionPiece* p : chosen) {
+        if (p->q_begin > r0 || p->q_end() < r1) continue;  // covers all rows of the part or none
+        const PieceBand band = BandOfPiece(*p);
+        KeySegment seg{p->k_begin, p->k_end(), band.lo, band.hi};
+        if (!NoLower(band.lo)) seg.k_begin = std::max(seg.k_begin, r0 + band.lo);
+        if (!NoUpper(band.hi)) seg.k_end = std::min(seg.k_end, r1 - 1 + band.hi + 1);
+        const int64_t pairs = CountPairsInBand(r0, r1, seg.k_begin, seg.k_end, band.lo, band.hi);
+        if (seg.k_begin >= seg.k_end || pairs == 0) continue;
+        out.segments.push_back(seg);
+        out.visible_pairs += pairs;
+      }
+      part.seg_end = static_cast<int64_t>(out.segments.size());
+      if (part.seg_end == part.seg_begin) continue;
+      std::sort(out.segments.begin() + part.seg_begin, out.segments.end(),
+                [](const KeySegment& a, const KeySegment& b) { return a.k_begin < b.k_begin; });
+      out.blocks.push_back(part);
+    }
+  }
+  return out;
+}
+
 }  // namespace hsap::cuda

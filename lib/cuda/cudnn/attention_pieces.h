@@ -114,6 +114,22 @@ struct CudnnCall {
 std::vector<CudnnCall> GroupIntoCalls(absl::Span<const AttentionPiece> pieces,
                                       absl::Span<const size_t> which);
 
+// Key row kr is visible to query row qr of `piece` iff lo <= kr - qr <= hi (buffer rows,
+// +-kNoDiagLimit: no bound), inside its rectangle: its mask as a work list's band.
+struct PieceBand {
+  int64_t lo, hi;
+};
+PieceBand BandOfPiece(const AttentionPiece& piece);
+
+// pieces[i] for i in `which` (pieces of `work`, DecomposeWorkList) as a work list the JIT
+// kernels run in place of `work` when cuDNN takes the other pieces: each block of `work` is
+// cut at the pieces' first and last rows inside it, and each part keeps as segments the
+// pieces that cover its rows (key range clipped to what its rows see); parts without
+// segments are dropped. Its pairs are those of the chosen pieces. Indices out of range are
+// skipped.
+WorkList PiecesAsWorkList(const WorkList& work, absl::Span<const AttentionPiece> pieces,
+                          absl::Span<const size_t> which);
+
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_CUDNN_ATTENTION_PIECES_H_

@@ -3,7 +3,9 @@
 //
 // EngineSetup is what the choice starts from: the mode ($HSAP_ATTENTION_ENGINE), what cuDNN
 // offers on the device (ProbeCudnn; not probed under `jit`) and whether the GPU executors
-// have a cuDNN piece runner to hand the cuDNN pieces to. This version of libhsap has none
+// have a cuDNN piece runner to hand the cuDNN pieces to (EngineSetup::runner, which the GPU
+// executors call through lib/cuda/exec/cudnn_steps.h; the tests give them a host fake). This
+// version of libhsap has none that calls libcudnn
 // (docs/gpu_backend.md, "Attention engines", says what is missing): BatchCudnnStatus then
 // says so, under `auto` every piece runs on the JIT kernels with that reason in the tally,
 // and under `cudnn` batch creation fails (FailedPrecondition naming the variable, the reason
@@ -12,6 +14,7 @@
 #define HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -19,6 +22,7 @@
 #include "absl/types/span.h"
 #include "attention/worklist.h"
 #include "lib/cuda/cudnn/engine_choice.h"
+#include "lib/cuda/cudnn/piece_runner.h"
 
 namespace hsap::cuda {
 
@@ -26,6 +30,9 @@ struct EngineSetup {
   EngineMode mode = EngineMode::kAuto;
   CudnnAvailability cudnn;        // default: "cuDNN was not looked for"
   bool has_piece_runner = false;  // whether the executors can run cuDNN pieces
+  // What runs the cuDNN pieces in the GPU executors (lib/cuda/exec/cudnn_steps.h); the GPU
+  // runners (NewGpuRunners) set has_piece_runner to whether there is one.
+  std::shared_ptr<CudnnPieceRunner> runner;
 };
 
 // The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is

@@ -58,11 +58,14 @@ class GpuRingRunner : public GpuRunner {
  public:
   GpuRingRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
                 Transport& transport, const Topology& topology,
-                std::unique_ptr<DeviceRingProgram> program, PeerWindow* window, FusedRoutes routes)
+                std::unique_ptr<DeviceRingProgram> program, PeerWindow* window, FusedRoutes routes,
+                std::unique_ptr<CudnnSteps> cudnn)
       : GpuRunner(std::move(comm), std::move(kernels)),
         program_(std::move(program)),
         window_(window),
-        routes_(std::move(routes)) {
+        routes_(std::move(routes)),
+        cudnn_(std::move(cudnn)) {
+    ctx_.cudnn = cudnn_.get();
     ctx_.device = &comm_->device();
     ctx_.kernels = kernels_.get();
     ctx_.transport = &transport;
@@ -157,7 +160,8 @@ class GpuRingRunner : public GpuRunner {
   std::unique_ptr<DeviceRingProgram> program_;
   PeerWindow* window_ = nullptr;  // the communicator's, when forward is fused
   FusedRoutes routes_;
-  GpuExecContext ctx_;  // what does not change between calls
+  std::unique_ptr<CudnnSteps> cudnn_;  // the cuDNN engine's calls, when it has pieces
+  GpuExecContext ctx_;                 // what does not change between calls
 };
 
 // A batch under a plan: the GPU plan executor over the rank's DeviceHierProgram.
@@ -165,10 +169,12 @@ class GpuPlanRunner : public GpuRunner {
  public:
   GpuPlanRunner(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
                 Transport& transport, std::unique_ptr<DeviceHierProgram> program,
-                std::vector<int> node_of_rank)
+                std::vector<int> node_of_rank, std::unique_ptr<CudnnSteps> cudnn)
       : GpuRunner(std::move(comm), std::move(kernels)),
         program_(std::move(program)),
-        node_of_rank_(std::move(node_of_rank)) {
+        node_of_rank_(std::move(node_of_rank)),
+        cudnn_(std::move(cudnn)) {
+    ctx_.cudnn = cudnn_.get();
     ctx_.node_of_rank = &node_of_rank_;
     ctx_.device = &comm_->device();
     ctx_.kernels = kernels_.get();
@@ -210,21 +216,43 @@ class GpuPlanRunner : public GpuRunner {
   }
 
   std::unique_ptr<DeviceHierProgram> program_;
-  std::vector<int> node_of_rank_;  // the communicator's (empty: one node)
-  GpuHierContext ctx_;             // what does not change between calls
+  std::vector<int> node_of_rank_;      // the communicator's (empty: one node)
+  std::unique_ptr<CudnnSteps> cudnn_;  // the cuDNN engine's calls, when it has pieces
+  GpuHierContext ctx_;                 // what does not change between calls
 };
 
-// The engine choice over a ring schedule's steps: local work, then each stage's.
-absl::StatusOr<BatchEngines> RingEngines(const EngineSetup& setup, const Schedule& schedule,
-                                         const AttentionDims& dims, DType dtype) {
+// A ring schedule's steps: local work, then each stage's.
+std::vector<const WorkList*> RingSteps(const Schedule& schedule) {
   std::vector<const WorkList*> steps = {&schedule.local_work};
   for (const Stage& stage : schedule.stages) steps.push_back(&stage.recv_work);
-  return BatchEngines::Decide(setup, EngineShapeOf(dims, dtype), steps);
+  return steps;
 }
 
-// The same over a plan rank's steps, with its own heads and kv-head map.
-absl::StatusOr<BatchEngines> PlanEngines(const EngineSetup& setup, const RankHierarchy& rank,
-                                         const AttentionDims& dims, DType dtype) {
+// A plan rank's steps: local work, then each sub-ring step's.
+std::vector<const WorkList*> PlanSteps(const RankHierarchy& rank) {
+  std::vector<const WorkList*> steps = {&rank.local_work};
+  for (const SubRingStep& step : rank.steps) steps.push_back(&step.recv_work);
+  return steps;
+}
+
+// The cuDNN engine's calls of a batch whose engine choice gave cuDNN pieces (null when it
+// gave none); `engines` decided over `steps`.
+absl::StatusOr<std::unique_ptr<CudnnSteps>> BuildCudnnSteps(
+    Device& device, const EngineSetup& setup, const BatchEngines& engines,
+    const std::vector<const WorkList*>& steps, const EngineShape& shape, float scale,
+    cudaStream stream) {
+  if (engines.tally().pieces[static_cast<int>(AttentionEngine::kCudnn)] == 0) {
+    return std::unique_ptr<CudnnSteps>();
+  }
+  if (setup.runner == nullptr) {  // Decide gives cuDNN no piece without a runner
+    return absl::InternalError("cuDNN pieces were chosen without a cuDNN piece runner");
+  }
+  const SdpaShape sdpa{shape.dtype, shape.head_dim, shape.heads_q, shape.heads_kv, scale};
+  return CudnnSteps::Build(device, engines, steps, sdpa, setup.runner, stream);
+}
+
+// A plan rank's engine shape: its own heads and kv-head map.
+EngineShape PlanShape(const RankHierarchy& rank, const AttentionDims& dims, DType dtype) {
   EngineShape shape = EngineShapeOf(dims, dtype);
   if (!rank.q_heads.empty()) {
     shape.heads_q = static_cast<int>(rank.q_heads.size());
@@ -234,16 +262,17 @@ absl::StatusOr<BatchEngines> PlanEngines(const EngineSetup& setup, const RankHie
       shape.grouped_heads &= ratio > 0 && rank.kv_head_of_q[h] == static_cast<int>(h) / ratio;
     }
   }
-  std::vector<const WorkList*> steps = {&rank.local_work};
-  for (const SubRingStep& step : rank.steps) steps.push_back(&step.recv_work);
-  return BatchEngines::Decide(setup, shape, steps);
+  return shape;
 }
 
 class GpuRunnerFactory : public RunnerFactory {
  public:
   GpuRunnerFactory(std::shared_ptr<GpuComm> comm, std::shared_ptr<const DeviceKernels> kernels,
                    EngineSetup engines)
-      : comm_(std::move(comm)), kernels_(std::move(kernels)), engines_(std::move(engines)) {}
+      : comm_(std::move(comm)), kernels_(std::move(kernels)), engines_(std::move(engines)) {
+    // The executors run cuDNN pieces exactly when there is a runner for them.
+    engines_.has_piece_runner = engines_.runner != nullptr;
+  }
 
   bool RunsRelays() const override { return true; }
   // The plan executor runs the hierarchy's node fan-outs (gpu_hier_executor.h).
@@ -265,8 +294,18 @@ class GpuRunnerFactory : public RunnerFactory {
         ready.ok() ? DeviceRingProgram::Build(comm_->device(), schedule, dims, dtype,
                                               comm_->stream(), &comm_->pool())
                    : ready;
-    absl::StatusOr<BatchEngines> engines = RingEngines(engines_, schedule, dims, dtype);
+    const std::vector<const WorkList*> steps = RingSteps(schedule);
+    absl::StatusOr<BatchEngines> engines =
+        BatchEngines::Decide(engines_, EngineShapeOf(dims, dtype), steps);
     if (program.ok() && !engines.ok()) program = engines.status();
+    absl::StatusOr<std::unique_ptr<CudnnSteps>> cudnn = std::unique_ptr<CudnnSteps>();
+    if (program.ok()) {
+      cudnn = BuildCudnnSteps(comm_->device(), engines_, *engines, steps,
+                              EngineShapeOf(dims, dtype), dims.scale, comm_->stream());
+      if (!cudnn.ok()) program = cudnn.status();
+    }
+    // The fused kernel attends whole stages: not with cuDNN pieces.
+    const bool cudnn_pieces = cudnn.ok() && *cudnn != nullptr;
     // Every rank of a transport that offers peer windows exchanges them, also after a local
     // failure or without the fused kernel, so that the collectives stay in step. Ranks on
     // several nodes relay K/V (schedule.h), which the fused forward does not: stages.
@@ -280,7 +319,8 @@ class GpuRunnerFactory : public RunnerFactory {
           std::optional<FusedRoutes> reached,
           w.Exchange(transport, schedule, kv_row_bytes, kernels_->fused_copy_ctas(),
                      kernels_->fused_resident_ctas(), comm_->stream(), comm_->timeout(),
-                     /*willing=*/kernels_->max_fused_steps() > 0 && comm.topology().single_node(),
+                     /*willing=*/kernels_->max_fused_steps() > 0 && comm.topology().single_node() &&
+                         !cudnn_pieces,
                      program.status()));
       if (reached.has_value()) {  // else out of reach: stages, on every rank
         routes = *std::move(reached);
@@ -289,7 +329,8 @@ class GpuRunnerFactory : public RunnerFactory {
     }
     HSAP_RETURN_IF_ERROR(program.status());
     auto runner = std::make_unique<GpuRingRunner>(comm_, kernels_, transport, comm.topology(),
-                                                  *std::move(program), window, std::move(routes));
+                                                  *std::move(program), window, std::move(routes),
+                                                  *std::move(cudnn));
     runner->set_engines(*std::move(engines));
     return runner;
   }
@@ -300,14 +341,20 @@ class GpuRunnerFactory : public RunnerFactory {
                                                             DType dtype) override {
     ScopedDevice on(comm_->device());
     HSAP_RETURN_IF_ERROR(AfterCalls(on));
-    HSAP_ASSIGN_OR_RETURN(BatchEngines engines, PlanEngines(engines_, rank, dims, dtype));
+    const EngineShape shape = PlanShape(rank, dims, dtype);
+    const std::vector<const WorkList*> steps = PlanSteps(rank);
+    HSAP_ASSIGN_OR_RETURN(BatchEngines engines, BatchEngines::Decide(engines_, shape, steps));
     HSAP_ASSIGN_OR_RETURN(
         std::unique_ptr<DeviceHierProgram> program,
         DeviceHierProgram::Build(comm_->device(), rank, dims, dtype, comm_->stream()));
+    HSAP_ASSIGN_OR_RETURN(std::unique_ptr<CudnnSteps> cudnn,
+                          BuildCudnnSteps(comm_->device(), engines_, engines, steps, shape,
+                                          dims.scale, comm_->stream()));
     HSAP_RETURN_IF_ERROR(
         comm_->pool().Reserve(program->pool_bytes(), absl::StrCat(program->pool_bytes(), " B")));
-    auto runner = std::make_unique<GpuPlanRunner>(
-        comm_, kernels_, comm.transport(), std::move(program), comm.topology().node_of_rank());
+    auto runner =
+        std::make_unique<GpuPlanRunner>(comm_, kernels_, comm.transport(), std::move(program),
+                                        comm.topology().node_of_rank(), std::move(cudnn));
     runner->set_engines(std::move(engines));
     return runner;
   }

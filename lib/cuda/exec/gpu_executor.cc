@@ -164,7 +164,10 @@ class GpuCall {
 GpuExecContext ForMode(const GpuExecContext& ctx, SkippedKernels& kernels,
                        std::unique_ptr<SkippedTransport>& transport) {
   GpuExecContext out = ctx;
-  if (ctx.mode == GpuExecMode::kTransfersOnly) out.kernels = &kernels;
+  if (ctx.mode == GpuExecMode::kTransfersOnly) {
+    out.kernels = &kernels;
+    out.cudnn = nullptr;
+  }
   if (ctx.mode == GpuExecMode::kComputeOnly && ctx.transport != nullptr) {
     transport = std::make_unique<SkippedTransport>(*ctx.transport);
     out.transport = transport.get();
@@ -309,6 +312,9 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
   float* lse32 = reinterpret_cast<float*>(cursor.Take(lse_elems * sizeof(float)));
   const size_t fan = sched.first_fan_out();
   const bool relays = fan < sched.stages.size() || sched.store_rows > 0;
+  if (ctx.window != nullptr && ctx.cudnn != nullptr) {
+    return absl::InternalError("the fused forward cannot run the cuDNN engine's pieces");
+  }
   if (ctx.window != nullptr && relays) {
     return absl::InternalError(
         "the fused forward cannot run a schedule with relays (batches on several nodes run "
@@ -326,22 +332,24 @@ absl::Status GpuExecuteForward(const GpuExecContext& ctx_in, const void* q, cons
 
   const QuerySide side{rows, dims.heads_q, dims.heads_kv, dims.scale};
   const hsap_dev::FwdParams p = ForwardParams(side, q, out32, lse32);
-  auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+  // Step 0 is the local work, step i + 1 stage i's (the engine choice's order).
+  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk, const void* vv,
                     int64_t k_rows) {
-    return LaunchForward(*ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
+    return AttendStepForward(ctx.cudnn, step, *ctx.kernels, p, list, kk, vv, k_rows, ctx.stream);
   };
 
   auto on_stage = [&](size_t i) {
     const Stage& st = sched.stages[i];
     if (st.recv_from < 0) return absl::OkStatus();
-    return attend(ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i), st.recv_rows);
+    return attend(i + 1, ctx.program->lists().stage(i), call.recv_k(i), call.recv_v(i),
+                  st.recv_rows);
   };
   // The direct stages, then (relays only) the fan-outs, which send what the former kept.
   absl::Status staged =
       fused ? FusedForwardStages(ctx, call, call_number, k, v, p)
             : RunStaged(
                 fan, [&](size_t i) { return call.PostKv(i, k, v); },
-                [&] { return attend(ctx.program->lists().local(), k, v, rows); }, on_stage);
+                [&] { return attend(0, ctx.program->lists().local(), k, v, rows); }, on_stage);
   if (staged.ok() && fan < sched.stages.size()) {
     staged = RunStaged(
         sched.stages.size() - fan, [&](size_t i) { return call.PostKv(fan + i, k, v); },
@@ -424,6 +432,7 @@ class GpuRingBackward {
     }
     const QuerySide side{rows_, dims.heads_q, dims.heads_kv, dims.scale};
     params_ = BackwardParams(side, q, dout, lse, delta, dq32_);
+    out_ = out;
     return absl::OkStatus();
   }
 
@@ -434,7 +443,7 @@ class GpuRingBackward {
     BackwardStages hooks;
     hooks.post_kv = [&](size_t i) { return call_.PostKv(i, k_, v_); };
     hooks.local = [&] {
-      return Backward(ctx_.program->lists().local(), k_, v_, rows_, dk32_, dv32_);
+      return Backward(0, ctx_.program->lists().local(), k_, v_, rows_, dk32_, dv32_);
     };
     hooks.compute = [&](size_t i) { return Compute(i); };
     hooks.post_grad = [&](size_t i) { return PostGrad(i); };
@@ -460,9 +469,11 @@ class GpuRingBackward {
   const ExecTraffic& grad_moved() const { return grad_moved_; }
 
  private:
-  absl::Status Backward(const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                        int64_t k_rows, float* gk, float* gv) const {
-    return LaunchBackward(*ctx_.kernels, params_, list, kk, vv, k_rows, gk, gv, ctx_.stream);
+  // Step 0 is the local work, step i + 1 stage i's (the engine choice's order).
+  absl::Status Backward(size_t step, const DeviceWorkLists::List& list, const void* kk,
+                        const void* vv, int64_t k_rows, float* gk, float* gv) const {
+    return AttendStepBackward(ctx_.cudnn, step, *ctx_.kernels, params_, out_, list, kk, vv, k_rows,
+                              gk, gv, ctx_.stream);
   }
 
   // Stage i's received rows: their partials into the slot (zeroed first), or into the
@@ -473,15 +484,15 @@ class GpuRingBackward {
     if (st.recv_from < 0) return absl::OkStatus();
     if (st.store_begin >= 0) {  // a kept buffer: its partials are summed in the store
       const size_t at = static_cast<size_t>(st.store_begin) * call_.kv_row32();
-      return Backward(ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i),
+      return Backward(i + 1, ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i),
                       st.recv_rows, store_gk_ + at, store_gv_ + at);
     }
     const size_t bytes = static_cast<size_t>(st.recv_rows) * call_.kv_row32() * sizeof(float);
     for (float* g : {part_k_[slot], part_v_[slot]}) {
       HSAP_RETURN_IF_ERROR(ctx_.device->ZeroAsync(g, bytes, ctx_.stream));
     }
-    return Backward(ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i), st.recv_rows,
-                    part_k_[slot], part_v_[slot]);
+    return Backward(i + 1, ctx_.program->lists().stage(i), call_.recv_k(i), call_.recv_v(i),
+                    st.recv_rows, part_k_[slot], part_v_[slot]);
   }
 
   // Stage i's partials to the owner of its received rows, and those of this rank's rows
@@ -576,6 +587,7 @@ class GpuRingBackward {
   const int64_t rows_;
   const size_t q_elems_, kv_elems_;
   hsap_dev::BwdParams params_{};
+  const void* out_ = nullptr;  // the final output (the cuDNN engine's backward reads it)
   float *dq32_ = nullptr, *dk32_ = nullptr, *dv32_ = nullptr;
   float *part_k_[2] = {}, *part_v_[2] = {}, *back_k_[2] = {}, *back_v_[2] = {};
   float *store_gk_ = nullptr, *store_gv_ = nullptr;

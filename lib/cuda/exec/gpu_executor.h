@@ -55,6 +55,7 @@
 #include "attention/kernel.h"
 #include "lib/comm/topology.h"
 #include "lib/comm/transport.h"
+#include "lib/cuda/exec/cudnn_steps.h"
 #include "lib/cuda/exec/exec_util.h"
 #include "lib/cuda/runtime/buffer_pool.h"
 #include "lib/cuda/runtime/device.h"
@@ -118,6 +119,10 @@ struct GpuExecContext {
   // The communicator's topology: the traffic is counted by link class with it (null: every
   // rank on one node). The fused forward runs only schedules without relays.
   const Topology* topology = nullptr;
+  // The cuDNN engine's calls per step (step 0: local work, step i + 1: stage i), when the
+  // batch gave cuDNN pieces; null: every piece on the JIT kernels. The fused forward is not
+  // used then (its kernel attends whole stages).
+  const CudnnSteps* cudnn = nullptr;
 };
 
 // Tensors as in lib/exec/executor.h, in device memory, ordered on ctx.stream.

@@ -142,7 +142,10 @@ class HierCall {
 GpuHierContext ForMode(const GpuHierContext& ctx, SkippedKernels& kernels,
                        std::unique_ptr<SkippedTransport>& transport) {
   GpuHierContext out = ctx;
-  if (ctx.mode == GpuExecMode::kTransfersOnly) out.kernels = &kernels;
+  if (ctx.mode == GpuExecMode::kTransfersOnly) {
+    out.kernels = &kernels;
+    out.cudnn = nullptr;
+  }
   if (ctx.mode == GpuExecMode::kComputeOnly && ctx.transport != nullptr) {
     transport = std::make_unique<SkippedTransport>(*ctx.transport);
     out.transport = transport.get();
@@ -332,9 +335,10 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
   const QuerySide side{N, static_cast<int>(hq), static_cast<int>(hkv), p.dims().scale,
                        p.kv_head_of_q()};
   const hsap_dev::FwdParams fp = ForwardParams(side, g.gq, out32, lse32);
-  auto attend = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
+  // Step 0 is the local work, step i + 1 sub-ring step i's (the engine choice's order).
+  auto attend = [&](size_t step, const DeviceWorkLists::List& list, const void* kk, const void* vv,
                     int64_t k_rows) {
-    return LaunchForward(*ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
+    return AttendStepForward(ctx.cudnn, step, *ctx.kernels, fp, list, kk, vv, k_rows, ctx.stream);
   };
   auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };
   if (absl::Status s = RunForwardStages(
@@ -343,14 +347,14 @@ absl::Status GpuHierarchicalForward(const GpuHierContext& ctx_in, const void* q,
             return call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2],
                              StepName(r.steps[i], "kv"), /*ring=*/true);
           },
-          [&] { return attend(p.local_work(), gk, gv, N); },
+          [&] { return attend(0, p.local_work(), gk, gv, N); },
           [&](size_t i) -> absl::Status {
             HSAP_RETURN_IF_ERROR(call.Unpack(kv_leg(i), g.ring_recv[i % 2]));
             const SubRingStep& st = r.steps[i];
             HSAP_RETURN_IF_ERROR(
                 FanOut(call, p.steps()[i], st, g.kv[i % 2], g.store, g.fan_send, g.fan_recv));
             if (st.recv_group < 0) return absl::OkStatus();
-            return attend(p.steps()[i].work, g.kv[i % 2],
+            return attend(i + 1, p.steps()[i].work, g.kv[i % 2],
                           g.kv[i % 2] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows);
           });
       !s.ok()) {
@@ -417,9 +421,12 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
   const float* gstats = reinterpret_cast<const float*>(g.gstats);
   const hsap_dev::BwdParams bp =
       BackwardParams(side, g.gq, g.gdout, gstats, gstats + static_cast<size_t>(N) * hq, dq32);
-  auto backward = [&](const DeviceWorkLists::List& list, const void* kk, const void* vv,
-                      int64_t k_rows, float* gk32, float* gv32) {
-    return LaunchBackward(*ctx.kernels, bp, list, kk, vv, k_rows, gk32, gv32, ctx.stream);
+  // Step 0 is the local work, step i + 1 sub-ring step i's. The group's output is not
+  // gathered (the plan moves delta instead): the cuDNN engine gets delta.
+  auto backward = [&](size_t step, const DeviceWorkLists::List& list, const void* kk,
+                      const void* vv, int64_t k_rows, float* gk32, float* gv32) {
+    return AttendStepBackward(ctx.cudnn, step, *ctx.kernels, bp, /*out=*/nullptr, list, kk, vv,
+                              k_rows, gk32, gv32, ctx.stream);
   };
 
   auto kv_leg = [&](size_t i) { return KvLegs(p.steps()[i], g.gkv, g.kv[i % 2], g.store); };
@@ -439,7 +446,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
     return call.Post(kv_leg(i), g.ring_send[i % 2], g.ring_recv[i % 2], StepName(r.steps[i], "kv"),
                      /*ring=*/true);
   };
-  hooks.local = [&] { return backward(p.local_work(), gk, gv, N, dk32, dv32); };
+  hooks.local = [&] { return backward(0, p.local_work(), gk, gv, N, dk32, dv32); };
   hooks.compute = [&](size_t i) -> absl::Status {
     const SubRingStep& st = r.steps[i];
     const int slot = static_cast<int>(i % 2);
@@ -451,7 +458,7 @@ absl::Status GpuHierarchicalBackward(const GpuHierContext& ctx_in, const void* d
       float* pk = reinterpret_cast<float*>(g.partial[slot]);
       float* pv = reinterpret_cast<float*>(g.partial[slot] + half);
       HSAP_RETURN_IF_ERROR(ctx.device->ZeroAsync(pk, 2 * half, ctx.stream));
-      HSAP_RETURN_IF_ERROR(backward(p.steps()[i].work, g.kv[slot],
+      HSAP_RETURN_IF_ERROR(backward(i + 1, p.steps()[i].work, g.kv[slot],
                                     g.kv[slot] + Bytes(st.recv_rows, hkv, D, es), st.recv_rows, pk,
                                     pv));
     }

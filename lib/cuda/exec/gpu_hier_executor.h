@@ -74,6 +74,9 @@ struct GpuHierContext {
   GpuExecMode mode = GpuExecMode::kFull;
   // The node of every world rank, to count link classes (null or empty: one node).
   const std::vector<int>* node_of_rank = nullptr;
+  // The cuDNN engine's calls per step (step 0: local work, step i + 1: sub-ring step i), when
+  // the batch gave cuDNN pieces; null: every piece on the JIT kernels.
+  const CudnnSteps* cudnn = nullptr;
 };
 
 // Tensors as in lib/exec/hierarchical_executor.h, in device memory, ordered on ctx.stream.

@@ -249,6 +249,74 @@ TEST(AttentionPiecesTest, RandomLayoutsAndBuffersAreExact) {
   EXPECT_EQ(kinds.size(), static_cast<size_t>(kNumCudnnMaskKinds));
 }
 
+// PiecesAsWorkList: for a random split of a work list's pieces, the work list of one part holds
+// exactly that part's pairs (checked pair by pair against the pieces' masks), its blocks are
+// disjoint, sorted and inside the original blocks, and each block's segments are sorted.
+TEST(AttentionPiecesTest, APartOfThePiecesAsAWorkList) {
+  int64_t checked = 0;  // pairs over the cases
+  for (uint64_t seed = 1; seed <= 24; ++seed) {
+    std::mt19937_64 rng(seed + 1000);
+    const int64_t tokens = std::uniform_int_distribution<int64_t>(1, 200)(rng);
+    const Layout layout =
+        seed % 3 == 0 ? RandomSliceLayout(rng, tokens) : RandomDocumentLayout(rng, tokens, 120);
+    const int64_t t = layout.num_tokens();
+    const std::vector<TokenRun> q = seed % 2 == 0 ? WholeRow(t) : RandomBuffer(rng, t, 0.7);
+    const std::vector<TokenRun> k = seed % 2 == 0 ? WholeRow(t) : RandomBuffer(rng, t, 0.6);
+    absl::StatusOr<WorkList> work = BuildWorkList(layout.slices(), q, k, seed % 3 == 1 ? 16 : 64);
+    ASSERT_TRUE(work.ok()) << work.status();
+    absl::StatusOr<std::vector<AttentionPiece>> pieces = DecomposeWorkList(*work);
+    ASSERT_TRUE(pieces.ok()) << pieces.status();
+    std::vector<size_t> part;
+    for (size_t i = 0; i < pieces->size(); ++i) {
+      if (std::bernoulli_distribution(0.5)(rng)) part.push_back(i);
+    }
+    part.push_back(pieces->size() + 3);  // out of range: skipped
+    SCOPED_TRACE(::testing::Message() << "seed " << seed << ", " << part.size() - 1 << " of "
+                                      << pieces->size() << " pieces");
+    const WorkList sub = PiecesAsWorkList(*work, *pieces, part);
+    const int64_t qr = RunRows(q), kr = RunRows(k);
+    std::vector<int> want(static_cast<size_t>(qr * kr), 0), got(want.size(), 0);
+    int64_t want_pairs = 0;
+    for (size_t i : part) {
+      if (i >= pieces->size()) continue;
+      const AttentionPiece& p = (*pieces)[i];
+      want_pairs += p.pairs;
+      const PieceBand band = BandOfPiece(p);
+      for (int64_t a = 0; a < p.q_len; ++a) {
+        for (int64_t b = 0; b < p.k_len; ++b) {
+          const bool admits = p.mask.Admits(a, b, p.q_len, p.k_len);
+          const int64_t d = (p.k_begin + b) - (p.q_begin + a);
+          EXPECT_EQ(admits, d >= band.lo && d <= band.hi) << p.mask.ToString();
+          if (admits) ++want[static_cast<size_t>((p.q_begin + a) * kr + p.k_begin + b)];
+        }
+      }
+    }
+    EXPECT_EQ(sub.visible_pairs, want_pairs);
+    int64_t prev_end = 0;
+    for (const QueryBlock& blk : sub.blocks) {
+      ASSERT_GE(blk.q_begin, prev_end);
+      ASSERT_LT(blk.q_begin, blk.q_end);
+      ASSERT_LT(blk.seg_begin, blk.seg_end);
+      prev_end = blk.q_end;
+      for (int64_t s = blk.seg_begin; s < blk.seg_end; ++s) {
+        const KeySegment& seg = sub.segments[static_cast<size_t>(s)];
+        if (s > blk.seg_begin) {
+          EXPECT_LE(sub.segments[static_cast<size_t>(s - 1)].k_begin, seg.k_begin);
+        }
+        for (int64_t a = blk.q_begin; a < blk.q_end; ++a) {
+          for (int64_t b = seg.k_begin; b < seg.k_end; ++b) {
+            if (b - a >= seg.diag_lo && b - a <= seg.diag_hi)
+              ++got[static_cast<size_t>(a * kr + b)];
+          }
+        }
+      }
+    }
+    EXPECT_EQ(got, want);
+    checked += want_pairs;
+  }
+  EXPECT_GT(checked, 10000);
+}
+
 // ---- The fp64 interpreter ------------------------------------------------------------------
 
 struct Tensors {

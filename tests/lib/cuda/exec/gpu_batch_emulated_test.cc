@@ -31,6 +31,7 @@
 #include "lib/sched/schedule.h"
 #include "tests/support/distributed_harness.h"
 #include "tests/support/emulated_cuda_runtime.h"
+#include "tests/support/fake_cudnn_runner.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/scoped_env.h"
 #include "tests/support/tolerance.h"
@@ -91,6 +92,18 @@ class RuntimeKernels : public DeviceKernels {
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cudaStream s) const override {
     HSAP_RETURN_IF_ERROR(Reachable("add chunks", {p.src, p.dst, p.chunks}));
     return Launch(s, [this, p, s] { (void)inner_.AddChunks(p, s); });
+  }
+  absl::Status MergeEntries(const hsap_dev::EntryMergeParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("merge entries", {p.out, p.lse, p.o, p.stats, p.entries}));
+    return Launch(s, [this, p, s] { (void)inner_.MergeEntries(p, s); });
+  }
+  absl::Status GatherStats(const hsap_dev::StatsGatherParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("gather stats", {p.lse, p.stats, p.entries}));
+    return Launch(s, [this, p, s] { (void)inner_.GatherStats(p, s); });
+  }
+  absl::Status AddEntries(const hsap_dev::EntryAddParams& p, cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(Reachable("add entries", {p.dst, p.src, p.entries}));
+    return Launch(s, [this, p, s] { (void)inner_.AddEntries(p, s); });
   }
   int max_fused_steps() const override { return inner_.max_fused_steps(); }
   int fused_copy_ctas() const override { return inner_.fused_copy_ctas(); }
@@ -377,6 +390,103 @@ TEST(EmulatedLoopbackBatch, ForcedCudnnIsRefusedAtCreation) {
     gpus.clear();
   }
   EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
+}
+
+// The cuDNN engine on loopback ranks (lib/cuda/exec/cudnn_steps.h): every piece to a host fake
+// of cuDNN (tests/support/fake_cudnn_runner.h) launched on the rank's stream like a kernel, its
+// results merged and added by the helper kernels on the same stream, bf16 with GQA, a window
+// document and a causal one split over the ranks; against the reference, the fake handed
+// exactly the tally's calls and pairs, nothing left on the device.
+TEST(EmulatedLoopbackBatch, CudnnEngineWithAHostFake) {
+  using Cfg = testing::SmallTileCfg<hsap_dev::bf16, 2, true>;
+  constexpr int R = 3;
+  EmulatedCudaRuntime::Options options;
+  options.watchdog = absl::Seconds(60);
+  EmulatedCudaRuntime emu(options);
+  const CudaRuntimeApi& rt = emu.runtime();
+  const absl::Duration timeout = absl::Seconds(60);
+  ASSERT_EQ(rt.SetDevice(0), 0);
+  const Layout layout =
+      *Layout::FromDocuments({0, 70, 120}, {MaskKind::kSlidingWindow, MaskKind::kCausal}, {19, 0});
+  const int64_t T = layout.num_tokens();
+  BatchOptions opts;
+  opts.dtype = DType::kBF16;
+  opts.heads_q = kHeadsQ;
+  opts.heads_kv = kHeadsKv;
+  opts.head_dim = kDim;
+  testing::DistCase c;
+  c.dtype = DType::kBF16;
+  c.heads_q = kHeadsQ;
+  c.heads_kv = kHeadsKv;
+  c.head_dim = kDim;
+  testing::RowInputs in(c, T, 81);
+  testing::RowOutputs got;
+  got.out = HostTensor(DType::kBF16, T, kHeadsQ, kDim);
+  got.dq = HostTensor(DType::kBF16, T, kHeadsQ, kDim);
+  got.dk = HostTensor(DType::kBF16, T, kHeadsKv, kDim);
+  got.dv = HostTensor(DType::kBF16, T, kHeadsKv, kDim);
+  got.lse.assign(static_cast<size_t>(T) * kHeadsQ, 0.0f);
+  {
+    auto transports = CreateLoopbackTransports(rt, R, timeout);
+    ASSERT_TRUE(transports.ok()) << transports.status();
+    std::vector<std::unique_ptr<Communicator>> comms;
+    std::vector<std::shared_ptr<GpuComm>> gpus;
+    for (int r = 0; r < R; ++r) {
+      comms.push_back(std::make_unique<Communicator>(std::move((*transports)[r]), timeout, 1));
+      absl::StatusOr<std::unique_ptr<Device>> d = CreateCudaDevice(rt, emu.driver());
+      ASSERT_TRUE(d.ok()) << d.status();
+      auto gpu = GpuComm::Create(*std::move(d), nullptr, timeout);
+      ASSERT_TRUE(gpu.ok()) << gpu.status();
+      gpus.push_back(*std::move(gpu));
+    }
+    auto kernels = std::make_shared<const RuntimeKernels<Cfg>>(emu);
+    testing::OnEveryRank(R, [&](int r) {
+      ASSERT_EQ(rt.SetDevice(0), 0);
+      auto fake = std::make_shared<testing::FakeCudnnRunner>(
+          [&emu](cudaStream s, std::function<void()> op) {
+            return emu.runtime().Check(emu.Launch(0, s, std::move(op)), "fake cuDNN launch");
+          });
+      EngineSetup setup;
+      setup.mode = EngineMode::kCudnn;
+      setup.cudnn = {absl::OkStatus(), 91900, 90};
+      setup.runner = fake;
+      std::unique_ptr<RunnerFactory> runners = NewGpuRunners(gpus[r], kernels, setup);
+      auto batch = Batch::Create(*comms[r], layout, {}, opts, *runners);
+      ASSERT_TRUE(batch.ok()) << "rank " << r << ": " << batch.status();
+      EXPECT_FALSE(UsesFusedForward((*batch)->runner()));
+      const EngineTally tally = EnginesOf((*batch)->runner())->tally();
+      EXPECT_GT(tally.pieces[static_cast<int>(AttentionEngine::kCudnn)], 0) << "rank " << r;
+      testing::ShardTensors t(in, got, ShardOf(*(*batch)->schedule()), kHeadsQ);
+      OnDevice q(rt, t.q), k(rt, t.k), v(rt, t.v), dout(rt, t.dout), out(rt, t.out), lse(rt, t.lse),
+          dq(rt, t.dq), dk(rt, t.dk), dv(rt, t.dv);
+      absl::Status f = (*batch)->Forward(q.get(), k.get(), v.get(), out.get(), lse.f());
+      ASSERT_TRUE(f.ok()) << "rank " << r << ": " << f;
+      absl::Status b = (*batch)->Backward(dout.get(), q.get(), k.get(), v.get(), out.get(), lse.f(),
+                                          dq.get(), dk.get(), dv.get());
+      ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b;
+      const int64_t cudnn_pairs = tally.pairs[static_cast<int>(AttentionEngine::kCudnn)];
+      EXPECT_EQ(fake->forward_calls(), tally.cudnn_calls) << "rank " << r;
+      EXPECT_EQ(fake->backward_calls(), tally.cudnn_calls) << "rank " << r;
+      EXPECT_EQ(fake->forward_pairs(), cudnn_pairs) << "rank " << r;
+      EXPECT_EQ(fake->backward_pairs(), cudnn_pairs) << "rank " << r;
+      EXPECT_EQ(fake->error(), "") << "rank " << r;
+      out.Download(t.out);
+      lse.Download(t.lse);
+      dq.Download(t.dq);
+      dk.Download(t.dk);
+      dv.Download(t.dv);
+      t.Unslice(got);
+    });
+    EXPECT_EQ(kernels->error(), "");
+    const ReferenceInputs ri = in.Reference(*DimsFromOptions(opts), DType::kBF16);
+    testing::ExpectMatchesReference(layout, ri, in.dout.bytes.data(), got, /*backward=*/true,
+                                    testing::kCudaKernelFloor);
+    gpus.clear();
+  }
+  EXPECT_EQ(emu.live_allocations(), 0u);
+  EXPECT_EQ(emu.live_streams(), 0);
+  EXPECT_EQ(emu.live_events(), 0);
   EXPECT_THAT(emu.TakeFailures(), ::testing::IsEmpty());
 }
 
