@@ -35,6 +35,7 @@ enum class Param {
   kFusedForward,         // HSAP_FUSED_FORWARD
   kPlanDebug,            // HSAP_PLAN_DEBUG
   kAttentionEngine,      // HSAP_ATTENTION_ENGINE
+  kJitSm90a,             // HSAP_JIT_SM90A
   // Standard variables hsap consults.
   kCudaHome,      // CUDA_HOME
   kPath,          // PATH

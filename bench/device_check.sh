@@ -117,6 +117,15 @@ for engine in cudnn jit; do
   done
 done
 
+# 3a. The causal JIT row once more on the sm_90 JIT kernels (the mma.sync forward): on a
+# compute capability 9.0 GPU step 3 ran the sm_90a forward (wgmma, TMA; docs/gpu_backend.md),
+# so the two rows compare them; elsewhere both run the same kernels.
+say "## speed, the causal JIT row with HSAP_JIT_SM90A=0 (sm_90 kernels; step 3 ran sm_90a's on a 9.0 GPU)"
+run "speed_causal_jit_sm90.txt" 90 env HSAP_JIT_SM90A=0 "$PERF" --backend cuda-loopback \
+  --ranks 1 --dtype bf16 --head-dim 128 --heads 16 --kv-heads 16 -c 0 --engine jit \
+  -b 32768 -e 32768 -n 5 -w 2 --docs-dist single
+keep "speed_causal_jit_sm90.txt"
+
 # 3b. Calibration of the cost model (docs/cost_model.md): one causal document of 16K-128K
 # tokens on one rank, hsap's JIT kernels and cuDNN's whole-row call, written as a calibration
 # file that hsap_plan --calibration reads.

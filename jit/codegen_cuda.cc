@@ -13,6 +13,7 @@
 #include "jit/device/hsap_attention.cuh"
 #include "jit/device/hsap_attention_mma_bwd.cuh"
 #include "jit/device/hsap_attention_mma_fwd.cuh"
+#include "jit/device/hsap_attention_wgmma_fwd.cuh"
 #include "jit/device/hsap_device.cuh"
 #include "jit/device/hsap_mma.cuh"
 #include "jit/device/hsap_params.cuh"
@@ -31,11 +32,18 @@ HSAP_EMBED_FILE(hsap_embedded_attention_mma_fwd_cuh, "jit/device/hsap_attention_
 HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_tma_cuh, "jit/device/hsap_tma.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_fwd_cuh, "jit/device/hsap_attention_wgmma_fwd.cuh");
 
 namespace hsap::jit {
 namespace {
 
 constexpr int kMaxPeers = 15;
+
+// The parameter list of the sm_90a forward, as its explicit instantiation spells it.
+// (nvcc requires the __grid_constant__ annotations of the declaration there too.)
+constexpr char kWgmmaFwdParams[] =
+    "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
+    "hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap";
 
 // Threads per query row: head dims above 128 split a row over 4 lanes to keep the
 // per-thread accumulator at <= 64 floats.
@@ -98,6 +106,29 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
   }
   t->fwd_smem_bytes = MmaFwdSmemBytes(c.head_dim, t->block_m, t->block_n, t->fwd_stages);
   return absl::OkStatus();
+}
+
+// The sm_90a forward (hsap_attention_wgmma_fwd.cuh, WgmmaFwdShape::kSmemBytes): 1 KiB of
+// slack to align the tiles to the 1024-byte atoms of the 128-byte swizzle, the Q tile of 128
+// rows and `stages` K and V tiles of `bn` rows, 16-bit elements without padding (the swizzle
+// spreads the rows over the banks), then 2 * stages + 3 mbarriers, a 32-byte descriptor per
+// stage (WgmmaTileInfo) and 16 bytes for the chunk's tile count.
+int WgmmaFwdSmemBytes(int d, int bn, int stages) {
+  return 1024 + 2 * (128 + 2 * stages * bn) * d + 8 * (2 * stages + 3) + 32 * stages + 16;
+}
+
+// The sm_90a forward's key tiles. Per consumer thread the O accumulator takes D/2 fp32
+// registers and S bn/2 (64 query rows x N over 128 threads), P bn/4 packed pairs; the
+// setmaxnreg budget of a consumer is 240 (the producer keeps 24). D 64 and 128: 128 keys
+// per tile (O + S + P = 128 or 160 registers), a ring of 3 or 2 K/V stages (113 and 161
+// KiB). D 256: 64 keys (O alone is 128 registers), 2 stages (193 KiB). One CTA per SM: the
+// two consumer warpgroups keep the tensor cores busy between them while the producer
+// streams the next tiles.
+void ChooseWgmmaForwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
+  t->wgmma_fwd = true;
+  t->wgmma_block_n = c.head_dim <= 128 ? 128 : 64;
+  t->wgmma_stages = c.head_dim <= 64 ? 3 : 2;
+  t->wgmma_smem_bytes = WgmmaFwdSmemBytes(c.head_dim, t->wgmma_block_n, t->wgmma_stages);
 }
 
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
@@ -174,6 +205,18 @@ bool CudaTensorCoreApplies(const CudaKernelConfig& c) {
   absl::StatusOr<int> arch = ParseCudaArch(c.arch);
   return arch.ok() && *arch >= 80 && (c.dtype == DType::kBF16 || c.dtype == DType::kF16) &&
          c.head_dim % 16 == 0 && c.head_dim >= 64 && c.head_dim <= 256;
+}
+
+bool CudaWgmmaForwardApplies(const CudaKernelConfig& c) {
+  return c.arch == "sm_90a" && ResolveCudaMath(c) == CudaMath::kTensorCore &&
+         (c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256);
+}
+
+std::string JitCudaArch(absl::string_view device_arch, const CudaKernelConfig& config) {
+  if (device_arch != "sm_90") return std::string(device_arch);
+  CudaKernelConfig specific = config;
+  specific.arch = "sm_90a";
+  return CudaWgmmaForwardApplies(specific) ? "sm_90a" : std::string(device_arch);
 }
 
 CudaMath ResolveCudaMath(const CudaKernelConfig& c) {
@@ -262,6 +305,7 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
   const bool tensor_core = ResolveCudaMath(c) == CudaMath::kTensorCore;
   if (tensor_core) {
     HSAP_RETURN_IF_ERROR(ChooseMmaForwardTiles(c, limit, &t));
+    if (CudaWgmmaForwardApplies(c)) ChooseWgmmaForwardTiles(c, &t);
   } else if (c.block_m > 0 || c.block_n > 0 || c.threads > 0) {
     if (c.block_m <= 0 || c.block_n <= 0 || c.threads <= 0) {
       return absl::InvalidArgumentError(
@@ -317,7 +361,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
   t.bwd_smem_bytes = t.bwd_tensor_core ? MmaBwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n,
                                                          t.bwd_threads, c.deterministic_dq)
                                        : BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
-  if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit)) {
+  if (!c.skip_validation &&
+      (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit || t.wgmma_smem_bytes > limit)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CudaKernelConfig tiles need ", t.fwd_smem_bytes, "/", t.bwd_smem_bytes,
                      " bytes of shared memory (fwd/bwd); ", c.arch, " allows ", limit));
@@ -354,6 +399,11 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
   absl::StrAppend(&s, "  static constexpr int kBwdSmemBytes = ", t.bwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "  static constexpr bool kDeterministicDq = ",
                   config.deterministic_dq ? "true" : "false", ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kWgmmaFwd = ", t.wgmma_fwd ? "true" : "false",
+                  ";\n");
+  absl::StrAppend(&s, "  static constexpr int kWgmmaBlockN = ", t.wgmma_block_n,
+                  ", kWgmmaStages = ", t.wgmma_stages, ", kWgmmaSmemBytes = ", t.wgmma_smem_bytes,
+                  ";\n");
   absl::StrAppend(&s, "};\n");
   return s;
 }
@@ -382,6 +432,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
                   "#include \"hsap_attention.cuh\"\n");
   const bool tc_bwd = t.bwd_tensor_core;
   if (tc_bwd) absl::StrAppend(&s, "#include \"hsap_attention_mma_bwd.cuh\"\n");
+  if (t.wgmma_fwd) absl::StrAppend(&s, "#include \"hsap_attention_wgmma_fwd.cuh\"\n");
   absl::StrAppend(&s, "\n");
   absl::StrAppend(&s, CudaConfigStruct(config, t, "HsapCfg"), "\n");
 
@@ -391,9 +442,13 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
     const char* params;
     int threads, smem;
     bool tensor_core = false;
+    bool wgmma = false;
   };
   std::vector<Kernel> kernels = {
-      {"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads, t.fwd_smem_bytes, tc},
+      t.wgmma_fwd ? Kernel{"fwd", "attn_fwd_wgmma_kernel", kWgmmaFwdParams, 384,
+                           t.wgmma_smem_bytes, true, true}
+                  : Kernel{"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads,
+                           t.fwd_smem_bytes, tc},
       {"bwd", tc_bwd ? "attn_bwd_mma_kernel" : "attn_bwd_kernel", "hsap_dev::BwdParams",
        t.bwd_threads, t.bwd_smem_bytes, tc_bwd},
       {"delta", "attn_delta_kernel", "hsap_dev::DeltaParams", 256, 0},
@@ -420,12 +475,13 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
     absl::StrAppend(&s, "template __global__ void hsap_dev::", k.name, "<HsapCfg>(const ", k.params,
                     ");\n");
     // The tensor-core forward was sized for two CTAs per SM wherever their shared memory
-    // fits one SM (ChooseMmaForwardTiles); everything else for at least one.
+    // fits one SM (ChooseMmaForwardTiles); everything else for at least one (the sm_90a
+    // forward for exactly one: 384 threads that share the register file by setmaxnreg).
     const int arch = *ParseCudaArch(config.arch);
     const int min_ctas =
-        k.tensor_core && 2 * (k.smem + 1024) <= CudaSharedMemoryPerSm(arch) ? 2 : 1;
+        k.tensor_core && !k.wgmma && 2 * (k.smem + 1024) <= CudaSharedMemoryPerSm(arch) ? 2 : 1;
     out.kernels.push_back({k.role, absl::StrCat("hsap_dev::", k.name, "<HsapCfg>"), k.threads,
-                           k.smem, k.tensor_core, min_ctas});
+                           k.smem, k.tensor_core, k.wgmma, min_ctas});
   }
   return out;
 }
@@ -446,6 +502,8 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
       {"hsap_attention_mma_bwd.cuh",
        std::string(hsap_embedded_attention_mma_bwd_cuh, hsap_embedded_attention_mma_bwd_cuh_end)},
       {"hsap_tma.cuh", std::string(hsap_embedded_tma_cuh, hsap_embedded_tma_cuh_end)},
+      {"hsap_attention_wgmma_fwd.cuh", std::string(hsap_embedded_attention_wgmma_fwd_cuh,
+                                                   hsap_embedded_attention_wgmma_fwd_cuh_end)},
   };
   return *headers;
 }

@@ -44,7 +44,7 @@ struct CudaTopologyRole {
 enum class CudaMath { kAuto, kFma, kTensorCore };
 
 struct CudaKernelConfig {
-  std::string arch = "sm_90";  // sm_XX
+  std::string arch = "sm_90";  // sm_XX, or sm_90a for the sm_90a forward (JitCudaArch)
   DType dtype = DType::kBF16;
   int head_dim = 128;
   int gqa = 1;           // heads_q / heads_kv (a runtime kv_head_of_q map may override)
@@ -79,6 +79,13 @@ struct CudaTiles {
   // "bwd" is the tensor-core backward (hsap_attention_mma_bwd.cuh): the math resolves to
   // kTensorCore and its tiles fit the architecture's shared memory.
   bool bwd_tensor_core = false;
+  // "fwd" is the sm_90a forward (hsap_attention_wgmma_fwd.cuh, CudaWgmmaForwardApplies):
+  // 128 query rows per CTA of 384 threads (a TMA producer warpgroup, two wgmma consumer
+  // warpgroups of 64 rows each), wgmma_block_n keys per K/V tile, a ring of wgmma_stages
+  // K/V tiles, wgmma_smem_bytes of dynamic shared memory. The fields above (block_m,
+  // fwd_smem_bytes, ...) then describe the mma.sync core, which the fused forward keeps.
+  bool wgmma_fwd = false;
+  int wgmma_block_n = 0, wgmma_stages = 0, wgmma_smem_bytes = 0;
 };
 
 // Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
@@ -89,6 +96,17 @@ bool CudaTensorCoreApplies(const CudaKernelConfig& config);
 // apply (an explicit kTensorCore that does not apply fails ValidateCudaKernelConfig),
 // kTensorCore otherwise. Never kAuto.
 CudaMath ResolveCudaMath(const CudaKernelConfig& config);
+
+// Whether the "fwd" kernel of `config` is the sm_90a forward (wgmma, TMA, warp-specialized;
+// hsap_attention_wgmma_fwd.cuh): arch "sm_90a", tensor-core math, head dim 64, 128 or 256
+// (the TMA boxes and wgmma operands are 64-element panels of the head dim). Other head dims
+// on sm_90a keep the mma.sync forward.
+bool CudaWgmmaForwardApplies(const CudaKernelConfig& config);
+
+// The architecture the JIT compiles `config` for on a device of `device_arch` (e.g. "sm_90"
+// from CurrentCudaArch): "sm_90a" on compute capability 9.0 when the sm_90a forward applies
+// to `config` with that arch, else `device_arch` (sm_80, sm_89, ... keep their kernels).
+std::string JitCudaArch(absl::string_view device_arch, const CudaKernelConfig& config);
 
 // Dynamic shared memory a CTA may use on `arch` (opt-in maximum), e.g. 232448 on sm_90.
 int CudaMaxSharedMemory(int arch);
@@ -115,7 +133,11 @@ struct CudaKernelEntry {
   std::string name_expression;  // e.g. "hsap_dev::attn_fwd_kernel<HsapCfg>"
   int threads = 0;              // blockDim.x
   int dynamic_smem_bytes = 0;
-  bool tensor_core = false;  // computes with mma.sync (its SASS holds HMMA)
+  bool tensor_core = false;  // computes with mma.sync (its SASS holds HMMA) or wgmma
+  // The sm_90a forward: computes with wgmma (HGMMA) and loads with TMA (UTMALDG); its
+  // arguments are the Params followed by three `__grid_constant__ const hsap_dev::TensorMap`
+  // (Q, K, V: hsap_attention_wgmma_fwd.cuh states their geometry).
+  bool wgmma = false;
   // The CTAs per SM the tiles were chosen for (registers, threads and shared memory must
   // allow at least this many; the variant compile test checks it).
   int min_ctas_per_sm = 1;
@@ -143,7 +165,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
 
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
-// hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh, hsap_attention_mma_bwd.cuh.
+// hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh, hsap_attention_mma_bwd.cuh,
+// hsap_wgmma.cuh, hsap_tma.cuh, hsap_attention_wgmma_fwd.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

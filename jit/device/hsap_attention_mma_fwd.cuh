@@ -139,16 +139,19 @@ HSAP_DEV void mma_fwd_scores(float (&s)[S::kNTiles][4],
 
 // Masks the tile's scores (visible: row < rows, column < cols, inside the band when
 // `masked`), then the online softmax of rows g (hr = 0: c0, c1) and g + 8 (hr = 1: c2, c3):
-// s becomes P, o is rescaled. This lane holds key columns j * 8 + 2t + e. saw_key and
-// non_finite note, per row, a visible key and a NaN or +inf score.
+// s becomes P, and rescale[hr] is the factor the row's accumulator must be multiplied by
+// before P V is added to it. This lane holds key columns j * 8 + 2t + e. saw_key and
+// non_finite note, per row, a visible key and a NaN or +inf score. (The sm_90a forward calls
+// this while the previous tile's P V is still in flight on its accumulator.)
 // kWhole: the caller knows every score of the warp's 16 rows visible (a full tile of keys,
 // all 16 rows valid, no band cut): no per-score test at all (the band cuts few tiles of a
 // long causal row; the test was ~8 instructions per score, docs/gpu_backend.md).
 template <class S, bool kWhole>
-HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][4],
-                              OnlineSoftmax (&sm)[2], bool (&saw_key)[2], bool (&non_finite)[2],
-                              const KeySegment seg, bool masked, long long q0, int rows,
-                              long long k0, int cols, int row0, int t, float scale_log2) {
+HSAP_DEV void mma_fwd_softmax_scores(float (&s)[S::kNTiles][4], float (&rescale)[2],
+                                     OnlineSoftmax (&sm)[2], bool (&saw_key)[2],
+                                     bool (&non_finite)[2], const KeySegment seg, bool masked,
+                                     long long q0, int rows, long long k0, int cols, int row0,
+                                     int t, float scale_log2) {
   HSAP_UNROLL
   for (int hr = 0; hr < 2; ++hr) {
     const int r = row0 + 8 * hr;
@@ -173,7 +176,7 @@ HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][
         tile_max = fmaxf(tile_max, x);
       }
     }
-    const float rescale = sm[hr].begin_tile(group_max<4>(tile_max));
+    rescale[hr] = sm[hr].begin_tile(group_max<4>(tile_max));
     float tile_sum = 0.0f;
     HSAP_UNROLL
     for (int j = 0; j < S::kNTiles; ++j) {
@@ -185,12 +188,31 @@ HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][
       }
     }
     sm[hr].end_tile(group_sum<4>(tile_sum));
-    HSAP_UNROLL
-    for (int j = 0; j < S::kDTiles; ++j) {
-      o[j][2 * hr] *= rescale;
-      o[j][2 * hr + 1] *= rescale;
-    }
   }
+}
+
+// o *= rescale, per row (rows g: c0, c1; g + 8: c2, c3).
+template <class S>
+HSAP_DEV void mma_fwd_rescale(float (&o)[S::kDTiles][4], const float (&rescale)[2]) {
+  HSAP_UNROLL
+  for (int j = 0; j < S::kDTiles; ++j) {
+    o[j][0] *= rescale[0];
+    o[j][1] *= rescale[0];
+    o[j][2] *= rescale[1];
+    o[j][3] *= rescale[1];
+  }
+}
+
+// mma_fwd_softmax_scores, then the accumulator rescaled: s becomes P, o is ready for P V.
+template <class S, bool kWhole>
+HSAP_DEV void mma_fwd_softmax(float (&s)[S::kNTiles][4], float (&o)[S::kDTiles][4],
+                              OnlineSoftmax (&sm)[2], bool (&saw_key)[2], bool (&non_finite)[2],
+                              const KeySegment seg, bool masked, long long q0, int rows,
+                              long long k0, int cols, int row0, int t, float scale_log2) {
+  float rescale[2];
+  mma_fwd_softmax_scores<S, kWhole>(s, rescale, sm, saw_key, non_finite, seg, masked, q0, rows,
+                                    k0, cols, row0, t, scale_log2);
+  mma_fwd_rescale<S>(o, rescale);
 }
 
 // O += P V. The C fragments of n-tiles 2kc and 2kc + 1 are the A fragment of k-step kc.

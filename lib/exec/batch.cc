@@ -370,7 +370,7 @@ absl::StatusOr<std::unique_ptr<BatchRunner>> Batch::Prepare(const Layout& layout
   Communicator& comm = *comm_;
   HSAP_ASSIGN_OR_RETURN(
       Schedule schedule,
-      BuildSchedule(layout, *partition_, comm.rank(), kKernelBlockQ,
+      BuildSchedule(layout, *partition_, comm.rank(), runners.WorkBlockRows(),
                     runners.RunsRelays() ? absl::Span<const int>(comm.topology().node_of_rank())
                                          : absl::Span<const int>()));
   schedule_ = std::make_unique<const Schedule>(std::move(schedule));
@@ -433,7 +433,8 @@ absl::StatusOr<std::unique_ptr<Batch>> Batch::CreateWithPlan(Communicator& comm,
         options.heads_q, " and ", options.heads_kv, "; they must agree"));
   }
   if (local.ok()) {
-    absl::StatusOr<RankHierarchy> mine = hierarchy->BuildRank(layout, comm.rank(), kKernelBlockQ);
+    absl::StatusOr<RankHierarchy> mine =
+        hierarchy->BuildRank(layout, comm.rank(), runners.WorkBlockRows());
     if (mine.ok()) {
       batch->hierarchy_ = std::make_unique<const RankHierarchy>(*std::move(mine));
     } else {

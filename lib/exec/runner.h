@@ -74,6 +74,10 @@ class RunnerFactory {
   // on the batch (the host runners): batch creation then agrees once, on the inputs and the
   // runners together (batch.h).
   virtual bool PreparesLocally() const { return false; }
+  // Query rows per work-list block (BuildWorkList's block_q) of the schedules and hierarchies
+  // built for these runners: the kernels' preferred query tile. Any value is correct (every
+  // kernel walks a block in chunks of its own tile); this one only sets how full they are.
+  virtual int64_t WorkBlockRows() const { return kKernelBlockQ; }
   // Called once on every rank of `comm` after the ranks agreed on the batch (before, when
   // PreparesLocally); `schedule` /
   // `rank` outlive the runner. May run collectives on the communicator (every rank's

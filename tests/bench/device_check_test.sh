@@ -2,8 +2,9 @@
 # bench/device_check.sh without a GPU: it parses (bash -n), and its dry run lists, in order,
 # the build, the GPU tests, the one-rank speed runs beside cuDNN (bf16, D = 128, 32768 tokens,
 # one causal document and a packed row, with the cuDNN and the JIT engine; 131072 tokens with
-# the cuDNN engine), the 4- and 8-rank loopback ring and plan runs of 16K-128K tokens with the
-# reference check on, the 4-rank cuDNN engine run, and the compute-sanitizer run.
+# the cuDNN engine; the causal JIT row again with HSAP_JIT_SM90A=0), the 4- and 8-rank
+# loopback ring and plan runs of 16K-128K tokens with the reference check on, the 4-rank cuDNN
+# engine run, and the compute-sanitizer run.
 # Usage: device_check_test.sh DEVICE_CHECK_SH
 set -uo pipefail
 script=$1
@@ -50,6 +51,13 @@ for run_name in causal_cudnn packed_cudnn causal_jit packed_jit long_cudnn; do
     packed_*) grep -q -- "--docs-dist longtail" <<< "$l" || fail "$run_name is not packed: $l" ;;
     *) grep -q -- "--docs-dist single" <<< "$l" || fail "$run_name is not one document: $l" ;;
   esac
+done
+
+# The causal JIT row again on the sm_90 kernels (HSAP_JIT_SM90A=0), beside the sm_90a forward.
+l=$(grep "> speed_causal_jit_sm90.txt" <<< "$out") || fail "no sm_90 comparison run"
+for want in "HSAP_JIT_SM90A=0" "--ranks 1" "--head-dim 128" "-b 32768 -e 32768" "--engine jit" \
+            "--docs-dist single"; do
+  grep -q -- "$want" <<< "$l" || fail "the sm_90 comparison run lacks $want: $l"
 done
 
 # Calibration: one rank, one causal document of 16K-128K tokens, the file hsap_plan reads.

@@ -60,6 +60,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 
 struct EmuDim3 {
   unsigned int x = 1, y = 1, z = 1;

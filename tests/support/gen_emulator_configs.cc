@@ -120,6 +120,15 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   return i;
 }
 
+// The sm_90a forward (hsap_attention_wgmma_fwd.cuh): arch sm_90a, tensor-core math, with the
+// tiles ChooseCudaTiles picks (128 query rows on a producer and two consumer warpgroups).
+Instance WgmmaForward(DType dtype, int head_dim, int gqa, bool band) {
+  Instance i = ChosenTile(dtype, head_dim, gqa, band);
+  i.config.arch = "sm_90a";
+  i.config.math = jit::CudaMath::kTensorCore;
+  return i;
+}
+
 std::vector<Family> Families() {
   constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
   return {
@@ -152,6 +161,13 @@ std::vector<Family> Families() {
         MmaBackward(kBF16, 64, 2, false), MmaBackward(kBF16, 256, 2, true),
         MmaBackward(kF16, 256, 2, false), MmaBackward(kBF16, 144, 2, true),
         MmaBackward(kBF16, 144, 2, false), MmaBackward(kF16, 240, 2, true)}},
+      {"// The sm_90a forward (hsap_attention_wgmma_fwd.cuh, arch sm_90a) with the tiles\n"
+       "// ChooseCudaTiles picks: 128 query rows per CTA, K/V tiles of kWgmmaBlockN keys.\n",
+       "typename StorageT, int kHeadDim, int kG, bool kBand",
+       "WgmmaFwdCfg",
+       {WgmmaForward(kBF16, 64, 2, true), WgmmaForward(kF16, 64, 2, true),
+        WgmmaForward(kBF16, 128, 2, true), WgmmaForward(kF16, 128, 2, true),
+        WgmmaForward(kBF16, 64, 2, false), WgmmaForward(kBF16, 256, 2, true)}},
   };
 }
 

@@ -277,6 +277,11 @@ class GpuRunnerFactory : public RunnerFactory {
   bool RunsRelays() const override { return true; }
   // The plan executor runs the hierarchy's node fan-outs (gpu_hier_executor.h).
   bool RunsPlanFanOuts() const override { return true; }
+  // The sm_90a forward's 128-row tile where its kernels are those (the default elsewhere).
+  int64_t WorkBlockRows() const override {
+    const int64_t rows = kernels_ != nullptr ? kernels_->forward_block_rows() : 0;
+    return rows > 0 ? rows : kKernelBlockQ;
+  }
 
   absl::StatusOr<std::unique_ptr<BatchRunner>> ForSchedule(Communicator& comm,
                                                            const Schedule& schedule,
@@ -479,6 +484,8 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
   // The fused kernel takes up to 8 stages per launch (more run as further launches).
   if (fused) config.role = {7};
+  // Compute capability 9.0: the sm_90a variant (wgmma/TMA forward) where it applies.
+  HSAP_ASSIGN_OR_RETURN(config.arch, JitArchForDevice(arch, config));
   if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
     return absl::Status(s.code(),
                         absl::StrCat("the CUDA kernels cannot serve this batch: ", s.message()));

@@ -10,10 +10,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/params.h"
 #include "base/status_macros.h"
 #include "jit/cache.h"
 #include "jit/cuda_kernels.h"
 #include "lib/cuda/exec/launch_grid.h"
+#include "lib/cuda/exec/wgmma_tensor_maps.h"
 
 namespace hsap::cuda {
 namespace {
@@ -22,7 +24,9 @@ struct Kernel {
   CUfunction function = nullptr;
   int threads = 0;
   int smem = 0;
-  bool tensor_core = false;  // cp.async rows: q, k, v must be 16-byte aligned
+  bool tensor_core = false;  // cp.async rows or TMA: q, k, v must be 16-byte aligned
+  bool wgmma = false;        // the sm_90a forward: the Q, K, V tensor maps follow the Params
+  int key_tile_rows = 0;     // its K/V box rows (CudaTiles::wgmma_block_n)
 };
 
 // The tensor-core kernels move 16-byte rows with cp.async; the kernel would only flag a
@@ -50,6 +54,8 @@ class JitDeviceKernels : public DeviceKernels {
     auto k = std::unique_ptr<JitDeviceKernels>(new JitDeviceKernels());
     k->driver_ = driver;
     k->helper_ctas_ = std::max(1, 8 * sm_count);
+    k->dtype_ = c.source.config.dtype;
+    k->head_dim_ = c.source.config.head_dim;
     const CudaDriverApi& d = *driver;
     // The module belongs to the context current now (the primary context of the current
     // device, made current by LoadJitDeviceKernels); launches bind it again, since a caller
@@ -87,6 +93,8 @@ class JitDeviceKernels : public DeviceKernels {
       kernel.threads = entry.threads;
       kernel.smem = entry.dynamic_smem_bytes;
       kernel.tensor_core = entry.tensor_core;
+      kernel.wgmma = entry.wgmma;
+      kernel.key_tile_rows = c.source.tiles.wgmma_block_n;
       HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name.c_str()),
                                    absl::StrCat("cuModuleGetFunction(", name, ")")));
       if (kernel.smem > 48 * 1024) {
@@ -112,7 +120,15 @@ class JitDeviceKernels : public DeviceKernels {
   absl::Status Forward(const hsap_dev::FwdParams& p, cudaStream s) const override {
     HSAP_RETURN_IF_ERROR(CheckAligned(fwd_, "attention forward", p.q, p.k, p.v));
     HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
-    return Launch(fwd_, "attention forward", grid, &p, s);
+    if (!fwd_.wgmma) return Launch(fwd_, "attention forward", grid, &p, s);
+    if (grid.empty()) return absl::OkStatus();
+    // The sm_90a forward: its Params, then the tensor maps of q, k and v by value.
+    HSAP_ASSIGN_OR_RETURN(const WgmmaForwardMaps maps,
+                          EncodeWgmmaForwardMaps(*driver_, p, dtype_, head_dim_,
+                                                 fwd_.key_tile_rows));
+    void* args[] = {const_cast<hsap_dev::FwdParams*>(&p), const_cast<TensorMapBytes*>(&maps.q),
+                    const_cast<TensorMapBytes*>(&maps.k), const_cast<TensorMapBytes*>(&maps.v)};
+    return LaunchArgs(fwd_, "attention forward (sm_90a)", grid, args, s);
   }
   absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
     HSAP_RETURN_IF_ERROR(CheckAligned(bwd_, "attention backward", p.q, p.k, p.v));
@@ -147,6 +163,8 @@ class JitDeviceKernels : public DeviceKernels {
     return Launch(add_entries_, "add entries", HelperGrid(p, helper_ctas_), &p, s);
   }
 
+  // The sm_90a forward computes 128 query rows per CTA (WgmmaFwdShape::kBM).
+  int64_t forward_block_rows() const override { return fwd_.wgmma ? 128 : 0; }
   int max_fused_steps() const override { return max_fused_steps_; }
   int fused_copy_ctas() const override { return fused_copy_ctas_; }
   int fused_resident_ctas() const override { return fused_resident_; }
@@ -187,6 +205,11 @@ class JitDeviceKernels : public DeviceKernels {
                       cudaStream s) const {
     if (grid.empty()) return absl::OkStatus();
     void* args[] = {const_cast<void*>(static_cast<const void*>(params))};
+    return LaunchArgs(k, what, grid, args, s);
+  }
+  // `args`: cuLaunchKernel's kernelParams, one pointer per kernel parameter.
+  absl::Status LaunchArgs(const Kernel& k, const char* what, LaunchGrid grid, void** args,
+                          cudaStream s) const {
     HSAP_RETURN_IF_ERROR(driver_->Check(driver_->CtxSetCurrent(context_), "cuCtxSetCurrent"));
     return driver_->Check(
         driver_->LaunchKernel(k.function, grid.x, grid.y, 1, static_cast<unsigned>(k.threads), 1, 1,
@@ -199,6 +222,8 @@ class JitDeviceKernels : public DeviceKernels {
   CUcontext context_ = nullptr;
   CUmodule module_ = nullptr;
   long long helper_ctas_ = 1;
+  DType dtype_ = DType::kBF16;
+  int head_dim_ = 0;
   Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_,
       merge_entries_, gather_stats_, add_entries_;
   int max_fused_steps_ = 0, fused_copy_ctas_ = 1, fused_resident_ = 0;
@@ -206,11 +231,17 @@ class JitDeviceKernels : public DeviceKernels {
 
 }  // namespace
 
+absl::StatusOr<std::string> JitArchForDevice(const std::string& device_arch,
+                                             const jit::CudaKernelConfig& config) {
+  HSAP_ASSIGN_OR_RETURN(const bool sm90a, GetBoolParam(Param::kJitSm90a));
+  return sm90a ? jit::JitCudaArch(device_arch, config) : device_arch;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config) {
   HSAP_RETURN_IF_ERROR(CheckCudaDevice());
   if (config.arch.empty()) {
     HSAP_ASSIGN_OR_RETURN(std::string arch, CurrentCudaArch());
-    config.arch = arch;
+    HSAP_ASSIGN_OR_RETURN(config.arch, JitArchForDevice(arch, config));
   }
   HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
   int device = 0, sms = 1;

@@ -171,6 +171,11 @@ class DeviceKernels {
     return absl::UnimplementedError("these kernels cannot add cuDNN's gradients");
   }
 
+  // Query rows per work-list block the forward was built for (the sm_90a forward's 128-row
+  // CTA tile), or 0 for no preference. Any block size is correct for every kernel (each walks
+  // a block in chunks of its own tile); a block smaller than the tile idles part of the CTA.
+  virtual int64_t forward_block_rows() const { return 0; }
+
   // The fused forward, in configurations generated with a topology role: at most
   // max_fused_steps() steps per launch (0: this configuration has no fused kernel), each
   // launch with fused_copy_ctas() copy CTAs (the same on every rank of a configuration:

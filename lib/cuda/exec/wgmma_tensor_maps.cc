@@ -1,0 +1,77 @@
+#include "lib/cuda/exec/wgmma_tensor_maps.h"
+
+#include <cstdint>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace hsap::cuda {
+namespace {
+
+constexpr int kQueryTileRows = 128;  // WgmmaFwdShape::kBM
+
+// One tensor [rows, heads, head_dim] of 16-bit elements.
+absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char* what,
+                                         const void* base, long long rows, int heads,
+                                         int head_dim, TensorMapDataType type, int box_rows) {
+  if (rows < 0 || rows > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sm_90a forward: ", what, " has ", rows,
+                     " rows; TMA coordinates are signed 32-bit, so at most 2^31 - 1 rows per "
+                     "call (split the batch)"));
+  }
+  if (heads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sm_90a forward: ", what, " has ", heads, " heads (must be >= 1)"));
+  }
+  TiledTensorMapSpec spec;
+  spec.dtype = type;
+  spec.global_address = base;
+  // A tensor without rows is never read (no work item names a row of it); the map still
+  // needs a non-empty extent.
+  spec.global_dims = {static_cast<uint64_t>(head_dim), static_cast<uint64_t>(heads),
+                      static_cast<uint64_t>(rows > 0 ? rows : 1)};
+  spec.global_strides = {static_cast<uint64_t>(head_dim) * 2,
+                         static_cast<uint64_t>(heads) * static_cast<uint64_t>(head_dim) * 2};
+  spec.box_dims = {64, 1, static_cast<uint32_t>(box_rows)};
+  spec.swizzle = TensorMapSwizzle::k128B;
+  spec.l2_promotion = TensorMapL2Promotion::k128B;
+  spec.oob_fill = TensorMapOobFill::kZero;
+  absl::StatusOr<TensorMapBytes> map = EncodeTiledTensorMap(driver, spec);
+  if (!map.ok()) {
+    return absl::Status(map.status().code(), absl::StrCat("sm_90a forward, tensor map of ", what,
+                                                          ": ", map.status().message()));
+  }
+  return map;
+}
+
+}  // namespace
+
+absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& driver,
+                                                        const hsap_dev::FwdParams& p, DType dtype,
+                                                        int head_dim, int key_tile_rows) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sm_90a forward: dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));
+  }
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sm_90a forward: head dim ", head_dim, " (it takes 64, 128 or 256)"));
+  }
+  if (key_tile_rows < 16 || key_tile_rows > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sm_90a forward: key tile of ", key_tile_rows, " rows (must be in [16, 256])"));
+  }
+  const TensorMapDataType type = TensorMapDataTypeOf(dtype);
+  WgmmaForwardMaps maps;
+  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, "q", p.q, p.q_rows, p.heads_q, head_dim, type,
+                                          kQueryTileRows));
+  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, "k", p.k, p.k_rows, p.heads_kv, head_dim, type,
+                                          key_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, "v", p.v, p.k_rows, p.heads_kv, head_dim, type,
+                                          key_tile_rows));
+  return maps;
+}
+
+}  // namespace hsap::cuda

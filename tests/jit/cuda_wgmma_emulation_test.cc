@@ -1,0 +1,340 @@
+// The sm_90a forward (jit/device/hsap_attention_wgmma_fwd.cuh) run in the CUDA emulator
+// (tests/support/cuda_emulator.h, with wgmma from tests/support/emulated_wgmma.h and TMA and
+// mbarriers from tests/support/emulated_tma.h, each written from the PTX ISA apart from any
+// kernel) at the tiles the generator picks (128 query rows on a TMA producer warpgroup and two
+// wgmma consumer warpgroups), against the fp64 reference under the project's rule
+// (attention/tolerance.h):
+//   max |kernel - ref| <= 2 * max |naive - ref| + 1e-6 * max(1, max |ref|)
+// The tensor maps are encoded by the host code the runtime uses (lib/cuda/exec/
+// wgmma_tensor_maps.h on lib/cuda/runtime/tensor_map.h) through the emulated driver's
+// cuTensorMapEncodeTiled (tests/support/emulated_cuda_runtime.h). Packed documents of 100-300
+// tokens end inside and across the 128-row query tiles and the key tiles, so TMA boxes cross
+// documents and the tensor's end; every mask kind, GQA 2:1 and a run-time kv-head map, d 64,
+// 128 and 256, bf16 and f16. Under the sanitizers (HSAP_TEST_SWEEP=subset) the
+// configurations sweep runs its first and last case.
+// clang-format off
+#include "tests/support/cuda_emulator.h"
+#include "jit/device/hsap_attention.cuh"
+#include "jit/device/hsap_attention_wgmma_fwd.cuh"
+#include "tests/support/emulator_configs.h"
+// clang-format on
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/dtype.h"
+#include "attention/reference.h"
+#include "attention/tolerance.h"
+#include "attention/worklist.h"
+#include "gtest/gtest.h"
+#include "jit/codegen_cuda.h"
+#include "lib/cuda/exec/wgmma_tensor_maps.h"
+#include "tests/support/attention_test_util.h"
+#include "tests/support/emulated_cuda_runtime.h"
+#include "tests/support/nonfinite.h"
+#include "tests/support/random_layouts.h"
+#include "tests/support/sweep.h"
+#include "tests/support/tolerance.h"
+
+namespace hsap {
+namespace {
+
+using testing::WgmmaFwdCfg;
+
+// 16-bit storage (bf16 or f16 bits), 16-byte aligned as TMA requires of a global address.
+struct Bits {
+  std::vector<uint16_t> v;
+  DType dtype;
+  Bits(DType t, size_t n) : v(n + 8, 0), dtype(t) {}
+  uint16_t* data() {
+    auto p = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + ((16 - p % 16) % 16) / 2;
+  }
+  const uint16_t* data() const { return const_cast<Bits*>(this)->data(); }
+  void Set(size_t i, float x) {
+    data()[i] = dtype == DType::kBF16 ? FloatToBF16(x).bits : FloatToF16(x).bits;
+  }
+  float Get(size_t i) const {
+    return dtype == DType::kBF16 ? BF16ToFloat(BF16{data()[i]}) : F16ToFloat(F16{data()[i]});
+  }
+};
+
+struct Problem {
+  Layout layout;
+  AttentionDims dims;
+  DType dtype;
+  Bits q, k, v;
+  int64_t T() const { return layout.num_tokens(); }
+};
+
+Problem MakeProblem(Layout layout, DType dtype, int head_dim, int heads_q, int heads_kv,
+                    uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  AttentionDims dims;
+  dims.heads_q = heads_q;
+  dims.heads_kv = heads_kv;
+  dims.head_dim = head_dim;
+  dims.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  const int64_t T = layout.num_tokens();
+  Problem p{std::move(layout),
+            dims,
+            dtype,
+            Bits(dtype, T * heads_q * head_dim),
+            Bits(dtype, T * heads_kv * head_dim),
+            Bits(dtype, T * heads_kv * head_dim)};
+  // Scores of a few units: softmax rows that are neither flat nor one-hot.
+  for (Bits* x : {&p.q, &p.k}) {
+    for (size_t i = 0; i + 8 < x->v.size(); ++i) x->Set(i, 2.0f * u(rng));
+  }
+  for (size_t i = 0; i + 8 < p.v.v.size(); ++i) p.v.Set(i, u(rng));
+  return p;
+}
+
+std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
+  std::vector<hsap_dev::QueryBlock> out;
+  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
+  return out;
+}
+std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
+  std::vector<hsap_dev::KeySegment> out;
+  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
+  return out;
+}
+
+void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
+                      const std::vector<double>& naive, const std::vector<double>& ref) {
+  ASSERT_EQ(got.size(), ref.size()) << name;
+  double err = 0, n = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(double{got[i]}, ref[i]) << name << "[" << i << "]";
+      continue;
+    }
+    const double diff = std::abs(double{got[i]} - ref[i]);
+    if (!(diff <= err)) err = diff;  // NaN propagates as the error
+    n = std::max(n, std::abs(naive[i] - ref[i]));
+  }
+  const double bound = ToleranceBound(n, testing::MaxAbs(ref), kKernelFloor);
+  EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
+  EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
+}
+
+// Out [T, Hq, D] = 0 and lse [Hq, T] = -inf, as init_partial_kernel leaves them.
+struct Partial {
+  std::vector<float> out, lse;
+  Partial(int64_t T, const AttentionDims& d)
+      : out(T * d.heads_q * d.head_dim, 0.0f), lse(T * d.heads_q, -INFINITY) {}
+};
+
+// Runs attn_fwd_wgmma_kernel<Cfg> on `w` with the tensor maps the runtime would pass; returns
+// the error word.
+template <class Cfg>
+unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
+                           const int* kv_map = nullptr) {
+  const auto blocks = DeviceBlocks(w);
+  const auto segments = DeviceSegments(w);
+  unsigned int error_flag = 0;
+  hsap_dev::FwdParams fp{};
+  fp.q = p.q.data();
+  fp.k = p.k.data();
+  fp.v = p.v.data();
+  fp.out = r->out.data();
+  fp.lse = r->lse.data();
+  fp.blocks = blocks.data();
+  fp.segments = segments.data();
+  fp.kv_head_of_q = kv_map;
+  fp.error_flag = &error_flag;
+  fp.q_rows = p.T();
+  fp.k_rows = p.T();
+  fp.num_blocks = static_cast<int>(blocks.size());
+  fp.heads_q = p.dims.heads_q;
+  fp.heads_kv = p.dims.heads_kv;
+  fp.scale = p.dims.scale;
+  testing::EmulatedCudaRuntime emu;
+  absl::StatusOr<cuda::WgmmaForwardMaps> maps =
+      cuda::EncodeWgmmaForwardMaps(emu.driver(), fp, p.dtype, Cfg::kHeadDim, Cfg::kWgmmaBlockN);
+  EXPECT_TRUE(maps.ok()) << maps.status();
+  if (!maps.ok()) return ~0u;
+  hsap_dev::TensorMap tq, tk, tv;  // the kernel parameters, as cuLaunchKernel copies them
+  static_assert(sizeof(tq) == sizeof(maps->q));
+  std::memcpy(&tq, &maps->q, sizeof(tq));
+  std::memcpy(&tk, &maps->k, sizeof(tk));
+  std::memcpy(&tv, &maps->v, sizeof(tv));
+  EXPECT_EQ(hsap_emu::Launch(fp.num_blocks, fp.heads_q, 384, Cfg::kWgmmaSmemBytes, false,
+                             [&] { hsap_dev::attn_fwd_wgmma_kernel<Cfg>(fp, tq, tk, tv); }),
+            absl::OkStatus());
+  return error_flag;
+}
+
+template <class Cfg>
+void CheckForward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
+  static_assert(Cfg::kWgmmaFwd && Cfg::kTensorCore);
+  ASSERT_EQ(p.dims.head_dim, Cfg::kHeadDim);
+  p.dims.kv_head_of_q = kv_map;
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r, kv_map.empty() ? nullptr : kv_map.data()), 0u);
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("out", r.out, naive.out, ref.out);
+  ExpectWithinRule("lse", r.lse, naive.lse, ref.lse);
+}
+
+// Three documents: causal 150 (ends inside the second 128-row tile), sliding window (40) 230,
+// full 100, then prefix-LM (prefix 30) 120: query tiles and key tiles straddle documents and
+// the last boxes cross the tensor's end.
+Layout MixedDocuments() {
+  const std::vector<int64_t> cu = {0, 150, 380, 480, 600};
+  const std::vector<MaskKind> kinds = {MaskKind::kCausal, MaskKind::kSlidingWindow,
+                                       MaskKind::kFull, MaskKind::kPrefixLM};
+  return *Layout::FromDocuments(cu, kinds, {0, 40, 0, 30});
+}
+
+TEST(CudaWgmmaEmulation, ForwardBf16HeadDim64Gqa2) {
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(MixedDocuments(), DType::kBF16, 64, 4, 2, 1), 256);
+}
+TEST(CudaWgmmaEmulation, ForwardF16HeadDim128Gqa2) {
+  CheckForward<WgmmaFwdCfg<hsap_dev::f16, 128, 2, true>>(
+      MakeProblem(MixedDocuments(), DType::kF16, 128, 2, 1, 2), 160);
+}
+TEST(CudaWgmmaEmulation, ForwardBf16HeadDim128WithKvHeadMap) {
+  if (testing::SweepIsSubset()) GTEST_SKIP() << "sweep subset: d 128 runs in f16 above";
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 128, 2, true>>(
+      MakeProblem(MixedDocuments(), DType::kBF16, 128, 2, 2, 3), 256, {1, 0});
+}
+TEST(CudaWgmmaEmulation, ForwardBf16HeadDim256) {
+  if (testing::SweepIsSubset()) GTEST_SKIP() << "sweep subset: d 64 and 128 run above";
+  const std::vector<int64_t> cu = {0, 130, 250};
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 256, 2, true>>(
+      MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kSlidingWindow},
+                                         {0, 50}),
+                  DType::kBF16, 256, 2, 1, 4),
+      128);
+}
+// The full-only variant on bidirectional documents.
+TEST(CudaWgmmaEmulation, ForwardFullOnlyVariant) {
+  const std::vector<int64_t> cu = {0, 100, 300, 330};
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, false>>(
+      MakeProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
+                  DType::kBF16, 64, 2, 1, 5),
+      128);
+}
+
+// User slices: causal blocks, some with a window, and full rectangles onto earlier blocks
+// (chunks whose segments are partly or wholly invisible to some of their rows).
+TEST(CudaWgmmaEmulation, ForwardArbitrarySlices) {
+  CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>>(
+      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 6), 128);
+}
+
+// A banded segment given to the full-only variant: reported and skipped by the producer,
+// whose tile count the consumers follow, so the CTA neither hangs nor computes it.
+TEST(CudaWgmmaEmulation, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, false>;
+  Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 11);
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
+  ASSERT_TRUE(w.ok());
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r),
+            static_cast<unsigned int>(hsap_dev::kErrorBandInFullOnlyVariant));
+  // The full document's rows (380..480) were computed; the causal document's were not.
+  EXPECT_GT(r.lse[400], -INFINITY);
+  EXPECT_EQ(r.lse[10], -INFINITY);
+}
+
+// NaN and infinity as a naive softmax has them, like the mma.sync and FMA kernels; and a
+// non-finite V row of another document, read by a TMA box that crosses the segment's end,
+// does not reach this document's rows (the kernel zeroes V rows past the valid keys).
+TEST(CudaWgmmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>;
+  for (testing::Plant plant : testing::kAllPlants) {
+    SCOPED_TRACE(testing::PlantName(plant));
+    Problem p = MakeProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
+    const int64_t T = p.T();
+    std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = p.k.Get(i), v[i] = p.v.Get(i);
+    testing::PlantNonFinite(plant, p.dims, &q, &k);
+    for (size_t i = 0; i < q.size(); ++i) p.q.Set(i, q[i]);
+    for (size_t i = 0; i < k.size(); ++i) p.k.Set(i, k[i]);
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 96);
+    ASSERT_TRUE(w.ok()) << w.status();
+    Partial r(T, p.dims);
+    EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), 0u);
+    const testing::NaiveOutputs ref = testing::NaiveFp64Forward(p.layout, p.dims, q, k, v);
+    int64_t nan_rows = 0;
+    for (size_t i = 0; i < r.lse.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.lse[i]), std::isnan(ref.lse[i])) << "lse[" << i << "]";
+      nan_rows += std::isnan(ref.lse[i]);
+      if (std::isinf(ref.lse[i])) EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
+    }
+    for (size_t i = 0; i < r.out.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.out[i]), std::isnan(ref.out[i])) << "out[" << i << "]";
+    }
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, static_cast<int64_t>(r.lse.size()));
+  }
+}
+
+TEST(CudaWgmmaEmulation, NonFiniteValueRowsOfOtherDocumentsStayOut) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>;
+  // Documents of 100 and 60 tokens: the first document's key tiles (128 rows) read the
+  // second's first 28 rows, whose V holds an inf and a NaN.
+  const std::vector<int64_t> cu = {0, 100, 160};
+  Problem p = MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kFull}),
+                          DType::kBF16, 64, 2, 1, 9);
+  const int D = 64, HKV = 1;
+  p.v.Set((110 * HKV) * D + 3, INFINITY);
+  p.v.Set((120 * HKV) * D + 7, NAN);
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
+  ASSERT_TRUE(w.ok()) << w.status();
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), 0u);
+  // Rows of the first document are finite (the second's are not: they attend to them).
+  for (int64_t row = 0; row < 100; ++row) {
+    for (int h = 0; h < 2; ++h) {
+      for (int d = 0; d < D; ++d) {
+        ASSERT_TRUE(std::isfinite(r.out[(row * 2 + h) * D + d])) << row << " " << h << " " << d;
+      }
+    }
+  }
+}
+
+// Broken contracts are flagged and skip the CTA's work, as in the other forwards.
+TEST(CudaWgmmaEmulation, BadHeadsAreFlagged) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>;
+  Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 2, 10);  // 2 != 2 * kGqa
+  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
+  ASSERT_TRUE(w.ok());
+  Partial r(p.T(), p.dims);
+  EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), static_cast<unsigned int>(hsap_dev::kErrorHeads));
+  for (float x : r.lse) EXPECT_EQ(x, -INFINITY);
+}
+
+// The generator's tiles and the device shape agree (shared memory, key tile, stages).
+TEST(CudaWgmmaEmulation, ConfigurationsAreTheGenerators) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 128, 2, true>;
+  static_assert(Cfg::kWgmmaBlockN == 128 && Cfg::kWgmmaStages == 2);
+  static_assert(WgmmaFwdCfg<hsap_dev::bf16, 256, 2, true>::kWgmmaBlockN == 64);
+  EXPECT_EQ(hsap_dev::WgmmaFwdShapeOf<Cfg>::kSmemBytes, Cfg::kWgmmaSmemBytes);
+  jit::CudaKernelConfig c;
+  c.arch = "sm_90a";
+  c.dtype = DType::kBF16;
+  c.head_dim = 128;
+  c.gqa = 2;
+  absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(t->wgmma_fwd);
+  EXPECT_EQ(t->wgmma_smem_bytes, Cfg::kWgmmaSmemBytes);
+}
+
+}  // namespace
+}  // namespace hsap

@@ -1,0 +1,194 @@
+// The sm_90a forward's variant selection and its compile check without a GPU:
+//   - the generator picks it for arch sm_90a (tensor-core math, head dims 64/128/256), the JIT
+//     picks sm_90a on compute capability 9.0 only (JitCudaArch), and the arch is in the
+//     variant's name, the NVRTC target and so the cache key;
+//   - NVRTC compiles the forward for sm_90a (bf16 and f16; d 64, 128, 256; banded and
+//     full-only), ptxas' report shows no spill, at most the 168 registers per thread that 384
+//     threads leave at one CTA per SM (the consumers then raise theirs to 240 by setmaxnreg),
+//     one CTA per SM fitting the shared memory the generator computed, no wgmma serialized by
+//     ptxas (warning C7514); and the SASS holds
+//     HGMMA (wgmma), UTMALDG (TMA) and SYNCS (mbarrier) instructions and no HMMA.
+// The compiles take a few seconds each: the sanitizer pass (HSAP_TEST_SWEEP=subset) compiles
+// the first and the last of the configurations.
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "jit/codegen_cuda.h"
+#include "jit/cuda_kernels.h"
+#include "jit/nvrtc.h"
+#include "tests/support/cuobjdump.h"
+#include "tests/support/sweep.h"
+#include "tests/support/test_files.h"
+
+namespace hsap::jit {
+namespace {
+
+using ::testing::HasSubstr;
+
+#define REQUIRE_NVRTC()                                                    \
+  do {                                                                     \
+    if (!LoadNvrtc().ok()) GTEST_SKIP() << LoadNvrtc().status().message(); \
+  } while (0)
+
+CudaKernelConfig Config(const std::string& arch, DType dtype, int head_dim, bool band) {
+  CudaKernelConfig c;
+  c.arch = arch;
+  c.dtype = dtype;
+  c.head_dim = head_dim;
+  c.gqa = 2;
+  c.has_band = band;
+  return c;
+}
+
+TEST(WgmmaForwardSelection, ArchSm90aWithTensorCoresOnly) {
+  EXPECT_TRUE(CudaWgmmaForwardApplies(Config("sm_90a", DType::kBF16, 128, true)));
+  EXPECT_TRUE(CudaWgmmaForwardApplies(Config("sm_90a", DType::kF16, 64, false)));
+  EXPECT_TRUE(CudaWgmmaForwardApplies(Config("sm_90a", DType::kBF16, 256, true)));
+  // sm_90 without `a`, other architectures, fp32, head dims that are not 64-element panels,
+  // and FMA math keep the other forwards.
+  EXPECT_FALSE(CudaWgmmaForwardApplies(Config("sm_90", DType::kBF16, 128, true)));
+  EXPECT_FALSE(CudaWgmmaForwardApplies(Config("sm_80", DType::kBF16, 128, true)));
+  EXPECT_FALSE(CudaWgmmaForwardApplies(Config("sm_90a", DType::kF32, 128, true)));
+  EXPECT_FALSE(CudaWgmmaForwardApplies(Config("sm_90a", DType::kBF16, 96, true)));
+  CudaKernelConfig fma = Config("sm_90a", DType::kBF16, 128, true);
+  fma.math = CudaMath::kFma;
+  EXPECT_FALSE(CudaWgmmaForwardApplies(fma));
+
+  EXPECT_EQ(JitCudaArch("sm_90", Config("", DType::kBF16, 128, true)), "sm_90a");
+  EXPECT_EQ(JitCudaArch("sm_90", Config("", DType::kF32, 128, true)), "sm_90");
+  EXPECT_EQ(JitCudaArch("sm_90", Config("", DType::kBF16, 96, true)), "sm_90");
+  EXPECT_EQ(JitCudaArch("sm_80", Config("", DType::kBF16, 128, true)), "sm_80");
+  EXPECT_EQ(JitCudaArch("sm_89", Config("", DType::kF16, 64, true)), "sm_89");
+  EXPECT_EQ(JitCudaArch("sm_100", Config("", DType::kBF16, 128, true)), "sm_100");
+}
+
+TEST(WgmmaForwardSelection, GeneratorEmitsTheWgmmaForward) {
+  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(Config("sm_90a", DType::kBF16, 128, true));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->config.Name(), "sm90a_bf16_d128_g2_band_tc");
+  EXPECT_THAT(s->source, HasSubstr("#include \"hsap_attention_wgmma_fwd.cuh\""));
+  EXPECT_THAT(s->source, HasSubstr("kWgmmaFwd = true"));
+  const CudaKernelEntry& fwd = s->kernels.front();
+  EXPECT_EQ(fwd.role, "fwd");
+  EXPECT_EQ(fwd.name_expression, "hsap_dev::attn_fwd_wgmma_kernel<HsapCfg>");
+  EXPECT_TRUE(fwd.wgmma);
+  EXPECT_TRUE(fwd.tensor_core);
+  EXPECT_EQ(fwd.threads, 384);
+  EXPECT_EQ(fwd.min_ctas_per_sm, 1);
+  // 1 KiB alignment slack + Q (128 x 128) + 2 stages of K and V (128 x 128) + 7 mbarriers +
+  // 2 tile descriptors + the chunk's tile count.
+  EXPECT_EQ(fwd.dynamic_smem_bytes, 1024 + 2 * (128 + 2 * 2 * 128) * 128 + 8 * 7 + 2 * 32 + 16);
+  EXPECT_EQ(s->tiles.wgmma_block_n, 128);
+  EXPECT_EQ(s->tiles.wgmma_stages, 2);
+  // The fused forward keeps the mma.sync core.
+  CudaKernelConfig fused = Config("sm_90a", DType::kBF16, 128, true);
+  fused.role = {3};
+  absl::StatusOr<CudaKernelSource> f = GenerateCudaKernels(fused);
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->kernels.back().role, "fused_fwd");
+  EXPECT_FALSE(f->kernels.back().wgmma);
+  EXPECT_EQ(f->kernels.back().threads, 128);
+  // Every shared-memory size fits sm_90's 227 KiB.
+  for (int d : {64, 128, 256}) {
+    absl::StatusOr<CudaTiles> t = ChooseCudaTiles(Config("sm_90a", DType::kF16, d, true));
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_TRUE(t->wgmma_fwd);
+    EXPECT_LE(t->wgmma_smem_bytes, CudaMaxSharedMemory(90)) << d;
+  }
+  // sm_90 keeps the mma.sync forward.
+  absl::StatusOr<CudaKernelSource> plain = GenerateCudaKernels(Config("sm_90", DType::kBF16, 128, true));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->kernels.front().name_expression, "hsap_dev::attn_fwd_kernel<HsapCfg>");
+  EXPECT_FALSE(plain->kernels.front().wgmma);
+}
+
+TEST(WgmmaForwardSelection, ArchSuffixParses) {
+  EXPECT_EQ(*ParseCudaArch("sm_90a"), 90);
+  EXPECT_EQ(*ParseCudaArch("compute_90a"), 90);
+  EXPECT_TRUE(IsArchSpecificTarget("sm_90a"));
+  EXPECT_FALSE(IsArchSpecificTarget("sm_90"));
+  EXPECT_FALSE(ParseCudaArch("sm_90b").ok());
+  EXPECT_FALSE(ParseCudaArch("sm_a").ok());
+  EXPECT_FALSE(ParseCudaArch("sm_90aa").ok());
+}
+
+// The forward alone (the program the runtime compiles also holds the backward and the helpers,
+// unchanged from sm_90), compiled with ptxas' report.
+absl::StatusOr<CudaBinary> CompileWgmmaForward(const CudaKernelConfig& c, CudaKernelEntry* entry) {
+  HSAP_ASSIGN_OR_RETURN(CudaKernelSource s, GenerateCudaKernels(c));
+  *entry = s.kernels.front();
+  CudaCompileRequest r;
+  r.program_name = absl::StrCat("hsap_", c.Name(), "_fwd.cu");
+  r.source = absl::StrCat("#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_fwd.cuh\"\n",
+                          CudaConfigStruct(c, s.tiles, "HsapCfg"),
+                          "template __global__ void hsap_dev::attn_fwd_wgmma_kernel<HsapCfg>(const ",
+                          "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const "
+                          "__grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
+                          "hsap_dev::TensorMap);\n");
+  r.headers = s.headers;
+  r.arch = c.arch;
+  r.extra_options = {"--ptxas-options=-v"};
+  r.name_expressions = {entry->name_expression};
+  return CompileCuda(r, nullptr);
+}
+
+TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
+  REQUIRE_NVRTC();
+  const std::vector<CudaKernelConfig> configs = testing::Sweep(
+      std::vector<CudaKernelConfig>{Config("sm_90a", DType::kBF16, 128, true),
+                                    Config("sm_90a", DType::kF16, 64, false),
+                                    Config("sm_90a", DType::kF16, 256, true)},
+      2);
+  const std::string cuobjdump = testing::FindCuobjdump();
+  const std::string dir = testing::MakeTestTempDir("cuda_wgmma_nvrtc_test");
+  for (const CudaKernelConfig& c : configs) {
+    SCOPED_TRACE(c.Name());
+    CudaKernelEntry e;
+    absl::StatusOr<CudaBinary> b = CompileWgmmaForward(c, &e);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->target, "sm_90a");
+    absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->size(), 1u) << b->log;
+    const CudaKernelResources& r = res->front();
+    EXPECT_EQ(r.spill_store_bytes, 0);
+    EXPECT_EQ(r.spill_load_bytes, 0);
+    EXPECT_LE(r.registers, 168);  // 65536 / 384, rounded down to a multiple of 8
+    // ptxas' C7514 ("wgmma.mma_async instructions are serialized due to ...") would mean a
+    // wait after every wgmma: the pipelining lost.
+    EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
+    std::string limiter;
+    const int ctas =
+        CudaCtasPerSm(90, e.threads, r.registers, e.dynamic_smem_bytes + r.static_smem_bytes,
+                      &limiter);
+    EXPECT_GE(ctas, 1) << limiter;
+    std::printf("[ resources ] %-34s fwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
+                "CTA/SM (%s)\n",
+                c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes,
+                r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas,
+                limiter.c_str());
+    if (cuobjdump.empty()) continue;
+    const std::map<std::string, std::string> sass =
+        testing::SassByFunction(cuobjdump, b->image, dir);
+    ASSERT_EQ(sass.size(), 1u);
+    const std::string& code = sass.begin()->second;
+    EXPECT_THAT(code, HasSubstr("HGMMA"));
+    EXPECT_THAT(code, HasSubstr("UTMALDG"));
+    EXPECT_THAT(code, HasSubstr("SYNCS"));
+    EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));
+  }
+  std::filesystem::remove_all(dir);
+  if (cuobjdump.empty()) {
+    std::printf("[ sass ] no cuobjdump: the SASS was not checked (tests/support/cuobjdump.h)\n");
+  }
+}
+
+}  // namespace
+}  // namespace hsap::jit
