@@ -41,9 +41,10 @@ constexpr ParamInfo kParams[] = {
     {Param::kAttentionEngine, "HSAP_ATTENTION_ENGINE", "auto",
      "engine of CUDA batches' attention pieces: auto (cuDNN where it can run a piece, else the "
      "JIT kernels), cudnn (an error where cuDNN cannot run the batch) or jit"},
-    {Param::kJitSm90a, "HSAP_JIT_SM90A", "1",
-     "a boolean: 0 keeps compute capability 9.0 GPUs on the sm_90 JIT kernels (mma.sync "
-     "forward) instead of the sm_90a forward (wgmma, TMA)"},
+    {Param::kJitSm90a, "HSAP_JIT_SM90A", "0",
+     "a boolean: 1 compiles the JIT kernels of compute capability 9.0 GPUs for sm_90a, whose "
+     "forward is the wgmma/TMA one (opt-in until it has run on a GPU); 0 keeps the sm_90 "
+     "kernels (mma.sync forward)"},
     {Param::kCudaHome, "CUDA_HOME", "", "CUDA toolkit root, searched for NVRTC and CUDA libraries"},
     {Param::kPath, "PATH", "", "searched for clang++ (the JIT host compiler)"},
     {Param::kHome, "HOME", "", "the JIT cache defaults to ~/.cache/hsap"},

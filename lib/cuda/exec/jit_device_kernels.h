@@ -18,15 +18,14 @@
 
 namespace hsap::cuda {
 
-// `config.arch` empty: the current device's (CurrentCudaArch; on compute capability 9.0
-// "sm_90a" where the wgmma/TMA forward applies, jit::JitCudaArch). Unimplemented without a
+// `config.arch` empty: the current device's (CurrentCudaArch; JitArchForDevice below). Unimplemented without a
 // CUDA device or NVRTC; the compile or load error otherwise.
 absl::StatusOr<std::unique_ptr<DeviceKernels>> LoadJitDeviceKernels(jit::CudaKernelConfig config);
 
-// The architecture the JIT compiles `config` for on a GPU of `device_arch`: jit::JitCudaArch
-// ("sm_90a" on compute capability 9.0 where the wgmma/TMA forward applies) unless
-// HSAP_JIT_SM90A=0 (then `device_arch`). InvalidArgument naming the variable when its value
-// is not a boolean.
+// The architecture the JIT compiles `config` for on a GPU of `device_arch`: with
+// HSAP_JIT_SM90A=1, jit::JitCudaArch ("sm_90a" on compute capability 9.0 where the wgmma/TMA
+// forward applies); else (the default, until that forward has run on a GPU) `device_arch`.
+// InvalidArgument naming the variable when its value is not a boolean.
 absl::StatusOr<std::string> JitArchForDevice(const std::string& device_arch,
                                              const jit::CudaKernelConfig& config);
 

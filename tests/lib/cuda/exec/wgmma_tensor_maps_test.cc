@@ -100,14 +100,18 @@ TEST(WgmmaTensorMaps, RefusalsNameTheArgument) {
   EXPECT_THAT(s.message(), HasSubstr("q has 2147483648 rows"));
 }
 
-TEST(JitArchForDevice, Sm90aOnComputeCapability90UnlessHsapJitSm90aIsOff) {
+TEST(JitArchForDevice, Sm90aOnComputeCapability90WhenHsapJitSm90aIsOn) {
   jit::CudaKernelConfig c;
   c.dtype = DType::kBF16;
   c.head_dim = 128;
   {
-    testing::ScopedEnv unset("HSAP_JIT_SM90A", nullptr);
+    testing::ScopedEnv on("HSAP_JIT_SM90A", "1");
     EXPECT_EQ(*JitArchForDevice("sm_90", c), "sm_90a");
     EXPECT_EQ(*JitArchForDevice("sm_80", c), "sm_80");
+  }
+  {
+    testing::ScopedEnv unset("HSAP_JIT_SM90A", nullptr);  // opt-in until it has run on a GPU
+    EXPECT_EQ(*JitArchForDevice("sm_90", c), "sm_90");
   }
   {
     testing::ScopedEnv off("HSAP_JIT_SM90A", "0");
