@@ -9,7 +9,7 @@
 
 namespace hsap::cuda {
 
-absl::StatusOr<EngineSetup> EngineSetupFromEnvironment() {
+absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape) {
   EngineSetup setup;
   HSAP_ASSIGN_OR_RETURN(setup.mode, EngineModeFromEnvironment());
   if (setup.mode == EngineMode::kJit) return setup;
@@ -19,7 +19,11 @@ absl::StatusOr<EngineSetup> EngineSetupFromEnvironment() {
   } else if (setup.cudnn.sm < 80) {
     setup.runner_status = absl::UnimplementedError(absl::StrCat(
         "cuDNN's fused attention needs sm_80 or newer (the device is sm_", setup.cudnn.sm, ")"));
-  } else if (absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> runner = NewLibCudnnPieceRunner();
+  } else if (absl::Status takes =
+                 shape != nullptr ? CudnnTakesBatch(*shape, setup.cudnn) : absl::OkStatus();
+             !takes.ok()) {
+    setup.runner_status = takes;  // no runner for a batch cuDNN cannot run anyway
+  } else if (absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> runner = SharedLibCudnnPieceRunner();
              runner.ok()) {
     setup.runner = *std::move(runner);
     setup.has_piece_runner = true;

@@ -40,9 +40,10 @@ struct EngineSetup {
 
 // The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is
 // `jit`, ProbeCudnn()'s answer on the current device and, where cuDNN loaded on an sm_80+
-// device, libcudnn's piece runner for it (NewLibCudnnPieceRunner; when that fails,
+// device, libcudnn's piece runner for it (SharedLibCudnnPieceRunner; when that fails,
 // runner_status says why and has_piece_runner is false).
-absl::StatusOr<EngineSetup> EngineSetupFromEnvironment();
+// `shape` (may be null): the batch's; no runner is made for a batch cuDNN cannot run.
+absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape = nullptr);
 
 // OK when cuDNN can run a batch of `shape` here: CudnnTakesBatch, then the piece runner
 // (FailedPrecondition "... but there is no cuDNN piece runner: <runner_status> ..." without

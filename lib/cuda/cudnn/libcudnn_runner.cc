@@ -52,6 +52,19 @@ SdpaGraphSpec SpecOfKey(const SdpaGraphKey& key, int64_t q_rows, int64_t k_rows,
   return spec;
 }
 
+absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> SharedLibCudnnPieceRunner() {
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
+  int device = 0;
+  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&device), "cudaGetDevice"));
+  static std::mutex mu;
+  static auto* runners = new std::map<int, std::weak_ptr<CudnnPieceRunner>>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (std::shared_ptr<CudnnPieceRunner> r = (*runners)[device].lock()) return r;
+  HSAP_ASSIGN_OR_RETURN(std::shared_ptr<CudnnPieceRunner> r, NewLibCudnnPieceRunner());
+  (*runners)[device] = r;
+  return r;
+}
+
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 
 namespace {
@@ -295,10 +308,15 @@ absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunner(size_t 
     return absl::UnimplementedError(
         absl::StrCat("cuDNN fused attention needs sm80 or newer; GPU ", device, " is sm", major));
   }
+  return NewLibCudnnPieceRunnerWith(api, rt, static_cast<int>(api->GetVersion()), cache_capacity);
+}
+
+absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunnerWith(
+    const CudnnApi* api, const CudaRuntimeApi* rt, int version, size_t cache_capacity) {
   cudnnHandle_t handle = nullptr;
   HSAP_RETURN_IF_ERROR(api->Check(api->Create(&handle), "cudnnCreate"));
-  return std::shared_ptr<CudnnPieceRunner>(std::make_shared<LibCudnnPieceRunner>(
-      api, rt, handle, static_cast<int>(api->GetVersion()), cache_capacity));
+  return std::shared_ptr<CudnnPieceRunner>(
+      std::make_shared<LibCudnnPieceRunner>(api, rt, handle, version, cache_capacity));
 }
 
 #else  // !HSAP_HAVE_CUDNN_HEADERS
@@ -307,6 +325,12 @@ absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunner(size_t)
   return absl::UnimplementedError(
       "cuDNN piece runner: hsap was built without cudnn_graph.h (configure with the cuDNN 9 "
       "headers in the CUDA include directory or $CUDNN_HOME/include)");
+}
+
+absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunnerWith(const CudnnApi*,
+                                                                             const CudaRuntimeApi*,
+                                                                             int, size_t) {
+  return absl::UnimplementedError("cuDNN piece runner: hsap was built without cudnn_graph.h");
 }
 
 #endif  // HSAP_HAVE_CUDNN_HEADERS

@@ -103,6 +103,19 @@ class SdpaGraphCache {
 absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunner(
     size_t cache_capacity = 64);
 
+// The runner of the current device shared by the batches alive on it (NewLibCudnnPieceRunner
+// on first use; made again once the last holder released it): one handle and one graph cache
+// per device, not one per batch.
+absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> SharedLibCudnnPieceRunner();
+
+// The runner over given function tables, without loading libcudnn or looking for a device:
+// what NewLibCudnnPieceRunner calls once it has them, and how the tests drive it with a fake
+// cuDNN (tests/lib/cuda/cudnn/libcudnn_runner_test.cc). cudnnCreate through `api`;
+// Unimplemented without cudnn_graph.h at build time.
+class CudnnApi;  // cudnn_descriptors.h
+absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> NewLibCudnnPieceRunnerWith(
+    const CudnnApi* api, const CudaRuntimeApi* rt, int version, size_t cache_capacity = 64);
+
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_CUDNN_LIBCUDNN_RUNNER_H_

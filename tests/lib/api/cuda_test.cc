@@ -425,6 +425,23 @@ struct GpuCase {
   int64_t tokens;
 };
 
+// `g.ranks` loopback ranks on GPU 0, a random layout of `g.mix` (all mask kinds), forward and
+// backward against the fp64 reference under the kernels' tolerance rule.
+void CheckLoopbackCase(const CudaRuntimeApi* rt, const GpuCase& g, uint64_t seed) {
+  DevicePlacement placement(rt);
+  hsap::testing::DistCase c;
+  c.ranks = g.ranks;
+  c.dtype = g.dtype;
+  c.heads_q = g.heads_q;
+  c.heads_kv = g.heads_kv;
+  c.head_dim = g.head_dim;
+  c.init_comms = hsapCommInitLoopback;
+  c.placement = &placement;
+  c.enter_rank = [rt](int) { rt->SetDevice(0); };
+  const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, seed, false);
+  hsap::testing::CheckAgainstReference(layout, c, seed, hsap::testing::kCudaKernelFloor);
+}
+
 // Loopback ranks on GPU 0: forward and backward against the fp64 reference, forward through
 // the peer windows (the default for loopback ranks) or through transfer stages
 // ($HSAP_FUSED_FORWARD=0). A sweep (tests/support/sweep.h): its subset, the first and the
@@ -453,18 +470,7 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
                  << ", " << g.heads_q << "/" << g.heads_kv << " heads, forward "
                  << (lc.fused ? "fused" : "staged"));
-    DevicePlacement placement(rt);
-    hsap::testing::DistCase c;
-    c.ranks = g.ranks;
-    c.dtype = g.dtype;
-    c.heads_q = g.heads_q;
-    c.heads_kv = g.heads_kv;
-    c.head_dim = g.head_dim;
-    c.init_comms = hsapCommInitLoopback;
-    c.placement = &placement;
-    c.enter_rank = [rt](int) { rt->SetDevice(0); };
-    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, lc.seed, false);
-    hsap::testing::CheckAgainstReference(layout, c, lc.seed, hsap::testing::kCudaKernelFloor);
+    CheckLoopbackCase(rt, g, lc.seed);
   }
 }
 
@@ -557,18 +563,7 @@ TEST(CudaGpu, CudnnEngineMatchesTheReference) {
     SCOPED_TRACE(::testing::Message()
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
                  << ", " << g.heads_q << "/" << g.heads_kv << " heads, cuDNN engine");
-    DevicePlacement placement(rt);
-    hsap::testing::DistCase c;
-    c.ranks = g.ranks;
-    c.dtype = g.dtype;
-    c.heads_q = g.heads_q;
-    c.heads_kv = g.heads_kv;
-    c.head_dim = g.head_dim;
-    c.init_comms = hsapCommInitLoopback;
-    c.placement = &placement;
-    c.enter_rank = [rt](int) { rt->SetDevice(0); };
-    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, cc.seed, false);
-    hsap::testing::CheckAgainstReference(layout, c, cc.seed, hsap::testing::kCudaKernelFloor);
+    CheckLoopbackCase(rt, g, cc.seed);
   }
 }
 
