@@ -1,6 +1,6 @@
 // cuDNN's fused flash-attention forward on one GPU, for packed documents: the baseline that
-// hsap_attn_perf --backend cuda-loopback prints next to our kernels (bench-only code; libhsap
-// never calls cuDNN).
+// hsap_attn_perf --backend cuda-loopback prints next to our kernels, one call over the whole
+// row (libhsap's cuDNN engine runs the same graphs per piece: lib/cuda/cudnn/sdpa_graph.h).
 //
 // The problem. One packed row of T tokens made of documents (lengths l_0..l_{B-1}, in order),
 // Q and O [T, Hq, D], K and V [T, Hkv, D] (Hq a multiple of Hkv: GQA), row-major, documents
@@ -62,8 +62,8 @@
 //
 // The pieces: the host side (geometry, FLOPs, the backward's graph as data) in
 // bench/cudnn_graph_plan.h, loading cuDNN and building its descriptors in
-// bench/cudnn_descriptors.h, the timed runs hsap_attn_perf calls in bench/cudnn_timed_run.h;
-// this header includes them all.
+// lib/cuda/cudnn/cudnn_descriptors.h, the timed runs hsap_attn_perf calls in
+// bench/cudnn_timed_run.h; this header includes them all.
 #ifndef HSAP_BENCH_CUDNN_ATTENTION_H_
 #define HSAP_BENCH_CUDNN_ATTENTION_H_
 
@@ -73,9 +73,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "bench/cudnn_descriptors.h"
+#include "absl/strings/string_view.h"
 #include "bench/cudnn_graph_plan.h"
 #include "bench/cudnn_timed_run.h"
+#include "lib/cuda/cudnn/cudnn_descriptors.h"
+#include "lib/cuda/cudnn/cudnn_library.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 
 namespace hsap::bench {
@@ -83,7 +85,9 @@ namespace hsap::bench {
 // Which graph a CudnnAttention runs.
 enum class CudnnPass { kForward, kBackward };
 
-class CudnnApi;  // the resolved functions (cudnn_descriptors.h)
+// Loading cuDNN and checking descriptors without a GPU (lib/cuda/cudnn/).
+using cuda::CudnnLibrarySearchPath;
+using cuda::FinalizePlanDescriptors;
 
 // cuDNN's fused attention forward or backward for one shape, built once and run many times.
 // Not thread-safe; one instance per thread. Bound to the GPU current at Create.
@@ -121,6 +125,8 @@ class CudnnAttention {
  private:
   struct Impl;
   CudnnAttention() = default;
+  // Binds the graph's tensors (io: q, k, v, o, dout, stats, dq, dk, dv) and executes it.
+  absl::Status Run(void* const io[9], cuda::cudaStream stream, absl::string_view what);
 
   CudnnRaggedGeometry geometry_;
   size_t workspace_bytes_ = 0;

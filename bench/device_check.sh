@@ -159,6 +159,14 @@ loopback plan2x4_causal --groups 4,4 -b 32768 -e 131072 -f 2 --docs-dist single
 say "### ring4_packed_cudnn"
 engine_run loopback_ring4_packed_cudnn.txt 90 "${COMMON[@]}" "${CHECK[@]}" --cudnn 1 \
   --engine cudnn --ranks 4 -b 65536 -e 65536 --docs-dist longtail --tokens-per-doc 2048
+# The cuDNN engine checked against the fp64 reference on rows of every mask kind (--mask
+# mixed: causal, full, prefix and sliding-window documents in turn, so pieces of every cuDNN
+# mask), on one rank and on 4 loopback ranks.
+for r in 1 4; do
+  say "### ring${r}_mixed_cudnn"
+  engine_run "loopback_ring${r}_mixed_cudnn.txt" 60 "${COMMON[@]}" "${CHECK[@]}" --engine cudnn \
+    --ranks "$r" -b 16384 -e 16384 --docs-dist longtail --tokens-per-doc 2048 --mask mixed
+done
 say "loopback rows done ($(elapsed))"
 
 # 5. compute-sanitizer memcheck on the loopback reference test (the subset of its cases).

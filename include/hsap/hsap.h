@@ -580,10 +580,11 @@ hsapResult_t hsapBatchGetLinkTraffic(hsapBatch_t batch, hsapLinkTraffic_t* traff
  * hsapBatchCreate / hsapBatchCreateWithPlan under $HSAP_ATTENTION_ENGINE (docs/environment.md,
  * docs/gpu_backend.md "Attention engines"): each step's work is cut into pieces (a query
  * range x a key range under one mask) and each piece goes to cuDNN's fused attention or to
- * hsap's JIT kernels. In this version libhsap has no cuDNN piece runner (one that calls
- * libcudnn), so every piece runs on the JIT kernels, the report says why, and mode
- * hsapEngineCudnn makes batch creation fail on every rank, hsapGetLastError() naming the
- * reason. Counts are over every step of
+ * hsap's JIT kernels. cuDNN pieces run through libhsap's libcudnn piece runner, made at
+ * batch creation where libcudnn.so.9 loads on an sm_80+ GPU; where it cannot be made every
+ * piece runs on the JIT kernels, the report says why, and mode hsapEngineCudnn makes batch
+ * creation fail on every rank, hsapGetLastError() naming the reason. Counts are over every
+ * step of
  * one forward (the backward runs the same pieces). hsapUnsupported for a batch of the host
  * backend. */
 typedef enum { hsapEngineAuto = 0, hsapEngineCudnn = 1, hsapEngineJit = 2 } hsapEngineMode_t;

@@ -89,10 +89,11 @@ absl::StatusOr<BatchBackend> PrepareBackend(const hsapComm_st& comm, const Batch
   const bool fused = !planned && cuda::OffersPeerWindows(comm.comm->transport()) && fused_env;
   // The engine of the attention pieces ($HSAP_ATTENTION_ENGINE): under `cudnn`, a batch
   // cuDNN cannot run fails here, on every rank through the creation's agreement.
-  HSAP_ASSIGN_OR_RETURN(cuda::EngineSetup engines, cuda::EngineSetupFromEnvironment());
   HSAP_ASSIGN_OR_RETURN(AttentionDims dims, DimsFromOptions(options));
-  HSAP_RETURN_IF_ERROR(cuda::CheckEngineMode(
-      engines.mode, cuda::BatchCudnnStatus(engines, cuda::EngineShapeOf(dims, options.dtype))));
+  const cuda::EngineShape engine_shape = cuda::EngineShapeOf(dims, options.dtype);
+  HSAP_ASSIGN_OR_RETURN(cuda::EngineSetup engines, cuda::EngineSetupFromEnvironment(&engine_shape));
+  HSAP_RETURN_IF_ERROR(
+      cuda::CheckEngineMode(engines.mode, cuda::BatchCudnnStatus(engines, engine_shape)));
   HSAP_ASSIGN_OR_RETURN(std::shared_ptr<const cuda::DeviceKernels> kernels,
                         cuda::JitKernelsForBatch(options, layout, fused));
   backend.runners = cuda::NewGpuRunners(comm.gpu, std::move(kernels), std::move(engines));

@@ -4,7 +4,8 @@
 # one causal document and a packed row, with the cuDNN and the JIT engine; 131072 tokens with
 # the cuDNN engine; the causal JIT row again with HSAP_JIT_SM90A=0), the 4- and 8-rank
 # loopback ring and plan runs of 16K-128K tokens with the reference check on, the 4-rank cuDNN
-# engine run, and the compute-sanitizer run.
+# engine run, the cuDNN engine's checked runs on every mask kind (1 and 4 ranks), and the
+# compute-sanitizer run.
 # Usage: device_check_test.sh DEVICE_CHECK_SH
 set -uo pipefail
 script=$1
@@ -83,6 +84,14 @@ done <<< "$loops"
 l=$(grep "> loopback_ring4_packed_cudnn.txt" <<< "$out") || fail "no 4-rank cuDNN engine run"
 for want in "--engine cudnn" "--ranks 4" "-b 65536 -e 65536" "--docs-dist longtail" "--cudnn 1"; do
   grep -q -- "$want" <<< "$l" || fail "the 4-rank cuDNN engine run lacks $want: $l"
+done
+
+# The cuDNN engine checked on every mask kind (--mask mixed), on 1 and on 4 loopback ranks.
+for r in 1 4; do
+  l=$(grep "> loopback_ring${r}_mixed_cudnn.txt" <<< "$out") || fail "no $r-rank mixed cuDNN run"
+  for want in "--engine cudnn" "--ranks $r" "--mask mixed" "--reference auto"; do
+    grep -q -- "$want" <<< "$l" || fail "the $r-rank mixed cuDNN run lacks $want: $l"
+  done
 done
 
 # Every step runs under a time limit: `run LOG LIMIT CMD...`.

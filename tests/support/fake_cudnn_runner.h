@@ -10,7 +10,7 @@
 // It counts what it was asked: calls and the visible pairs per head it evaluated, forward and
 // backward, so that a test can check that the pieces the engine tally gives cuDNN were
 // handed to it, and it records the first contract violation (offsets that disagree with the
-// lengths, rows out of order) in error().
+// lengths, rows out of order, a softmax_sum that is not delta in the Stats layout) in error().
 #ifndef HSAP_TESTS_SUPPORT_FAKE_CUDNN_RUNNER_H_
 #define HSAP_TESTS_SUPPORT_FAKE_CUDNN_RUNNER_H_
 
@@ -162,6 +162,13 @@ class FakeCudnnRunner : public cuda::CudnnPieceRunner {
           pairs += static_cast<int64_t>(s.size()) * (h == 0 ? 1 : 0);
           const double stats = a.stats[(b * shape.heads_q + h) * call.max_q_len + i];
           const double delta = a.delta[h * a.delta_stride + e.q0 + i];
+          // Where given, softmax_sum is delta in the Stats layout (what libcudnn's runner binds).
+          if (a.softmax_sum != nullptr &&
+              a.softmax_sum[(b * shape.heads_q + h) * call.max_q_len + i] !=
+                  a.delta[h * a.delta_stride + e.q0 + i]) {
+            Record(
+                absl::StrCat("softmax_sum of entry ", b, " head ", h, " row ", i, " is not delta"));
+          }
           const size_t qb = static_cast<size_t>(((e.q0 + i) * shape.heads_q + h) * d);
           for (const auto& [j, x] : s) {
             const double p = std::exp(x - stats);

@@ -5,24 +5,43 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "lib/cuda/cudnn/cudnn_library.h"
+#include "lib/cuda/cudnn/libcudnn_runner.h"
 
 namespace hsap::cuda {
 
-absl::StatusOr<EngineSetup> EngineSetupFromEnvironment() {
+absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape) {
   EngineSetup setup;
   HSAP_ASSIGN_OR_RETURN(setup.mode, EngineModeFromEnvironment());
-  if (setup.mode != EngineMode::kJit) setup.cudnn = ProbeCudnn();
+  if (setup.mode == EngineMode::kJit) return setup;
+  setup.cudnn = ProbeCudnn();
+  if (!setup.cudnn.loaded.ok()) {
+    setup.runner_status = setup.cudnn.loaded;
+  } else if (setup.cudnn.sm < 80) {
+    setup.runner_status = absl::UnimplementedError(absl::StrCat(
+        "cuDNN's fused attention needs sm_80 or newer (the device is sm_", setup.cudnn.sm, ")"));
+  } else if (absl::Status takes =
+                 shape != nullptr ? CudnnTakesBatch(*shape, setup.cudnn) : absl::OkStatus();
+             !takes.ok()) {
+    setup.runner_status = takes;  // no runner for a batch cuDNN cannot run anyway
+  } else if (absl::StatusOr<std::shared_ptr<CudnnPieceRunner>> runner = SharedLibCudnnPieceRunner();
+             runner.ok()) {
+    setup.runner = *std::move(runner);
+    setup.has_piece_runner = true;
+  } else {
+    setup.runner_status = runner.status();
+  }
   return setup;
 }
 
 absl::Status BatchCudnnStatus(const EngineSetup& setup, const EngineShape& shape) {
   HSAP_RETURN_IF_ERROR(CudnnTakesBatch(shape, setup.cudnn));
   if (!setup.has_piece_runner) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cuDNN ", CudnnVersionString(setup.cudnn.version),
-        " could run this batch, but this build of hsap has no cuDNN piece runner yet (the GPU "
-        "executors run every piece on the JIT kernels; docs/gpu_backend.md, \"Attention "
-        "engines\")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuDNN ", CudnnVersionString(setup.cudnn.version),
+                     " could run this batch, but there is no cuDNN piece runner: ",
+                     setup.runner_status.message(),
+                     " (the GPU executors run every piece on the JIT kernels; docs/gpu_backend.md, "
+                     "\"Attention engines\")"));
   }
   return absl::OkStatus();
 }

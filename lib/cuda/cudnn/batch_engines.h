@@ -4,12 +4,13 @@
 // EngineSetup is what the choice starts from: the mode ($HSAP_ATTENTION_ENGINE), what cuDNN
 // offers on the device (ProbeCudnn; not probed under `jit`) and whether the GPU executors
 // have a cuDNN piece runner to hand the cuDNN pieces to (EngineSetup::runner, which the GPU
-// executors call through lib/cuda/exec/cudnn_steps.h; the tests give them a host fake). This
-// version of libhsap has none that calls libcudnn
-// (docs/gpu_backend.md, "Attention engines", says what is missing): BatchCudnnStatus then
-// says so, under `auto` every piece runs on the JIT kernels with that reason in the tally,
-// and under `cudnn` batch creation fails (FailedPrecondition naming the variable, the reason
-// and the fix). The decisions therefore always describe what actually runs.
+// executors call through lib/cuda/exec/cudnn_steps.h): libhsap's own setup
+// (EngineSetupFromEnvironment) makes libcudnn's runner (libcudnn_runner.h) where cuDNN loads
+// on an sm_80+ device; the tests give the executors a host fake. Without a runner
+// BatchCudnnStatus says why, under `auto` every piece runs on the JIT kernels with that
+// reason in the tally, and under `cudnn` batch creation fails (FailedPrecondition naming the
+// variable, the reason and the fix). The decisions therefore always describe what actually
+// runs.
 #ifndef HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 #define HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 
@@ -33,14 +34,20 @@ struct EngineSetup {
   // What runs the cuDNN pieces in the GPU executors (lib/cuda/exec/cudnn_steps.h); the GPU
   // runners (NewGpuRunners) set has_piece_runner to whether there is one.
   std::shared_ptr<CudnnPieceRunner> runner;
+  // Why there is no runner (when there is none).
+  absl::Status runner_status = absl::UnimplementedError("none was given");
 };
 
 // The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is
-// `jit`, ProbeCudnn()'s answer on the current device; has_piece_runner false.
-absl::StatusOr<EngineSetup> EngineSetupFromEnvironment();
+// `jit`, ProbeCudnn()'s answer on the current device and, where cuDNN loaded on an sm_80+
+// device, libcudnn's piece runner for it (SharedLibCudnnPieceRunner; when that fails,
+// runner_status says why and has_piece_runner is false).
+// `shape` (may be null): the batch's; no runner is made for a batch cuDNN cannot run.
+absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape = nullptr);
 
 // OK when cuDNN can run a batch of `shape` here: CudnnTakesBatch, then the piece runner
-// (FailedPrecondition "... this build of hsap has no cuDNN piece runner yet ..." without one).
+// (FailedPrecondition "... but there is no cuDNN piece runner: <runner_status> ..." without
+// one).
 absl::Status BatchCudnnStatus(const EngineSetup& setup, const EngineShape& shape);
 
 // Every step's pieces with their engines, and the tally over them.

@@ -5,7 +5,7 @@
 // Search: $HSAP_CUDA_LIB_PATH (only its directories; tests point it at an empty directory),
 // else CudaLibrarySearchPath()'s defaults with /usr/local/cuda-13.0/lib before the default
 // loader path. Only cudnnGetVersion is resolved here and no cuDNN header is needed; users of
-// the graph API resolve their functions on the handle (bench/cudnn_descriptors.h).
+// the graph API resolve their functions on the handle (cudnn_descriptors.h).
 #ifndef HSAP_LIB_CUDA_CUDNN_CUDNN_LIBRARY_H_
 #define HSAP_LIB_CUDA_CUDNN_CUDNN_LIBRARY_H_
 

@@ -22,9 +22,9 @@
 // Rows outside the entries are left as they are. Every device array is read on `stream`, in
 // stream order.
 //
-// Implementations: the cuDNN one needs a GPU and is not part of this version
-// (docs/gpu_backend.md, "Attention engines", says what is left); the tests' host fake
-// (tests/support/fake_cudnn_runner.h) evaluates the same definition on the emulated device.
+// Implementations: libcudnn's (lib/cuda/cudnn/libcudnn_runner.h), which needs a GPU; the
+// tests' host fake (tests/support/fake_cudnn_runner.h) evaluates the same definition on the
+// emulated device.
 #ifndef HSAP_LIB_CUDA_CUDNN_PIECE_RUNNER_H_
 #define HSAP_LIB_CUDA_CUDNN_PIECE_RUNNER_H_
 
@@ -56,6 +56,9 @@ struct SdpaCall {
   const int32_t* seq_kv = nullptr;
   const int32_t* q_offsets = nullptr;
   const int32_t* kv_offsets = nullptr;
+  // Rows of the query and key buffers the offsets address (at least the last entry's end):
+  // what a runner sizes its per-call scratch by.
+  int64_t q_rows = 0, k_rows = 0;
 };
 
 struct SdpaForwardArgs {
@@ -75,6 +78,9 @@ struct SdpaBackwardArgs {
   const float* stats = nullptr;  // the final Stats, [num_entries, heads_q, max_q_len]
   const float* delta = nullptr;  // [heads_q, delta_stride], indexed by query buffer row
   int64_t delta_stride = 0;
+  // delta gathered into the Stats layout ([num_entries, heads_q, max_q_len]): what the libcudnn
+  // runner binds as cuDNN's softmax_sum where o is null.
+  const float* softmax_sum = nullptr;
   void* dq = nullptr;  // rows like q, storage dtype
   void* dk = nullptr;  // rows like k, storage dtype
   void* dv = nullptr;

@@ -113,6 +113,8 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
       for (size_t e : call.entries) {
         x.total_q += step.pieces[e].q_len;
         x.total_k += step.pieces[e].k_len;
+        x.sdpa.q_rows = std::max(x.sdpa.q_rows, step.pieces[e].q_end());
+        x.sdpa.k_rows = std::max(x.sdpa.k_rows, step.pieces[e].k_end());
       }
       dst.calls.push_back(x);
     }
@@ -124,7 +126,9 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
       AlignPool(static_cast<size_t>(q_end) * shape.heads_q * shape.head_dim * es);
   const size_t kv_bytes =
       AlignPool(static_cast<size_t>(k_end) * shape.heads_kv * shape.head_dim * es);
-  const size_t total = o_bytes + 2 * kv_bytes + static_cast<size_t>(stats) * sizeof(float);
+  // Stats, and delta in the Stats layout (cuDNN's softmax_sum where the executor has no O).
+  const size_t stats_bytes = AlignPool(static_cast<size_t>(stats) * sizeof(float));
+  const size_t total = o_bytes + 2 * kv_bytes + 2 * stats_bytes;
   if (total > 0) {
     HSAP_ASSIGN_OR_RETURN(void* scratch, device.Allocate(total));
     out->scratch_ = DeviceBuffer(&device, scratch);
@@ -133,6 +137,7 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
     out->dk_ = p + o_bytes;
     out->dv_ = p + o_bytes + kv_bytes;
     out->stats_ = reinterpret_cast<float*>(p + o_bytes + 2 * kv_bytes);
+    out->softmax_sum_ = reinterpret_cast<float*>(p + o_bytes + 2 * kv_bytes + stats_bytes);
   }
   return out;
 }
@@ -185,8 +190,15 @@ absl::Status CudnnSteps::RunBackward(size_t step, const Backward& b, const Devic
     g.lse = b.lse;
     g.stats = stats_;
     HSAP_RETURN_IF_ERROR(kernels.GatherStats(g, stream));
-    const SdpaBackwardArgs args{b.q,     b.k,      b.v, b.out, b.dout, stats_,
-                                b.delta, b.stride, o_,  dk_,   dv_};
+    SdpaBackwardArgs args{b.q,     b.k,      b.v,     b.out, b.dout, stats_,
+                          b.delta, b.stride, nullptr, o_,    dk_,    dv_};
+    if (b.out == nullptr) {  // delta in the Stats layout stands in for cuDNN's sum_row(dO * O)
+      hsap_dev::StatsGatherParams d = g;
+      d.lse = b.delta;
+      d.stats = softmax_sum_;
+      HSAP_RETURN_IF_ERROR(kernels.GatherStats(d, stream));
+      args.softmax_sum = softmax_sum_;
+    }
     HSAP_RETURN_IF_ERROR(runner_->Backward(shape_, c.sdpa, args, stream));
     const struct {
       float* dst;

@@ -7,12 +7,14 @@
 // int32 sequence lengths and ragged offsets) and the work list of the step's JIT pieces
 // (PiecesAsWorkList), in one upload; and scratch memory for cuDNN's outputs (O and dQ rows of
 // the largest query buffer, dK and dV rows of the largest key buffer, in the storage dtype;
-// Stats of the largest call, fp32), owned by the batch.
+// Stats of the largest call, fp32, twice: the second holds delta in the Stats layout where the
+// backward has no O), owned by the batch.
 //
 // Forward of a step, per call in order: the runner writes O and Stats into the scratch, then
 // merge_entries merges them into (out32, lse32) by LSE, as a JIT partial is merged. Backward
-// of a step, per call: gather_stats copies the final lse of the call's rows into Stats, the
-// runner writes dQ, dK, dV into the scratch, and add_entries adds them into the step's fp32
+// of a step, per call: gather_stats copies the final lse of the call's rows into Stats (and,
+// without O, delta into the second Stats buffer: SdpaBackwardArgs::softmax_sum), the runner
+// writes dQ, dK, dV into the scratch, and add_entries adds them into the step's fp32
 // dq and dk/dv accumulators. Everything is enqueued on the call's stream, in that order; the
 // scratch is reused call after call (stream order makes that safe).
 #ifndef HSAP_LIB_CUDA_EXEC_CUDNN_STEPS_H_
@@ -110,6 +112,7 @@ class CudnnSteps {
   void* dk_ = nullptr;
   void* dv_ = nullptr;
   float* stats_ = nullptr;
+  float* softmax_sum_ = nullptr;  // delta gathered like Stats (backward without O)
 };
 
 // One step of an executor: LaunchForward over the step's JIT work (`list` when `cudnn` is null

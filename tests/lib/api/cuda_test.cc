@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "hsap/hsap.h"
 #include "lib/api/checks.h"
+#include "lib/cuda/cudnn/libcudnn_runner.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 #include "lib/cuda/transport/loopback_transport.h"
 #include "lib/cuda/transport/nccl_transport.h"
@@ -424,6 +425,23 @@ struct GpuCase {
   int64_t tokens;
 };
 
+// `g.ranks` loopback ranks on GPU 0, a random layout of `g.mix` (all mask kinds), forward and
+// backward against the fp64 reference under the kernels' tolerance rule.
+void CheckLoopbackCase(const CudaRuntimeApi* rt, const GpuCase& g, uint64_t seed) {
+  DevicePlacement placement(rt);
+  hsap::testing::DistCase c;
+  c.ranks = g.ranks;
+  c.dtype = g.dtype;
+  c.heads_q = g.heads_q;
+  c.heads_kv = g.heads_kv;
+  c.head_dim = g.head_dim;
+  c.init_comms = hsapCommInitLoopback;
+  c.placement = &placement;
+  c.enter_rank = [rt](int) { rt->SetDevice(0); };
+  const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, seed, false);
+  hsap::testing::CheckAgainstReference(layout, c, seed, hsap::testing::kCudaKernelFloor);
+}
+
 // Loopback ranks on GPU 0: forward and backward against the fp64 reference, forward through
 // the peer windows (the default for loopback ranks) or through transfer stages
 // ($HSAP_FUSED_FORWARD=0). A sweep (tests/support/sweep.h): its subset, the first and the
@@ -452,28 +470,20 @@ TEST(CudaGpu, LoopbackBatchesMatchTheReference) {
                  << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
                  << ", " << g.heads_q << "/" << g.heads_kv << " heads, forward "
                  << (lc.fused ? "fused" : "staged"));
-    DevicePlacement placement(rt);
-    hsap::testing::DistCase c;
-    c.ranks = g.ranks;
-    c.dtype = g.dtype;
-    c.heads_q = g.heads_q;
-    c.heads_kv = g.heads_kv;
-    c.head_dim = g.head_dim;
-    c.init_comms = hsapCommInitLoopback;
-    c.placement = &placement;
-    c.enter_rank = [rt](int) { rt->SetDevice(0); };
-    const Layout layout = hsap::testing::RandomLayout(g.tokens, g.mix, lc.seed, false);
-    hsap::testing::CheckAgainstReference(layout, c, lc.seed, hsap::testing::kCudaKernelFloor);
+    CheckLoopbackCase(rt, g, lc.seed);
   }
 }
 
 // The engine choice of a CUDA batch ($HSAP_ATTENTION_ENGINE): reported per engine with the
-// reasons; this version has no cuDNN piece runner, so every piece is on the JIT kernels and
-// `cudnn` is refused at creation, saying why.
+// reasons. Where libcudnn's piece runner can be made on this GPU, `auto` and `cudnn` put
+// pieces on cuDNN; where it cannot, every piece is on the JIT kernels and `cudnn` is refused
+// at creation, saying why.
 TEST(CudaGpu, LoopbackBatchReportsItsEngines) {
   SKIP_WITHOUT_GPU();
   const CudaRuntimeApi* rt = *LoadCudaRuntime();
   ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  const absl::StatusOr<std::shared_ptr<cuda::CudnnPieceRunner>> runner =
+      cuda::NewLibCudnnPieceRunner();
   hsapComm_t comm = nullptr;
   ASSERT_EQ(hsapCommInitLoopback(&comm, 1, nullptr), hsapSuccess) << LastError();
   const Layout layout =
@@ -487,29 +497,74 @@ TEST(CudaGpu, LoopbackBatchReportsItsEngines) {
   testing::ScopedEnv engine("HSAP_ATTENTION_ENGINE", nullptr);
   for (const char* mode : {"auto", "jit"}) {
     engine.Set(mode);
+    const bool jit = std::string(mode) == "jit";
     hsapBatch_t batch = nullptr;
     ASSERT_EQ(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess)
         << LastError();
     hsapEngines_t e{};
     ASSERT_EQ(hsapBatchGetEngines(batch, &e), hsapSuccess) << LastError();
-    EXPECT_EQ(e.mode, std::string(mode) == "jit" ? hsapEngineJit : hsapEngineAuto);
-    EXPECT_EQ(e.cudnnPieces, 0);
-    EXPECT_GT(e.jitPieces, 0);
-    EXPECT_EQ(e.jitPairs, layout.VisiblePairs());
+    EXPECT_EQ(e.mode, jit ? hsapEngineJit : hsapEngineAuto);
+    EXPECT_EQ(e.cudnnPairs + e.jitPairs, layout.VisiblePairs());
     size_t size = 0;
     ASSERT_EQ(hsapBatchGetEngineReport(batch, nullptr, &size), hsapSuccess);
     std::string report(size, '\0');
     ASSERT_EQ(hsapBatchGetEngineReport(batch, report.data(), &size), hsapSuccess);
-    EXPECT_THAT(report,
-                HasSubstr(std::string(mode) == "jit" ? "HSAP_ATTENTION_ENGINE=jit" : "jit "));
+    if (jit || !runner.ok()) {
+      EXPECT_EQ(e.cudnnPieces, 0) << report;
+      EXPECT_GT(e.jitPieces, 0);
+      EXPECT_THAT(report, HasSubstr(jit ? "HSAP_ATTENTION_ENGINE=jit" : "jit "));
+    } else {
+      EXPECT_GT(e.cudnnPieces, 0) << report;
+      EXPECT_GT(e.cudnnCalls, 0);
+      EXPECT_THAT(report, HasSubstr("cudnn "));
+    }
     EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
   }
   engine.Set("cudnn");
   hsapBatch_t batch = nullptr;
-  EXPECT_NE(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess);
-  EXPECT_THAT(LastError(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
+  if (runner.ok()) {
+    EXPECT_EQ(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess)
+        << LastError();
+    if (batch != nullptr) EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+  } else {
+    EXPECT_NE(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess);
+    EXPECT_THAT(LastError(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
+  }
   hsapLayoutDestroy(c_layout);
   EXPECT_EQ(hsapCommDestroy(comm), hsapSuccess) << LastError();
+}
+
+// The cuDNN engine through libcudnn's piece runner ($HSAP_ATTENTION_ENGINE=cudnn): loopback
+// ring batches on GPU 0, random layouts of every mask kind (causal with offsets, full,
+// prefix, sliding windows: pieces of every cuDNN mask), bf16 and fp16, MHA and GQA, forward
+// and backward against the fp64 reference under the kernels' tolerance rule. Skipped where
+// the runner cannot be made (no libcudnn, cudnn_graph.h absent at build time, an old GPU).
+TEST(CudaGpu, CudnnEngineMatchesTheReference) {
+  SKIP_WITHOUT_GPU();
+  const CudaRuntimeApi* rt = *LoadCudaRuntime();
+  ASSERT_TRUE(rt->Check(rt->SetDevice(0), "cudaSetDevice").ok());
+  if (absl::StatusOr<std::shared_ptr<cuda::CudnnPieceRunner>> r = cuda::NewLibCudnnPieceRunner();
+      !r.ok()) {
+    GTEST_SKIP() << r.status();
+  }
+  using hsap::testing::DocMix;
+  struct CudnnCase {
+    GpuCase g;
+    uint64_t seed;
+  };
+  const std::vector<CudnnCase> cases = {
+      {{1, DType::kBF16, 8, 2, 128, DocMix::kLongTail, 1500}, 601},
+      {{2, DType::kBF16, 4, 4, 64, DocMix::kUniform, 1200}, 602},
+      {{3, DType::kF16, 8, 1, 128, DocMix::kOneHuge, 1400}, 603},
+  };
+  testing::ScopedEnv engine("HSAP_ATTENTION_ENGINE", "cudnn");
+  for (const CudnnCase& cc : cases) {
+    const GpuCase& g = cc.g;
+    SCOPED_TRACE(::testing::Message()
+                 << g.ranks << " loopback ranks, " << DTypeName(g.dtype) << ", d " << g.head_dim
+                 << ", " << g.heads_q << "/" << g.heads_kv << " heads, cuDNN engine");
+    CheckLoopbackCase(rt, g, cc.seed);
+  }
 }
 
 // hsapAttentionForwardOnStream / BackwardOnStream on a GPU: the calls on two streams of the

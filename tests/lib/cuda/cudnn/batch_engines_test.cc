@@ -64,7 +64,7 @@ TEST(BatchEnginesTest, WithoutAPieceRunnerEveryPieceRunsOnTheJitKernels) {
       BatchEngines::Decide(H200Setup(EngineMode::kAuto, false), Bf16d128(), t.steps());
   ASSERT_TRUE(e.ok()) << e.status();
   EXPECT_EQ(e->cudnn_status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(e->cudnn_status().message(), HasSubstr("no cuDNN piece runner yet"));
+  EXPECT_THAT(e->cudnn_status().message(), HasSubstr("no cuDNN piece runner"));
   EXPECT_THAT(e->cudnn_status().message(), HasSubstr("cuDNN 9.19.0 could run this batch"));
   ASSERT_EQ(e->num_steps(), 2u);
   EXPECT_EQ(e->tally().pieces[kCudnn], 0);
@@ -72,7 +72,7 @@ TEST(BatchEnginesTest, WithoutAPieceRunnerEveryPieceRunsOnTheJitKernels) {
   EXPECT_EQ(e->tally().pairs[kJit], t.pairs());
   EXPECT_EQ(e->tally().pieces[kJit],
             static_cast<int64_t>(e->step(0).pieces.size() + e->step(1).pieces.size()));
-  EXPECT_THAT(e->tally().ToString(), HasSubstr("no cuDNN piece runner yet"));
+  EXPECT_THAT(e->tally().ToString(), HasSubstr("no cuDNN piece runner"));
 }
 
 TEST(BatchEnginesTest, ForcedCudnnWithoutAPieceRunnerIsRefused) {
@@ -81,7 +81,7 @@ TEST(BatchEnginesTest, ForcedCudnnWithoutAPieceRunnerIsRefused) {
       BatchEngines::Decide(H200Setup(EngineMode::kCudnn, false), Bf16d128(), t.steps()).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(s.message(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));
-  EXPECT_THAT(s.message(), HasSubstr("no cuDNN piece runner yet"));
+  EXPECT_THAT(s.message(), HasSubstr("no cuDNN piece runner"));
   EXPECT_THAT(s.message(), HasSubstr("auto or jit"));
   // What cuDNN itself cannot run is named before the runner.
   const absl::Status f32 = BatchEngines::Decide(H200Setup(EngineMode::kCudnn, true),

@@ -348,8 +348,8 @@ TEST(EmulatedLoopbackBatch, CallersStreamsWithTheFusedForward) {
   RunLoopbackBatches<testing::SmallTileCfg<float, 2, true, 2>>(3, /*fused=*/true, setup);
 }
 
-// $HSAP_ATTENTION_ENGINE=cudnn where cuDNN cannot run the batch (here: fp32; and this version
-// has no cuDNN piece runner): creation fails on every rank, saying why, and nothing is left.
+// $HSAP_ATTENTION_ENGINE=cudnn where cuDNN cannot run the batch (here: fp32; and the emulated
+// runtime has no cuDNN piece runner): creation fails on every rank, saying why, nothing is left.
 TEST(EmulatedLoopbackBatch, ForcedCudnnIsRefusedAtCreation) {
   constexpr int R = 2;
   EmulatedCudaRuntime emu;

@@ -1,4 +1,4 @@
-#include "bench/cudnn_descriptors.h"
+#include "lib/cuda/cudnn/cudnn_descriptors.h"
 
 #include <dlfcn.h>
 
@@ -15,7 +15,7 @@
 #include "lib/cuda/cudnn/cudnn_library.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 
-namespace hsap::bench {
+namespace hsap::cuda {
 
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 
@@ -25,7 +25,7 @@ namespace {
 absl::StatusOr<std::unique_ptr<CudnnApi>> LoadCudnnImpl() {
   // The library itself is opened by libhsap's loader (lib/cuda/cudnn/cudnn_library.h); the
   // graph API's functions are resolved on its handle here.
-  HSAP_ASSIGN_OR_RETURN(const cuda::CudnnLibrary* lib, cuda::OpenCudnnLibrary());
+  HSAP_ASSIGN_OR_RETURN(const CudnnLibrary* lib, OpenCudnnLibrary());
   auto api = std::make_unique<CudnnApi>();
   api->path = lib->path;
   void* handle = lib->handle;
@@ -92,6 +92,14 @@ cudnnPointwiseMode_t CudnnPointwise(CudnnPointwiseMode mode) {
       return CUDNN_POINTWISE_LOGICAL_AND;
     case CudnnPointwiseMode::kBinarySelect:
       return CUDNN_POINTWISE_BINARY_SELECT;
+    case CudnnPointwiseMode::kAdd:
+      return CUDNN_POINTWISE_ADD;
+    case CudnnPointwiseMode::kDiv:
+      return CUDNN_POINTWISE_DIV;
+    case CudnnPointwiseMode::kLog:
+      return CUDNN_POINTWISE_LOG;
+    case CudnnPointwiseMode::kCmpGt:
+      return CUDNN_POINTWISE_CMP_GT;
   }
   return CUDNN_POINTWISE_IDENTITY;
 }
@@ -111,7 +119,7 @@ absl::StatusOr<const CudnnApi*> LoadCudnn() {
   return result;
 }
 
-absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(const cuda::CudaRuntimeApi* rt, size_t bytes,
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(const CudaRuntimeApi* rt, size_t bytes,
                                                     absl::string_view what) {
   DeviceBuffer b;
   b.rt_ = rt;
@@ -325,7 +333,10 @@ absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> LowerPlan(const CudnnApi* 
                          input(1), input(2), tensor(node.output), node.axis);
         break;
       case CudnnOpKind::kReduction:
-        op = b.Reduction(name, CUDNN_REDUCE_TENSOR_ADD, input(0), tensor(node.output));
+        op = b.Reduction(name,
+                         node.reduce == CudnnReduceMode::kMax ? CUDNN_REDUCE_TENSOR_MAX
+                                                              : CUDNN_REDUCE_TENSOR_ADD,
+                         input(0), tensor(node.output));
         break;
       case CudnnOpKind::kReshape:
         op = b.Reshape(name, input(0), tensor(node.output));
@@ -337,16 +348,115 @@ absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> LowerPlan(const CudnnApi* 
   return ops;
 }
 
-std::map<int64_t, size_t> ScratchLayout(const CudnnGraphPlan& plan, size_t* total) {
-  std::map<int64_t, size_t> offsets;
-  size_t at = 0;
-  for (const CudnnTensorNode& t : plan.tensors) {
-    if (t.scratch_bytes == 0) continue;
-    offsets[t.uid] = at;
-    at += (t.scratch_bytes + 255) / 256 * 256;
+absl::StatusOr<cudnnBackendDescriptor_t> BuildOperationGraph(
+    const CudnnApi* api, cudnnHandle_t handle, const std::vector<cudnnBackendDescriptor_t>& ops,
+    std::vector<Desc>* keep) {
+  DescriptorBuilder b(api, keep);
+  HSAP_CUDNN_ASSIGN_OR_RETURN(auto graph,
+                              b.Make(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "operation graph"));
+  HSAP_CUDNN_RETURN_IF_ERROR(b.Set(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1,
+                                   &handle, "operation graph"));
+  HSAP_CUDNN_RETURN_IF_ERROR(b.Set(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS,
+                                   CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops.size()),
+                                   ops.data(), "operation graph"));
+  HSAP_CUDNN_RETURN_IF_ERROR(b.Finalize(graph, "operation graph"));
+  return graph;
+}
+
+absl::StatusOr<Desc> PickExecutionPlan(const CudnnApi* api, cudnnHandle_t handle,
+                                       cudnnBackendDescriptor_t graph, std::vector<Desc>* keep,
+                                       size_t* workspace_bytes) {
+  DescriptorBuilder b(api, keep);
+  std::vector<std::string> rejected;
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    const char* mode_name = mode == CUDNN_HEUR_MODE_A ? "A" : "fallback";
+    const std::string what = absl::StrCat("engine heuristics (mode ", mode_name, ")");
+    HSAP_CUDNN_ASSIGN_OR_RETURN(auto heur, b.Make(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR, what));
+    HSAP_CUDNN_RETURN_IF_ERROR(b.SetDesc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, what));
+    HSAP_CUDNN_RETURN_IF_ERROR(
+        b.Set(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, what));
+    if (absl::Status s = b.Finalize(heur, what); !s.ok()) {
+      rejected.push_back(std::string(s.message()));
+      continue;
+    }
+    int64_t count = 0;
+    HSAP_CUDNN_RETURN_IF_ERROR(
+        api->Check(api->BackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                            CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr),
+                   absl::StrCat("cudnnBackendGetAttribute(", what, ", result count)")));
+    if (count <= 0) {
+      rejected.push_back(absl::StrCat(what, ": no engine configuration"));
+      continue;
+    }
+    std::vector<cudnnBackendDescriptor_t> cfgs;
+    for (int64_t i = 0; i < count; ++i) {
+      HSAP_CUDNN_ASSIGN_OR_RETURN(auto cfg,
+                                  b.Make(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR, "engine config"));
+      cfgs.push_back(cfg);
+    }
+    int64_t returned = 0;
+    HSAP_CUDNN_RETURN_IF_ERROR(api->Check(
+        api->BackendGetAttribute(heur, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                 count, &returned, cfgs.data()),
+        absl::StrCat("cudnnBackendGetAttribute(", what, ", results)")));
+    for (int64_t i = 0; i < std::min(returned, count); ++i) {
+      cudnnBackendDescriptor_t d = nullptr;
+      HSAP_CUDNN_RETURN_IF_ERROR(
+          api->Check(api->BackendCreateDescriptor(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, &d),
+                     "cudnnBackendCreateDescriptor(execution plan)"));
+      Desc candidate(api, d);
+      absl::Status s = b.Set(d, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle,
+                             "execution plan");
+      if (s.ok())
+        s = b.SetDesc(d, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfgs[i], "execution plan");
+      if (s.ok()) s = b.Finalize(d, absl::StrCat("execution plan of engine config ", i));
+      if (!s.ok()) {
+        rejected.push_back(std::string(s.message()));
+        continue;  // `candidate` destroys the descriptor
+      }
+      int64_t ws = 0;
+      HSAP_CUDNN_RETURN_IF_ERROR(
+          api->Check(api->BackendGetAttribute(d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                              CUDNN_TYPE_INT64, 1, nullptr, &ws),
+                     "cudnnBackendGetAttribute(execution plan, workspace size)"));
+      *workspace_bytes = static_cast<size_t>(std::max<int64_t>(ws, 0));
+      return candidate;
+    }
   }
-  *total = at;
-  return offsets;
+  // Keep the message readable: the first few reasons.
+  if (rejected.size() > 4) rejected.resize(4);
+  return absl::NotFoundError(absl::StrCat("no cuDNN engine supports the fused attention graph: ",
+                                          absl::StrJoin(rejected, "; ")));
+}
+
+absl::Status ExecutePlan(const CudnnApi* api, cudnnHandle_t handle, cudnnBackendDescriptor_t plan,
+                         absl::Span<const int64_t> uids, absl::Span<void* const> ptrs,
+                         void* workspace, cudaStream stream, absl::string_view what) {
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->SetStream(handle, reinterpret_cast<cudaStream_t>(stream)), "cudnnSetStream"));
+  cudnnBackendDescriptor_t d = nullptr;
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendCreateDescriptor(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, &d),
+                 "cudnnBackendCreateDescriptor(variant pack)"));
+  Desc pack(api, d);
+  void* workspace_ptr = workspace;
+  const int64_t n = static_cast<int64_t>(uids.size());
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64,
+                                          n, uids.data()),
+                 "cudnnBackendSetAttribute(variant pack, unique ids)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+                                          CUDNN_TYPE_VOID_PTR, n, ptrs.data()),
+                 "cudnnBackendSetAttribute(variant pack, data pointers)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendSetAttribute(d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR,
+                                          1, &workspace_ptr),
+                 "cudnnBackendSetAttribute(variant pack, workspace)"));
+  HSAP_CUDNN_RETURN_IF_ERROR(
+      api->Check(api->BackendFinalize(d), "cudnnBackendFinalize(variant pack)"));
+  return api->Check(api->BackendExecute(handle, plan, d),
+                    absl::StrCat("cudnnBackendExecute(", what, ")"));
 }
 
 }  // namespace cudnn_internal
@@ -369,4 +479,4 @@ absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType) {
 
 #endif  // HSAP_HAVE_CUDNN_HEADERS
 
-}  // namespace hsap::bench
+}  // namespace hsap::cuda

@@ -1,24 +1,23 @@
-// cuDNN for the attention baseline (bench/cudnn_attention.h): where libcudnn.so.9 is looked
-// for, and, with cudnn_graph.h (HSAP_HAVE_CUDNN_HEADERS), the library loaded with the
-// functions it uses resolved (CudnnApi), backend descriptors and device buffers owned by
-// objects, a builder that creates, sets and finalizes descriptors checking every call, and a
-// CudnnGraphPlan lowered to descriptors. Errors are Statuses naming the call and cuDNN's
-// status string.
-#ifndef HSAP_BENCH_CUDNN_DESCRIPTORS_H_
-#define HSAP_BENCH_CUDNN_DESCRIPTORS_H_
+// cuDNN's graph API for libhsap's cuDNN piece runner (libcudnn_runner.h) and the bench's
+// whole-row baseline (bench/cudnn_attention.h): with cudnn_graph.h (HSAP_HAVE_CUDNN_HEADERS), the
+// library loaded with the functions it uses resolved (CudnnApi), backend descriptors and device
+// buffers owned by objects, a builder that creates, sets and finalizes descriptors checking every
+// call, and a CudnnGraphPlan lowered to descriptors. Errors are Statuses naming the call and
+// cuDNN's status string.
+#ifndef HSAP_LIB_CUDA_CUDNN_CUDNN_DESCRIPTORS_H_
+#define HSAP_LIB_CUDA_CUDNN_CUDNN_DESCRIPTORS_H_
 
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "attention/dtype.h"
-#include "bench/cudnn_graph_plan.h"
 #include "lib/cuda/cudnn/cudnn_library.h"
+#include "lib/cuda/cudnn/sdpa_graph.h"
+// Before cudnn_graph.h: hsap::cuda::cudaStream names hsap's own CUstream_st in every unit.
+#include "lib/cuda/runtime/cuda_loader.h"
 
-namespace hsap::bench {
-
-// The directories searched for libcudnn.so.9 (lib/cuda/cudnn/cudnn_library.h opens it).
-using cuda::CudnnLibrarySearchPath;
+namespace hsap::cuda {
 
 // Creates and finalizes every tensor and operation descriptor of `plan` (I/O type `dtype`)
 // with libcudnn, which needs no GPU: cuDNN checks that each descriptor has its required
@@ -28,7 +27,7 @@ using cuda::CudnnLibrarySearchPath;
 // libcudnn.so.9 or cudnn_graph.h; cuDNN's status (naming the descriptor) when one is refused.
 absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType dtype);
 
-}  // namespace hsap::bench
+}  // namespace hsap::cuda
 
 #if defined(HSAP_HAVE_CUDNN_HEADERS)
 
@@ -42,6 +41,7 @@ absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType dtype);
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "lib/cuda/runtime/cuda_loader.h"
 
 // Status propagation in the cuDNN files.
@@ -60,9 +60,9 @@ absl::Status FinalizePlanDescriptors(const CudnnGraphPlan& plan, DType dtype);
   if (!tmp.ok()) return tmp.status();                    \
   lhs = *std::move(tmp)
 
-namespace hsap::bench {
+namespace hsap::cuda {
 
-// The functions of libcudnn.so.9 the baseline calls, typed by cudnn_graph.h.
+// The functions of libcudnn.so.9 the graph users call, typed by cudnn_graph.h.
 class CudnnApi {
  public:
   std::string path;
@@ -148,14 +148,14 @@ class DeviceBuffer {
   }
   ~DeviceBuffer() { Reset(); }
 
-  static absl::StatusOr<DeviceBuffer> Allocate(const cuda::CudaRuntimeApi* rt, size_t bytes,
+  static absl::StatusOr<DeviceBuffer> Allocate(const CudaRuntimeApi* rt, size_t bytes,
                                                absl::string_view what);
   void* get() const { return p_; }
   size_t bytes() const { return bytes_; }
 
  private:
   void Reset();
-  const cuda::CudaRuntimeApi* rt_ = nullptr;
+  const CudaRuntimeApi* rt_ = nullptr;
   void* p_ = nullptr;
   size_t bytes_ = 0;
 };
@@ -227,12 +227,27 @@ absl::StatusOr<std::vector<cudnnBackendDescriptor_t>> LowerPlan(const CudnnApi* 
                                                                 DType dtype,
                                                                 std::vector<Desc>* keep);
 
-// Offsets of the backward's scratch tensors inside one allocation (256-byte aligned).
-std::map<int64_t, size_t> ScratchLayout(const CudnnGraphPlan& plan, size_t* total);
+// The operation graph of `ops` on `handle`, finalized (kept in `keep`).
+absl::StatusOr<cudnnBackendDescriptor_t> BuildOperationGraph(
+    const CudnnApi* api, cudnnHandle_t handle, const std::vector<cudnnBackendDescriptor_t>& ops,
+    std::vector<Desc>* keep);
+
+// The first engine configuration of `graph` whose execution plan finalizes (heuristics mode A,
+// then fallback), its workspace size in `workspace_bytes`. NotFound with cuDNN's first reasons
+// when none does.
+absl::StatusOr<Desc> PickExecutionPlan(const CudnnApi* api, cudnnHandle_t handle,
+                                       cudnnBackendDescriptor_t graph, std::vector<Desc>* keep,
+                                       size_t* workspace_bytes);
+
+// Binds `uids` to `ptrs` (and the workspace) in a variant pack and executes `plan` on
+// `stream`; `what` names the call in errors.
+absl::Status ExecutePlan(const CudnnApi* api, cudnnHandle_t handle, cudnnBackendDescriptor_t plan,
+                         absl::Span<const int64_t> uids, absl::Span<void* const> ptrs,
+                         void* workspace, cudaStream stream, absl::string_view what);
 
 }  // namespace cudnn_internal
-}  // namespace hsap::bench
+}  // namespace hsap::cuda
 
 #endif  // HSAP_HAVE_CUDNN_HEADERS
 
-#endif  // HSAP_BENCH_CUDNN_DESCRIPTORS_H_
+#endif  // HSAP_LIB_CUDA_CUDNN_CUDNN_DESCRIPTORS_H_
