@@ -10,6 +10,7 @@
 
 #include <exception>
 #include <new>
+#include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
@@ -43,7 +44,9 @@ hsapResult_t RunApi(std::string_view api, Body&& body) noexcept {
   }
   if (status.ok()) return hsapSuccess;
   try {
-    SetLastError(std::string(api) + ": " + std::string(status.message()));
+    std::string message(api);
+    message.append(": ").append(status.message().data(), status.message().size());
+    SetLastError(message);
   } catch (...) {
   }
   return ResultFromStatus(status);
