@@ -12,7 +12,11 @@
 #      packed), the first row of each run checked against the fp64 reference on the GPU; a
 #      4-rank 64K packed row with --engine cudnn beside cuDNN's whole-row call;
 #   5. compute-sanitizer memcheck on the loopback reference test (its sweep's subset).
-# Every step has a time limit and says what it found; the summary ends with the tables.
+# Every step has a time limit and says what it found; the summary ends with the tables. The
+# whole check has a budget (DEVICE_CHECK_BUDGET_S, default 285 s, so that it ends within 5
+# minutes of device time): a step's limit is cut to what is left of it, and once it is spent
+# the remaining steps are skipped and said to be (in the order above, so the least important
+# go first).
 # Results go to $OUT (when set) or ./device_check_out: logs per step and summary.txt.
 # Usage: bench/device_check.sh [build-dir]
 #   DEVICE_CHECK_DRY_RUN=1: print the steps' commands instead of running them (no build, no
@@ -28,6 +32,7 @@ SUMMARY="$RESULTS/summary.txt"
 [ "$DRY" = 1 ] || : > "$SUMMARY"
 say() { if [ "$DRY" = 1 ]; then echo "$*"; else echo "$*" | tee -a "$SUMMARY"; fi; }
 START=$(date +%s)
+BUDGET=${DEVICE_CHECK_BUDGET_S:-285}
 elapsed() { echo $(( $(date +%s) - START ))s; }
 status=0
 
@@ -40,6 +45,12 @@ run() {
     echo "run: $* > $log"
     return 0
   fi
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  if [ "$left" -le 5 ]; then
+    say "  SKIPPED: $log (the check's ${BUDGET} s budget is spent)" | tee "$RESULTS/$log" > /dev/null
+    return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local rc=0
   timeout "$limit" "$@" > "$RESULTS/$log" 2>&1 || rc=$?
   if [ $rc -ne 0 ]; then
