@@ -57,24 +57,39 @@ def test_local_softmax_scale_and_noncontiguous_inputs(rng):
 
 
 def test_local_finite_differences_fp32(rng):
-    """Directional derivatives of sum(out * g) by central differences in fp32 agree with
-    the analytic backward (the C ABI has no float64, so no gradcheck)."""
+    """Directional derivatives of sum(out * g) by central differences agree with the analytic
+    backward (the C ABI has no float64, so no gradcheck). A central difference at eps errs by
+    O(eps^2) (truncation) besides the fp32 rounding, so each is compared with its like: hsap's
+    fp32 difference with the fp64 reference's at the same eps (the same truncation), and the
+    analytic derivative with the fp64 reference's difference at eps = 1e-5 (no truncation to
+    speak of). The directions come from the test's seed."""
     cu, kinds, params = random_documents(rng, max_len=12)
     q, k, v, g = _inputs(rng, int(cu[-1]), 4, 2, 32, torch.float32)
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     with hsap.Layout(cu, kinds, params) as layout:
         def loss(a, b, c):
-            return (hsap.attention_local(a, b, c, layout) * g).double().sum()
+            return (hsap.attention_local(a, b, c, layout) * g).double().sum().item()
+
+        def loss64(a, b, c):
+            a, b, c = (t.double() for t in (a, b, c))
+            return (hsap.sdpa_varlen(a, b, c, cu, kinds, params) * g.double()).sum().item()
+
+        def central(f, x, d, eps):
+            plus = f(*(t + eps * dt for t, dt in zip(x, d)))
+            minus = f(*(t - eps * dt for t, dt in zip(x, d)))
+            return (plus - minus) / (2 * eps)
 
         _, dq, dk, dv = _grads(lambda a, b, c: hsap.attention_local(a, b, c, layout), q, k, v, g)
-        eps = 1e-2
+        x64 = [t.double() for t in (q, k, v)]
         for trial in range(3):
-            d = [torch.randn_like(t) for t in (q, k, v)]
-            plus = loss(q + eps * d[0], k + eps * d[1], v + eps * d[2]).item()
-            minus = loss(q - eps * d[0], k - eps * d[1], v - eps * d[2]).item()
-            numeric = (plus - minus) / (2 * eps)
+            d = [torch.randn(t.shape, generator=gen) for t in (q, k, v)]
+            numeric = central(loss, (q, k, v), d, 1e-2)
+            numeric64 = central(loss64, x64, [t.double() for t in d], 1e-2)
+            assert abs(numeric - numeric64) <= 2e-3 * (abs(numeric64) + 1.0), (numeric, numeric64)
+            exact = central(loss64, x64, [t.double() for t in d], 1e-5)
             analytic = sum((gr.double() * dd.double()).sum().item()
                            for gr, dd in zip((dq, dk, dv), d))
-            assert abs(numeric - analytic) <= 2e-3 * (abs(analytic) + 1.0), (numeric, analytic)
+            assert abs(analytic - exact) <= 2e-3 * (abs(exact) + 1.0), (analytic, exact)
 
 
 def test_numpy_calls_without_torch_tensors(rng):
