@@ -33,6 +33,7 @@
 #include "jit/cuda_kernels.h"
 #include "lib/cuda/cudnn/attention_pieces.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/emulated_kernel_inputs.h"
 #include "tests/support/nonfinite.h"
 #include "tests/support/tolerance.h"
 
@@ -158,16 +159,8 @@ void ExpectWithinRule(const std::string& name, const std::vector<float>& kernel,
                                << naive_err;
 }
 
-std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
-  std::vector<hsap_dev::QueryBlock> out;
-  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
-  return out;
-}
-std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
-  std::vector<hsap_dev::KeySegment> out;
-  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
-  return out;
-}
+using testing::DeviceBlocks;
+using testing::DeviceSegments;
 
 template <class Cfg>
 void LaunchInit(float* out, float* lse, int64_t rows, int heads = kHeadsQ) {

@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/emulated_kernel_inputs.h"
 #include "tests/support/nonfinite.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/tolerance.h"
@@ -36,67 +37,11 @@ namespace {
 
 using testing::MmaTileCfg;
 
-// 16-bit storage (bf16 or f16 bits), 16-byte aligned as cp.async requires (and as device
-// allocations are).
-struct Bits {
-  std::vector<uint16_t, std::allocator<uint16_t>> v;
-  DType dtype;
-  Bits(DType t, size_t n) : v(n + 8, 0), dtype(t) {}
-  uint16_t* data() {
-    auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    return v.data() + ((16 - p % 16) % 16) / 2;
-  }
-  const uint16_t* data() const { return const_cast<Bits*>(this)->data(); }
-  void Set(size_t i, float x) {
-    data()[i] = dtype == DType::kBF16 ? FloatToBF16(x).bits : FloatToF16(x).bits;
-  }
-  float Get(size_t i) const {
-    return dtype == DType::kBF16 ? BF16ToFloat(BF16{data()[i]}) : F16ToFloat(F16{data()[i]});
-  }
-};
-
-struct Problem {
-  Layout layout;
-  AttentionDims dims;
-  DType dtype;
-  Bits q, k, v;
-  int64_t T() const { return layout.num_tokens(); }
-};
-
-Problem MakeProblem(Layout layout, DType dtype, int head_dim, int heads_q, int heads_kv,
-                    uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  AttentionDims dims;
-  dims.heads_q = heads_q;
-  dims.heads_kv = heads_kv;
-  dims.head_dim = head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t T = layout.num_tokens();
-  Problem p{std::move(layout),
-            dims,
-            dtype,
-            Bits(dtype, T * heads_q * head_dim),
-            Bits(dtype, T * heads_kv * head_dim),
-            Bits(dtype, T * heads_kv * head_dim)};
-  // Scores of a few units (|q|, |k| up to 2): softmax rows that are neither flat nor one-hot.
-  for (Bits* x : {&p.q, &p.k}) {
-    for (size_t i = 0; i + 8 < x->v.size(); ++i) x->Set(i, 2.0f * u(rng));
-  }
-  for (size_t i = 0; i + 8 < p.v.v.size(); ++i) p.v.Set(i, u(rng));
-  return p;
-}
-
-std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
-  std::vector<hsap_dev::QueryBlock> out;
-  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
-  return out;
-}
-std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
-  std::vector<hsap_dev::KeySegment> out;
-  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
-  return out;
-}
+using testing::Bits;
+using testing::DeviceBlocks;
+using testing::DeviceSegments;
+using Problem = testing::BitsProblem;
+using testing::MakeBitsProblem;
 
 double MaxError(const std::vector<float>& got, const std::vector<double>& ref,
                 const std::string& name) {
@@ -189,35 +134,35 @@ Layout EveryMaskKind() {
 
 TEST(CudaMmaEmulation, ForwardEveryMaskKindBf16HeadDim64Gqa2) {
   CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(EveryMaskKind(), DType::kBF16, 64, 4, 2, 1), 160);
+      MakeBitsProblem(EveryMaskKind(), DType::kBF16, 64, 4, 2, 1), 160);
 }
 TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim64Gqa2) {
   CheckForward<MmaTileCfg<hsap_dev::f16, 64, 2, true>>(
-      MakeProblem(EveryMaskKind(), DType::kF16, 64, 2, 1, 2), 96);
+      MakeBitsProblem(EveryMaskKind(), DType::kF16, 64, 2, 1, 2), 96);
 }
 TEST(CudaMmaEmulation, ForwardEveryMaskKindBf16HeadDim128Gqa2) {
   CheckForward<MmaTileCfg<hsap_dev::bf16, 128, 2, true>>(
-      MakeProblem(EveryMaskKind(), DType::kBF16, 128, 2, 1, 3), 160);
+      MakeBitsProblem(EveryMaskKind(), DType::kBF16, 128, 2, 1, 3), 160);
 }
 TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim128Gqa2) {
   CheckForward<MmaTileCfg<hsap_dev::f16, 128, 2, true>>(
-      MakeProblem(EveryMaskKind(), DType::kF16, 128, 2, 1, 4), 96);
+      MakeBitsProblem(EveryMaskKind(), DType::kF16, 128, 2, 1, 4), 96);
 }
 // User slices: causal blocks, some with a window, and full rectangles onto earlier blocks.
 TEST(CudaMmaEmulation, ForwardArbitrarySlices) {
   CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 5), 128);
+      MakeBitsProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 5), 128);
 }
 // A run-time query-head to kv-head map (not h / kGqa).
 TEST(CudaMmaEmulation, ForwardWithKvHeadMap) {
   CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 2, 6), 160, {1, 0});
+      MakeBitsProblem(EveryMaskKind(), DType::kBF16, 64, 2, 2, 6), 160, {1, 0});
 }
 // The full-only variant on bidirectional documents.
 TEST(CudaMmaEmulation, ForwardFullOnlyVariant) {
   const std::vector<int64_t> cu = {0, 100, 164, 200};
   CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, false>>(
-      MakeProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
+      MakeBitsProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
                   DType::kBF16, 64, 2, 1, 7),
       128);
 }
@@ -228,7 +173,7 @@ TEST(CudaMmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
   using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
   for (testing::Plant plant : testing::kAllPlants) {
     SCOPED_TRACE(testing::PlantName(plant));
-    Problem p = MakeProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
+    Problem p = MakeBitsProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
     const int64_t T = p.T();
     std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
     for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
@@ -262,7 +207,7 @@ TEST(CudaMmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
 TEST(CudaMmaEmulation, FusedForwardThreeSteps) {
   using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true, 3>;
   constexpr int kSteps = 3, kCopy = 1, kCompute = 3;
-  const Problem p = MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 9);
+  const Problem p = MakeBitsProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 9);
   const int64_t T = p.T();
   const int HKV = p.dims.heads_kv, D = p.dims.head_dim;
   // Contiguous shards [0, 100), [100, 180), [180, T), attended in the order 2, 0, 1.
@@ -334,7 +279,7 @@ TEST(CudaMmaEmulation, FusedForwardThreeSteps) {
 // cp.async moves 16-byte rows: a misaligned tensor is reported, nothing is computed.
 TEST(CudaMmaEmulation, MisalignedTensorIsFlagged) {
   using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
-  Problem p = MakeProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 10);
+  Problem p = MakeBitsProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 10);
   absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 96);
   ASSERT_TRUE(w.ok());
   Partial r(p.T(), p.dims);

@@ -35,6 +35,7 @@
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 #include "tests/support/attention_test_util.h"
 #include "tests/support/emulated_cuda_runtime.h"
+#include "tests/support/emulated_kernel_inputs.h"
 #include "tests/support/nonfinite.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/sweep.h"
@@ -45,66 +46,11 @@ namespace {
 
 using testing::WgmmaFwdCfg;
 
-// 16-bit storage (bf16 or f16 bits), 16-byte aligned as TMA requires of a global address.
-struct Bits {
-  std::vector<uint16_t> v;
-  DType dtype;
-  Bits(DType t, size_t n) : v(n + 8, 0), dtype(t) {}
-  uint16_t* data() {
-    auto p = reinterpret_cast<std::uintptr_t>(v.data());
-    return v.data() + ((16 - p % 16) % 16) / 2;
-  }
-  const uint16_t* data() const { return const_cast<Bits*>(this)->data(); }
-  void Set(size_t i, float x) {
-    data()[i] = dtype == DType::kBF16 ? FloatToBF16(x).bits : FloatToF16(x).bits;
-  }
-  float Get(size_t i) const {
-    return dtype == DType::kBF16 ? BF16ToFloat(BF16{data()[i]}) : F16ToFloat(F16{data()[i]});
-  }
-};
-
-struct Problem {
-  Layout layout;
-  AttentionDims dims;
-  DType dtype;
-  Bits q, k, v;
-  int64_t T() const { return layout.num_tokens(); }
-};
-
-Problem MakeProblem(Layout layout, DType dtype, int head_dim, int heads_q, int heads_kv,
-                    uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  AttentionDims dims;
-  dims.heads_q = heads_q;
-  dims.heads_kv = heads_kv;
-  dims.head_dim = head_dim;
-  dims.scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t T = layout.num_tokens();
-  Problem p{std::move(layout),
-            dims,
-            dtype,
-            Bits(dtype, T * heads_q * head_dim),
-            Bits(dtype, T * heads_kv * head_dim),
-            Bits(dtype, T * heads_kv * head_dim)};
-  // Scores of a few units: softmax rows that are neither flat nor one-hot.
-  for (Bits* x : {&p.q, &p.k}) {
-    for (size_t i = 0; i + 8 < x->v.size(); ++i) x->Set(i, 2.0f * u(rng));
-  }
-  for (size_t i = 0; i + 8 < p.v.v.size(); ++i) p.v.Set(i, u(rng));
-  return p;
-}
-
-std::vector<hsap_dev::QueryBlock> DeviceBlocks(const WorkList& w) {
-  std::vector<hsap_dev::QueryBlock> out;
-  for (const QueryBlock& b : w.blocks) out.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
-  return out;
-}
-std::vector<hsap_dev::KeySegment> DeviceSegments(const WorkList& w) {
-  std::vector<hsap_dev::KeySegment> out;
-  for (const KeySegment& s : w.segments) out.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
-  return out;
-}
+using testing::Bits;
+using testing::DeviceBlocks;
+using testing::DeviceSegments;
+using Problem = testing::BitsProblem;
+using testing::MakeBitsProblem;
 
 void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
                       const std::vector<double>& naive, const std::vector<double>& ref) {
@@ -199,22 +145,22 @@ Layout MixedDocuments() {
 
 TEST(CudaWgmmaEmulation, ForwardBf16HeadDim64Gqa2) {
   CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(MixedDocuments(), DType::kBF16, 64, 4, 2, 1), 256);
+      MakeBitsProblem(MixedDocuments(), DType::kBF16, 64, 4, 2, 1), 256);
 }
 TEST(CudaWgmmaEmulation, ForwardF16HeadDim128Gqa2) {
   CheckForward<WgmmaFwdCfg<hsap_dev::f16, 128, 2, true>>(
-      MakeProblem(MixedDocuments(), DType::kF16, 128, 2, 1, 2), 160);
+      MakeBitsProblem(MixedDocuments(), DType::kF16, 128, 2, 1, 2), 160);
 }
 TEST(CudaWgmmaEmulation, ForwardBf16HeadDim128WithKvHeadMap) {
   if (testing::SweepIsSubset()) GTEST_SKIP() << "sweep subset: d 128 runs in f16 above";
   CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 128, 2, true>>(
-      MakeProblem(MixedDocuments(), DType::kBF16, 128, 2, 2, 3), 256, {1, 0});
+      MakeBitsProblem(MixedDocuments(), DType::kBF16, 128, 2, 2, 3), 256, {1, 0});
 }
 TEST(CudaWgmmaEmulation, ForwardBf16HeadDim256) {
   if (testing::SweepIsSubset()) GTEST_SKIP() << "sweep subset: d 64 and 128 run above";
   const std::vector<int64_t> cu = {0, 130, 250};
   CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 256, 2, true>>(
-      MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kSlidingWindow},
+      MakeBitsProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kSlidingWindow},
                                          {0, 50}),
                   DType::kBF16, 256, 2, 1, 4),
       128);
@@ -223,7 +169,7 @@ TEST(CudaWgmmaEmulation, ForwardBf16HeadDim256) {
 TEST(CudaWgmmaEmulation, ForwardFullOnlyVariant) {
   const std::vector<int64_t> cu = {0, 100, 300, 330};
   CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, false>>(
-      MakeProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
+      MakeBitsProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
                   DType::kBF16, 64, 2, 1, 5),
       128);
 }
@@ -232,14 +178,14 @@ TEST(CudaWgmmaEmulation, ForwardFullOnlyVariant) {
 // (chunks whose segments are partly or wholly invisible to some of their rows).
 TEST(CudaWgmmaEmulation, ForwardArbitrarySlices) {
   CheckForward<WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 6), 128);
+      MakeBitsProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 64, 2, 1, 6), 128);
 }
 
 // A banded segment given to the full-only variant: reported and skipped by the producer,
 // whose tile count the consumers follow, so the CTA neither hangs nor computes it.
 TEST(CudaWgmmaEmulation, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
   using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, false>;
-  Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 11);
+  Problem p = MakeBitsProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 11);
   absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
   ASSERT_TRUE(w.ok());
   Partial r(p.T(), p.dims);
@@ -257,7 +203,7 @@ TEST(CudaWgmmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
   using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>;
   for (testing::Plant plant : testing::kAllPlants) {
     SCOPED_TRACE(testing::PlantName(plant));
-    Problem p = MakeProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
+    Problem p = MakeBitsProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
     const int64_t T = p.T();
     std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
     for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
@@ -289,7 +235,7 @@ TEST(CudaWgmmaEmulation, NonFiniteValueRowsOfOtherDocumentsStayOut) {
   // Documents of 100 and 60 tokens: the first document's key tiles (128 rows) read the
   // second's first 28 rows, whose V holds an inf and a NaN.
   const std::vector<int64_t> cu = {0, 100, 160};
-  Problem p = MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kFull}),
+  Problem p = MakeBitsProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kFull}),
                           DType::kBF16, 64, 2, 1, 9);
   const int D = 64, HKV = 1;
   p.v.Set((110 * HKV) * D + 3, INFINITY);
@@ -311,7 +257,7 @@ TEST(CudaWgmmaEmulation, NonFiniteValueRowsOfOtherDocumentsStayOut) {
 // Broken contracts are flagged and skip the CTA's work, as in the other forwards.
 TEST(CudaWgmmaEmulation, BadHeadsAreFlagged) {
   using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true>;
-  Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 2, 10);  // 2 != 2 * kGqa
+  Problem p = MakeBitsProblem(MixedDocuments(), DType::kBF16, 64, 2, 2, 10);  // 2 != 2 * kGqa
   absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 128);
   ASSERT_TRUE(w.ok());
   Partial r(p.T(), p.dims);
