@@ -41,41 +41,10 @@ using testing::Bits;
 using testing::DeviceBlocks;
 using testing::DeviceSegments;
 using Problem = testing::BitsProblem;
+using testing::ExpectWithinRule;
 using testing::MakeBitsProblem;
+using testing::Partial;
 
-double MaxError(const std::vector<float>& got, const std::vector<double>& ref,
-                const std::string& name) {
-  EXPECT_EQ(got.size(), ref.size()) << name;
-  double e = 0;
-  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
-    if (std::isinf(ref[i])) {
-      EXPECT_EQ(double{got[i]}, ref[i]) << name << "[" << i << "]";
-      continue;
-    }
-    const double diff = std::abs(double{got[i]} - ref[i]);
-    if (!(diff <= e)) e = diff;  // NaN propagates as the error
-  }
-  return e;
-}
-
-void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
-                      const std::vector<double>& naive, const std::vector<double>& ref) {
-  const double err = MaxError(got, ref, name);
-  double n = 0;  // the naive computation's error (it is fp64 on rounded intermediates)
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isinf(ref[i])) n = std::max(n, std::abs(naive[i] - ref[i]));
-  }
-  const double bound = ToleranceBound(n, testing::MaxAbs(ref), kKernelFloor);
-  EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
-  EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
-}
-
-// Out [T, Hq, D] = 0 and lse [Hq, T] = -inf, as init_partial_kernel leaves them.
-struct Partial {
-  std::vector<float> out, lse;
-  Partial(int64_t T, const AttentionDims& d)
-      : out(T * d.heads_q * d.head_dim, 0.0f), lse(T * d.heads_q, -INFINITY) {}
-};
 
 template <class Cfg>
 unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
@@ -83,22 +52,8 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
   const auto blocks = DeviceBlocks(w);
   const auto segments = DeviceSegments(w);
   unsigned int error_flag = 0;
-  hsap_dev::FwdParams fp{};
-  fp.q = p.q.data();
-  fp.k = p.k.data();
-  fp.v = p.v.data();
-  fp.out = r->out.data();
-  fp.lse = r->lse.data();
-  fp.blocks = blocks.data();
-  fp.segments = segments.data();
-  fp.kv_head_of_q = kv_map;
-  fp.error_flag = &error_flag;
-  fp.q_rows = p.T();
-  fp.k_rows = p.T();
-  fp.num_blocks = static_cast<int>(blocks.size());
-  fp.heads_q = p.dims.heads_q;
-  fp.heads_kv = p.dims.heads_kv;
-  fp.scale = p.dims.scale;
+  const hsap_dev::FwdParams fp =
+      testing::ForwardParams(p, blocks, segments, r, kv_map, &error_flag);
   EXPECT_EQ(hsap_emu::Launch(fp.num_blocks, fp.heads_q, Cfg::kThreads, Cfg::kFwdSmemBytes, false,
                              [&] { hsap_dev::attn_fwd_kernel<Cfg>(fp); }),
             absl::OkStatus());

@@ -50,32 +50,10 @@ using testing::Bits;
 using testing::DeviceBlocks;
 using testing::DeviceSegments;
 using Problem = testing::BitsProblem;
+using testing::ExpectWithinRule;
 using testing::MakeBitsProblem;
+using testing::Partial;
 
-void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
-                      const std::vector<double>& naive, const std::vector<double>& ref) {
-  ASSERT_EQ(got.size(), ref.size()) << name;
-  double err = 0, n = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    if (std::isinf(ref[i])) {
-      EXPECT_EQ(double{got[i]}, ref[i]) << name << "[" << i << "]";
-      continue;
-    }
-    const double diff = std::abs(double{got[i]} - ref[i]);
-    if (!(diff <= err)) err = diff;  // NaN propagates as the error
-    n = std::max(n, std::abs(naive[i] - ref[i]));
-  }
-  const double bound = ToleranceBound(n, testing::MaxAbs(ref), kKernelFloor);
-  EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
-  EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
-}
-
-// Out [T, Hq, D] = 0 and lse [Hq, T] = -inf, as init_partial_kernel leaves them.
-struct Partial {
-  std::vector<float> out, lse;
-  Partial(int64_t T, const AttentionDims& d)
-      : out(T * d.heads_q * d.head_dim, 0.0f), lse(T * d.heads_q, -INFINITY) {}
-};
 
 // Runs attn_fwd_wgmma_kernel<Cfg> on `w` with the tensor maps the runtime would pass; returns
 // the error word.
@@ -85,22 +63,8 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
   const auto blocks = DeviceBlocks(w);
   const auto segments = DeviceSegments(w);
   unsigned int error_flag = 0;
-  hsap_dev::FwdParams fp{};
-  fp.q = p.q.data();
-  fp.k = p.k.data();
-  fp.v = p.v.data();
-  fp.out = r->out.data();
-  fp.lse = r->lse.data();
-  fp.blocks = blocks.data();
-  fp.segments = segments.data();
-  fp.kv_head_of_q = kv_map;
-  fp.error_flag = &error_flag;
-  fp.q_rows = p.T();
-  fp.k_rows = p.T();
-  fp.num_blocks = static_cast<int>(blocks.size());
-  fp.heads_q = p.dims.heads_q;
-  fp.heads_kv = p.dims.heads_kv;
-  fp.scale = p.dims.scale;
+  const hsap_dev::FwdParams fp =
+      testing::ForwardParams(p, blocks, segments, r, kv_map, &error_flag);
   testing::EmulatedCudaRuntime emu;
   absl::StatusOr<cuda::WgmmaForwardMaps> maps =
       cuda::EncodeWgmmaForwardMaps(emu.driver(), fp, p.dtype, Cfg::kHeadDim, Cfg::kWgmmaBlockN);

@@ -1,19 +1,26 @@
-// Inputs of the emulated CUDA kernel tests (tests/jit/cuda_*emulation_test.cc): a work list
-// in the device's structs, and 16-bit Q/K/V of a packed row. Include after the device headers
-// (jit/device/hsap_params.cuh, through tests/support/cuda_emulator.h and the kernels').
+// Inputs and checks of the emulated CUDA kernel tests (tests/jit/cuda_*emulation_test.cc): a
+// work list in the device's structs, 16-bit Q/K/V of a packed row, the forward's Params and
+// partial results, and the tolerance rule for the kernels' fp32 results. Include after the
+// device headers (jit/device/hsap_params.cuh, through tests/support/cuda_emulator.h and the
+// kernels').
 #ifndef HSAP_TESTS_SUPPORT_EMULATED_KERNEL_INPUTS_H_
 #define HSAP_TESTS_SUPPORT_EMULATED_KERNEL_INPUTS_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "attention/dtype.h"
 #include "attention/layout.h"
 #include "attention/reference.h"
+#include "attention/tolerance.h"
 #include "attention/worklist.h"
+#include "gtest/gtest.h"
+#include "tests/support/tolerance.h"
 
 namespace hsap::testing {
 
@@ -79,6 +86,69 @@ inline BitsProblem MakeBitsProblem(Layout layout, DType dtype, int head_dim, int
   }
   for (size_t i = 0; i + 8 < p.v.v.size(); ++i) p.v.Set(i, u(rng));
   return p;
+}
+
+// Out [T, Hq, D] = 0 and lse [Hq, T] = -inf, as init_partial_kernel leaves them.
+struct Partial {
+  std::vector<float> out, lse;
+  Partial(int64_t T, const AttentionDims& d)
+      : out(T * d.heads_q * d.head_dim, 0.0f), lse(T * d.heads_q, -INFINITY) {}
+};
+
+// The forward's Params over `p` (q and k rows: the whole row) into `r`, with the device work
+// list `blocks` / `segments`, the kv-head map (or nullptr) and the error word.
+inline hsap_dev::FwdParams ForwardParams(const BitsProblem& p,
+                                         const std::vector<hsap_dev::QueryBlock>& blocks,
+                                         const std::vector<hsap_dev::KeySegment>& segments,
+                                         Partial* r, const int* kv_map, unsigned int* error_flag) {
+  hsap_dev::FwdParams fp{};
+  fp.q = p.q.data();
+  fp.k = p.k.data();
+  fp.v = p.v.data();
+  fp.out = r->out.data();
+  fp.lse = r->lse.data();
+  fp.blocks = blocks.data();
+  fp.segments = segments.data();
+  fp.kv_head_of_q = kv_map;
+  fp.error_flag = error_flag;
+  fp.q_rows = p.T();
+  fp.k_rows = p.T();
+  fp.num_blocks = static_cast<int>(blocks.size());
+  fp.heads_q = p.dims.heads_q;
+  fp.heads_kv = p.dims.heads_kv;
+  fp.scale = p.dims.scale;
+  return fp;
+}
+
+// max |got - ref| over the finite ref entries (a NaN in got is the error); an infinite ref
+// entry must be met exactly.
+inline double MaxKernelError(const std::vector<float>& got, const std::vector<double>& ref,
+                             const std::string& name) {
+  EXPECT_EQ(got.size(), ref.size()) << name;
+  double e = 0;
+  for (size_t i = 0; i < std::min(got.size(), ref.size()); ++i) {
+    if (std::isinf(ref[i])) {
+      EXPECT_EQ(double{got[i]}, ref[i]) << name << "[" << i << "]";
+      continue;
+    }
+    const double diff = std::abs(double{got[i]} - ref[i]);
+    if (!(diff <= e)) e = diff;  // NaN propagates as the error
+  }
+  return e;
+}
+
+// The kernels' rule (attention/tolerance.h): max |got - ref| <= 2 * max |naive - ref| +
+// kKernelFloor * max(1, max |ref|); and not bitwise fp64, which bf16/f16 math cannot give.
+inline void ExpectWithinRule(const std::string& name, const std::vector<float>& got,
+                             const std::vector<double>& naive, const std::vector<double>& ref) {
+  const double err = MaxKernelError(got, ref, name);
+  double n = 0;  // the naive computation's error (it is fp64 on rounded intermediates)
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isinf(ref[i])) n = std::max(n, std::abs(naive[i] - ref[i]));
+  }
+  const double bound = ToleranceBound(n, MaxAbs(ref), kKernelFloor);
+  EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
+  EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
 }
 
 }  // namespace hsap::testing
