@@ -16,4 +16,15 @@ echo "ten slowest tests ($build_dir):"
 grep -E '^ *[0-9]+/[0-9]+ +Test +#[0-9]+: ' "$log" |
   sed -E 's/^ *[0-9]+\/[0-9]+ +Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/' |
   sort -rn | head -n 10 | awk '{printf "  %8.1f s  %s\n", $1, $2}' || true
+# A CI log is often read from its end: repeat what each failed test printed (its last lines)
+# there, after the summary.
+if [ "$rc" -ne 0 ]; then
+  echo "output of the failed tests ($build_dir), last 25 lines each:"
+  awk '/Test +#[0-9]+: .*\*\*\*(Failed|Timeout|Exception)/ { if (n) flush(); name = $0; n = 0; next }
+       /^ *Start +[0-9]+: |^ *[0-9]+\/[0-9]+ +Test +#[0-9]+: |^[0-9]+% tests passed/ { if (name != "") flush(); next }
+       name != "" { buf[n++ % 25] = $0 }
+       function flush(  i, from) { print name; from = n > 25 ? n - 25 : 0
+         for (i = from; i < n; i++) print "    " buf[i % 25]; name = ""; n = 0 }
+       END { if (name != "") flush() }' "$log" || true
+fi
 exit "$rc"
