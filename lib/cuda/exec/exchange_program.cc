@@ -1,7 +1,10 @@
 #include "lib/cuda/exec/exchange_program.h"
 
+#include <iterator>
+#include <map>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "lib/cuda/runtime/buffer_pool.h"
 
@@ -55,7 +58,59 @@ absl::Status Append(std::vector<hsap_dev::CopyChunk>& into, const std::vector<By
   return absl::OkStatus();
 }
 
+// Destination ranges [begin, end) of chunks, by begin.
+using Taken = std::map<long long, long long>;
+
+// Whether `c`'s destination meets one in `taken`.
+bool Overlaps(const Taken& taken, const hsap_dev::CopyChunk& c) {
+  auto next = taken.upper_bound(c.dst);
+  if (next != taken.end() && next->first < c.dst + c.bytes) return true;
+  return next != taken.begin() && std::prev(next)->second > c.dst;
+}
+
+// An error naming the first piece of `pieces` whose destination meets an earlier one's.
+absl::Status CheckDisjoint(const std::vector<hsap_dev::CopyChunk>& pieces, const char* list) {
+  Taken taken;
+  for (const hsap_dev::CopyChunk& c : pieces) {
+    if (Overlaps(taken, c)) {
+      return absl::InternalError(absl::StrCat("an exchange program's ", list,
+                                              " list writes destination bytes [", c.dst, ", ",
+                                              c.dst + c.bytes, ") twice"));
+    }
+    taken[c.dst] = c.dst + c.bytes;
+  }
+  return absl::OkStatus();
+}
+
+// The rounds of an add program's unpack: a new round wherever a piece meets the current one.
+std::vector<size_t> AddRounds(const std::vector<hsap_dev::CopyChunk>& pieces) {
+  std::vector<size_t> starts;
+  Taken taken;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (starts.empty() || Overlaps(taken, pieces[i])) {
+      starts.push_back(i);
+      taken.clear();
+    }
+    taken[pieces[i].dst] = pieces[i].dst + pieces[i].bytes;
+  }
+  return starts;
+}
+
 }  // namespace
+
+std::vector<hsap_dev::ChunksParams> UnpackLaunches(const ExchangeProgram& program,
+                                                   const hsap_dev::ChunksParams& unpack) {
+  std::vector<hsap_dev::ChunksParams> launches;
+  const std::vector<size_t>& starts = program.unpack_rounds;
+  for (size_t k = 0; k < starts.size(); ++k) {
+    const size_t end = k + 1 < starts.size() ? starts[k + 1] : program.unpack.size();
+    hsap_dev::ChunksParams c = unpack;
+    c.chunks = unpack.chunks + starts[k];
+    c.num_chunks = static_cast<long long>(end - starts[k]);
+    launches.push_back(c);
+  }
+  return launches;
+}
 
 void ExchangeBuilder::Send(int peer, uint64_t tag, const std::vector<ByteChunk>& source) {
   const size_t bytes = Total(source);
@@ -80,6 +135,14 @@ absl::Status ExchangeBuilder::Self(const std::vector<ByteChunk>& source,
 
 absl::StatusOr<ExchangeProgram> ExchangeBuilder::Build() && {
   if (!error_.ok()) return error_;
+  HSAP_RETURN_IF_ERROR(CheckDisjoint(program_.pack, "pack"));
+  HSAP_RETURN_IF_ERROR(CheckDisjoint(program_.self, "self"));
+  if (program_.add) {
+    program_.unpack_rounds = AddRounds(program_.unpack);
+  } else {
+    HSAP_RETURN_IF_ERROR(CheckDisjoint(program_.unpack, "unpack"));
+    if (!program_.unpack.empty()) program_.unpack_rounds = {0};
+  }
   return std::move(program_);
 }
 

@@ -9,6 +9,13 @@
 // staging (copy_chunks, or add_chunks for fp32 partial sums); its own share goes straight
 // from source to destination (the `self` list). The lists are built once per batch and
 // uploaded with the batch; offsets are bytes from the base pointers given at run time.
+//
+// The kernels run a list's chunks on many CTAs at once, so the chunks of one launch must not
+// overlap in the destination. A copy program never writes a byte twice (Build refuses it).
+// An add program may receive several messages into the same elements (an owner summing
+// the partials of every group member): its unpack runs in rounds, one launch each, a round
+// being consecutive pieces with disjoint destinations, so that no element is added by two
+// CTAs at once and each element's sum is taken in message order (bitwise reproducible).
 #ifndef HSAP_LIB_CUDA_EXEC_EXCHANGE_PROGRAM_H_
 #define HSAP_LIB_CUDA_EXEC_EXCHANGE_PROGRAM_H_
 
@@ -36,6 +43,9 @@ struct ExchangeProgram {
   std::vector<hsap_dev::CopyChunk> self;      // source tensor -> destination tensor
   size_t send_staging = 0, recv_staging = 0;  // bytes (each message aligned to 256)
   bool add = false;  // unpack and self add fp32 elements instead of copying
+  // Where each launch of `unpack` begins (round k: [unpack_rounds[k], unpack_rounds[k + 1])
+  // or to the end); one round unless an add program receives into the same elements twice.
+  std::vector<size_t> unpack_rounds;
 
   uint64_t bytes_sent() const;
   uint64_t bytes_received() const;
@@ -59,6 +69,11 @@ class ExchangeBuilder {
   ExchangeProgram program_;
   absl::Status error_;
 };
+
+// The launches of `unpack` (the device copy of `program.unpack`, src and dst set), one per
+// round, in order.
+std::vector<hsap_dev::ChunksParams> UnpackLaunches(const ExchangeProgram& program,
+                                                   const hsap_dev::ChunksParams& unpack);
 
 // The pieces copying the concatenation of `from` into the concatenation of `to`.
 absl::StatusOr<std::vector<hsap_dev::CopyChunk>> CopyPieces(absl::Span<const ByteChunk> from,

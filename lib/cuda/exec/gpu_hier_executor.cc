@@ -78,8 +78,11 @@ class HierCall {
   absl::Status Unpack(const std::vector<Leg>& legs, const char* recv) {
     size_t recv_at = 0;
     for (const Leg& leg : legs) {
-      HSAP_RETURN_IF_ERROR(Launch(leg.ex->unpack, recv + recv_at, leg.dst, leg.ex->program.add));
-      recv_at += leg.ex->program.recv_staging;
+      const ExchangeProgram& e = leg.ex->program;
+      for (const hsap_dev::ChunksParams& c : UnpackLaunches(e, leg.ex->unpack)) {
+        HSAP_RETURN_IF_ERROR(Launch(c, recv + recv_at, leg.dst, e.add));
+      }
+      recv_at += e.recv_staging;
     }
     return absl::OkStatus();
   }

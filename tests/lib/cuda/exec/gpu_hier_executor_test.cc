@@ -62,6 +62,9 @@ struct RunResult {
   std::vector<LinkTraffic> forward_links, backward_links;
   std::vector<P2pProgram> posted_forward, posted_backward;
   int fan_outs = 0;  // steps with a node fan-out, all ranks
+  // Ranks whose owner sums of dK partials unpack in several rounds (one element received
+  // from several members: exchange_program.h).
+  int summing_rounds = 0;
 };
 
 // Runs `plan` on emulated devices. `nodes` (empty: one node): the node of every rank, by
@@ -91,7 +94,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
   res.posted_backward.resize(R);
   res.forward_links.resize(R);
   res.backward_links.resize(R);
-  std::vector<int> fan_outs(R, 0);
+  std::vector<int> fan_outs(R, 0), summing_rounds(R, 0);
 
   absl::StatusOr<Hierarchy> h =
       Hierarchy::Create(layout, plan, fan_out ? nodes : std::vector<int>());
@@ -118,6 +121,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
     const cudaStream stream = *device.CreateStream();
     auto program = DeviceHierProgram::Build(device, *rh, dims, DType::kF32, stream);
     ASSERT_TRUE(program.ok()) << program.status();
+    summing_rounds[r] = (*program)->out_dk().program.unpack_rounds.size() > 1;
     DeviceBufferPool pool(device);
     ASSERT_TRUE(pool.Reserve((*program)->pool_bytes()).ok());
 
@@ -171,6 +175,7 @@ RunResult RunGpuHier(const Layout& layout, const Plan& plan, uint64_t seed, bool
           << "rank " << r;
     }
     res.fan_outs += fan_outs[r];
+    res.summing_rounds += summing_rounds[r];
   }
   uint64_t ring = 0;
   for (const HierTraffic& t : res.forward) ring += t.ring_received;
@@ -393,6 +398,9 @@ TEST_P(GpuHierNodeFanOuts, CrossAsTheHostPlanExecutor) {
   const Layout layout = testing::RandomLayout(c.tokens, c.mix, c.spec.seed * 7 + 3, false);
   const RunResult fan = RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes);
   EXPECT_GT(fan.fan_outs, 0) << "no node fan-out: the case tests nothing";
+  // Owners add several members' partials of the same rows: in rounds, or CTAs of one launch
+  // would add into the same elements at once (lost updates, seen under load in CI).
+  EXPECT_GT(fan.summing_rounds, 0);
   const RunResult direct =
       RunGpuHier(layout, plan, c.spec.seed, /*async=*/false, c.nodes, /*fan_out=*/false);
   EXPECT_LT(InterNodeReceived(fan.forward_links), InterNodeReceived(direct.forward_links));
