@@ -431,10 +431,12 @@ class EmulatedKernels : public cuda::DeviceKernels {
                   [p] { hsap_dev::accumulate_kernel<Cfg>(p); });
   }
   absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(DisjointChunks(p, "copy chunks"));
     return Helper("copy chunks", cuda::HelperGrid(p, kHelperCtas), s,
                   [p] { hsap_dev::copy_chunks_kernel<Cfg>(p); });
   }
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
+    HSAP_RETURN_IF_ERROR(DisjointChunks(p, "add chunks"));
     return Helper("add chunks", cuda::HelperGrid(p, kHelperCtas), s,
                   [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
   }
@@ -546,6 +548,23 @@ class EmulatedKernels : public cuda::DeviceKernels {
       return launched;
     });
   }
+  // The chunk kernels run chunks on many CTAs at once without atomics, so chunks that meet in
+  // the destination race on a GPU (lost updates, or a copy that wins by timing). The emulator
+  // refuses such a launch outright instead of racing only sometimes.
+  static absl::Status DisjointChunks(const hsap_dev::ChunksParams& p, const char* what) {
+    std::vector<hsap_dev::CopyChunk> chunks(p.chunks, p.chunks + p.num_chunks);
+    std::sort(chunks.begin(), chunks.end(),
+              [](const auto& a, const auto& b) { return a.dst < b.dst; });
+    for (size_t i = 1; i < chunks.size(); ++i) {
+      if (chunks[i].dst < chunks[i - 1].dst + chunks[i - 1].bytes) {
+        return absl::InternalError(absl::StrCat(
+            what, ": chunks meet in the destination at byte ", chunks[i].dst,
+            ": their CTAs would race (exchange_program.h: one launch, disjoint destinations)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // Row-wise helpers: CTAs of 256 threads.
   template <typename Fn>
   absl::Status Helper(const char* what, cuda::LaunchGrid grid, cuda::cudaStream s,

@@ -422,6 +422,27 @@ TEST_P(GpuHierNodeFanOuts, CrossAsTheHostPlanExecutor) {
 INSTANTIATE_TEST_SUITE_P(Cases, GpuHierNodeFanOuts,
                          ::testing::Range<size_t>(0, NodeFanOutCases().size()), CaseName);
 
+// The chunk kernels' rule (one launch, disjoint destinations: exchange_program.h), which
+// the emulator enforces so that a program breaking it fails every time, not under load.
+TEST(GpuHier, EmulatorRefusesChunksThatMeetInTheDestination) {
+  EmulatedDevice device;
+  EmulatedKernels<Cfg> kernels(&device);
+  const cudaStream stream = *device.CreateStream();
+  std::vector<float> src(64, 1.0f), dst(64, 0.0f);
+  std::vector<hsap_dev::CopyChunk> chunks = {{0, 0, 128}, {128, 64, 128}};
+  const hsap_dev::ChunksParams p{src.data(), dst.data(), chunks.data(), 2};
+  for (bool add : {true, false}) {
+    const absl::Status s = add ? kernels.AddChunks(p, stream) : kernels.CopyChunks(p, stream);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_NE(s.message().find("meet in the destination at byte 64"), std::string::npos) << s;
+  }
+  EXPECT_EQ(dst, std::vector<float>(64, 0.0f));
+  chunks[1].dst = 128;
+  ASSERT_TRUE(kernels.AddChunks(p, stream).ok());
+  ASSERT_TRUE(device.Synchronize(stream, absl::InfiniteFuture(), "add").ok());
+  EXPECT_EQ(dst, std::vector<float>(64, 1.0f));
+}
+
 TEST(GpuHier, NodeFanOutsOnAsynchronousStreams) {
   const Plan plan = MakePlan({{4, 4}, 4, 1, HeadSplit::kRoundRobin, false, 13});
   const Layout layout = testing::RandomLayout(170, DocMix::kOneHuge, 131, false);
