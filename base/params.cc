@@ -39,12 +39,17 @@ constexpr ParamInfo kParams[] = {
     {Param::kPlanDebug, "HSAP_PLAN_DEBUG", "0",
      "a boolean: 1 prints every simulated planner candidate to stderr"},
     {Param::kAttentionEngine, "HSAP_ATTENTION_ENGINE", "auto",
-     "engine of CUDA batches' attention pieces: auto (cuDNN where it can run a piece, else the "
-     "JIT kernels), cudnn (an error where cuDNN cannot run the batch) or jit"},
+     "engine of CUDA batches' attention pieces: auto (per piece the faster of cuDNN and the JIT "
+     "kernels by the calibration of the device's kind, $HSAP_CALIBRATION; cuDNN wherever it can "
+     "run a piece when the kind has no figures for both; else the JIT kernels), cudnn (cuDNN "
+     "wherever it can run a piece, an error where it cannot run the batch) or jit"},
     {Param::kJitSm90a, "HSAP_JIT_SM90A", "0",
      "a boolean: 1 compiles the JIT kernels of compute capability 9.0 GPUs for sm_90a, whose "
      "forward is the wgmma/TMA one (opt-in until it has run on a GPU); 0 keeps the sm_90 "
      "kernels (mma.sync forward)"},
+    {Param::kCalibration, "HSAP_CALIBRATION", "",
+     "a calibration file (hsap_attn_perf --calibration-out) laid over the built-in figures, "
+     "which the auto attention engine chooses by; empty: the built-in figures"},
     {Param::kCudaHome, "CUDA_HOME", "", "CUDA toolkit root, searched for NVRTC and CUDA libraries"},
     {Param::kPath, "PATH", "", "searched for clang++ (the JIT host compiler)"},
     {Param::kHome, "HOME", "", "the JIT cache defaults to ~/.cache/hsap"},

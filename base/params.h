@@ -36,6 +36,7 @@ enum class Param {
   kPlanDebug,            // HSAP_PLAN_DEBUG
   kAttentionEngine,      // HSAP_ATTENTION_ENGINE
   kJitSm90a,             // HSAP_JIT_SM90A
+  kCalibration,          // HSAP_CALIBRATION
   // Standard variables hsap consults.
   kCudaHome,      // CUDA_HOME
   kPath,          // PATH

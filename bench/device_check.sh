@@ -7,7 +7,8 @@
 #   3. speed, one rank: bf16, d 128, 16 heads, 32768 tokens (one causal document, a packed
 #      row) and 131072 (one causal document); hsap's forward and backward TFLOP/s beside
 #      cuDNN's whole-row call on the same inputs in the same run (ours/cuDNN), with
-#      --engine cudnn and --engine jit; then the calibration run (16K-128K, jit);
+#      --engine cudnn and --engine jit; then the calibration run (16K-128K, jit), whose file
+#      the later runs get as $HSAP_CALIBRATION;
 #   4. 4 and 8 loopback ranks on the GPU, ring and plan batches of 16K-128K tokens (causal and
 #      packed), the first row of each run checked against the fp64 reference on the GPU; a
 #      4-rank 64K packed row with --engine cudnn beside cuDNN's whole-row call;
@@ -147,6 +148,8 @@ run "calibration.txt" 150 "$PERF" --backend cuda-loopback --ranks 1 --dtype bf16
   --heads 16 --kv-heads 16 -b 16384 -e 131072 -f 2 -n 3 -w 1 -c 0 --docs-dist single \
   --engine jit --calibration-out "$RESULTS/calibration.json"
 keep "calibration.txt"
+# The later runs' `auto` engine choice goes by the rates just measured (when any were written).
+grep -qs '"engine"' "$RESULTS/calibration.json" && export HSAP_CALIBRATION="$RESULTS/calibration.json"
 
 # 4. Loopback ranks: ring and plan batches, the first row of each run checked on the GPU.
 # The GPU reference checks rows up to 5000 GFLOP of forward work (the 16K-32K rows here).

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/params.h"
 #include "lib/planner/cost_model.h"
 #include "lib/sched/json_text.h"
 #include "nlohmann/json.hpp"
@@ -238,9 +239,13 @@ std::vector<std::string> EngineChain(Engine engine) {
   return {"jit"};
 }
 
-// The rates of `engine` on `kind` from `c`: both directions needed. Null when missing.
-std::shared_ptr<AttentionRates> RatesOf(const Calibration& c, const std::string& kind,
-                                        const std::string& engine) {
+// The forward + backward rate of a forward rate f and a backward rate b.
+double Combine(double f, double b) { return (1 + kBackwardFactor) / (1 / f + kBackwardFactor / b); }
+
+}  // namespace
+
+std::shared_ptr<AttentionRates> CalibratedRates(const Calibration& c, const std::string& kind,
+                                                const std::string& engine) {
   auto rates = std::make_shared<AttentionRates>();
   rates->engine = engine;
   std::map<std::pair<bool, int>, RateCurve> curves;
@@ -260,8 +265,6 @@ std::shared_ptr<AttentionRates> RatesOf(const Calibration& c, const std::string&
   rates->backward_shape = BuiltinShape(engine, true);
   return rates;
 }
-
-}  // namespace
 
 const char* EngineName(Engine engine) { return kEngineNames[static_cast<int>(engine)]; }
 
@@ -349,6 +352,19 @@ absl::StatusOr<Calibration> LoadCalibrationOverBuiltin(const std::string& path) 
   return OverlayCalibration(BuiltinCalibration(), *file);
 }
 
+absl::StatusOr<Calibration> CalibrationFromEnvironment() {
+  const std::string path = GetStringParam(Param::kCalibration);
+  if (path.empty()) return BuiltinCalibration();
+  absl::StatusOr<Calibration> c = LoadCalibrationOverBuiltin(path);
+  if (!c.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "$HSAP_CALIBRATION = '", path, "' is not a usable calibration file: ", c.status().message(),
+        " (the format is in lib/planner/calibration.h; unset the variable for the built-in "
+        "figures)"));
+  }
+  return c;
+}
+
 std::string CalibrationToJsonText(const Calibration& c) {
   json rates = json::array();
   for (const CalibrationRate& r : c.rates) {
@@ -373,9 +389,13 @@ std::string CalibrationToJsonText(const Calibration& c) {
 }
 
 double CombinedAttentionRate(const DeviceKind& kind, double block_tokens, int head_dim) {
-  const double f = kind.AttentionRate(false, block_tokens, head_dim);
-  const double b = kind.AttentionRate(true, block_tokens, head_dim);
-  return (1 + kBackwardFactor) / (1 / f + kBackwardFactor / b);
+  return Combine(kind.AttentionRate(false, block_tokens, head_dim),
+                 kind.AttentionRate(true, block_tokens, head_dim));
+}
+
+double CombinedAttentionRate(const AttentionRates& rates, double block_tokens, int head_dim) {
+  return Combine(rates.Rate(false, block_tokens, head_dim),
+                 rates.Rate(true, block_tokens, head_dim));
 }
 
 absl::StatusOr<std::string> ApplyCalibration(const Calibration& calibration, Engine engine,
@@ -395,7 +415,7 @@ absl::StatusOr<std::string> ApplyCalibration(const Calibration& calibration, Eng
     std::shared_ptr<AttentionRates> rates;
     if (!kind.efficiency_given) {
       for (const std::string& e : EngineChain(engine)) {
-        if ((rates = RatesOf(calibration, kind.name, e)) != nullptr) break;
+        if ((rates = CalibratedRates(calibration, kind.name, e)) != nullptr) break;
       }
     }
     if (rates == nullptr) {

@@ -19,6 +19,7 @@
 #define HSAP_LIB_PLANNER_CALIBRATION_H_
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,12 @@ absl::StatusOr<Calibration> CalibrationFromJsonText(absl::string_view text);
 // built-in ones of every (kind, engine, direction, head dim) they name; its GEMM, NCCL and
 // network figures replace the built-in ones they name. Errors name the path.
 absl::StatusOr<Calibration> LoadCalibrationOverBuiltin(const std::string& path);
+// $HSAP_CALIBRATION (base/params.h): its file over the built-in figures
+// (LoadCalibrationOverBuiltin), or the built-in calibration when it is unset or empty; what
+// the runtime's `auto` engine choice reads (lib/cuda/cudnn/engine_rates.h). InvalidArgument
+// naming the variable, the path and the problem (a file that does not open, bad JSON, a bad
+// entry) otherwise.
+absl::StatusOr<Calibration> CalibrationFromEnvironment();
 // Overlays `over` on `base` as LoadCalibrationOverBuiltin does; the name says both.
 Calibration OverlayCalibration(const Calibration& base, const Calibration& over);
 // The file form of `calibration` (its rates, GEMM, NCCL and network figures).
@@ -82,9 +89,17 @@ std::string CalibrationToJsonText(const Calibration& calibration);
 absl::StatusOr<std::string> ApplyCalibration(const Calibration& calibration, Engine engine,
                                              Cluster* cluster);
 
+// The rates of `engine` ("jit", "cudnn", "fa2", "fa3") on the device kind `kind` from
+// `calibration`'s figures (no fallback to another engine), with the engine's built-in
+// short-block shapes; null unless the calibration has both directions of it.
+std::shared_ptr<AttentionRates> CalibratedRates(const Calibration& calibration,
+                                                const std::string& kind, const std::string& engine);
+
 // The forward + backward rate (3.5 F over F / forward + 2.5 F / backward) of `kind` at
 // `block_tokens` and `head_dim`.
 double CombinedAttentionRate(const DeviceKind& kind, double block_tokens, int head_dim);
+// The same weights over an engine's own rates.
+double CombinedAttentionRate(const AttentionRates& rates, double block_tokens, int head_dim);
 
 }  // namespace hsap
 

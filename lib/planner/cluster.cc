@@ -238,26 +238,34 @@ absl::StatusOr<Cluster> ClusterFromJson(const json& j) {
   return cluster;
 }
 
+bool NamesKind(absl::string_view device_name, absl::string_view kind_name) {
+  if (kind_name.empty()) return false;
+  const auto is_word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)); };
+  for (size_t at = device_name.find(kind_name); at != absl::string_view::npos;
+       at = device_name.find(kind_name, at + 1)) {
+    const size_t end = at + kind_name.size();
+    if ((at == 0 || !is_word_char(device_name[at - 1])) &&
+        (end == device_name.size() || !is_word_char(device_name[end]))) {
+      return true;
+    }
+  }
+  return false;
+}
+
 absl::StatusOr<DeviceDescription> DescribeNamedDevice(absl::string_view device_name,
                                                       uint64_t memory_bytes, int node,
                                                       int devices_on_node) {
-  const auto is_word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)); };
   std::vector<std::string> kinds;
   for (const DeviceKind& kind : BuiltinDeviceKinds()) {
     kinds.push_back(kind.name);
-    for (size_t at = device_name.find(kind.name); at != absl::string_view::npos;
-         at = device_name.find(kind.name, at + 1)) {
-      const size_t end = at + kind.name.size();
-      if ((at == 0 || !is_word_char(device_name[at - 1])) &&
-          (end == device_name.size() || !is_word_char(device_name[end]))) {
-        DeviceDescription d;
-        d.kind = kind.name;
-        d.memory_gib = static_cast<double>(memory_bytes) / kGiB;
-        d.node = node;
-        d.nics = devices_on_node;
-        d.nic_gbps = 50;
-        return d;
-      }
+    if (NamesKind(device_name, kind.name)) {
+      DeviceDescription d;
+      d.kind = kind.name;
+      d.memory_gib = static_cast<double>(memory_bytes) / kGiB;
+      d.node = node;
+      d.nics = devices_on_node;
+      d.nic_gbps = 50;
+      return d;
     }
   }
   return absl::UnimplementedError(

@@ -174,11 +174,14 @@ struct DeviceDescription {
 // with equal node figures; every rank of a kind must describe it alike. Errors name the rank.
 absl::StatusOr<Cluster> ClusterFromDevices(const std::vector<DeviceDescription>& devices);
 
-// A GPU described from what its driver says (name, total memory) and where it is: the
-// built-in kind its name names as a whole word ("NVIDIA H100 80GB HBM3" is an H100; letters
-// and digits around it count, so an "A10" is no A100, nor a "GH200" an H200) with that
-// kind's figures, its own memory, and a DGX-class node: one 400 Gb/s (50 GB/s per
-// direction) NIC per GPU of the node. Unimplemented, naming the device and the built-in kinds,
+// Whether `device_name` (the driver's: "NVIDIA H100 80GB HBM3") names the kind `kind_name`
+// as a whole word: no letter or digit right before or after it, so an "A10" is no A100, an
+// "H1000" no H100, nor a "GH200" an H200. An empty kind name names nothing.
+bool NamesKind(absl::string_view device_name, absl::string_view kind_name);
+
+// A GPU described from what its driver says (name, total memory) and where it is: the first
+// built-in kind its name names (NamesKind) with that kind's figures, its own memory, and a
+// DGX-class node: one 400 Gb/s (50 GB/s per direction) NIC per GPU of the node. Unimplemented, naming the device and the built-in kinds,
 // when no kind matches: such a device must be described by hand.
 absl::StatusOr<DeviceDescription> DescribeNamedDevice(absl::string_view device_name,
                                                       uint64_t memory_bytes, int node,

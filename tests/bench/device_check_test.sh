@@ -68,6 +68,10 @@ for want in "--ranks 1" "--head-dim 128" "-b 16384" "-e 131072" "--docs-dist sin
   grep -q -- "$want" <<< "$l" || fail "the calibration run lacks $want: $l"
 done
 
+# The later runs choose their engines by that file (the dry run writes none to pass on).
+grep -q 'export HSAP_CALIBRATION="$RESULTS/calibration.json"' "$script" ||
+  fail "the calibration file is not passed on as HSAP_CALIBRATION"
+
 # Loopback: 4 and 8 ranks, ring and plan, 16K to 128K tokens, checked against the reference.
 loops=$(grep "> loopback_" <<< "$out")
 for want in "--ranks 4" "--ranks 8" "--groups 2,2" "--groups 4,4" "-b 16384" "-e 131072" \

@@ -6,6 +6,8 @@
 #include "base/status_macros.h"
 #include "lib/cuda/cudnn/cudnn_library.h"
 #include "lib/cuda/cudnn/libcudnn_runner.h"
+#include "lib/cuda/runtime/device.h"
+#include "lib/planner/calibration.h"
 
 namespace hsap::cuda {
 
@@ -13,7 +15,20 @@ absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape)
   EngineSetup setup;
   HSAP_ASSIGN_OR_RETURN(setup.mode, EngineModeFromEnvironment());
   if (setup.mode == EngineMode::kJit) return setup;
+  Calibration calibration;
+  if (setup.mode == EngineMode::kAuto) {
+    HSAP_ASSIGN_OR_RETURN(calibration, CalibrationFromEnvironment());
+  }
   setup.cudnn = ProbeCudnn();
+  if (setup.mode == EngineMode::kAuto && setup.cudnn.loaded.ok()) {
+    if (absl::StatusOr<std::string> name = CurrentCudaDeviceName(); name.ok()) {
+      setup.rates = EngineRatesFor(calibration, *name);
+    } else {
+      setup.rates.calibration = calibration.name;
+      setup.rates.missing =
+          absl::StrCat("this device (its name is unknown: ", name.status().message(), ")");
+    }
+  }
   if (!setup.cudnn.loaded.ok()) {
     setup.runner_status = setup.cudnn.loaded;
   } else if (setup.cudnn.sm < 80) {
@@ -55,9 +70,12 @@ absl::StatusOr<BatchEngines> BatchEngines::Decide(const EngineSetup& setup,
                               ? absl::FailedPreconditionError("HSAP_ATTENTION_ENGINE=jit")
                               : BatchCudnnStatus(setup, shape);
   HSAP_RETURN_IF_ERROR(CheckEngineMode(setup.mode, engines.cudnn_status_));
+  const bool by_rates = setup.mode == EngineMode::kAuto && engines.cudnn_status_.ok();
+  if (by_rates) engines.tally_.auto_choice = setup.rates.Describe();
   for (const WorkList* work : steps) {
     HSAP_ASSIGN_OR_RETURN(StepEngines step,
-                          SplitStep(*work, setup.mode, engines.cudnn_status_, setup.cudnn.version));
+                          SplitStep(*work, setup.mode, engines.cudnn_status_, setup.cudnn.version,
+                                    by_rates ? &setup.rates : nullptr, shape.head_dim));
     engines.tally_.Add(step);
     engines.steps_.push_back(std::move(step));
   }

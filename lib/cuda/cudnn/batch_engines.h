@@ -10,7 +10,8 @@
 // BatchCudnnStatus says why, under `auto` every piece runs on the JIT kernels with that
 // reason in the tally, and under `cudnn` batch creation fails (FailedPrecondition naming the
 // variable, the reason and the fix). The decisions therefore always describe what actually
-// runs.
+// runs. Under `auto`, EngineSetup::rates (engine_rates.h) choose between the engines per
+// piece; the tally says once what they come from, or that there are none for the device.
 #ifndef HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 #define HSAP_LIB_CUDA_CUDNN_BATCH_ENGINES_H_
 
@@ -23,6 +24,7 @@
 #include "absl/types/span.h"
 #include "attention/worklist.h"
 #include "lib/cuda/cudnn/engine_choice.h"
+#include "lib/cuda/cudnn/engine_rates.h"
 #include "lib/cuda/cudnn/piece_runner.h"
 
 namespace hsap::cuda {
@@ -36,12 +38,19 @@ struct EngineSetup {
   std::shared_ptr<CudnnPieceRunner> runner;
   // Why there is no runner (when there is none).
   absl::Status runner_status = absl::UnimplementedError("none was given");
+  // What `auto` chooses between the engines by (engine_rates.h); default: no rates, cuDNN
+  // wherever it can run a piece.
+  EngineRates rates;
 };
 
 // The mode from $HSAP_ATTENTION_ENGINE (InvalidArgument for a bad value) and, unless it is
 // `jit`, ProbeCudnn()'s answer on the current device and, where cuDNN loaded on an sm_80+
 // device, libcudnn's piece runner for it (SharedLibCudnnPieceRunner; when that fails,
-// runner_status says why and has_piece_runner is false).
+// runner_status says why and has_piece_runner is false). Under `auto` also the rates: the
+// calibration (CalibrationFromEnvironment: $HSAP_CALIBRATION's file over the built-in
+// figures; InvalidArgument naming the variable, the path and the problem for a bad file,
+// whatever the device) and, where cuDNN loaded, the current device's name
+// (CurrentCudaDeviceName) looked up in it (EngineRatesFor).
 // `shape` (may be null): the batch's; no runner is made for a batch cuDNN cannot run.
 absl::StatusOr<EngineSetup> EngineSetupFromEnvironment(const EngineShape* shape = nullptr);
 
@@ -57,8 +66,10 @@ class BatchEngines {
 
   // `steps`: the work lists of the batch's steps (a ring batch: local work, then each
   // stage's; a plan batch: local work, then each sub-ring step's), in the order the
-  // executors run them. FailedPrecondition under `cudnn` when BatchCudnnStatus fails
-  // (CheckEngineMode's message); InternalError from DecomposeWorkList.
+  // executors run them. Under `auto`, setup.rates choose per piece at shape.head_dim
+  // (DecidePiece) and the tally's auto_choice says what they are (where cuDNN can run the
+  // batch). FailedPrecondition under `cudnn` when BatchCudnnStatus fails (CheckEngineMode's
+  // message); InternalError from DecomposeWorkList.
   static absl::StatusOr<BatchEngines> Decide(const EngineSetup& setup, const EngineShape& shape,
                                              absl::Span<const WorkList* const> steps);
 

@@ -1,5 +1,6 @@
 #include "lib/cuda/cudnn/engine_choice.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -8,6 +9,8 @@
 #include "absl/strings/str_format.h"
 #include "base/params.h"
 #include "base/status_macros.h"
+#include "lib/cuda/cudnn/engine_rates.h"
+#include "lib/planner/kernel_rates.h"
 
 namespace hsap::cuda {
 namespace {
@@ -39,7 +42,8 @@ absl::StatusOr<EngineMode> ParseEngineMode(absl::string_view text, absl::string_
   if (lower == "jit") return EngineMode::kJit;
   return absl::InvalidArgumentError(absl::StrCat(
       what, " = '", text,
-      "' is not an attention engine: auto (cuDNN where it can, else the JIT kernels), cudnn "
+      "' is not an attention engine: auto (per piece the faster of cuDNN and the JIT kernels by "
+      "the calibration, cuDNN where it can without one), cudnn "
       "(cuDNN, an error where it cannot run the batch) or jit (the JIT kernels only)"));
 }
 
@@ -105,8 +109,22 @@ absl::Status CheckEngineMode(EngineMode mode, const absl::Status& batch_ok) {
       "; set HSAP_ATTENTION_ENGINE to auto or jit"));
 }
 
+namespace {
+
+// A JIT piece's reason when `auto` finds the JIT kernels faster: its block length's
+// power-of-two bucket, so that the tally groups such pieces.
+std::string FasterJitReason(double block_tokens, int head_dim, const std::string& kind) {
+  const double low = std::exp2(std::floor(std::log2(std::max(1.0, block_tokens))));
+  return absl::StrFormat(
+      "auto: jit faster than cudnn at block length [%.0f, %.0f), d %d (%s calibration)", low,
+      2 * low, head_dim, kind);
+}
+
+}  // namespace
+
 PieceDecision DecidePiece(const AttentionPiece& piece, EngineMode mode,
-                          const absl::Status& batch_ok, int cudnn_version) {
+                          const absl::Status& batch_ok, int cudnn_version, const EngineRates* rates,
+                          int head_dim) {
   if (mode == EngineMode::kJit) return {AttentionEngine::kJit, "HSAP_ATTENTION_ENGINE=jit"};
   if (!batch_ok.ok()) return {AttentionEngine::kJit, std::string(batch_ok.message())};
   const int needs = MinCudnnVersion(piece.mask.kind);
@@ -115,16 +133,30 @@ PieceDecision DecidePiece(const AttentionPiece& piece, EngineMode mode,
             absl::StrCat(piece.mask.ToString(), " needs cuDNN ", CudnnVersionString(needs),
                          " (loaded ", CudnnVersionString(cudnn_version), ")")};
   }
-  return {AttentionEngine::kCudnn, piece.mask.ToString()};
+  PieceDecision d{AttentionEngine::kCudnn, piece.mask.ToString()};
+  if (mode != EngineMode::kAuto || rates == nullptr || !rates->known() || head_dim <= 0) return d;
+  d.block_tokens =
+      BlockTokensOf(static_cast<double>(piece.pairs), static_cast<double>(piece.q_len));
+  for (AttentionEngine e : {AttentionEngine::kJit, AttentionEngine::kCudnn}) {
+    d.rates[static_cast<int>(e)] = rates->CombinedRate(e, d.block_tokens, head_dim);
+  }
+  if (d.rates[static_cast<int>(AttentionEngine::kJit)] >
+      d.rates[static_cast<int>(AttentionEngine::kCudnn)]) {  // a tie stays on cuDNN
+    d.engine = AttentionEngine::kJit;
+    d.reason = FasterJitReason(d.block_tokens, head_dim, rates->kind);
+  }
+  return d;
 }
 
 absl::StatusOr<StepEngines> SplitStep(const WorkList& work, EngineMode mode,
-                                      const absl::Status& batch_ok, int cudnn_version) {
+                                      const absl::Status& batch_ok, int cudnn_version,
+                                      const EngineRates* rates, int head_dim) {
   StepEngines step;
   HSAP_ASSIGN_OR_RETURN(step.pieces, DecomposeWorkList(work));
   std::vector<size_t> on_cudnn;
   for (size_t i = 0; i < step.pieces.size(); ++i) {
-    step.decisions.push_back(DecidePiece(step.pieces[i], mode, batch_ok, cudnn_version));
+    step.decisions.push_back(
+        DecidePiece(step.pieces[i], mode, batch_ok, cudnn_version, rates, head_dim));
     (step.decisions.back().engine == AttentionEngine::kCudnn ? on_cudnn : step.jit_pieces)
         .push_back(i);
   }
@@ -157,6 +189,7 @@ std::string EngineTally::ToString() const {
     absl::StrAppend(&out, sep, count, " x ", reason);
     sep = "; ";
   }
+  if (!auto_choice.empty()) absl::StrAppend(&out, " [", auto_choice, "]");
   return out;
 }
 

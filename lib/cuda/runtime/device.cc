@@ -227,6 +227,20 @@ absl::StatusOr<std::string> CurrentCudaArch() {
   return absl::StrCat("sm_", major, minor);
 }
 
+absl::StatusOr<std::string> CurrentCudaDeviceName() {
+  HSAP_RETURN_IF_ERROR(CheckCudaDevice());
+  HSAP_ASSIGN_OR_RETURN(const CudaRuntimeApi* rt, LoadCudaRuntime());
+  HSAP_ASSIGN_OR_RETURN(const CudaDriverApi* driver, LoadCudaDriver());
+  int ordinal = 0, device = 0;
+  HSAP_RETURN_IF_ERROR(rt->Check(rt->GetDevice(&ordinal), "cudaGetDevice"));
+  HSAP_RETURN_IF_ERROR(driver->Check(driver->DeviceGet(&device, ordinal),
+                                     absl::StrCat("cuDeviceGet(", ordinal, ")")));
+  char name[256] = {};
+  HSAP_RETURN_IF_ERROR(
+      driver->Check(driver->DeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName"));
+  return std::string(name);
+}
+
 cudaStream TransferStream(const Transport& t) {
   const auto* device = dynamic_cast<const DeviceTransport*>(&t);
   return device != nullptr ? device->transfer_stream() : nullptr;

@@ -201,6 +201,8 @@ absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(const CudaRuntimeApi& r
 
 // "sm_90" for the current CUDA device (its compute capability).
 absl::StatusOr<std::string> CurrentCudaArch();
+// The current CUDA device's name as its driver gives it ("NVIDIA H200").
+absl::StatusOr<std::string> CurrentCudaDeviceName();
 
 // A transport that moves device memory: NCCL ranks, loopback ranks sharing one GPU.
 class DeviceTransport : public Transport {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -10,6 +11,7 @@
 #include "lib/planner/cost_model.h"
 #include "lib/planner/kernel_rates.h"
 #include "lib/planner/planner.h"
+#include "tests/support/scoped_env.h"
 
 namespace hsap {
 namespace {
@@ -178,6 +180,40 @@ TEST(CalibrationTest, AFileOverTheBuiltinPricesThePlan) {
   EXPECT_DOUBLE_EQ(jit.kinds[0].AttentionRate(false, 32768, 128), 137.28e12);
   std::remove(path.c_str());
   EXPECT_THAT(LoadCalibrationOverBuiltin(path).status().message(), HasSubstr(path));
+}
+
+// $HSAP_CALIBRATION: unset or empty, the built-in figures; a file, laid over them; a bad
+// file, InvalidArgument naming the variable and the path. The engine rates read from it are
+// the file's (CalibratedRates, no fallback to another engine).
+TEST(CalibrationTest, FromTheEnvironment) {
+  testing::ScopedEnv env("HSAP_CALIBRATION", nullptr);
+  absl::StatusOr<Calibration> c = CalibrationFromEnvironment();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->name, "built-in");
+  const std::string path = ::testing::TempDir() + "/calibration_env_test.json";
+  {
+    std::ofstream out(path);
+    out << R"({"name": "env file", "rates": [
+      {"device_kind": "X9", "engine": "jit", "direction": "forward", "block_tokens": 2048,
+       "head_dim": 64, "tflops": 40},
+      {"device_kind": "X9", "engine": "jit", "direction": "backward", "block_tokens": 2048,
+       "head_dim": 64, "tflops": 30}]})";
+  }
+  env.Set(path.c_str());
+  c = CalibrationFromEnvironment();
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->name, "env file over built-in");
+  std::shared_ptr<AttentionRates> x9 = CalibratedRates(*c, "X9", "jit");
+  ASSERT_NE(x9, nullptr);
+  EXPECT_DOUBLE_EQ(x9->Rate(false, 2048, 64), 40e12);
+  EXPECT_DOUBLE_EQ(x9->Rate(true, 2048, 64), 30e12);
+  EXPECT_EQ(CalibratedRates(*c, "X9", "cudnn"), nullptr);    // no fallback
+  EXPECT_NE(CalibratedRates(*c, "H200", "cudnn"), nullptr);  // the built-in figures stay
+  std::remove(path.c_str());
+  const absl::Status gone = CalibrationFromEnvironment().status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(gone.message(), HasSubstr("$HSAP_CALIBRATION = '" + path + "'"));
+  EXPECT_THAT(gone.message(), HasSubstr("cannot open"));
 }
 
 TEST(CalibrationTest, BadFilesAreRefusedNamingTheField) {

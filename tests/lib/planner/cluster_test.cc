@@ -157,6 +157,18 @@ TEST(DescribeNamedDevice, TakesTheKindItsDriverNameNames) {
   }
 }
 
+TEST(DescribeNamedDevice, NamesKindAsAWholeWord) {
+  EXPECT_TRUE(NamesKind("NVIDIA H100 80GB HBM3", "H100"));
+  EXPECT_TRUE(NamesKind("NVIDIA A100-SXM4-80GB", "A100"));
+  EXPECT_TRUE(NamesKind("H200", "H200"));
+  EXPECT_TRUE(NamesKind("NVIDIA H100 NVL", "H100 NVL"));
+  EXPECT_TRUE(NamesKind("A1000 A100", "A100"));  // a later whole-word occurrence
+  EXPECT_FALSE(NamesKind("NVIDIA H1000", "H100"));
+  EXPECT_FALSE(NamesKind("NVIDIA RTX A1000", "A100"));
+  EXPECT_FALSE(NamesKind("NVIDIA GH200", "H200"));
+  EXPECT_FALSE(NamesKind("NVIDIA H200", ""));
+}
+
 TEST(DescribeNamedDevice, DescribedRanksFormACluster) {
   std::vector<DeviceDescription> devices;
   for (int r = 0; r < 4; ++r) {

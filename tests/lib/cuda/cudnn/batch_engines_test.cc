@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -12,8 +13,10 @@
 #include "attention/worklist.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "lib/planner/calibration.h"
 #include "tests/support/random_layouts.h"
 #include "tests/support/scoped_env.h"
+#include "tests/support/test_files.h"
 
 namespace hsap::cuda {
 namespace {
@@ -134,6 +137,50 @@ TEST(BatchEnginesTest, JitModeDecidesWithoutCudnn) {
   EXPECT_EQ(e->tally().jit_reasons.begin()->first, "HSAP_ATTENTION_ENGINE=jit");
 }
 
+// Rates under which the JIT kernels are 10x faster at every length: `auto` moves every piece
+// cuDNN could run to them, says so once in the report, and `cudnn` ignores the rates.
+TEST(BatchEnginesTest, AutoChoosesByTheSetupsRates) {
+  Calibration fast_jit;
+  fast_jit.name = "fast jit";
+  for (bool backward : {false, true}) {
+    fast_jit.rates.push_back({"H200", "jit", backward, 1024, 128, 1000, ""});
+    fast_jit.rates.push_back({"H200", "cudnn", backward, 1024, 128, 100, ""});
+  }
+  const TwoSteps t = StepsOf(13);
+  EngineSetup setup = H200Setup(EngineMode::kAuto, true);
+  setup.rates = EngineRatesFor(fast_jit, "NVIDIA H200");
+  absl::StatusOr<BatchEngines> e = BatchEngines::Decide(setup, Bf16d128(), t.steps());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->tally().pairs[kJit], t.pairs());
+  EXPECT_EQ(e->tally().cudnn_calls, 0);
+  EXPECT_EQ(e->tally().auto_choice,
+            "auto by calibration fast jit, kind H200: per piece the faster engine");
+  for (const auto& [reason, count] : e->tally().jit_reasons) {
+    EXPECT_THAT(reason, ::testing::MatchesRegex(
+                            "auto: jit faster than cudnn at block length \\[[0-9]+, [0-9]+\\), "
+                            "d 128 \\(H200 calibration\\)"));
+  }
+  const std::string report = e->tally().ToString();
+  EXPECT_THAT(report, HasSubstr(" [auto by calibration fast jit, kind H200"));
+
+  setup.mode = EngineMode::kCudnn;
+  e = BatchEngines::Decide(setup, Bf16d128(), t.steps());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->tally().pairs[kCudnn], t.pairs());
+  EXPECT_EQ(e->tally().auto_choice, "");
+
+  // No figures for the device: cuDNN wherever it runs, and the report says why, once.
+  setup.mode = EngineMode::kAuto;
+  setup.rates = EngineRatesFor(fast_jit, "NVIDIA L40S");
+  e = BatchEngines::Decide(setup, Bf16d128(), t.steps());
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->tally().pairs[kCudnn], t.pairs());
+  const std::string none = e->tally().ToString();
+  EXPECT_THAT(none, HasSubstr("[auto: no calibration for NVIDIA L40S (no kind of calibration "
+                              "fast jit names it): cuDNN wherever it can run]"));
+  EXPECT_EQ(none.find("no calibration"), none.rfind("no calibration"));
+}
+
 TEST(BatchEnginesTest, SetupFromTheEnvironment) {
   testing::ScopedEnv lib_path("HSAP_CUDA_LIB_PATH", HSAP_SOURCE_DIR "/tests/no-such-dir");
   {
@@ -155,6 +202,41 @@ TEST(BatchEnginesTest, SetupFromTheEnvironment) {
   }
   testing::ScopedEnv env("HSAP_ATTENTION_ENGINE", "fastest");
   EXPECT_EQ(EngineSetupFromEnvironment().status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// $HSAP_CALIBRATION under `auto`: a file that cannot be read or is not a calibration fails
+// the setup (batch creation) naming the variable, the path and the problem; a good one does
+// not; the forcing modes do not read it.
+TEST(BatchEnginesTest, CalibrationFromTheEnvironment) {
+  testing::ScopedEnv lib_path("HSAP_CUDA_LIB_PATH", HSAP_SOURCE_DIR "/tests/no-such-dir");
+  testing::ScopedEnv mode("HSAP_ATTENTION_ENGINE", nullptr);
+  const std::string dir = testing::MakeTestTempDir("engine_calibration");
+  const std::string missing = dir + "/missing.json", bad_json = dir + "/bad.json",
+                    bad_entry = dir + "/entry.json", good = dir + "/good.json";
+  testing::WriteFile(bad_json, "{\"rates\": [");
+  testing::WriteFile(bad_entry, R"({"rates": [{"device_kind": "H200", "engine": "jit",
+      "direction": "forward", "block_tokens": 4096, "head_dim": 128, "tflops": -1}]})");
+  testing::WriteFile(good, R"({"name": "mine", "rates": [{"device_kind": "H200",
+      "engine": "jit", "direction": "forward", "block_tokens": 4096, "head_dim": 128,
+      "tflops": 150}]})");
+  testing::ScopedEnv calibration("HSAP_CALIBRATION", missing.c_str());
+  for (const auto& [path, problem] : std::vector<std::pair<std::string, std::string>>{
+           {missing, "cannot open"}, {bad_json, "JSON"}, {bad_entry, "rates[0].tflops"}}) {
+    calibration.Set(path.c_str());
+    const absl::Status s = EngineSetupFromEnvironment().status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << path;
+    EXPECT_THAT(s.message(), HasSubstr("$HSAP_CALIBRATION = '" + path + "'"));
+    EXPECT_THAT(s.message(), HasSubstr(problem));
+  }
+  calibration.Set(good.c_str());
+  EXPECT_TRUE(EngineSetupFromEnvironment().ok());
+  calibration.Set("");  // the built-in figures
+  EXPECT_TRUE(EngineSetupFromEnvironment().ok());
+  calibration.Set(bad_json.c_str());
+  for (const char* forcing : {"jit", "cudnn"}) {
+    mode.Set(forcing);
+    EXPECT_TRUE(EngineSetupFromEnvironment().ok()) << forcing;
+  }
 }
 
 }  // namespace
