@@ -431,19 +431,21 @@ class EmulatedKernels : public cuda::DeviceKernels {
                   [p] { hsap_dev::accumulate_kernel<Cfg>(p); });
   }
   absl::Status CopyChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
-    HSAP_RETURN_IF_ERROR(DisjointChunks(p, "copy chunks"));
-    return Helper("copy chunks", cuda::HelperGrid(p, kHelperCtas), s,
-                  [p] { hsap_dev::copy_chunks_kernel<Cfg>(p); });
+    return Helper(
+        "copy chunks", cuda::HelperGrid(p, kHelperCtas), s,
+        [p] { hsap_dev::copy_chunks_kernel<Cfg>(p); }, [p] { return DisjointChunks(p); });
   }
   absl::Status AddChunks(const hsap_dev::ChunksParams& p, cuda::cudaStream s) const override {
-    HSAP_RETURN_IF_ERROR(DisjointChunks(p, "add chunks"));
-    return Helper("add chunks", cuda::HelperGrid(p, kHelperCtas), s,
-                  [p] { hsap_dev::add_chunks_kernel<Cfg>(p); });
+    return Helper(
+        "add chunks", cuda::HelperGrid(p, kHelperCtas), s,
+        [p] { hsap_dev::add_chunks_kernel<Cfg>(p); }, [p] { return DisjointChunks(p); });
   }
   absl::Status MergeEntries(const hsap_dev::EntryMergeParams& p,
                             cuda::cudaStream s) const override {
-    return Helper("merge entries", cuda::HelperGrid(p, kHelperCtas), s,
-                  [p] { hsap_dev::merge_entries_kernel<Cfg>(p); });
+    return Helper(
+        "merge entries", cuda::HelperGrid(p, kHelperCtas), s,
+        [p] { hsap_dev::merge_entries_kernel<Cfg>(p); },
+        [p] { return DisjointEntries(p.entries, p.num_entries); });
   }
   absl::Status GatherStats(const hsap_dev::StatsGatherParams& p,
                            cuda::cudaStream s) const override {
@@ -451,8 +453,10 @@ class EmulatedKernels : public cuda::DeviceKernels {
                   [p] { hsap_dev::gather_stats_kernel<Cfg>(p); });
   }
   absl::Status AddEntries(const hsap_dev::EntryAddParams& p, cuda::cudaStream s) const override {
-    return Helper("add entries", cuda::HelperGrid(p, kHelperCtas), s,
-                  [p] { hsap_dev::add_entries_kernel<Cfg>(p); });
+    return Helper(
+        "add entries", cuda::HelperGrid(p, kHelperCtas), s,
+        [p] { hsap_dev::add_entries_kernel<Cfg>(p); },
+        [p] { return DisjointEntries(p.entries, p.num_entries); });
   }
   // The fused forward (Cfg::kMaxSteps > 0): by default one copy CTA and up to two compute
   // CTAs, all running at once as on a GPU (unless the device's residency says otherwise).
@@ -548,29 +552,42 @@ class EmulatedKernels : public cuda::DeviceKernels {
       return launched;
     });
   }
-  // The chunk kernels run chunks on many CTAs at once without atomics, so chunks that meet in
-  // the destination race on a GPU (lost updates, or a copy that wins by timing). The emulator
-  // refuses such a launch outright instead of racing only sometimes.
-  static absl::Status DisjointChunks(const hsap_dev::ChunksParams& p, const char* what) {
-    std::vector<hsap_dev::CopyChunk> chunks(p.chunks, p.chunks + p.num_chunks);
-    std::sort(chunks.begin(), chunks.end(),
-              [](const auto& a, const auto& b) { return a.dst < b.dst; });
-    for (size_t i = 1; i < chunks.size(); ++i) {
-      if (chunks[i].dst < chunks[i - 1].dst + chunks[i - 1].bytes) {
+  // The helpers' preconditions that a GPU does not check: they run chunks or entries on many
+  // CTAs at once without atomics, so two that meet in the destination race (lost updates, or
+  // a copy that wins by timing). The emulator refuses such a launch every time instead of
+  // racing only sometimes. Checked in stream order, when the lists are in place.
+  static absl::Status Disjoint(std::vector<std::pair<long long, long long>> ranges,
+                               const char* unit) {
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      if (ranges[i].first < ranges[i - 1].first + ranges[i - 1].second) {
         return absl::InternalError(absl::StrCat(
-            what, ": chunks meet in the destination at byte ", chunks[i].dst,
-            ": their CTAs would race (exchange_program.h: one launch, disjoint destinations)"));
+            "two ", unit, " meet in the destination at ", ranges[i].first,
+            ": their CTAs would race (hsap_params.cuh: one launch, disjoint destinations)"));
       }
     }
     return absl::OkStatus();
   }
+  static absl::Status DisjointChunks(const hsap_dev::ChunksParams& p) {
+    std::vector<std::pair<long long, long long>> ranges;
+    for (long long i = 0; i < p.num_chunks; ++i) ranges.push_back({p.chunks[i].dst, p.chunks[i].bytes});
+    return Disjoint(std::move(ranges), "chunks");
+  }
+  static absl::Status DisjointEntries(const hsap_dev::EntryRows* entries, int n) {
+    std::vector<std::pair<long long, long long>> ranges;
+    for (int i = 0; i < n; ++i) ranges.push_back({entries[i].begin, entries[i].len});
+    return Disjoint(std::move(ranges), "entries");
+  }
 
   // Row-wise helpers: CTAs of 256 threads.
-  template <typename Fn>
-  absl::Status Helper(const char* what, cuda::LaunchGrid grid, cuda::cudaStream s,
-                      Fn kernel) const {
+  // `check`: the launch's precondition, evaluated in stream order before the kernel runs.
+  template <typename Fn, typename Check = absl::Status (*)()>
+  absl::Status Helper(
+      const char* what, cuda::LaunchGrid grid, cuda::cudaStream s, Fn kernel,
+      Check check = [] { return absl::OkStatus(); }) const {
     if (grid.empty()) return absl::OkStatus();
-    return Run(what, s, [this, what, grid, kernel] {
+    return Run(what, s, [this, what, grid, kernel, check] {
+      HSAP_RETURN_IF_ERROR(check());
       return hsap_emu::Launch(residency(), what, grid.x, grid.y, cuda::kHelperThreads, 0,
                               /*all_concurrent=*/false, kernel);
     });

@@ -434,7 +434,7 @@ TEST(GpuHier, EmulatorRefusesChunksThatMeetInTheDestination) {
   for (bool add : {true, false}) {
     const absl::Status s = add ? kernels.AddChunks(p, stream) : kernels.CopyChunks(p, stream);
     EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
-    EXPECT_NE(s.message().find("meet in the destination at byte 64"), std::string::npos) << s;
+    EXPECT_NE(s.message().find("two chunks meet in the destination at 64"), std::string::npos) << s;
   }
   EXPECT_EQ(dst, std::vector<float>(64, 0.0f));
   chunks[1].dst = 128;
