@@ -30,12 +30,14 @@
 #include "attention/reference.h"
 #include "attention/tolerance.h"
 #include "attention/worklist.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 #include "tests/support/emulated_cuda_runtime.h"
 #include "tests/support/emulated_kernel_inputs.h"
 #include "tests/support/nonfinite.h"
+#include "tests/support/random_layouts.h"
 #include "tests/support/sweep.h"
 #include "tests/support/tolerance.h"
 
@@ -153,15 +155,15 @@ void ExpectGradientsWithinRule(const Problem& p, const Gradients& g) {
   }
 }
 
-// Within the rule on the runtime's grid, and bitwise equal on a grid of 8 CTAs (other CTAs
-// take the items; every sum keeps its order).
+// Within the rule on the runtime's grid; with `twice`, also bitwise equal on a grid of 8 CTAs
+// (other CTAs take the items; every sum keeps its order).
 template <class Cfg>
-void CheckBackward(const Problem& p, int64_t block_rows) {
+void CheckBackward(const Problem& p, int64_t block_rows, bool twice = false) {
   static_assert(Cfg::kWgmmaBwd && Cfg::kDeterministicDq);
   ASSERT_EQ(p.in.dims.head_dim, Cfg::kHeadDim);
   const Gradients first = RunBackward<Cfg>(p, block_rows);
   ExpectGradientsWithinRule(p, first);
-  if (testing::SweepIsSubset()) return;
+  if (!twice) return;
   const Gradients second = RunBackward<Cfg>(p, block_rows, 8);
   auto bits_equal = [](const std::vector<float>& a, const std::vector<float>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
@@ -182,7 +184,125 @@ Layout MixedDocuments() {
 
 TEST(CudaWgmmaBackward, Bf16HeadDim64Gqa2) {
   CheckBackward<WgmmaBwdCfg<hsap_dev::bf16, 64, 2, true>>(
-      MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 41), 96);
+      MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 41), 96, /*twice=*/true);
+}
+TEST(CudaWgmmaBackward, F16HeadDim128Gqa2) {
+  CheckBackward<WgmmaBwdCfg<hsap_dev::f16, 128, 2, true>>(
+      MakeProblem(MixedDocuments(), DType::kF16, 128, 2, 1, 42), 128);
+}
+// A query-head to kv-head map given at run time, here crossed; user slices (rectangles onto
+// earlier blocks, windows).
+TEST(CudaWgmmaBackward, Bf16HeadDim128KvHeadMapSlices) {
+  if (testing::SweepIsSubset()) GTEST_SKIP() << "sweep subset: d 128 runs in f16 above";
+  CheckBackward<WgmmaBwdCfg<hsap_dev::bf16, 128, 2, true>>(
+      MakeProblem(testing::RandomSliceLayout(200, 5), DType::kBF16, 128, 2, 2, 43, {1, 0}), 64);
+}
+TEST(CudaWgmmaBackward, F16HeadDim64Slices) {
+  CheckBackward<WgmmaBwdCfg<hsap_dev::f16, 64, 2, true>>(
+      MakeProblem(testing::RandomSliceLayout(180, 7), DType::kF16, 64, 2, 1, 44), 64);
+}
+// The full-only variant on bidirectional documents.
+TEST(CudaWgmmaBackward, FullOnlyVariant) {
+  const std::vector<int64_t> cu = {0, 100, 230, 260};
+  CheckBackward<WgmmaBwdCfg<hsap_dev::bf16, 64, 2, false>>(
+      MakeProblem(*Layout::FromDocuments(cu, std::vector<MaskKind>(3, MaskKind::kFull)),
+                  DType::kBF16, 64, 2, 1, 45),
+      128);
+}
+
+// A banded segment given to the full-only variant: reported and skipped (key and dq items),
+// without hanging; the full document's gradients are computed.
+TEST(CudaWgmmaBackward, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
+  const Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 46);
+  const Gradients g = RunBackward<WgmmaBwdCfg<hsap_dev::bf16, 64, 2, false>>(p, 128);
+  EXPECT_EQ(g.error_flag, static_cast<unsigned int>(hsap_dev::kErrorBandInFullOnlyVariant));
+  const int D = 64;
+  auto row_nonzero = [&](const std::vector<float>& x, int64_t row, int heads) {
+    for (int i = 0; i < heads * D; ++i) {
+      if (x[row * heads * D + i] != 0.0f) return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(row_nonzero(g.dq, 300, 2));   // the full document [250, 320)
+  EXPECT_TRUE(row_nonzero(g.dk, 300, 1));
+  EXPECT_FALSE(row_nonzero(g.dq, 10, 2));   // the causal one
+  EXPECT_FALSE(row_nonzero(g.dv, 10, 1));
+}
+
+// NaN and infinity in dout: the gradients the naive backward makes NaN are NaN; and the rows
+// of another document that a Q / dO box reads past the tile's rows (zeroed in shared memory)
+// do not reach this document's keys: documents [0, 100) causal and [100, 160) full, dout of
+// rows 110 (+inf) and 120 (NaN) of the second. The first document's query tile [64, 100)
+// reads rows 100..127 with its box.
+TEST(CudaWgmmaBackward, NonFiniteDoutStaysInItsRowsAndTiles) {
+  using Cfg = WgmmaBwdCfg<hsap_dev::bf16, 64, 2, true>;
+  const std::vector<int64_t> cu = {0, 100, 160};
+  Problem p = MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kFull}),
+                          DType::kBF16, 64, 2, 1, 47);
+  const int D = 64, HQ = 2;
+  for (int h = 0; h < HQ; ++h) {
+    for (int d = 0; d < D; d += 7) {
+      p.dout.Set((110 * HQ + h) * D + d, INFINITY);
+      p.dout.Set((120 * HQ + h) * D + d, NAN);
+    }
+  }
+  const Gradients g = RunBackward<Cfg>(p, 128);
+  EXPECT_EQ(g.error_flag, 0u);
+  std::vector<float> dout(p.in.q.v.size() - 8);
+  for (size_t i = 0; i < dout.size(); ++i) dout[i] = p.dout.Get(i);
+  const ReferenceForwardResult fwd = ReferenceForward(p.in.layout, p.Inputs());
+  const testing::NaNGradients want =
+      testing::NaiveNaNGradients(p.in.layout, p.in.dims, fwd.lse, dout);
+  testing::ExpectNoNaNLost(g.dq, want.dq, "dq");
+  testing::ExpectNoNaNLost(g.dk, want.dk, "dk");
+  testing::ExpectNoNaNLost(g.dv, want.dv, "dv");
+  // Keys 0..63 (the first key item: only the first document's keys) and the first document's
+  // dq rows stay finite.
+  for (int64_t i = 0; i < 64 * D; ++i) {
+    ASSERT_TRUE(std::isfinite(g.dk[i]) && std::isfinite(g.dv[i])) << "key " << i / D;
+  }
+  for (int64_t i = 0; i < 100 * HQ * D; ++i) {
+    ASSERT_TRUE(std::isfinite(g.dq[i])) << "row " << i / (HQ * D);
+  }
+}
+
+// Broken contracts: heads_q != heads_kv * kGqa without a map is flagged and nothing is
+// written; a q that is not 16-byte aligned is refused by the tensor-map encoder (host side),
+// naming the tensor.
+TEST(CudaWgmmaBackward, ContractViolations) {
+  using Cfg = WgmmaBwdCfg<hsap_dev::bf16, 64, 2, true>;
+  const Problem p = MakeProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 48);
+  const Gradients heads =
+      RunBackward<Cfg>(p, 128, 0, [](hsap_dev::BwdParams& bp) { bp.heads_kv = 2; });
+  EXPECT_EQ(heads.error_flag, static_cast<unsigned int>(hsap_dev::kErrorHeads));
+  for (const std::vector<float>* x : {&heads.dq, &heads.dk, &heads.dv}) {
+    for (float v : *x) ASSERT_EQ(v, 0.0f);
+  }
+  hsap_dev::BwdParams bp{};
+  bp.q = reinterpret_cast<const char*>(p.in.q.data()) + 2;
+  bp.k = p.in.k.data();
+  bp.v = p.in.v.data();
+  bp.dout = p.dout.data();
+  bp.q_rows = bp.k_rows = p.T();
+  bp.heads_q = 2;
+  bp.heads_kv = 1;
+  testing::EmulatedCudaRuntime emu;
+  absl::StatusOr<cuda::WgmmaBackwardMaps> maps =
+      cuda::EncodeWgmmaBackwardMaps(emu.driver(), bp, DType::kBF16, 64, 64);
+  EXPECT_FALSE(maps.ok());
+  EXPECT_THAT(std::string(maps.status().message()), ::testing::HasSubstr("tensor map of q"));
+  bp.q = p.in.q.data();
+  EXPECT_FALSE(cuda::EncodeWgmmaBackwardMaps(emu.driver(), bp, DType::kBF16, 256, 64).ok());
+  EXPECT_FALSE(cuda::EncodeWgmmaBackwardMaps(emu.driver(), bp, DType::kF32, 64, 64).ok());
+}
+
+// The generator's tiles and the device shape agree.
+TEST(CudaWgmmaBackward, ConfigurationsAreTheGenerators) {
+  using Cfg = WgmmaBwdCfg<hsap_dev::bf16, 128, 2, true>;
+  static_assert(Cfg::kWgmmaBwd && Cfg::kWgmmaBwdBlockM == 64 && Cfg::kBwdThreads == 128);
+  EXPECT_EQ(hsap_dev::WgmmaBwdShape<Cfg>::kSmemBytes, Cfg::kWgmmaBwdSmemBytes);
+  using Full = WgmmaBwdCfg<hsap_dev::bf16, 64, 2, false>;
+  EXPECT_EQ(hsap_dev::WgmmaBwdShape<Full>::kSmemBytes, Full::kWgmmaBwdSmemBytes);
 }
 
 }  // namespace
