@@ -174,23 +174,21 @@ int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
 }
 
 // The sm_90a backward (hsap_attention_wgmma_bwd.cuh, WgmmaBwdShape::kSmemBytes): 1 KiB of
-// alignment slack, then the larger of its key phase (K and V of 64 keys, two stages of Q and
-// dO of bm rows, 16-bit elements without padding; lse and delta [2][2][bm] floats; 256 bytes of
-// walk state) and the mma.sync dq pass (MmaBwdSmemBytes's, 128 threads), then 3 mbarriers.
-int WgmmaBwdSmemBytes(int d, int bm, int mma_bm, int mma_bn) {
-  const int key_phase = 2 * 64 * d * 2 + 4 * bm * d * 2 + 16 * bm + 256;
-  const int dq_pass = MmaBwdSmemBytes(d, mma_bm, mma_bn, 128, /*deterministic_dq=*/true);
-  return 1024 + (std::max(key_phase, dq_pass) + 7) / 8 * 8 + 8 * 3;
+// alignment slack, K and V of 64 keys, two stages of Q and dO of bm rows (16-bit elements
+// without padding; the dq items use the same tiles the other way round), lse and delta
+// [2][2][bm] floats, 256 bytes of walk state, then 3 mbarriers.
+int WgmmaBwdSmemBytes(int d, int bm) {
+  return 1024 + 2 * 64 * d * 2 + 4 * bm * d * 2 + 16 * bm + 256 + 8 * 3;
 }
 
-// The sm_90a backward's query tile: 64 rows (wgmma N of S^T and dP^T). Per thread of its one
-// warpgroup dK and dV of 64 keys take D fp32 registers (128 at D = 128), S^T and dP^T 64,
-// their packed A fragments 32 (the compile test holds it to zero spills).
+// The sm_90a backward's query tile: 64 rows (wgmma N of S^T and dP^T; the dq items' M, the
+// key items' 64 keys being their N). Per thread of its one warpgroup dK and dV of 64 keys take
+// D fp32 registers (128 at D = 128), S^T and dP^T 64, their packed A fragments 32 (the compile
+// test holds it to zero spills).
 void ChooseWgmmaBackwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
   t->wgmma_bwd = true;
   t->wgmma_bwd_block_m = 64;
-  t->wgmma_bwd_smem_bytes =
-      WgmmaBwdSmemBytes(c.head_dim, t->wgmma_bwd_block_m, t->bwd_block_m, t->bwd_block_n);
+  t->wgmma_bwd_smem_bytes = WgmmaBwdSmemBytes(c.head_dim, t->wgmma_bwd_block_m);
 }
 
 const char* CudaTypeName(DType t) {
@@ -374,7 +372,7 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_block_n = m.bn;
     t.bwd_threads = m.threads;
     t.bwd_tensor_core = true;
-    if (CudaWgmmaBackwardApplies(c) && m.threads == 128) ChooseWgmmaBackwardTiles(c, &t);
+    if (CudaWgmmaBackwardApplies(c)) ChooseWgmmaBackwardTiles(c, &t);
   } else {
     // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit the
     // shared memory (head dim 256 on sm_86/89: 99 KB).

@@ -2,50 +2,58 @@
 // deterministic dq (jit/codegen_cuda.h CudaWgmmaBackwardApplies: bf16/f16, head dim 64 or
 // 128). Same contract as attn_bwd_mma_kernel (BwdParams of hsap_params.cuh; dq, dk, dv fp32
 // and added into; any grid), whose work items, walks, masks and NaN/inf rules it keeps
-// (hsap_attention_mma_bwd.cuh): the CTAs walk, grid-stride, over
-//   1. key items (64 key rows kt0..kt1 of kv head kvh), computed here with wgmma: the CTA's
-//      one warpgroup keeps dK and dV of its 64 keys in registers (wgmma accumulators: warp w
-//      holds keys 16w..16w+15) and walks the query tiles that see the keys (next_key_tile:
-//      every query head of the kv head, every block and segment, kBM rows at a time), per tile
-//        S^T = K Q^T, dP^T = V dO^T            (wgmma m64n<kBM>k16, A and B from shared memory)
+// (hsap_attention_mma_bwd.cuh), all on wgmma: the CTAs walk, grid-stride, over
+//   1. key items (64 key rows kt0..kt1 of kv head kvh): the CTA's one warpgroup keeps dK and
+//      dV of its 64 keys in registers (wgmma accumulators: warp w holds keys 16w..16w+15) and
+//      walks the query tiles that see the keys (next_key_tile: every query head of the kv head,
+//      every block and segment, kBM = 64 rows at a time), per tile
+//        S^T = K Q^T, dP^T = V dO^T            (wgmma m64n64k16, A and B from shared memory)
 //        P^T = exp(scale S^T - lse), dS^T = P^T (dP^T - delta)   (mma_bwd_probs_t, per element)
-//        dV += P^T dO, dK += dS^T Q            (wgmma m64n<D>k16, A = P^T / dS^T packed in
+//        dV += P^T dO, dK += dS^T Q            (wgmma m64nDk16, A = P^T / dS^T packed in
 //                                               registers, B = dO / Q by MN-major descriptors)
 //      and adds dK * scale and dV to dk / dv once: one writer per (key row, kv head), so dk and
 //      dv are bitwise deterministic;
-//   2. query items (query block, head): dq, by the mma.sync backward's mma_bwd_query_item
-//      unchanged (kDeterministicDq's fixed reduction order, bitwise reproducible). The sm_90a
-//      backward exists only for deterministic dq; atomic-dq configurations keep the mma.sync
-//      backward.
-// Loads: thread 0 issues TMA loads (hsap_tma.cuh) of the item's K and V tiles (boxes of 64 keys,
-// past the tensor's end zero-filled) and of each query tile's Q and dO (boxes of kBM rows) into
-// two stages guarded by mbarriers (full[stage], arrive.expect_tx), the next tile's while the
-// warpgroup computes this one; lse and delta of the tile's rows go to shared memory with plain
-// loads. Q and dO rows past the tile's rows (other rows of the tensor, which a box reads) are
-// zeroed in shared memory before use, so that a NaN or inf there cannot reach dK / dV as 0 * inf.
-// Simplified against FlashAttention-3 (correctness first): one consumer warpgroup of 64 keys and
-// no producer warpgroup or setmaxnreg (thread 0 issues the loads between tiles), and the two
-// wgmma groups of a tile (S^T with dP^T, then dV with dK) are not overlapped with the
-// elementwise work.
+//   2. dq items (query block, head; kDeterministicDq's organisation, mma_bwd_query_item's):
+//      64-row chunks of the block, each walking the block's segments and their 64-key tiles in
+//      order (next_query_tile), per tile
+//        S = Q K^T, dP = dO V^T                (wgmma m64n64k16 from shared memory)
+//        dS = P (dP - delta)                   (per element, as mma_bwd_query_item)
+//        dQ += dS K                            (wgmma m64nDk16, dS from registers, K MN-major)
+//      then adds dQ * scale to the chunk's rows: a fixed reduction order, bitwise reproducible.
+//      Atomic-dq configurations keep the mma.sync backward.
+// Loads: thread 0 issues TMA loads (hsap_tma.cuh) of an item's fixed tiles (key item: K and V,
+// boxes of 64 keys; dq item: the chunk's Q and dO, boxes of 64 rows; past the tensor's end
+// zero-filled; mbarrier kv_full) and of each walked tile (key item: Q and dO; dq item: K and
+// V) into two stages guarded by mbarriers (full[stage], arrive.expect_tx), the next tile's
+// while the warpgroup computes this one; lse and delta go to shared memory (key items) or
+// registers (dq items) with plain loads. Rows a box reads past the tile's valid ones (other
+// rows of the tensor, e.g. the next document's) are zeroed in shared memory where a product
+// would multiply them by a zero (key items: Q and dO rows past the tile's query rows; dq
+// items: K rows past its valid keys), so that a NaN or inf there cannot reach dK, dV or dQ
+// as 0 * inf; elsewhere the per-element select masks them.
+// Simplified against FlashAttention-3 (correctness first): one warpgroup of 64 keys (or 64
+// query rows) per CTA, no producer warpgroup or setmaxnreg (thread 0 issues the next tile's
+// loads between tiles), the two wgmma groups of a tile not overlapped with its elementwise
+// work, and dq recomputing S and dP in its own items (7 tile products instead of 5, like the
+// mma.sync backward's deterministic mode) rather than a dS^T round trip through shared memory.
 //
 // Layouts (as the forward, hsap_attention_wgmma_fwd.cuh, whose header states them): every tile
-// is kD / 64 panels of [rows][64 elements], 128-byte rows written by TMA with the 128-byte
-// swizzle, each panel on a 1024-byte atom. K, V (A of S^T, dP^T) and Q, dO (B of S^T, dP^T)
-// are read K-major (the forward's Q and K); Q and dO as B of dK, dV (K = queries, N = head dim)
-// MN-major (the forward's V: leading byte offset = the panel distance kBM * 128, stride byte
-// offset 1024). The accumulators of S^T / dP^T (64 keys x kBM queries) are mma.sync's C
-// fragments per warp, so mma_bwd_probs_t applies unchanged (key group = warp), and packed in
-// pairs they are the A fragments of the RS wgmma (the forward's P).
+// is kD / 64 panels of [64 rows][64 elements], 128-byte rows written by TMA with the 128-byte
+// swizzle, each panel on a 1024-byte atom. The A operands (K, V; dq items: Q, dO) and the B
+// operands of S^T / S and dP^T / dP (Q, dO; dq items: K, V) are read K-major (the forward's Q
+// and K); the B operands of dV, dK (dO, Q) and dQ (K) MN-major (the forward's V: leading byte
+// offset = the panel distance 64 * 128, stride byte offset 1024). The accumulators (64 rows
+// x 64 columns) are mma.sync's C fragments per warp, so mma_bwd_probs_t and the dq pass's
+// per-element code apply unchanged, and packed in pairs they are the A fragments of the RS
+// wgmma (the forward's P).
 //
-// Shared memory from the first 1024-aligned byte of the dynamic window: K, V [64 keys], two
-// stages of Q and dO [kBM rows], lse and delta [2][2][kBM], the key walk's state (MmaKeyWalk,
-// MmaTile); the query items use the mma.sync backward's layout from the window's start; the
-// mbarriers (kv_full, full[2]) follow the larger of the two, so that neither phase overwrites
-// them (WgmmaBwdShape::kSmemBytes; jit/codegen_cuda.cc WgmmaBwdSmemBytes: same formula).
+// Shared memory from the first 1024-aligned byte of the dynamic window: K, V [64 keys] (dq
+// items: Q, dO), two stages of Q and dO [64 rows] (dq items: K, V), lse and delta [2][2][64],
+// the walk's state (MmaKeyWalk or MmaQueryWalk, MmaTile), the mbarriers kv_full and full[2]
+// (WgmmaBwdShape::kSmemBytes; jit/codegen_cuda.cc WgmmaBwdSmemBytes: same formula).
 //
-// Required members of Cfg, beyond those of hsap_attention_mma_bwd.cuh (whose kBwd* tiles the
-// query items use; kBwdThreads must be 128): kWgmmaBwd, kWgmmaBwdBlockM (query rows per tile),
-// kWgmmaBwdSmemBytes (WgmmaBwdShape<Cfg>::kSmemBytes, checked).
+// Required members of Cfg, beyond those of hsap_attention.cuh: kDeterministicDq (true),
+// kWgmmaBwd, kWgmmaBwdBlockM (64), kWgmmaBwdSmemBytes (WgmmaBwdShape<Cfg>::kSmemBytes, checked).
 #ifndef HSAP_JIT_DEVICE_HSAP_ATTENTION_WGMMA_BWD_CUH_
 #define HSAP_JIT_DEVICE_HSAP_ATTENTION_WGMMA_BWD_CUH_
 
@@ -73,19 +81,17 @@ struct WgmmaBwdShape {
   static constexpr int kQOffset = 2 * kKBytes;       // stage s: Q, then dO kQBytes further
   static constexpr int kStatsOffset = kQOffset + 4 * kQBytes;  // float [2][lse, delta][kBM]
   static constexpr int kCtrlOffset = kStatsOffset + 16 * kBM;
-  static constexpr int kKeyPhaseBytes = kCtrlOffset + 256;
-  static constexpr int kQueryPhaseBytes = MmaBwdShape<Cfg>::kQueryPhaseBytes;
-  static constexpr int kBarOffset =
-      ((kKeyPhaseBytes > kQueryPhaseBytes ? kKeyPhaseBytes : kQueryPhaseBytes) + 7) / 8 * 8;
+  static constexpr int kBarOffset = kCtrlOffset + 256;
   static constexpr int kNumBars = 3;  // kv_full, full[2]
   static constexpr int kSmemBytes = 1024 + kBarOffset + 8 * kNumBars;
   static_assert(kD == 64 || kD == 128,
                 "hsap: the sm_90a backward takes head dims 64 and 128 (dK + dV of 64 keys are "
                 "D fp32 registers per thread of one warpgroup)");
-  static_assert(kBM % 16 == 0 && kBM >= 16 && kBM <= 128, "hsap: query tile (wgmma N, k-steps)");
-  static_assert(Cfg::kDeterministicDq && Cfg::kBwdThreads == kThreads,
-                "hsap: the sm_90a backward runs the deterministic dq items of the mma.sync "
-                "backward on its 128 threads");
+  static_assert(kBM == kBN,
+                "hsap: the sm_90a backward's query items use the key items' tiles the other way "
+                "round (Q, dO where K, V are; K, V stages where Q, dO stages are)");
+  static_assert(Cfg::kDeterministicDq,
+                "hsap: the sm_90a backward computes dq in a fixed order only (kDeterministicDq)");
   static_assert(kQBytes % 1024 == 0 && kKBytes % 1024 == 0,
                 "hsap: every tile must start on a 1024-byte swizzle atom");
 };
@@ -309,6 +315,181 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
   __syncthreads();  // shared memory is reused by the next item
 }
 
+// One key tile of a dq item: S = Q K^T and dP = dO V^T (64 query rows x 64 keys), then
+// dS = P (dP - delta) masked per element exactly as mma_bwd_query_item, then dQ += dS K (K
+// through the MN-major descriptor: K = keys, N = head dim). Q and dO are in sm.k and sm.v,
+// the key tile's K and V in stage st's Q and dO places.
+template <class Cfg, class S>
+HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& sm, int st,
+                                const MmaTile& cur, const float (&row_lse)[2],
+                                const float (&row_delta)[2], float scale, int warp, int g,
+                                int t) {
+  using Ops = MmaOps<typename Cfg::T>;
+  constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
+  constexpr int kBN = S::kBN;
+  const unsigned char* kt = sm.q_stage(st);
+  const unsigned char* vt = sm.do_stage(st);
+  float s[kBN / 2], dp[kBN / 2];
+  HSAP_UNROLL
+  for (int i = 0; i < kBN / 2; ++i) s[i] = dp[i] = 0.0f;
+  wgmma_fence_operand(s);
+  wgmma_fence_operand(dp);
+  wgmma_fence();
+  HSAP_UNROLL
+  for (int kk = 0; kk < S::kD / 16; ++kk) {
+    const int off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
+    wgmma_m64k16_ss<kBN, kBf16, false>(s, wgmma_desc(sm.k + off, 16, 1024, kSwizzle128B),
+                                       wgmma_desc(kt + off, 16, 1024, kSwizzle128B), kk > 0);
+    wgmma_m64k16_ss<kBN, kBf16, false>(dp, wgmma_desc(sm.v + off, 16, 1024, kSwizzle128B),
+                                       wgmma_desc(vt + off, 16, 1024, kSwizzle128B), kk > 0);
+  }
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(s);
+  wgmma_fence_operand(dp);
+  HSAP_UNROLL
+  for (int j = 0; j < kBN / 8; ++j) {
+    HSAP_UNROLL
+    for (int e = 0; e < 4; ++e) {
+      const int r = 16 * warp + g + 8 * (e >> 1);
+      const int c = 8 * j + 2 * t + (e & 1);
+      const float lse_r = row_lse[e >> 1];
+      const bool visible = r < cur.rows && c < cur.key_hi && c - r >= cur.rel_lo &&
+                           c - r <= cur.rel_hi && lse_r != neg_inf();
+      const float prob = visible ? expf(s[4 * j + e] * scale - lse_r) : 0.0f;
+      dp[4 * j + e] = visible ? prob * (dp[4 * j + e] - row_delta[e >> 1]) : 0.0f;
+    }
+  }
+  unsigned da[kBN / 16][4];
+  wgmma_bwd_pack<kBN, Ops>(da, dp);
+  wgmma_fence_operand(dq);
+  wgmma_fence();
+  HSAP_UNROLL
+  for (int kc = 0; kc < kBN / 16; ++kc) {
+    wgmma_m64k16_rs<S::kD, kBf16, true>(
+        dq, da[kc], wgmma_desc(kt + kc * 16 * 128, 64 * 128, 1024, kSwizzle128B), true);
+  }
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(dq);
+  HSAP_UNROLL
+  for (int kc = 0; kc < kBN / 16; ++kc) wgmma_fwd_pin(da[kc]);
+}
+
+// Key tile t of a dq item into stage st: thread 0 arms full[st] and loads its K and V (the
+// boxes of 64 keys from t.k0) where a key item's Q and dO go.
+template <class S>
+HSAP_DEV void wgmma_bwd_issue_keys(const WgmmaBwdSmem<S>& sm, const WgmmaBwdMaps& maps, int kvh,
+                                   int st, const MmaTile& t) {
+  if (threadIdx.x != 0) return;
+  mbarrier_arrive_expect_tx(&sm.full[st], 2 * S::kKBytes);
+  const int k0 = static_cast<int>(t.k0);
+  HSAP_UNROLL
+  for (int pn = 0; pn < S::kPanels; ++pn) {
+    tma_load_3d(sm.q_stage(st) + pn * 64 * 128, maps.k, pn * 64, kvh, k0, &sm.full[st]);
+    tma_load_3d(sm.do_stage(st) + pn * 64 * 128, maps.v, pn * 64, kvh, k0, &sm.full[st]);
+  }
+}
+
+// Zeroes K rows [cols, 64) of stage st (keys past the tile's valid ones, e.g. the next
+// document's, whose non-finite values would reach dQ as 0 * inf) for the async proxy.
+template <class S>
+HSAP_DEV void wgmma_bwd_zero_key_tail(const WgmmaBwdSmem<S>& sm, int st, int cols) {
+  const int chunks = (64 - cols) * 8;
+  for (int i = threadIdx.x; i < S::kPanels * chunks; i += S::kThreads) {
+    const int pn = i / chunks, c = i % chunks;
+    unsigned* dst =
+        reinterpret_cast<unsigned*>(sm.q_stage(st) + pn * 64 * 128 + cols * 128 + c * 16);
+    dst[0] = dst[1] = dst[2] = dst[3] = 0u;
+  }
+  fence_proxy_async_shared();
+  __syncthreads();
+}
+
+// dq item (deterministic dq, mma_bwd_query_item's organisation on wgmma): dq of block b of
+// query head h in 64-row chunks, over the block's segments and their 64-key tiles in order;
+// dQ in registers, added once per chunk: a fixed reduction order, bitwise reproducible.
+template <class Cfg>
+HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwdShape<Cfg>>& sm,
+                                   const WgmmaBwdMaps& maps, int b, int h, unsigned* tiles,
+                                   unsigned* qd_loads) {
+  using S = WgmmaBwdShape<Cfg>;
+  const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
+  if (kvh < 0) return;
+  const QueryBlock qb = p.blocks[b];
+  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
+    report(p.error_flag, kErrorRowsOutOfRange);
+    return;
+  }
+  MmaQueryWalk* walk = reinterpret_cast<MmaQueryWalk*>(sm.walk);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  unsigned n = *tiles;
+  for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += 64) {
+    const int rows = static_cast<int>(min64(64, qb.q_end - q0));
+    float row_lse[2], row_delta[2];
+    HSAP_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const int r = 16 * warp + g + 8 * i;
+      const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
+      row_lse[i] = r < rows ? p.lse[stat] : neg_inf();
+      row_delta[i] = r < rows ? p.delta[stat] : 0.0f;
+    }
+    if (threadIdx.x == 0) {
+      walk->si = qb.seg_begin - 1;
+      walk->k0 = walk->k_hi = 0;
+      next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, sm.tile);
+    }
+    fence_proxy_async_shared();  // earlier generic stores, before the TMA loads below
+    __syncthreads();
+    MmaTile cur = *sm.tile;
+    if (!cur.valid) {
+      __syncthreads();  // no key is visible to the chunk: its dq is unchanged
+      continue;
+    }
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect_tx(sm.kv_full, 2 * S::kKBytes);
+      HSAP_UNROLL
+      for (int pn = 0; pn < S::kPanels; ++pn) {
+        tma_load_3d(sm.k + pn * 64 * 128, maps.q, pn * 64, h, static_cast<int>(q0), sm.kv_full);
+        tma_load_3d(sm.v + pn * 64 * 128, maps.dout, pn * 64, h, static_cast<int>(q0),
+                    sm.kv_full);
+      }
+    }
+    wgmma_bwd_issue_keys<S>(sm, maps, kvh, static_cast<int>(n & 1u), cur);
+    float dq[S::kD / 2];
+    HSAP_UNROLL
+    for (int i = 0; i < S::kD / 2; ++i) dq[i] = 0.0f;
+    mbarrier_wait_parity(sm.kv_full, (*qd_loads)++ & 1u);
+    for (;; ++n) {
+      const int st = static_cast<int>(n & 1u);
+      __syncthreads();  // every thread is done with stage st ^ 1
+      if (threadIdx.x == 0) next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, sm.tile);
+      __syncthreads();
+      const MmaTile nxt = *sm.tile;
+      if (nxt.valid) wgmma_bwd_issue_keys<S>(sm, maps, kvh, st ^ 1, nxt);
+      mbarrier_wait_parity(&sm.full[st], (n >> 1) & 1u);
+      if (cur.key_hi < 64) wgmma_bwd_zero_key_tail<S>(sm, st, cur.key_hi);
+      wgmma_bwd_dq_tile<Cfg, S>(dq, sm, st, cur, row_lse, row_delta, p.scale, warp, g, t);
+      if (!nxt.valid) break;
+      cur = nxt;
+    }
+    ++n;
+    HSAP_UNROLL
+    for (int j = 0; j < S::kD / 8; ++j) {
+      HSAP_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * warp + g + 8 * (e >> 1);
+        if (r < rows) {
+          float* out = p.dq + ((q0 + r) * p.heads_q + h) * static_cast<long long>(S::kD);
+          out[8 * j + 2 * t + (e & 1)] += dq[4 * j + e] * p.scale;
+        }
+      }
+    }
+    __syncthreads();  // Q, dO, the stages and the walk are reused by the next chunk or item
+  }
+  *tiles = n;
+}
+
 // attn_bwd_wgmma_kernel<Cfg>: BwdParams' contract (attn_bwd_mma_kernel) on 128 threads with
 // Cfg::kWgmmaBwdSmemBytes of dynamic shared memory and the tensor maps of p.q, p.k, p.v and
 // p.dout (lib/cuda/exec/wgmma_tensor_maps.h EncodeWgmmaBackwardMaps: boxes of 64 elements x 1
@@ -331,8 +512,7 @@ __global__ void __launch_bounds__(128, 1)
     report(p.error_flag, kErrorMisaligned);
     return;  // uniform over the grid
   }
-  unsigned char* raw = reinterpret_cast<unsigned char*>(dynamic_smem());
-  const WgmmaBwdSmem<S> sm(raw);
+  const WgmmaBwdSmem<S> sm(dynamic_smem());
   const WgmmaBwdMaps maps{&tq, &tk, &tv, &tdo};
   if (threadIdx.x == 0) {
     mbarrier_init(sm.kv_full, 1);
@@ -369,7 +549,7 @@ __global__ void __launch_bounds__(128, 1)
         b -= p.num_blocks;
         ++h;
       }
-      mma_bwd_query_item<Cfg>(p, static_cast<int>(b), h, raw);
+      wgmma_bwd_query_item<Cfg>(p, sm, maps, static_cast<int>(b), h, &tiles, &kv_loads);
     }
   }
 }

@@ -266,6 +266,31 @@ TEST(CudaWgmmaBackward, NonFiniteDoutStaysInItsRowsAndTiles) {
   }
 }
 
+// Non-finite keys of the next document, read by the dq items' key boxes past the tile's valid
+// keys (zeroed in shared memory) and by the key items' tiles (masked), stay out of the first
+// document's gradients: documents [0, 100) causal and [100, 160) full, k rows 110 (+inf) and
+// 120 (NaN). The dq chunk [64, 100) reads keys 100..127 with its second key box.
+TEST(CudaWgmmaBackward, NonFiniteKeysOfOtherDocumentsStayOut) {
+  using Cfg = WgmmaBwdCfg<hsap_dev::f16, 64, 2, true>;
+  const std::vector<int64_t> cu = {0, 100, 160};
+  Problem p = MakeProblem(*Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kFull}),
+                          DType::kF16, 64, 2, 1, 49);
+  const int D = 64, HQ = 2;
+  p.in.k.Set(110 * D + 3, INFINITY);
+  p.in.k.Set(120 * D + 7, NAN);
+  const Gradients g = RunBackward<Cfg>(p, 128);
+  EXPECT_EQ(g.error_flag, 0u);
+  for (int64_t i = 0; i < 100 * HQ * D; ++i) {
+    ASSERT_TRUE(std::isfinite(g.dq[i])) << "dq row " << i / (HQ * D);
+  }
+  for (int64_t i = 0; i < 100 * D; ++i) {
+    ASSERT_TRUE(std::isfinite(g.dk[i]) && std::isfinite(g.dv[i])) << "key " << i / D;
+  }
+  int64_t non_finite = 0;  // the second document's gradients are not all finite
+  for (int64_t i = 100 * HQ * D; i < 160 * HQ * D; ++i) non_finite += !std::isfinite(g.dq[i]);
+  EXPECT_GT(non_finite, 0);
+}
+
 // Broken contracts: heads_q != heads_kv * kGqa without a map is flagged and nothing is
 // written; a q that is not 16-byte aligned is refused by the tensor-map encoder (host side),
 // naming the tensor.
