@@ -187,7 +187,41 @@ HSAP_DEV void wgmma_bwd_pack(unsigned (&a)[N / 16][4], const float (&x)[N / 2]) 
   }
 }
 
-// One query tile of a key item: S^T and dP^T, then P^T and dS^T, then dV and dK.
+// P^T of a key item's tile in place from S^T (s): exp(scale S^T - lse) where the pair is
+// visible, else 0 (selected), exactly as mma_bwd_probs_t; returns the visibility bits (bit i:
+// element i of s), which dS^T reuses.
+template <class S>
+HSAP_DEV unsigned wgmma_bwd_probs(float (&s)[S::kBM / 2], const float* lse_s, const MmaTile cur,
+                                  float scale, int warp, int g, int t) {
+  static_assert(S::kBM / 2 <= 32, "hsap: one visibility bit per accumulator element");
+  unsigned visible_bits = 0;
+  HSAP_UNROLL
+  for (int i = 0; i < S::kBM / 2; ++i) {
+    const int kc = 16 * warp + g + 8 * ((i % 4) >> 1);
+    const int qc = 8 * (i / 4) + 2 * t + (i & 1);
+    const float row_lse = lse_s[qc];
+    const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
+                         kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
+    s[i] = visible ? expf(s[i] * scale - row_lse) : 0.0f;
+    visible_bits |= (visible ? 1u : 0u) << i;
+  }
+  return visible_bits;
+}
+
+// dS^T in place from dP^T (dp) and P^T (s): P^T (dP^T - delta) where visible, else 0.
+template <class S>
+HSAP_DEV void wgmma_bwd_dsoft(float (&dp)[S::kBM / 2], const float (&s)[S::kBM / 2],
+                              const float* delta_s, unsigned visible_bits, int t) {
+  HSAP_UNROLL
+  for (int i = 0; i < S::kBM / 2; ++i) {
+    const int qc = 8 * (i / 4) + 2 * t + (i & 1);
+    dp[i] = (visible_bits >> i) & 1u ? s[i] * (dp[i] - delta_s[qc]) : 0.0f;
+  }
+}
+
+// One query tile of a key item, pipelined within the warpgroup: S^T and dP^T issued as two
+// wgmma groups; P^T computed once S^T is in (dP^T still running), dV += P^T dO issued; dS^T
+// computed once dP^T is in (dV still running), dK += dS^T Q issued; then all waited for.
 template <class Cfg, class S>
 HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
                              const WgmmaBwdSmem<S>& sm, int st, const MmaTile& cur,
@@ -209,27 +243,38 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
     const int off_q = (kk / 4) * kBM * 128 + (kk % 4) * 32;
     wgmma_m64k16_ss<kBM, kBf16, false>(s, wgmma_desc(sm.k + off_k, 16, 1024, kSwizzle128B),
                                        wgmma_desc(qt + off_q, 16, 1024, kSwizzle128B), kk > 0);
+  }
+  wgmma_commit_group();
+  HSAP_UNROLL
+  for (int kk = 0; kk < S::kD / 16; ++kk) {
+    const int off_k = (kk / 4) * S::kBN * 128 + (kk % 4) * 32;
+    const int off_q = (kk / 4) * kBM * 128 + (kk % 4) * 32;
     wgmma_m64k16_ss<kBM, kBf16, false>(dp, wgmma_desc(sm.v + off_k, 16, 1024, kSwizzle128B),
                                        wgmma_desc(dot + off_q, 16, 1024, kSwizzle128B), kk > 0);
   }
   wgmma_commit_group();
-  wgmma_wait_group<0>();
+  wgmma_wait_group<1>();  // S^T; dP^T may still run
   wgmma_fence_operand(s);
-  wgmma_fence_operand(dp);
   const float* lse_s = sm.lse_stage(st);
-  mma_bwd_probs_t<S>(reinterpret_cast<float(&)[kBM / 8][4]>(s),
-                     reinterpret_cast<float(&)[kBM / 8][4]>(dp), lse_s, lse_s + kBM, cur, p, warp,
-                     g, t);
+  const unsigned visible_bits = wgmma_bwd_probs<S>(s, lse_s, cur, p.scale, warp, g, t);
   unsigned pa[kBM / 16][4], da[kBM / 16][4];
   wgmma_bwd_pack<kBM, Ops>(pa, s);
-  wgmma_bwd_pack<kBM, Ops>(da, dp);
   wgmma_fence_operand(dv);
-  wgmma_fence_operand(dk);
   wgmma_fence();
   HSAP_UNROLL
   for (int kc = 0; kc < kBM / 16; ++kc) {
     wgmma_m64k16_rs<S::kD, kBf16, true>(
         dv, pa[kc], wgmma_desc(dot + kc * 16 * 128, kBM * 128, 1024, kSwizzle128B), true);
+  }
+  wgmma_commit_group();
+  wgmma_wait_group<1>();  // dP^T; dV may still run
+  wgmma_fence_operand(dp);
+  wgmma_bwd_dsoft<S>(dp, s, lse_s + kBM, visible_bits, t);
+  wgmma_bwd_pack<kBM, Ops>(da, dp);
+  wgmma_fence_operand(dk);
+  wgmma_fence();
+  HSAP_UNROLL
+  for (int kc = 0; kc < kBM / 16; ++kc) {
     wgmma_m64k16_rs<S::kD, kBf16, true>(
         dk, da[kc], wgmma_desc(qt + kc * 16 * 128, kBM * 128, 1024, kSwizzle128B), true);
   }
