@@ -360,9 +360,10 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
   __syncthreads();  // shared memory is reused by the next item
 }
 
-// One key tile of a dq item: S = Q K^T and dP = dO V^T (64 query rows x 64 keys), then
-// dS = P (dP - delta) masked per element exactly as mma_bwd_query_item, then dQ += dS K (K
-// through the MN-major descriptor: K = keys, N = head dim). Q and dO are in sm.k and sm.v,
+// One key tile of a dq item: S = Q K^T and dP = dO V^T (64 query rows x 64 keys; two wgmma
+// groups, P computed while dP runs), then dS = P (dP - delta) masked per element exactly as
+// mma_bwd_query_item, then dQ += dS K (K through the MN-major descriptor: K = keys, N = head
+// dim). Q and dO are in sm.k and sm.v,
 // the key tile's K and V in stage st's Q and dO places.
 template <class Cfg, class S>
 HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& sm, int st,
@@ -385,25 +386,33 @@ HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& s
     const int off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
     wgmma_m64k16_ss<kBN, kBf16, false>(s, wgmma_desc(sm.k + off, 16, 1024, kSwizzle128B),
                                        wgmma_desc(kt + off, 16, 1024, kSwizzle128B), kk > 0);
+  }
+  wgmma_commit_group();
+  HSAP_UNROLL
+  for (int kk = 0; kk < S::kD / 16; ++kk) {
+    const int off = (kk / 4) * 64 * 128 + (kk % 4) * 32;
     wgmma_m64k16_ss<kBN, kBf16, false>(dp, wgmma_desc(sm.v + off, 16, 1024, kSwizzle128B),
                                        wgmma_desc(vt + off, 16, 1024, kSwizzle128B), kk > 0);
   }
   wgmma_commit_group();
-  wgmma_wait_group<0>();
+  wgmma_wait_group<1>();  // S; dP may still run: P meanwhile
   wgmma_fence_operand(s);
+  unsigned visible_bits = 0;
+  HSAP_UNROLL
+  for (int i = 0; i < kBN / 2; ++i) {
+    const int r = 16 * warp + g + 8 * ((i % 4) >> 1);
+    const int c = 8 * (i / 4) + 2 * t + (i & 1);
+    const float lse_r = row_lse[(i % 4) >> 1];
+    const bool visible = r < cur.rows && c < cur.key_hi && c - r >= cur.rel_lo &&
+                         c - r <= cur.rel_hi && lse_r != neg_inf();
+    s[i] = visible ? expf(s[i] * scale - lse_r) : 0.0f;
+    visible_bits |= (visible ? 1u : 0u) << i;
+  }
+  wgmma_wait_group<0>();
   wgmma_fence_operand(dp);
   HSAP_UNROLL
-  for (int j = 0; j < kBN / 8; ++j) {
-    HSAP_UNROLL
-    for (int e = 0; e < 4; ++e) {
-      const int r = 16 * warp + g + 8 * (e >> 1);
-      const int c = 8 * j + 2 * t + (e & 1);
-      const float lse_r = row_lse[e >> 1];
-      const bool visible = r < cur.rows && c < cur.key_hi && c - r >= cur.rel_lo &&
-                           c - r <= cur.rel_hi && lse_r != neg_inf();
-      const float prob = visible ? expf(s[4 * j + e] * scale - lse_r) : 0.0f;
-      dp[4 * j + e] = visible ? prob * (dp[4 * j + e] - row_delta[e >> 1]) : 0.0f;
-    }
+  for (int i = 0; i < kBN / 2; ++i) {
+    dp[i] = (visible_bits >> i) & 1u ? s[i] * (dp[i] - row_delta[(i % 4) >> 1]) : 0.0f;
   }
   unsigned da[kBN / 16][4];
   wgmma_bwd_pack<kBN, Ops>(da, dp);
