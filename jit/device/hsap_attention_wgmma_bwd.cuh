@@ -31,10 +31,12 @@
 // would multiply them by a zero (key items: Q and dO rows past the tile's query rows; dq
 // items: K rows past its valid keys), so that a NaN or inf there cannot reach dK, dV or dQ
 // as 0 * inf; elsewhere the per-element select masks them.
+// Overlap: within a tile the GEMMs are separate wgmma groups and the elementwise work runs
+// while the next group is on the tensor cores (wgmma_bwd_tile, wgmma_bwd_dq_tile); the next
+// tile's TMA loads run during the whole tile.
 // Simplified against FlashAttention-3 (correctness first): one warpgroup of 64 keys (or 64
 // query rows) per CTA, no producer warpgroup or setmaxnreg (thread 0 issues the next tile's
-// loads between tiles), the two wgmma groups of a tile not overlapped with its elementwise
-// work, and dq recomputing S and dP in its own items (7 tile products instead of 5, like the
+// loads between tiles), no overlap across tiles, and dq recomputing S and dP in its own items (7 tile products instead of 5, like the
 // mma.sync backward's deterministic mode) rather than a dS^T round trip through shared memory.
 //
 // Layouts (as the forward, hsap_attention_wgmma_fwd.cuh, whose header states them): every tile
