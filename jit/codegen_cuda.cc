@@ -393,9 +393,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
   t.bwd_smem_bytes = t.bwd_tensor_core ? MmaBwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n,
                                                          t.bwd_threads, c.deterministic_dq)
                                        : BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
-  if (!c.skip_validation &&
-      (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit || t.wgmma_smem_bytes > limit ||
-       t.wgmma_bwd_smem_bytes > limit)) {
+  if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit ||
+                             t.wgmma_smem_bytes > limit || t.wgmma_bwd_smem_bytes > limit)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CudaKernelConfig tiles need ", t.fwd_smem_bytes, "/", t.bwd_smem_bytes,
                      " bytes of shared memory (fwd/bwd); ", c.arch, " allows ", limit));
@@ -483,8 +482,8 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
     bool wgmma = false;
   };
   std::vector<Kernel> kernels = {
-      t.wgmma_fwd ? Kernel{"fwd", "attn_fwd_wgmma_kernel", kWgmmaFwdParams, 384,
-                           t.wgmma_smem_bytes, true, true}
+      t.wgmma_fwd ? Kernel{"fwd", "attn_fwd_wgmma_kernel", kWgmmaFwdParams, 384, t.wgmma_smem_bytes,
+                           true, true}
                   : Kernel{"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads,
                            t.fwd_smem_bytes, tc},
       t.wgmma_bwd ? Kernel{"bwd", "attn_bwd_wgmma_kernel", kWgmmaBwdParams, 128,

@@ -36,8 +36,9 @@
 // tile's TMA loads run during the whole tile.
 // Simplified against FlashAttention-3 (correctness first): one warpgroup of 64 keys (or 64
 // query rows) per CTA, no producer warpgroup or setmaxnreg (thread 0 issues the next tile's
-// loads between tiles), no overlap across tiles, and dq recomputing S and dP in its own items (7 tile products instead of 5, like the
-// mma.sync backward's deterministic mode) rather than a dS^T round trip through shared memory.
+// loads between tiles), no overlap across tiles, and dq recomputing S and dP in its own items (7
+// tile products instead of 5, like the mma.sync backward's deterministic mode) rather than a dS^T
+// round trip through shared memory.
 //
 // Layouts (as the forward, hsap_attention_wgmma_fwd.cuh, whose header states them): every tile
 // is kD / 64 panels of [64 rows][64 elements], 128-byte rows written by TMA with the 128-byte
@@ -73,14 +74,14 @@ namespace hsap_dev {
 template <class Cfg>
 struct WgmmaBwdShape {
   static constexpr int kD = Cfg::kHeadDim;
-  static constexpr int kBN = 64;                     // key rows per item: wgmma M
-  static constexpr int kBM = Cfg::kWgmmaBwdBlockM;   // query rows per tile: N of S^T
-  static constexpr int kThreads = 128;               // one warpgroup
+  static constexpr int kBN = 64;                    // key rows per item: wgmma M
+  static constexpr int kBM = Cfg::kWgmmaBwdBlockM;  // query rows per tile: N of S^T
+  static constexpr int kThreads = 128;              // one warpgroup
   static constexpr int kPanels = kD / 64;
-  static constexpr int kKBytes = kBN * kD * 2;       // K or V
-  static constexpr int kQBytes = kBM * kD * 2;       // Q or dO of one stage
+  static constexpr int kKBytes = kBN * kD * 2;  // K or V
+  static constexpr int kQBytes = kBM * kD * 2;  // Q or dO of one stage
   static constexpr int kVOffset = kKBytes;
-  static constexpr int kQOffset = 2 * kKBytes;       // stage s: Q, then dO kQBytes further
+  static constexpr int kQOffset = 2 * kKBytes;  // stage s: Q, then dO kQBytes further
   static constexpr int kStatsOffset = kQOffset + 4 * kQBytes;  // float [2][lse, delta][kBM]
   static constexpr int kCtrlOffset = kStatsOffset + 16 * kBM;
   static constexpr int kBarOffset = kCtrlOffset + 256;
@@ -370,8 +371,7 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
 template <class Cfg, class S>
 HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& sm, int st,
                                 const MmaTile& cur, const float (&row_lse)[2],
-                                const float (&row_delta)[2], float scale, int warp, int g,
-                                int t) {
+                                const float (&row_delta)[2], float scale, int warp, int g, int t) {
   using Ops = MmaOps<typename Cfg::T>;
   constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
   constexpr int kBN = S::kBN;
@@ -507,8 +507,7 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
       HSAP_UNROLL
       for (int pn = 0; pn < S::kPanels; ++pn) {
         tma_load_3d(sm.k + pn * 64 * 128, maps.q, pn * 64, h, static_cast<int>(q0), sm.kv_full);
-        tma_load_3d(sm.v + pn * 64 * 128, maps.dout, pn * 64, h, static_cast<int>(q0),
-                    sm.kv_full);
+        tma_load_3d(sm.v + pn * 64 * 128, maps.dout, pn * 64, h, static_cast<int>(q0), sm.kv_full);
       }
     }
     wgmma_bwd_issue_keys<S>(sm, maps, kvh, static_cast<int>(n & 1u), cur);

@@ -223,9 +223,9 @@ TEST(CudaWgmmaBackward, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
     }
     return false;
   };
-  EXPECT_TRUE(row_nonzero(g.dq, 300, 2));   // the full document [250, 320)
+  EXPECT_TRUE(row_nonzero(g.dq, 300, 2));  // the full document [250, 320)
   EXPECT_TRUE(row_nonzero(g.dk, 300, 1));
-  EXPECT_FALSE(row_nonzero(g.dq, 10, 2));   // the causal one
+  EXPECT_FALSE(row_nonzero(g.dq, 10, 2));  // the causal one
   EXPECT_FALSE(row_nonzero(g.dv, 10, 1));
 }
 

@@ -207,7 +207,8 @@ TEST(WgmmaBackwardSelection, Sm90aDeterministicDqHeadDims64And128) {
   tiles.bwd_threads = 128;
   EXPECT_FALSE(CudaWgmmaBackwardApplies(tiles));
 
-  absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(Config("sm_90a", DType::kBF16, 128, true));
+  absl::StatusOr<CudaKernelSource> s =
+      GenerateCudaKernels(Config("sm_90a", DType::kBF16, 128, true));
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_THAT(s->source, HasSubstr("#include \"hsap_attention_wgmma_bwd.cuh\""));
   EXPECT_THAT(s->source, HasSubstr("kWgmmaBwd = true"));
@@ -235,10 +236,10 @@ TEST(WgmmaBackwardSelection, Sm90aDeterministicDqHeadDims64And128) {
 // items), UTMALDG and SYNCS (TMA and mbarriers) and no HMMA.
 TEST(WgmmaBackwardCompile, Sm90aResourcesAndSass) {
   REQUIRE_NVRTC();
-  const std::vector<CudaKernelConfig> configs = testing::Sweep(
-      std::vector<CudaKernelConfig>{Config("sm_90a", DType::kBF16, 128, true),
-                                    Config("sm_90a", DType::kF16, 64, false)},
-      2);
+  const std::vector<CudaKernelConfig> configs =
+      testing::Sweep(std::vector<CudaKernelConfig>{Config("sm_90a", DType::kBF16, 128, true),
+                                                   Config("sm_90a", DType::kF16, 64, false)},
+                     2);
   const std::string cuobjdump = testing::FindCuobjdump();
   const std::string dir = testing::MakeTestTempDir("cuda_wgmma_bwd_nvrtc_test");
   for (const CudaKernelConfig& c : configs) {
@@ -272,15 +273,14 @@ TEST(WgmmaBackwardCompile, Sm90aResourcesAndSass) {
     EXPECT_LE(r.registers, 255);
     EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
     std::string limiter;
-    const int ctas =
-        CudaCtasPerSm(90, e.threads, r.registers, e.dynamic_smem_bytes + r.static_smem_bytes,
-                      &limiter);
+    const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
+                                   e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
     EXPECT_GE(ctas, 1) << limiter;
-    std::printf("[ resources ] %-34s bwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
-                "CTA/SM (%s)\n",
-                c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes,
-                r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas,
-                limiter.c_str());
+    std::printf(
+        "[ resources ] %-34s bwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
+        "CTA/SM (%s)\n",
+        c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes,
+        e.dynamic_smem_bytes + r.static_smem_bytes, ctas, limiter.c_str());
     if (cuobjdump.empty()) continue;
     const std::map<std::string, std::string> sass =
         testing::SassByFunction(cuobjdump, b->image, dir);

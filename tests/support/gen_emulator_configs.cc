@@ -169,7 +169,8 @@ std::vector<Family> Families() {
         WgmmaForward(kBF16, 128, 2, true), WgmmaForward(kF16, 128, 2, true),
         WgmmaForward(kBF16, 64, 2, false), WgmmaForward(kBF16, 256, 2, true)}},
       {"// The sm_90a backward (hsap_attention_wgmma_bwd.cuh, arch sm_90a, deterministic dq) with\n"
-       "// the tiles ChooseCudaTiles picks: key items of 64 keys, query tiles of kWgmmaBwdBlockM.\n",
+       "// the tiles ChooseCudaTiles picks: key items of 64 keys, query tiles of "
+       "kWgmmaBwdBlockM.\n",
        "typename StorageT, int kHeadDim, int kG, bool kBand",
        "WgmmaBwdCfg",
        {WgmmaForward(kBF16, 64, 2, true), WgmmaForward(kF16, 64, 2, true),

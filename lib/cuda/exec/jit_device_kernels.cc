@@ -138,9 +138,9 @@ class JitDeviceKernels : public DeviceKernels {
     if (!bwd_.wgmma) return Launch(bwd_, "attention backward", grid, &p, s);
     if (grid.empty()) return absl::OkStatus();
     // The sm_90a backward: its Params, then the tensor maps of q, k, v and dout by value.
-    HSAP_ASSIGN_OR_RETURN(const WgmmaBackwardMaps maps,
-                          EncodeWgmmaBackwardMaps(*driver_, p, dtype_, head_dim_,
-                                                  bwd_.query_tile_rows));
+    HSAP_ASSIGN_OR_RETURN(
+        const WgmmaBackwardMaps maps,
+        EncodeWgmmaBackwardMaps(*driver_, p, dtype_, head_dim_, bwd_.query_tile_rows));
     void* args[] = {const_cast<hsap_dev::BwdParams*>(&p), const_cast<TensorMapBytes*>(&maps.q),
                     const_cast<TensorMapBytes*>(&maps.k), const_cast<TensorMapBytes*>(&maps.v),
                     const_cast<TensorMapBytes*>(&maps.dout)};

@@ -16,9 +16,9 @@ constexpr char kBwd[] = "sm_90a backward";
 
 // One tensor [rows, heads, head_dim] of 16-bit elements.
 absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char* kernel,
-                                         const char* what,
-                                         const void* base, long long rows, int heads,
-                                         int head_dim, TensorMapDataType type, int box_rows) {
+                                         const char* what, const void* base, long long rows,
+                                         int heads, int head_dim, TensorMapDataType type,
+                                         int box_rows) {
   if (rows < 0 || rows > INT32_MAX) {
     return absl::InvalidArgumentError(
         absl::StrCat(kernel, ": ", what, " has ", rows,
@@ -69,19 +69,18 @@ absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& dri
   }
   const TensorMapDataType type = TensorMapDataTypeOf(dtype);
   WgmmaForwardMaps maps;
-  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kFwd, "q", p.q, p.q_rows, p.heads_q, head_dim, type,
-                                          kQueryTileRows));
-  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, kFwd, "k", p.k, p.k_rows, p.heads_kv, head_dim, type,
-                                          key_tile_rows));
-  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, kFwd, "v", p.v, p.k_rows, p.heads_kv, head_dim, type,
-                                          key_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kFwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
+                                          type, kQueryTileRows));
+  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, kFwd, "k", p.k, p.k_rows, p.heads_kv, head_dim,
+                                          type, key_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, kFwd, "v", p.v, p.k_rows, p.heads_kv, head_dim,
+                                          type, key_tile_rows));
   return maps;
 }
 
 absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
-                                                          const hsap_dev::BwdParams& p,
-                                                          DType dtype, int head_dim,
-                                                          int query_tile_rows) {
+                                                          const hsap_dev::BwdParams& p, DType dtype,
+                                                          int head_dim, int query_tile_rows) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::InvalidArgumentError(absl::StrCat(
         "sm_90a backward: dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));

@@ -39,9 +39,8 @@ struct WgmmaBackwardMaps {
 // in that order. InvalidArgument, naming the argument, as EncodeWgmmaForwardMaps (head_dim 64
 // or 128, query_tile_rows in [16, 256]).
 absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
-                                                          const hsap_dev::BwdParams& p,
-                                                          DType dtype, int head_dim,
-                                                          int query_tile_rows);
+                                                          const hsap_dev::BwdParams& p, DType dtype,
+                                                          int head_dim, int query_tile_rows);
 
 }  // namespace hsap::cuda
 

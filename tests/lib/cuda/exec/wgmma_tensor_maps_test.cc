@@ -1,8 +1,8 @@
-// The sm_90a forward's and backward's host side: their tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through
-// the emulated driver's cuTensorMapEncodeTiled (the geometry the kernel assumes,
-// hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the argument), the arch the
-// runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A), and the work-list block rows the
-// GPU runners ask for (the forward's CTA tile).
+// The sm_90a forward's and backward's host side: their tensor maps
+// (lib/cuda/exec/wgmma_tensor_maps.h) through the emulated driver's cuTensorMapEncodeTiled (the
+// geometry the kernel assumes, hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the
+// argument), the arch the runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A), and the
+// work-list block rows the GPU runners ask for (the forward's CTA tile).
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 
 #include <cstdint>
