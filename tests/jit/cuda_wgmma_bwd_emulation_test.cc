@@ -174,10 +174,10 @@ void CheckBackward(const Problem& p, int64_t block_rows, bool twice = false) {
   EXPECT_TRUE(bits_equal(first.dv, second.dv)) << "dv differs between two grids";
 }
 
-// Three documents: causal 150, sliding window (40) 100, full 70 (tiles straddle documents;
+// Three documents: causal 150, sliding window (40) 130, full 100 (tiles straddle documents;
 // the last boxes cross the tensor's end).
 Layout MixedDocuments() {
-  const std::vector<int64_t> cu = {0, 150, 250, 320};
+  const std::vector<int64_t> cu = {0, 150, 280, 380};
   return *Layout::FromDocuments(cu, {MaskKind::kCausal, MaskKind::kSlidingWindow, MaskKind::kFull},
                                 {0, 40, 0});
 }
@@ -223,7 +223,7 @@ TEST(CudaWgmmaBackward, BandInFullOnlyVariantIsFlaggedWithoutHanging) {
     }
     return false;
   };
-  EXPECT_TRUE(row_nonzero(g.dq, 300, 2));  // the full document [250, 320)
+  EXPECT_TRUE(row_nonzero(g.dq, 300, 2));  // the full document [280, 380)
   EXPECT_TRUE(row_nonzero(g.dk, 300, 1));
   EXPECT_FALSE(row_nonzero(g.dq, 10, 2));  // the causal one
   EXPECT_FALSE(row_nonzero(g.dv, 10, 1));
