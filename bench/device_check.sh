@@ -86,7 +86,8 @@ fi
 say "build: ok ($(elapsed))"
 PERF=$BUILD/hsap_attn_perf
 TESTS=$BUILD/tests
-# The sm_90a forward (wgmma, TMA) is opt-in until it has run on a GPU: this check runs it.
+# The sm_90a forward and backward (wgmma, TMA) are opt-in until they have run on a GPU: this
+# check runs them.
 export HSAP_JIT_SM90A=1
 
 # 2. GPU tests (a skipped test prints its reason).

@@ -13,6 +13,7 @@
 #include "jit/device/hsap_attention.cuh"
 #include "jit/device/hsap_attention_mma_bwd.cuh"
 #include "jit/device/hsap_attention_mma_fwd.cuh"
+#include "jit/device/hsap_attention_wgmma_bwd.cuh"
 #include "jit/device/hsap_attention_wgmma_fwd.cuh"
 #include "jit/device/hsap_device.cuh"
 #include "jit/device/hsap_mma.cuh"
@@ -33,6 +34,7 @@ HSAP_EMBED_FILE(hsap_embedded_attention_cuh, "jit/device/hsap_attention.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_mma_bwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_tma_cuh, "jit/device/hsap_tma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_fwd_cuh, "jit/device/hsap_attention_wgmma_fwd.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_bwd_cuh, "jit/device/hsap_attention_wgmma_bwd.cuh");
 
 namespace hsap::jit {
 namespace {
@@ -44,6 +46,11 @@ constexpr int kMaxPeers = 15;
 constexpr char kWgmmaFwdParams[] =
     "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
     "hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap";
+// The sm_90a backward's: Params, then the tensor maps of q, k, v and dout.
+constexpr char kWgmmaBwdParams[] =
+    "hsap_dev::BwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
+    "hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
+    "hsap_dev::TensorMap";
 
 // Threads per query row: head dims above 128 split a row over 4 lanes to keep the
 // per-thread accumulator at <= 64 floats.
@@ -166,6 +173,24 @@ int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
   return std::max(key_pass, dq_pass);
 }
 
+// The sm_90a backward (hsap_attention_wgmma_bwd.cuh, WgmmaBwdShape::kSmemBytes): 1 KiB of
+// alignment slack, K and V of 64 keys, two stages of Q and dO of bm rows (16-bit elements
+// without padding; the dq items use the same tiles the other way round), lse and delta
+// [2][2][bm] floats, 256 bytes of walk state, then 3 mbarriers.
+int WgmmaBwdSmemBytes(int d, int bm) {
+  return 1024 + 2 * 64 * d * 2 + 4 * bm * d * 2 + 16 * bm + 256 + 8 * 3;
+}
+
+// The sm_90a backward's query tile: 64 rows (wgmma N of S^T and dP^T; the dq items' M, the
+// key items' 64 keys being their N). Per thread of its one warpgroup dK and dV of 64 keys take
+// D fp32 registers (128 at D = 128), S^T and dP^T 64, their packed A fragments 32 (the compile
+// test holds it to zero spills).
+void ChooseWgmmaBackwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
+  t->wgmma_bwd = true;
+  t->wgmma_bwd_block_m = 64;
+  t->wgmma_bwd_smem_bytes = WgmmaBwdSmemBytes(c.head_dim, t->wgmma_bwd_block_m);
+}
+
 const char* CudaTypeName(DType t) {
   switch (t) {
     case DType::kF32:
@@ -210,6 +235,12 @@ bool CudaTensorCoreApplies(const CudaKernelConfig& c) {
 bool CudaWgmmaForwardApplies(const CudaKernelConfig& c) {
   return c.arch == "sm_90a" && ResolveCudaMath(c) == CudaMath::kTensorCore &&
          (c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256);
+}
+
+bool CudaWgmmaBackwardApplies(const CudaKernelConfig& c) {
+  return c.arch == "sm_90a" && ResolveCudaMath(c) == CudaMath::kTensorCore &&
+         (c.head_dim == 64 || c.head_dim == 128) && c.deterministic_dq && c.bwd_block_m == 0 &&
+         c.bwd_block_n == 0 && c.bwd_threads == 0;
 }
 
 std::string JitCudaArch(absl::string_view device_arch, const CudaKernelConfig& config) {
@@ -341,6 +372,7 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
     t.bwd_block_n = m.bn;
     t.bwd_threads = m.threads;
     t.bwd_tensor_core = true;
+    if (CudaWgmmaBackwardApplies(c)) ChooseWgmmaBackwardTiles(c, &t);
   } else {
     // The FMA backward: fp32, other head dims, or tensor-core tiles that do not fit the
     // shared memory (head dim 256 on sm_86/89: 99 KB).
@@ -361,8 +393,8 @@ absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& c) {
   t.bwd_smem_bytes = t.bwd_tensor_core ? MmaBwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n,
                                                          t.bwd_threads, c.deterministic_dq)
                                        : BwdSmemBytes(c.head_dim, t.bwd_block_m, t.bwd_block_n);
-  if (!c.skip_validation &&
-      (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit || t.wgmma_smem_bytes > limit)) {
+  if (!c.skip_validation && (t.fwd_smem_bytes > limit || t.bwd_smem_bytes > limit ||
+                             t.wgmma_smem_bytes > limit || t.wgmma_bwd_smem_bytes > limit)) {
     return absl::InvalidArgumentError(
         absl::StrCat("CudaKernelConfig tiles need ", t.fwd_smem_bytes, "/", t.bwd_smem_bytes,
                      " bytes of shared memory (fwd/bwd); ", c.arch, " allows ", limit));
@@ -404,6 +436,10 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
   absl::StrAppend(&s, "  static constexpr int kWgmmaBlockN = ", t.wgmma_block_n,
                   ", kWgmmaStages = ", t.wgmma_stages, ", kWgmmaSmemBytes = ", t.wgmma_smem_bytes,
                   ";\n");
+  absl::StrAppend(&s, "  static constexpr bool kWgmmaBwd = ", t.wgmma_bwd ? "true" : "false",
+                  ";\n");
+  absl::StrAppend(&s, "  static constexpr int kWgmmaBwdBlockM = ", t.wgmma_bwd_block_m,
+                  ", kWgmmaBwdSmemBytes = ", t.wgmma_bwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "};\n");
   return s;
 }
@@ -433,6 +469,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
   const bool tc_bwd = t.bwd_tensor_core;
   if (tc_bwd) absl::StrAppend(&s, "#include \"hsap_attention_mma_bwd.cuh\"\n");
   if (t.wgmma_fwd) absl::StrAppend(&s, "#include \"hsap_attention_wgmma_fwd.cuh\"\n");
+  if (t.wgmma_bwd) absl::StrAppend(&s, "#include \"hsap_attention_wgmma_bwd.cuh\"\n");
   absl::StrAppend(&s, "\n");
   absl::StrAppend(&s, CudaConfigStruct(config, t, "HsapCfg"), "\n");
 
@@ -445,12 +482,14 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
     bool wgmma = false;
   };
   std::vector<Kernel> kernels = {
-      t.wgmma_fwd ? Kernel{"fwd", "attn_fwd_wgmma_kernel", kWgmmaFwdParams, 384,
-                           t.wgmma_smem_bytes, true, true}
+      t.wgmma_fwd ? Kernel{"fwd", "attn_fwd_wgmma_kernel", kWgmmaFwdParams, 384, t.wgmma_smem_bytes,
+                           true, true}
                   : Kernel{"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads,
                            t.fwd_smem_bytes, tc},
-      {"bwd", tc_bwd ? "attn_bwd_mma_kernel" : "attn_bwd_kernel", "hsap_dev::BwdParams",
-       t.bwd_threads, t.bwd_smem_bytes, tc_bwd},
+      t.wgmma_bwd ? Kernel{"bwd", "attn_bwd_wgmma_kernel", kWgmmaBwdParams, 128,
+                           t.wgmma_bwd_smem_bytes, true, true}
+                  : Kernel{"bwd", tc_bwd ? "attn_bwd_mma_kernel" : "attn_bwd_kernel",
+                           "hsap_dev::BwdParams", t.bwd_threads, t.bwd_smem_bytes, tc_bwd},
       {"delta", "attn_delta_kernel", "hsap_dev::DeltaParams", 256, 0},
       {"merge", "lse_merge_kernel", "hsap_dev::MergeParams", 256, 0},
       {"init", "init_partial_kernel", "hsap_dev::InitParams", 256, 0},
@@ -504,6 +543,8 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
       {"hsap_tma.cuh", std::string(hsap_embedded_tma_cuh, hsap_embedded_tma_cuh_end)},
       {"hsap_attention_wgmma_fwd.cuh", std::string(hsap_embedded_attention_wgmma_fwd_cuh,
                                                    hsap_embedded_attention_wgmma_fwd_cuh_end)},
+      {"hsap_attention_wgmma_bwd.cuh", std::string(hsap_embedded_attention_wgmma_bwd_cuh,
+                                                   hsap_embedded_attention_wgmma_bwd_cuh_end)},
   };
   return *headers;
 }

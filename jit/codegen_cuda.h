@@ -86,6 +86,12 @@ struct CudaTiles {
   // fwd_smem_bytes, ...) then describe the mma.sync core, which the fused forward keeps.
   bool wgmma_fwd = false;
   int wgmma_block_n = 0, wgmma_stages = 0, wgmma_smem_bytes = 0;
+  // "bwd" is the sm_90a backward (hsap_attention_wgmma_bwd.cuh, CudaWgmmaBackwardApplies):
+  // key items of 64 keys on one wgmma warpgroup over query tiles of wgmma_bwd_block_m rows
+  // loaded by TMA, wgmma_bwd_smem_bytes of dynamic shared memory; its dq items are the
+  // mma.sync backward's, on the bwd_* tiles above.
+  bool wgmma_bwd = false;
+  int wgmma_bwd_block_m = 0, wgmma_bwd_smem_bytes = 0;
 };
 
 // Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
@@ -102,6 +108,12 @@ CudaMath ResolveCudaMath(const CudaKernelConfig& config);
 // (the TMA boxes and wgmma operands are 64-element panels of the head dim). Other head dims
 // on sm_90a keep the mma.sync forward.
 bool CudaWgmmaForwardApplies(const CudaKernelConfig& config);
+
+// Whether the "bwd" kernel of `config` is the sm_90a backward (wgmma, TMA;
+// hsap_attention_wgmma_bwd.cuh): arch "sm_90a", tensor-core math, head dim 64 or 128,
+// deterministic dq, and no explicit backward tiles. Other configurations on sm_90a keep the
+// mma.sync backward.
+bool CudaWgmmaBackwardApplies(const CudaKernelConfig& config);
 
 // The architecture the JIT compiles `config` for on a device of `device_arch` (e.g. "sm_90"
 // from CurrentCudaArch): "sm_90a" on compute capability 9.0 when the sm_90a forward applies
@@ -134,9 +146,9 @@ struct CudaKernelEntry {
   int threads = 0;              // blockDim.x
   int dynamic_smem_bytes = 0;
   bool tensor_core = false;  // computes with mma.sync (its SASS holds HMMA) or wgmma
-  // The sm_90a forward: computes with wgmma (HGMMA) and loads with TMA (UTMALDG); its
-  // arguments are the Params followed by three `__grid_constant__ const hsap_dev::TensorMap`
-  // (Q, K, V: hsap_attention_wgmma_fwd.cuh states their geometry).
+  // The sm_90a forward or backward: computes with wgmma (HGMMA) and loads with TMA (UTMALDG);
+  // its arguments are the Params followed by `__grid_constant__ const hsap_dev::TensorMap`s
+  // (forward: Q, K, V; backward: Q, K, V, dO; the kernels' headers state their geometry).
   bool wgmma = false;
   // The CTAs per SM the tiles were chosen for (registers, threads and shared memory must
   // allow at least this many; the variant compile test checks it).
@@ -166,7 +178,7 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
 // hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh, hsap_attention_mma_bwd.cuh,
-// hsap_wgmma.cuh, hsap_tma.cuh, hsap_attention_wgmma_fwd.cuh.
+// hsap_wgmma.cuh, hsap_tma.cuh, hsap_attention_wgmma_fwd.cuh, hsap_attention_wgmma_bwd.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

@@ -556,12 +556,11 @@ struct MmaQueryWalk {
   long long diag_lo, diag_hi;
 };
 
-// Advances w to the next key tile of query rows [q0, q0 + rows) of block qb and describes
-// it in *t. Thread 0 only.
-template <class Cfg>
+// Advances w to the next key tile (kBN keys: the dq pass's by default) of query rows
+// [q0, q0 + rows) of block qb and describes it in *t. Thread 0 only.
+template <class Cfg, int kBN = MmaBwdShape<Cfg>::kDqBN>
 HSAP_DEV void next_query_tile(MmaQueryWalk& w, const BwdParams& p, const QueryBlock& qb,
                               long long q0, int rows, MmaTile* t) {
-  constexpr int kBN = MmaBwdShape<Cfg>::kDqBN;
   t->valid = 0;
   if (w.k0 + kBN < w.k_hi) {
     w.k0 += kBN;

@@ -190,5 +190,112 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
   }
 }
 
+TEST(WgmmaBackwardSelection, Sm90aDeterministicDqHeadDims64And128) {
+  EXPECT_TRUE(CudaWgmmaBackwardApplies(Config("sm_90a", DType::kBF16, 128, true)));
+  EXPECT_TRUE(CudaWgmmaBackwardApplies(Config("sm_90a", DType::kF16, 64, false)));
+  // Head dim 256 (dK + dV would not fit one warpgroup's registers), atomic dq, explicit tiles,
+  // sm_90 and fp32 keep the mma.sync / FMA backward.
+  EXPECT_FALSE(CudaWgmmaBackwardApplies(Config("sm_90a", DType::kBF16, 256, true)));
+  EXPECT_FALSE(CudaWgmmaBackwardApplies(Config("sm_90", DType::kBF16, 128, true)));
+  EXPECT_FALSE(CudaWgmmaBackwardApplies(Config("sm_90a", DType::kF32, 128, true)));
+  CudaKernelConfig atomic = Config("sm_90a", DType::kBF16, 128, true);
+  atomic.deterministic_dq = false;
+  EXPECT_FALSE(CudaWgmmaBackwardApplies(atomic));
+  CudaKernelConfig tiles = Config("sm_90a", DType::kBF16, 128, true);
+  tiles.bwd_block_m = 16;
+  tiles.bwd_block_n = 64;
+  tiles.bwd_threads = 128;
+  EXPECT_FALSE(CudaWgmmaBackwardApplies(tiles));
+
+  absl::StatusOr<CudaKernelSource> s =
+      GenerateCudaKernels(Config("sm_90a", DType::kBF16, 128, true));
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_THAT(s->source, HasSubstr("#include \"hsap_attention_wgmma_bwd.cuh\""));
+  EXPECT_THAT(s->source, HasSubstr("kWgmmaBwd = true"));
+  const CudaKernelEntry& bwd = s->kernels[1];
+  EXPECT_EQ(bwd.role, "bwd");
+  EXPECT_EQ(bwd.name_expression, "hsap_dev::attn_bwd_wgmma_kernel<HsapCfg>");
+  EXPECT_TRUE(bwd.wgmma);
+  EXPECT_EQ(bwd.threads, 128);
+  EXPECT_EQ(s->tiles.wgmma_bwd_block_m, 64);
+  // 1 KiB slack + K, V (64 x 128) + 2 stages of Q, dO (64 x 128) + lse/delta + walk state,
+  // then 3 mbarriers.
+  EXPECT_EQ(bwd.dynamic_smem_bytes,
+            1024 + 2 * 64 * 128 * 2 + 4 * 64 * 128 * 2 + 16 * 64 + 256 + 3 * 8);
+  // The atomic-dq configuration keeps the mma.sync backward.
+  CudaKernelConfig atomic_c = Config("sm_90a", DType::kBF16, 128, true);
+  atomic_c.deterministic_dq = false;
+  absl::StatusOr<CudaKernelSource> a = GenerateCudaKernels(atomic_c);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->kernels[1].name_expression, "hsap_dev::attn_bwd_mma_kernel<HsapCfg>");
+  EXPECT_FALSE(a->kernels[1].wgmma);
+}
+
+// The backward alone, compiled with ptxas' report: no spill, registers within the 255 of one
+// 128-thread CTA, the generator's shared memory fits, and the SASS holds HGMMA (key and dq
+// items), UTMALDG and SYNCS (TMA and mbarriers) and no HMMA.
+TEST(WgmmaBackwardCompile, Sm90aResourcesAndSass) {
+  REQUIRE_NVRTC();
+  const std::vector<CudaKernelConfig> configs =
+      testing::Sweep(std::vector<CudaKernelConfig>{Config("sm_90a", DType::kBF16, 128, true),
+                                                   Config("sm_90a", DType::kF16, 64, false)},
+                     2);
+  const std::string cuobjdump = testing::FindCuobjdump();
+  const std::string dir = testing::MakeTestTempDir("cuda_wgmma_bwd_nvrtc_test");
+  for (const CudaKernelConfig& c : configs) {
+    SCOPED_TRACE(c.Name());
+    absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
+    ASSERT_TRUE(s.ok()) << s.status();
+    const CudaKernelEntry e = s->kernels[1];
+    ASSERT_TRUE(e.wgmma);
+    CudaCompileRequest req;
+    req.program_name = absl::StrCat("hsap_", c.Name(), "_bwd.cu");
+    req.source = absl::StrCat(
+        "#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_bwd.cuh\"\n",
+        CudaConfigStruct(c, s->tiles, "HsapCfg"),
+        "template __global__ void hsap_dev::attn_bwd_wgmma_kernel<HsapCfg>(const ",
+        "hsap_dev::BwdParams, const __grid_constant__ hsap_dev::TensorMap, const "
+        "__grid_constant__ hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap, "
+        "const __grid_constant__ hsap_dev::TensorMap);\n");
+    req.headers = s->headers;
+    req.arch = c.arch;
+    req.extra_options = {"--ptxas-options=-v"};
+    req.name_expressions = {e.name_expression};
+    absl::StatusOr<CudaBinary> b = CompileCuda(req, nullptr);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->target, "sm_90a");
+    absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_EQ(res->size(), 1u) << b->log;
+    const CudaKernelResources& r = res->front();
+    EXPECT_EQ(r.spill_store_bytes, 0);
+    EXPECT_EQ(r.spill_load_bytes, 0);
+    EXPECT_LE(r.registers, 255);
+    EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
+    std::string limiter;
+    const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
+                                   e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
+    EXPECT_GE(ctas, 1) << limiter;
+    std::printf(
+        "[ resources ] %-34s bwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
+        "CTA/SM (%s)\n",
+        c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes,
+        e.dynamic_smem_bytes + r.static_smem_bytes, ctas, limiter.c_str());
+    if (cuobjdump.empty()) continue;
+    const std::map<std::string, std::string> sass =
+        testing::SassByFunction(cuobjdump, b->image, dir);
+    ASSERT_EQ(sass.size(), 1u);
+    const std::string& code = sass.begin()->second;
+    EXPECT_THAT(code, HasSubstr("HGMMA"));
+    EXPECT_THAT(code, HasSubstr("UTMALDG"));
+    EXPECT_THAT(code, HasSubstr("SYNCS"));
+    EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));  // the dq items are wgmma too
+  }
+  std::filesystem::remove_all(dir);
+  if (cuobjdump.empty()) {
+    std::printf("[ sass ] no cuobjdump: the SASS was not checked (tests/support/cuobjdump.h)\n");
+  }
+}
+
 }  // namespace
 }  // namespace hsap::jit

@@ -129,6 +129,12 @@ Instance WgmmaForward(DType dtype, int head_dim, int gqa, bool band) {
   return i;
 }
 
+// The sm_90a backward (hsap_attention_wgmma_bwd.cuh): the same configurations (arch sm_90a,
+// tensor-core math, deterministic dq), whose "bwd" is the wgmma one at head dims 64 and 128.
+Instance WgmmaBackward(DType dtype, int head_dim, int gqa, bool band) {
+  return WgmmaForward(dtype, head_dim, gqa, band);
+}
+
 std::vector<Family> Families() {
   constexpr DType kF32 = DType::kF32, kBF16 = DType::kBF16, kF16 = DType::kF16;
   return {
@@ -168,6 +174,14 @@ std::vector<Family> Families() {
        {WgmmaForward(kBF16, 64, 2, true), WgmmaForward(kF16, 64, 2, true),
         WgmmaForward(kBF16, 128, 2, true), WgmmaForward(kF16, 128, 2, true),
         WgmmaForward(kBF16, 64, 2, false), WgmmaForward(kBF16, 256, 2, true)}},
+      {"// The sm_90a backward (hsap_attention_wgmma_bwd.cuh, arch sm_90a, deterministic dq) with\n"
+       "// the tiles ChooseCudaTiles picks: key items of 64 keys, query tiles of "
+       "kWgmmaBwdBlockM.\n",
+       "typename StorageT, int kHeadDim, int kG, bool kBand",
+       "WgmmaBwdCfg",
+       {WgmmaBackward(kBF16, 64, 2, true), WgmmaBackward(kF16, 64, 2, true),
+        WgmmaBackward(kBF16, 128, 2, true), WgmmaBackward(kF16, 128, 2, true),
+        WgmmaBackward(kBF16, 64, 2, false)}},
   };
 }
 

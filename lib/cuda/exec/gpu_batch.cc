@@ -484,7 +484,7 @@ absl::StatusOr<std::shared_ptr<const DeviceKernels>> JitKernelsForBatch(const Ba
   for (const MaskSlice& s : layout.slices()) config.has_band |= !s.IsFull();
   // The fused kernel takes up to 8 stages per launch (more run as further launches).
   if (fused) config.role = {7};
-  // Compute capability 9.0: the sm_90a variant (wgmma/TMA forward) where it applies.
+  // Compute capability 9.0: the sm_90a variant (wgmma/TMA forward and backward) where it applies.
   HSAP_ASSIGN_OR_RETURN(config.arch, JitArchForDevice(arch, config));
   if (absl::Status s = jit::ValidateCudaKernelConfig(config); !s.ok()) {
     return absl::Status(s.code(),

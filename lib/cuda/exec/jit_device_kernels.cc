@@ -25,8 +25,9 @@ struct Kernel {
   int threads = 0;
   int smem = 0;
   bool tensor_core = false;  // cp.async rows or TMA: q, k, v must be 16-byte aligned
-  bool wgmma = false;        // the sm_90a forward: the Q, K, V tensor maps follow the Params
-  int key_tile_rows = 0;     // its K/V box rows (CudaTiles::wgmma_block_n)
+  bool wgmma = false;        // sm_90a forward / backward: tensor maps follow the Params
+  int key_tile_rows = 0;     // the forward's K/V box rows (CudaTiles::wgmma_block_n)
+  int query_tile_rows = 0;   // the backward's Q/dO box rows (CudaTiles::wgmma_bwd_block_m)
 };
 
 // The tensor-core kernels move 16-byte rows with cp.async; the kernel would only flag a
@@ -95,6 +96,7 @@ class JitDeviceKernels : public DeviceKernels {
       kernel.tensor_core = entry.tensor_core;
       kernel.wgmma = entry.wgmma;
       kernel.key_tile_rows = c.source.tiles.wgmma_block_n;
+      kernel.query_tile_rows = c.source.tiles.wgmma_bwd_block_m;
       HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name.c_str()),
                                    absl::StrCat("cuModuleGetFunction(", name, ")")));
       if (kernel.smem > 48 * 1024) {
@@ -133,7 +135,16 @@ class JitDeviceKernels : public DeviceKernels {
   absl::Status Backward(const hsap_dev::BwdParams& p, cudaStream s) const override {
     HSAP_RETURN_IF_ERROR(CheckAligned(bwd_, "attention backward", p.q, p.k, p.v));
     HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid, AttentionGrid(p.num_blocks, p.heads_q));
-    return Launch(bwd_, "attention backward", grid, &p, s);
+    if (!bwd_.wgmma) return Launch(bwd_, "attention backward", grid, &p, s);
+    if (grid.empty()) return absl::OkStatus();
+    // The sm_90a backward: its Params, then the tensor maps of q, k, v and dout by value.
+    HSAP_ASSIGN_OR_RETURN(
+        const WgmmaBackwardMaps maps,
+        EncodeWgmmaBackwardMaps(*driver_, p, dtype_, head_dim_, bwd_.query_tile_rows));
+    void* args[] = {const_cast<hsap_dev::BwdParams*>(&p), const_cast<TensorMapBytes*>(&maps.q),
+                    const_cast<TensorMapBytes*>(&maps.k), const_cast<TensorMapBytes*>(&maps.v),
+                    const_cast<TensorMapBytes*>(&maps.dout)};
+    return LaunchArgs(bwd_, "attention backward (sm_90a)", grid, args, s);
   }
   absl::Status Delta(const hsap_dev::DeltaParams& p, cudaStream s) const override {
     return Launch(delta_, "delta", HelperGrid(p, helper_ctas_), &p, s);

@@ -10,20 +10,24 @@ namespace hsap::cuda {
 namespace {
 
 constexpr int kQueryTileRows = 128;  // WgmmaFwdShape::kBM
+constexpr int kBwdKeyTileRows = 64;  // WgmmaBwdShape::kBN
+constexpr char kFwd[] = "sm_90a forward";
+constexpr char kBwd[] = "sm_90a backward";
 
 // One tensor [rows, heads, head_dim] of 16-bit elements.
-absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char* what,
-                                         const void* base, long long rows, int heads,
-                                         int head_dim, TensorMapDataType type, int box_rows) {
+absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char* kernel,
+                                         const char* what, const void* base, long long rows,
+                                         int heads, int head_dim, TensorMapDataType type,
+                                         int box_rows) {
   if (rows < 0 || rows > INT32_MAX) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sm_90a forward: ", what, " has ", rows,
+        absl::StrCat(kernel, ": ", what, " has ", rows,
                      " rows; TMA coordinates are signed 32-bit, so at most 2^31 - 1 rows per "
                      "call (split the batch)"));
   }
   if (heads < 1) {
     return absl::InvalidArgumentError(
-        absl::StrCat("sm_90a forward: ", what, " has ", heads, " heads (must be >= 1)"));
+        absl::StrCat(kernel, ": ", what, " has ", heads, " heads (must be >= 1)"));
   }
   TiledTensorMapSpec spec;
   spec.dtype = type;
@@ -40,8 +44,8 @@ absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char
   spec.oob_fill = TensorMapOobFill::kZero;
   absl::StatusOr<TensorMapBytes> map = EncodeTiledTensorMap(driver, spec);
   if (!map.ok()) {
-    return absl::Status(map.status().code(), absl::StrCat("sm_90a forward, tensor map of ", what,
-                                                          ": ", map.status().message()));
+    return absl::Status(map.status().code(), absl::StrCat(kernel, ", tensor map of ", what, ": ",
+                                                          map.status().message()));
   }
   return map;
 }
@@ -65,12 +69,40 @@ absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& dri
   }
   const TensorMapDataType type = TensorMapDataTypeOf(dtype);
   WgmmaForwardMaps maps;
-  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, "q", p.q, p.q_rows, p.heads_q, head_dim, type,
-                                          kQueryTileRows));
-  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, "k", p.k, p.k_rows, p.heads_kv, head_dim, type,
-                                          key_tile_rows));
-  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, "v", p.v, p.k_rows, p.heads_kv, head_dim, type,
-                                          key_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kFwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
+                                          type, kQueryTileRows));
+  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, kFwd, "k", p.k, p.k_rows, p.heads_kv, head_dim,
+                                          type, key_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, kFwd, "v", p.v, p.k_rows, p.heads_kv, head_dim,
+                                          type, key_tile_rows));
+  return maps;
+}
+
+absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
+                                                          const hsap_dev::BwdParams& p, DType dtype,
+                                                          int head_dim, int query_tile_rows) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sm_90a backward: dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));
+  }
+  if (head_dim != 64 && head_dim != 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sm_90a backward: head dim ", head_dim, " (it takes 64 or 128)"));
+  }
+  if (query_tile_rows < 16 || query_tile_rows > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sm_90a backward: query tile of ", query_tile_rows, " rows (must be in [16, 256])"));
+  }
+  const TensorMapDataType type = TensorMapDataTypeOf(dtype);
+  WgmmaBackwardMaps maps;
+  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kBwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
+                                          type, query_tile_rows));
+  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, kBwd, "k", p.k, p.k_rows, p.heads_kv, head_dim,
+                                          type, kBwdKeyTileRows));
+  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, kBwd, "v", p.v, p.k_rows, p.heads_kv, head_dim,
+                                          type, kBwdKeyTileRows));
+  HSAP_ASSIGN_OR_RETURN(maps.dout, EncodeOne(driver, kBwd, "dout", p.dout, p.q_rows, p.heads_q,
+                                             head_dim, type, query_tile_rows));
   return maps;
 }
 

@@ -29,6 +29,19 @@ absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& dri
                                                         const hsap_dev::FwdParams& p, DType dtype,
                                                         int head_dim, int key_tile_rows);
 
+struct WgmmaBackwardMaps {
+  TensorMapBytes q, k, v, dout;
+};
+
+// The maps of the sm_90a backward (jit/device/hsap_attention_wgmma_bwd.cuh) for `p`: q and
+// dout ([q_rows, heads_q, D]) in boxes of `query_tile_rows` rows, k and v ([k_rows, heads_kv,
+// D]) in boxes of 64 rows, otherwise as the forward's; the kernel takes them after its Params
+// in that order. InvalidArgument, naming the argument, as EncodeWgmmaForwardMaps (head_dim 64
+// or 128, query_tile_rows in [16, 256]).
+absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
+                                                          const hsap_dev::BwdParams& p, DType dtype,
+                                                          int head_dim, int query_tile_rows);
+
 }  // namespace hsap::cuda
 
 #endif  // HSAP_LIB_CUDA_EXEC_WGMMA_TENSOR_MAPS_H_

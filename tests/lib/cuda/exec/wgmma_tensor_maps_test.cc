@@ -1,8 +1,8 @@
-// The sm_90a forward's host side: its tensor maps (lib/cuda/exec/wgmma_tensor_maps.h) through
-// the emulated driver's cuTensorMapEncodeTiled (the geometry the kernel assumes,
-// hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the argument), the arch the
-// runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A), and the work-list block rows the
-// GPU runners ask for (the forward's CTA tile).
+// The sm_90a forward's and backward's host side: their tensor maps
+// (lib/cuda/exec/wgmma_tensor_maps.h) through the emulated driver's cuTensorMapEncodeTiled (the
+// geometry the kernel assumes, hsap_attention_wgmma_fwd.cuh, and the refusals, each naming the
+// argument), the arch the runtime compiles for (JitArchForDevice, HSAP_JIT_SM90A), and the
+// work-list block rows the GPU runners ask for (the forward's CTA tile).
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 
 #include <cstdint>
@@ -98,6 +98,55 @@ TEST(WgmmaTensorMaps, RefusalsNameTheArgument) {
   s = encode(p, DType::kBF16, 128, 128);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(s.message(), HasSubstr("q has 2147483648 rows"));
+}
+
+// The sm_90a backward's maps (hsap_attention_wgmma_bwd.cuh): q and dout in boxes of the query
+// tile's rows, k and v in boxes of 64 keys; its refusals name the argument too.
+TEST(WgmmaTensorMaps, BackwardGeometryIsTheKernels) {
+  testing::EmulatedCudaRuntime emu;
+  auto t = std::make_unique<Tensors>();
+  auto dout = std::make_unique<Tensors>();
+  const hsap_dev::FwdParams f = t->Params();
+  hsap_dev::BwdParams p{};
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.dout = dout->q;
+  p.q_rows = f.q_rows;
+  p.k_rows = f.k_rows;
+  p.heads_q = f.heads_q;
+  p.heads_kv = f.heads_kv;
+  absl::StatusOr<WgmmaBackwardMaps> maps =
+      EncodeWgmmaBackwardMaps(emu.driver(), p, DType::kF16, 128, 64);
+  ASSERT_TRUE(maps.ok()) << maps.status();
+  struct Want {
+    const TensorMapBytes* map;
+    const void* base;
+    uint64_t heads, rows, box_rows;
+  };
+  for (const Want& w : {Want{&maps->q, t->q, 4, 300, 64}, Want{&maps->k, t->k, 2, 200, 64},
+                        Want{&maps->v, t->v, 2, 200, 64}, Want{&maps->dout, dout->q, 4, 300, 64}}) {
+    hsap_emu::EmuTensorMap m;
+    ASSERT_TRUE(hsap_emu::EmuDecodeTensorMap(w.map, m));
+    EXPECT_EQ(m.dtype, static_cast<int>(TensorMapDataType::kFloat16));
+    EXPECT_EQ(m.swizzle, static_cast<int>(TensorMapSwizzle::k128B));
+    EXPECT_EQ(m.address, reinterpret_cast<uint64_t>(w.base));
+    EXPECT_EQ(m.dims[1], w.heads);
+    EXPECT_EQ(m.dims[2], w.rows);
+    EXPECT_EQ(m.box[0], 64);
+    EXPECT_EQ(m.box[2], w.box_rows);
+  }
+  auto encode = [&](hsap_dev::BwdParams bp, DType dtype, int d, int bm) {
+    return EncodeWgmmaBackwardMaps(emu.driver(), bp, dtype, d, bm).status();
+  };
+  EXPECT_THAT(encode(p, DType::kF32, 128, 64).message(), HasSubstr("dtype"));
+  EXPECT_THAT(encode(p, DType::kBF16, 256, 64).message(), HasSubstr("head dim 256"));
+  EXPECT_THAT(encode(p, DType::kBF16, 128, 8).message(), HasSubstr("query tile"));
+  hsap_dev::BwdParams bad = p;
+  bad.dout = reinterpret_cast<const char*>(dout->q) + 2;
+  const absl::Status s = encode(bad, DType::kBF16, 128, 64);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("sm_90a backward, tensor map of dout"));
 }
 
 TEST(JitArchForDevice, Sm90aOnComputeCapability90WhenHsapJitSm90aIsOn) {
