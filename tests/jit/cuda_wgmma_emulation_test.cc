@@ -184,7 +184,9 @@ TEST(CudaWgmmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
     for (size_t i = 0; i < r.lse.size(); ++i) {
       ASSERT_EQ(std::isnan(r.lse[i]), std::isnan(ref.lse[i])) << "lse[" << i << "]";
       nan_rows += std::isnan(ref.lse[i]);
-      if (std::isinf(ref.lse[i])) EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
+      if (std::isinf(ref.lse[i])) {
+        EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
+      }
     }
     for (size_t i = 0; i < r.out.size(); ++i) {
       ASSERT_EQ(std::isnan(r.out[i]), std::isnan(ref.out[i])) << "out[" << i << "]";
