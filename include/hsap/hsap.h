@@ -598,7 +598,9 @@ hsapResult_t hsapBatchGetEngines(hsapBatch_t batch, hsapEngines_t* engines);
 /* The same as one NUL-terminated line, with the reason of every JIT piece ("cudnn 0 pieces in
  * 0 calls (0.0% of FLOPs), jit 5 pieces (100.0%): 5 x cuDNN is not available: ...") and,
  * under auto where cuDNN can run the batch, the calibration the choice went by ("[auto by
- * calibration built-in, kind H200: per piece the faster engine]"). With
+ * calibration built-in, kind H200: per piece the faster engine]"), then the cuDNN calls that
+ * ran on the JIT kernels at run time because cuDNN built no graph for them ("; at run time 2
+ * cuDNN calls ran on the JIT kernels instead (first: ...)"; results unchanged). With
  * buffer == NULL only *size is set (bytes needed, NUL included); otherwise *size is the
  * buffer's capacity and, if too small, hsapInvalidArgument is returned with *size set to the
  * bytes needed (as hsapPlanToJson). */

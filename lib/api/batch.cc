@@ -463,8 +463,8 @@ hsapResult_t hsapBatchGetEngineReport(hsapBatch_t batch, char* buffer, size_t* s
   return hsap::RunApi("hsapBatchGetEngineReport", [&]() -> absl::Status {
     HSAP_ASSIGN_OR_RETURN(hsap::Batch * b, hsap::BatchFromHandle(batch));
     HSAP_RETURN_IF_ERROR(hsap::CheckNotNull(size, "size"));
-    HSAP_ASSIGN_OR_RETURN(const hsap::cuda::BatchEngines* e, hsap::EnginesOfBatch(*b));
-    const std::string text = e->tally().ToString();
+    HSAP_RETURN_IF_ERROR(hsap::EnginesOfBatch(*b).status());
+    const std::string text = hsap::cuda::EngineReportOf(b->runner());
     const size_t needed = text.size() + 1;
     if (buffer != nullptr && *size < needed) {
       const size_t capacity = *size;

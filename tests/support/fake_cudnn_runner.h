@@ -39,28 +39,45 @@ class FakeCudnnRunner : public cuda::CudnnPieceRunner {
 
   std::string name() const override { return "host fake"; }
 
+  // Answers a call before running it: OK runs it; any other status is returned instead and
+  // the call counted as refused (Unimplemented: a cuDNN that builds no graph for the call,
+  // piece_runner.h). Set before the batch runs.
+  using Answer = std::function<absl::Status(const cuda::SdpaCall& call, bool backward)>;
+  void set_answer(Answer answer) { answer_ = std::move(answer); }
+
   absl::Status Forward(const cuda::SdpaShape& shape, const cuda::SdpaCall& call,
                        const cuda::SdpaForwardArgs& args, cuda::cudaStream s) override {
+    if (absl::Status a = Answered(call, false); !a.ok()) return a;
     ++forward_calls_;
     return enqueue_(s, [this, shape, call, args] { RunForward(shape, call, args); });
   }
   absl::Status Backward(const cuda::SdpaShape& shape, const cuda::SdpaCall& call,
                         const cuda::SdpaBackwardArgs& args, cuda::cudaStream s) override {
+    if (absl::Status a = Answered(call, true); !a.ok()) return a;
     ++backward_calls_;
     return enqueue_(s, [this, shape, call, args] { RunBackward(shape, call, args); });
   }
 
+  // Calls run (not refused).
   int64_t forward_calls() const { return forward_calls_.load(); }
   int64_t backward_calls() const { return backward_calls_.load(); }
   // Visible pairs per head evaluated (after the stream ran the calls).
   int64_t forward_pairs() const { return forward_pairs_.load(); }
   int64_t backward_pairs() const { return backward_pairs_.load(); }
+  int64_t refused_calls() const { return refused_calls_.load(); }
   std::string error() const {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
   }
 
  private:
+  absl::Status Answered(const cuda::SdpaCall& call, bool backward) {
+    if (!answer_) return absl::OkStatus();
+    absl::Status a = answer_(call, backward);
+    if (!a.ok()) ++refused_calls_;
+    return a;
+  }
+
   static constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
   struct Entry {
@@ -208,7 +225,8 @@ class FakeCudnnRunner : public cuda::CudnnPieceRunner {
   }
 
   Enqueue enqueue_;
-  std::atomic<int64_t> forward_calls_{0}, backward_calls_{0};
+  Answer answer_;
+  std::atomic<int64_t> forward_calls_{0}, backward_calls_{0}, refused_calls_{0};
   std::atomic<int64_t> forward_pairs_{0}, backward_pairs_{0};
   mutable std::mutex mu_;
   std::string error_;

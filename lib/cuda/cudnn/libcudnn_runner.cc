@@ -166,6 +166,22 @@ class LibCudnnPieceRunner : public CudnnPieceRunner {
     return graphs_.Insert(key, std::move(g));
   }
 
+  // GraphFor, with a graph cuDNN will not build answered as Unimplemented (piece_runner.h:
+  // nothing was enqueued, so the caller may run the call's pieces elsewhere), remembered so
+  // that later calls of the shape are answered at once and alike.
+  absl::StatusOr<Graph*> GraphOrRefusal(const SdpaGraphKey& key, const SdpaCall& call) {
+    if (auto it = refused_.find(key); it != refused_.end()) return it->second;
+    absl::StatusOr<Graph*> g = GraphFor(key, call);
+    if (g.ok()) return g;
+    const absl::Status refusal = absl::UnimplementedError(absl::StrCat(
+        name(), " builds no ", key.backward ? "backward" : "forward", " graph for a ",
+        call.mask.ToString(), " call (d ", key.head_dim, ", ", key.heads_q, "/", key.heads_kv,
+        " heads, ", key.batch, " entries, S_q ", key.max_q_len, ", S_kv ", key.max_k_len,
+        "): ", g.status().message()));
+    refused_.emplace(key, refusal);
+    return refusal;
+  }
+
   // The stream's buffers with at least `workspace` and `scratch` bytes.
   absl::StatusOr<StreamBuffers*> BuffersFor(cudaStream stream, size_t workspace, size_t scratch) {
     StreamBuffers& b = buffers_[stream];
@@ -195,7 +211,7 @@ class LibCudnnPieceRunner : public CudnnPieceRunner {
       return absl::InvalidArgumentError("cuDNN piece runner: a call without its device arrays");
     }
     std::lock_guard<std::mutex> lock(mu_);
-    HSAP_ASSIGN_OR_RETURN(Graph * g, GraphFor(key, call));
+    HSAP_ASSIGN_OR_RETURN(Graph * g, GraphOrRefusal(key, call));
     // Scratch of this call's buffers (the graph's sizes are those of its first call's).
     const SdpaGraphSpec spec = SpecOfKey(key, std::max(call.q_rows, call.max_q_len),
                                          std::max(call.k_rows, call.max_k_len), version_);
@@ -288,6 +304,7 @@ class LibCudnnPieceRunner : public CudnnPieceRunner {
   const int version_;
   std::mutex mu_;
   SdpaGraphCache<Graph> graphs_;
+  absl::flat_hash_map<SdpaGraphKey, absl::Status> refused_;  // GraphOrRefusal
   std::map<cudaStream, StreamBuffers> buffers_;
 };
 

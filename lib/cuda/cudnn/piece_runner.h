@@ -22,6 +22,11 @@
 // Rows outside the entries are left as they are. Every device array is read on `stream`, in
 // stream order.
 //
+// Errors: Unimplemented means the runner cannot run this call (cuDNN builds no graph for its
+// shape) and enqueued nothing, so the caller may run the call's pieces on the JIT kernels
+// instead (lib/cuda/exec/cudnn_steps.h does, and reports it); a runner answers a shape alike
+// every time. Any other error may come after part of the call was enqueued.
+//
 // Implementations: libcudnn's (lib/cuda/cudnn/libcudnn_runner.h), which needs a GPU; the
 // tests' host fake (tests/support/fake_cudnn_runner.h) evaluates the same definition on the
 // emulated device.

@@ -14,11 +14,12 @@ namespace {
 // Where a call's arrays are in the host image.
 struct CallAt {
   size_t q_rows = 0, k_rows = 0, seq_q = 0, seq_kv = 0, q_off = 0, kv_off = 0;
+  HostImage::WorkListAt pieces;  // the entries as JIT work
 };
 
 // A call's arrays added to `image`; InvalidArgument when an offset does not fit int32.
-absl::StatusOr<CallAt> AddCall(HostImage& image, const StepEngines& step, const CudnnCall& call,
-                               const SdpaShape& shape) {
+absl::StatusOr<CallAt> AddCall(HostImage& image, const WorkList& work, const StepEngines& step,
+                               const CudnnCall& call, const SdpaShape& shape) {
   std::vector<hsap_dev::EntryRows> q_rows, k_rows;
   std::vector<int32_t> seq_q, seq_kv, q_off, kv_off;
   const int64_t q_row = int64_t{shape.heads_q} * shape.head_dim;
@@ -50,6 +51,9 @@ absl::StatusOr<CallAt> AddCall(HostImage& image, const StepEngines& step, const 
   at.seq_kv = image.Add(seq_kv);
   at.q_off = image.Add(q_off);
   at.kv_off = image.Add(kv_off);
+  std::vector<size_t> entries = call.entries;
+  std::sort(entries.begin(), entries.end());
+  at.pieces = image.Add(PiecesAsWorkList(work, step.pieces, entries));
   return at;
 }
 
@@ -80,7 +84,7 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
     const StepEngines& step = engines.step(s);
     if (step.cudnn_calls.empty()) continue;
     for (const CudnnCall& call : step.cudnn_calls) {
-      HSAP_ASSIGN_OR_RETURN(CallAt at, AddCall(image, step, call, shape));
+      HSAP_ASSIGN_OR_RETURN(CallAt at, AddCall(image, *steps[s], step, call, shape));
       calls_at[s].push_back(at);
       for (size_t e : call.entries) {
         q_end = std::max(q_end, step.pieces[e].q_end());
@@ -110,6 +114,7 @@ absl::StatusOr<std::unique_ptr<CudnnSteps>> CudnnSteps::Build(
       x.sdpa.kv_offsets = At<int32_t>(base, at.kv_off);
       x.q_rows = At<hsap_dev::EntryRows>(base, at.q_rows);
       x.k_rows = At<hsap_dev::EntryRows>(base, at.k_rows);
+      x.pieces = HostImage::At(base, at.pieces);
       for (size_t e : call.entries) {
         x.total_q += step.pieces[e].q_len;
         x.total_k += step.pieces[e].k_len;
@@ -164,12 +169,37 @@ Params CudnnSteps::StatsRows(const Call& c, int64_t lse_stride) const {
   return p;
 }
 
+absl::Status CudnnSteps::Refused(const absl::Status& runner, const Call& c,
+                                 const JitFallback& jit) const {
+  if (!absl::IsUnimplemented(runner)) return runner;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refused_++ == 0) first_refusal_ = std::string(runner.message());
+  }
+  return jit(c.pieces);
+}
+
+int64_t CudnnSteps::refused_calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_;
+}
+
+std::string CudnnSteps::RuntimeNote() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (refused_ == 0) return "";
+  return absl::StrCat("; at run time ", refused_, " cuDNN call", refused_ == 1 ? "" : "s",
+                      " ran on the JIT kernels instead (first: ", first_refusal_, ")");
+}
+
 absl::Status CudnnSteps::RunForward(size_t step, const Forward& f, const DeviceKernels& kernels,
-                                    cudaStream stream) const {
+                                    cudaStream stream, const JitFallback& jit) const {
   if (!HasCalls(step)) return absl::OkStatus();
   for (const Call& c : steps_[step].calls) {
     const SdpaForwardArgs args{f.q, f.k, f.v, o_, stats_};
-    HSAP_RETURN_IF_ERROR(runner_->Forward(shape_, c.sdpa, args, stream));
+    if (absl::Status run = runner_->Forward(shape_, c.sdpa, args, stream); !run.ok()) {
+      HSAP_RETURN_IF_ERROR(Refused(run, c, jit));
+      continue;
+    }
     hsap_dev::EntryMergeParams m = StatsRows<hsap_dev::EntryMergeParams>(c, f.lse_stride);
     m.out = f.out32;
     m.lse = f.lse32;
@@ -181,7 +211,7 @@ absl::Status CudnnSteps::RunForward(size_t step, const Forward& f, const DeviceK
 }
 
 absl::Status CudnnSteps::RunBackward(size_t step, const Backward& b, const DeviceKernels& kernels,
-                                     cudaStream stream) const {
+                                     cudaStream stream, const JitFallback& jit) const {
   if (!HasCalls(step)) return absl::OkStatus();
   const long long q_row = static_cast<long long>(shape_.heads_q) * shape_.head_dim;
   const long long kv_row = static_cast<long long>(shape_.heads_kv) * shape_.head_dim;
@@ -199,7 +229,11 @@ absl::Status CudnnSteps::RunBackward(size_t step, const Backward& b, const Devic
       HSAP_RETURN_IF_ERROR(kernels.GatherStats(d, stream));
       args.softmax_sum = softmax_sum_;
     }
-    HSAP_RETURN_IF_ERROR(runner_->Backward(shape_, c.sdpa, args, stream));
+    // The gathers above wrote only the scratch: a refused call leaves the accumulators alone.
+    if (absl::Status run = runner_->Backward(shape_, c.sdpa, args, stream); !run.ok()) {
+      HSAP_RETURN_IF_ERROR(Refused(run, c, jit));
+      continue;
+    }
     const struct {
       float* dst;
       const void* src;
@@ -229,7 +263,10 @@ absl::Status AttendStepForward(const CudnnSteps* cudnn, size_t step, const Devic
   const DeviceWorkLists::List& jit = cudnn == nullptr ? list : cudnn->JitWork(step, list);
   HSAP_RETURN_IF_ERROR(LaunchForward(kernels, p, jit, k, v, k_rows, stream));
   if (cudnn == nullptr) return absl::OkStatus();
-  return cudnn->RunForward(step, {p.q, k, v, p.out, p.lse, p.q_rows}, kernels, stream);
+  return cudnn->RunForward(step, {p.q, k, v, p.out, p.lse, p.q_rows}, kernels, stream,
+                           [&](const DeviceWorkLists::List& pieces) {
+                             return LaunchForward(kernels, p, pieces, k, v, k_rows, stream);
+                           });
 }
 
 absl::Status AttendStepBackward(const CudnnSteps* cudnn, size_t step, const DeviceKernels& kernels,
@@ -252,7 +289,9 @@ absl::Status AttendStepBackward(const CudnnSteps* cudnn, size_t step, const Devi
   b.dq32 = p.dq;
   b.dk32 = dk;
   b.dv32 = dv;
-  return cudnn->RunBackward(step, b, kernels, stream);
+  return cudnn->RunBackward(step, b, kernels, stream, [&](const DeviceWorkLists::List& pieces) {
+    return LaunchBackward(kernels, p, pieces, k, v, k_rows, dk, dv, stream);
+  });
 }
 
 }  // namespace hsap::cuda

@@ -17,12 +17,21 @@
 // writes dQ, dK, dV into the scratch, and add_entries adds them into the step's fp32
 // dq and dk/dv accumulators. Everything is enqueued on the call's stream, in that order; the
 // scratch is reused call after call (stream order makes that safe).
+//
+// A call the runner refuses (Unimplemented: cuDNN builds no graph for its shape, and nothing
+// was enqueued; piece_runner.h) runs on the JIT kernels instead: each call also has the work
+// list of its pieces, uploaded with the rest, which the step's JIT launch gets. The results
+// are the same (both engines compute the same partials, merged or added the same way); the
+// batch's engine report says how many calls fell back and why (RuntimeNote).
 #ifndef HSAP_LIB_CUDA_EXEC_CUDNN_STEPS_H_
 #define HSAP_LIB_CUDA_EXEC_CUDNN_STEPS_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -62,8 +71,10 @@ class CudnnSteps {
     float* lse32 = nullptr;
     int64_t lse_stride = 0;
   };
+  // Runs a refused call's pieces on the JIT kernels (their work list).
+  using JitFallback = std::function<absl::Status(const DeviceWorkLists::List& pieces)>;
   absl::Status RunForward(size_t step, const Forward& f, const DeviceKernels& kernels,
-                          cudaStream stream) const;
+                          cudaStream stream, const JitFallback& jit) const;
 
   // lse / delta: the final lse and rowsum(dout * out), [heads_q, stride]; out may be null
   // (SdpaBackwardArgs); dq32 [q rows, heads_q, D], dk32 / dv32 [k rows, heads_kv, D] added
@@ -82,9 +93,15 @@ class CudnnSteps {
     float* dv32 = nullptr;
   };
   absl::Status RunBackward(size_t step, const Backward& b, const DeviceKernels& kernels,
-                           cudaStream stream) const;
+                           cudaStream stream, const JitFallback& jit) const;
 
   const CudnnPieceRunner& runner() const { return *runner_; }
+  // Calls (forward and backward) the runner refused so far, whose pieces ran on the JIT
+  // kernels.
+  int64_t refused_calls() const;
+  // "" when none was refused; else "; at run time N cuDNN calls ran on the JIT kernels
+  // instead (first: <the runner's reason>)".
+  std::string RuntimeNote() const;
 
  private:
   struct Call {
@@ -92,7 +109,10 @@ class CudnnSteps {
     const hsap_dev::EntryRows* q_rows = nullptr;  // [num_entries], device
     const hsap_dev::EntryRows* k_rows = nullptr;
     int64_t total_q = 0, total_k = 0;  // rows over the entries
+    DeviceWorkLists::List pieces;      // the entries as JIT work, for a refused call
   };
+  // A refused call: counted, its pieces run by `jit`; any other runner error is returned.
+  absl::Status Refused(const absl::Status& runner, const Call& c, const JitFallback& jit) const;
   struct Step {
     std::vector<Call> calls;
     DeviceWorkLists::List jit;  // the JIT pieces' work (used when calls is not empty)
@@ -113,6 +133,11 @@ class CudnnSteps {
   void* dv_ = nullptr;
   float* stats_ = nullptr;
   float* softmax_sum_ = nullptr;  // delta gathered like Stats (backward without O)
+  // Refusals so far (RunForward / RunBackward are const: what they run is fixed at Build;
+  // this is what the report says of the runs).
+  mutable std::mutex mu_;
+  mutable int64_t refused_ = 0;
+  mutable std::string first_refusal_;
 };
 
 // One step of an executor: LaunchForward over the step's JIT work (`list` when `cudnn` is null

@@ -24,6 +24,8 @@ class GpuRunner : public BatchRunner {
   void set_mode(GpuExecMode mode) { mode_ = mode; }
   void set_engines(BatchEngines engines) { engines_ = std::move(engines); }
   const BatchEngines& engines() const { return engines_; }
+  // The cuDNN engine's calls of the batch (null when cuDNN has no piece of it).
+  virtual const CudnnSteps* cudnn_steps() const = 0;
 
  protected:
   // The stream of this call: the caller's (set_call_stream) or the communicator's.
@@ -161,6 +163,9 @@ class GpuRingRunner : public GpuRunner {
   PeerWindow* window_ = nullptr;  // the communicator's, when forward is fused
   FusedRoutes routes_;
   std::unique_ptr<CudnnSteps> cudnn_;  // the cuDNN engine's calls, when it has pieces
+
+ public:
+  const CudnnSteps* cudnn_steps() const override { return cudnn_.get(); }
   GpuExecContext ctx_;                 // what does not change between calls
 };
 
@@ -218,6 +223,9 @@ class GpuPlanRunner : public GpuRunner {
   std::unique_ptr<DeviceHierProgram> program_;
   std::vector<int> node_of_rank_;      // the communicator's (empty: one node)
   std::unique_ptr<CudnnSteps> cudnn_;  // the cuDNN engine's calls, when it has pieces
+
+ public:
+  const CudnnSteps* cudnn_steps() const override { return cudnn_.get(); }
   GpuHierContext ctx_;                 // what does not change between calls
 };
 
@@ -444,6 +452,13 @@ bool UsesFusedForward(const BatchRunner* runner) {
 const BatchEngines* EnginesOf(const BatchRunner* runner) {
   const auto* gpu = dynamic_cast<const GpuRunner*>(runner);
   return gpu == nullptr ? nullptr : &gpu->engines();
+}
+
+std::string EngineReportOf(const BatchRunner* runner) {
+  const auto* gpu = dynamic_cast<const GpuRunner*>(runner);
+  if (gpu == nullptr) return "";
+  const CudnnSteps* cudnn = gpu->cudnn_steps();
+  return gpu->engines().tally().ToString() + (cudnn != nullptr ? cudnn->RuntimeNote() : "");
 }
 
 EngineShape EngineShapeOf(const AttentionDims& dims, DType dtype) {

@@ -34,6 +34,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -124,6 +125,10 @@ bool UsesFusedForward(const BatchRunner* runner);
 
 // The engine choice of the batch running `runner` (null when `runner` is not a GPU runner).
 const BatchEngines* EnginesOf(const BatchRunner* runner);
+// The batch's engine report: the choice made at creation (EngineTally::ToString) and the cuDNN
+// calls that ran on the JIT kernels at run time instead (CudnnSteps::RuntimeNote). Empty when
+// `runner` is not a GPU runner.
+std::string EngineReportOf(const BatchRunner* runner);
 
 // A batch's attention as the engine choice sees it: its dtype and the layer's heads (GQA
 // grouping), for CudnnTakesBatch before the batch is made.

@@ -525,7 +525,9 @@ TEST(CudaGpu, LoopbackBatchReportsItsEngines) {
   if (runner.ok()) {
     EXPECT_EQ(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess)
         << LastError();
-    if (batch != nullptr) EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+    if (batch != nullptr) {
+      EXPECT_EQ(hsapBatchDestroy(batch), hsapSuccess);
+    }
   } else {
     EXPECT_NE(hsapBatchCreate(&batch, comm, c_layout, nullptr, &config), hsapSuccess);
     EXPECT_THAT(LastError(), HasSubstr("HSAP_ATTENTION_ENGINE=cudnn"));

@@ -61,7 +61,10 @@ struct RankReport {
   EngineTally tally;
   int64_t schedule_pairs = 0;  // over the rank's steps
   int64_t forward_calls = 0, backward_calls = 0, forward_pairs = 0, backward_pairs = 0;
+  int64_t refused_calls = 0;
   std::string fake_error;
+  std::string report;  // EngineReportOf after both passes
+  absl::Status forward, backward;
   uint64_t moved = 0;  // bytes sent, forward and backward
 };
 
@@ -71,9 +74,11 @@ struct BatchRun {
 };
 
 // One batch on R host-world ranks with emulated devices: a ring batch (plan == null) or a
-// batch under `plan`; forward once, backward once, checked against the reference.
+// batch under `plan`; forward once, backward once, checked against the reference (`check`;
+// else a rank stops at its first failing call). `answer`: the fake's answer to each call
+// (none: it runs them all).
 BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engine, uint64_t seed,
-                  bool check = true) {
+                  bool check = true, FakeCudnnRunner::Answer answer = {}) {
   BatchRun res;
   const int64_t T = layout.num_tokens();
   CommOptions comm_options;
@@ -113,6 +118,7 @@ BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engi
     setup.mode = engine.mode;
     setup.cudnn = {absl::OkStatus(), engine.cudnn_version, 90};
     setup.runner = fake;
+    if (answer) fake->set_answer(answer);
     std::unique_ptr<RunnerFactory> runners = NewGpuRunners(*gpu, kernels, setup);
     absl::StatusOr<std::unique_ptr<Batch>> batch =
         plan == nullptr ? Batch::Create(*(*comms)[r], layout, {}, options, *runners)
@@ -135,6 +141,8 @@ BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engi
     testing::ShardTensors t(in, o, shard, kHeadsQ);
     absl::Status f =
         (*batch)->Forward(t.q.data(), t.k.data(), t.v.data(), t.out.data(), t.lse.data());
+    report.forward = f;
+    if (!check && !f.ok()) return;
     ASSERT_TRUE(f.ok()) << "rank " << r << ": " << f;
     report.forward_calls = fake->forward_calls();
     report.forward_pairs = fake->forward_pairs();
@@ -144,6 +152,8 @@ BatchRun RunBatch(const Layout& layout, int R, const Plan* plan, EngineCase engi
     ASSERT_TRUE(b.ok()) << "rank " << r << ": " << b;
     report.backward_calls = fake->backward_calls();
     report.backward_pairs = fake->backward_pairs();
+    report.refused_calls = fake->refused_calls();
+    report.report = EngineReportOf((*batch)->runner());
     report.fake_error = fake->error();
     // The bytes moved are the schedule's prediction, whichever engine computed.
     const CallTraffic& fwd = (*batch)->traffic().forward;
@@ -259,6 +269,57 @@ TEST(GpuCudnnEngine, PlanBatchesUnderBothModes) {
     uint64_t moved = 0;
     for (const RankReport& x : run.ranks) moved += x.moved;
     EXPECT_GT(moved, 0u);
+  }
+}
+
+// Calls the runner refuses (Unimplemented: cuDNN builds no graph for them) run on the JIT
+// kernels with the same results, in ring and plan batches, forward and backward; the report
+// says so. Refused here: every backward call, and the forward calls of masked pieces.
+TEST(GpuCudnnEngine, RefusedCallsRunOnTheJitKernels) {
+  const FakeCudnnRunner::Answer refuse = [](const cuda::SdpaCall& call, bool backward) {
+    if (!backward && call.mask.kind == CudnnMaskKind::kNone) return absl::OkStatus();
+    return absl::UnimplementedError("host fake: no graph for this call");
+  };
+  const Plan plan = testing::MakePlan(
+      {{2, 1}, kHeadsQ, kHeadsKv, testing::HeadSplit::kContiguous, /*uneven=*/true, 341});
+  const Layout layout = testing::RandomLayout(120, DocMix::kOneHuge, 341, false);
+  for (const Plan* p : {static_cast<const Plan*>(nullptr), &plan}) {
+    SCOPED_TRACE(p == nullptr ? "ring" : "plan");
+    const int R = p == nullptr ? 3 : p->num_ranks;
+    // RunBatch checks the results against the fp64 reference.
+    const BatchRun run = RunBatch(layout, R, p, {EngineMode::kCudnn, 91900}, 341, true, refuse);
+    int64_t refused = 0, ran = 0;
+    for (const RankReport& x : run.ranks) {
+      EXPECT_EQ(x.fake_error, "");
+      EXPECT_EQ(x.backward_calls, 0);
+      EXPECT_EQ(x.forward_calls + x.refused_calls, 2 * x.tally.cudnn_calls);
+      refused += x.refused_calls;
+      ran += x.forward_calls;
+      if (x.refused_calls > 0) {
+        EXPECT_THAT(x.report, HasSubstr(absl::StrCat("; at run time ", x.refused_calls,
+                                                     " cuDNN call")));
+        EXPECT_THAT(x.report, HasSubstr("ran on the JIT kernels instead (first: host fake: no "
+                                        "graph for this call)"));
+      }
+    }
+    EXPECT_GT(refused, 0);
+    EXPECT_GT(ran, 0);  // some forward calls did run on the fake
+  }
+}
+
+// Any other runner error fails the call (part of it may have been enqueued).
+TEST(GpuCudnnEngine, OtherRunnerErrorsFailTheCall) {
+  const FakeCudnnRunner::Answer fail = [](const cuda::SdpaCall&, bool) {
+    return absl::InternalError("host fake: execution failed");
+  };
+  const Layout layout = testing::RandomLayout(96, DocMix::kLongTail, 351, false);
+  const BatchRun run =
+      RunBatch(layout, 2, nullptr, {EngineMode::kCudnn, 91900}, 351, /*check=*/false, fail);
+  ASSERT_EQ(run.ranks.size(), 2u);
+  for (const RankReport& x : run.ranks) {
+    ASSERT_GT(x.tally.cudnn_calls, 0);
+    EXPECT_EQ(x.forward.code(), absl::StatusCode::kInternal) << x.forward;
+    EXPECT_THAT(x.forward.message(), HasSubstr("host fake: execution failed"));
   }
 }
 
