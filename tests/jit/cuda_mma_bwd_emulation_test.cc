@@ -30,6 +30,7 @@
 #include "attention/worklist.h"
 #include "gtest/gtest.h"
 #include "tests/support/attention_test_util.h"
+#include "tests/support/emulated_kernel_inputs.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap {
@@ -94,10 +95,7 @@ Layout SliceLayout() {
   return *Layout::FromSlices(140, std::move(slices));
 }
 
-struct Gradients {
-  std::vector<float> dq, dk, dv;
-  unsigned int error_flag = 0;
-};
+using testing::Gradients;
 
 // lse and delta of the reference forward (out rounded to the storage type, as the runtime
 // keeps it), then the mma backward of Cfg over the whole row's work list.
@@ -163,17 +161,7 @@ Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x 
 }
 
 void ExpectGradientsWithinRule(const Problem& p, const Gradients& g) {
-  EXPECT_EQ(g.error_flag, 0u);
-  const ReferenceGradients ref = ReferenceBackward(p.layout, p.Inputs(), p.dout.data());
-  const ReferenceGradients naive = NaiveBackward(p.layout, p.Inputs(), p.dout.data());
-  for (const auto& [name, got, want, naive_want] : {std::tuple{"dq", &g.dq, &ref.dq, &naive.dq},
-                                                    {"dk", &g.dk, &ref.dk, &naive.dk},
-                                                    {"dv", &g.dv, &ref.dv, &naive.dv}}) {
-    const std::vector<double> got64(got->begin(), got->end());
-    testing::ExpectWithinRule(name, testing::MaxAbsError(got64, *want),
-                              testing::MaxAbsError(*naive_want, *want), testing::MaxAbs(*want),
-                              DType::kF32, testing::kCudaKernelFloor);
-  }
+  testing::ExpectGradientsWithinRule(p.layout, p.Inputs(), p.dout.data(), g);
 }
 
 template <class Cfg>

@@ -69,10 +69,7 @@ Problem MakeProblem(Layout layout, DType dtype, int head_dim, int heads_q, int h
   return Problem{std::move(in), std::move(dout)};
 }
 
-struct Gradients {
-  std::vector<float> dq, dk, dv;
-  unsigned int error_flag = 0;
-};
+using testing::Gradients;
 
 // lse and delta of the reference forward (out rounded to the storage type, as the runtime
 // keeps it), then attn_bwd_wgmma_kernel<Cfg> over the row's work list with the tensor maps
@@ -142,17 +139,7 @@ Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x 
 }
 
 void ExpectGradientsWithinRule(const Problem& p, const Gradients& g) {
-  EXPECT_EQ(g.error_flag, 0u);
-  const ReferenceGradients ref = ReferenceBackward(p.in.layout, p.Inputs(), p.dout.data());
-  const ReferenceGradients naive = NaiveBackward(p.in.layout, p.Inputs(), p.dout.data());
-  for (const auto& [name, got, want, naive_want] : {std::tuple{"dq", &g.dq, &ref.dq, &naive.dq},
-                                                    {"dk", &g.dk, &ref.dk, &naive.dk},
-                                                    {"dv", &g.dv, &ref.dv, &naive.dv}}) {
-    const std::vector<double> got64(got->begin(), got->end());
-    testing::ExpectWithinRule(name, testing::MaxAbsError(got64, *want),
-                              testing::MaxAbsError(*naive_want, *want), testing::MaxAbs(*want),
-                              DType::kF32, testing::kCudaKernelFloor);
-  }
+  testing::ExpectGradientsWithinRule(p.in.layout, p.Inputs(), p.dout.data(), g);
 }
 
 // Within the rule on the runtime's grid; with `twice`, also bitwise equal on a grid of 8 CTAs

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -149,6 +150,29 @@ inline void ExpectWithinRule(const std::string& name, const std::vector<float>& 
   const double bound = ToleranceBound(n, MaxAbs(ref), kKernelFloor);
   EXPECT_LE(err, bound) << name << ": kernel error " << err << ", naive error " << n;
   EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
+}
+
+// What a backward kernel wrote: dq, dk, dv in fp32, and its error word.
+struct Gradients {
+  std::vector<float> dq, dk, dv;
+  unsigned int error_flag = 0;
+};
+
+// `g` against the fp64 reference backward of (layout, in, dout) under the project's rule
+// (tests/support/tolerance.h), scaled by the same-precision naive backward's error; no error
+// bit set.
+inline void ExpectGradientsWithinRule(const Layout& layout, const ReferenceInputs& in,
+                                      const void* dout, const Gradients& g) {
+  EXPECT_EQ(g.error_flag, 0u);
+  const ReferenceGradients ref = ReferenceBackward(layout, in, dout);
+  const ReferenceGradients naive = NaiveBackward(layout, in, dout);
+  for (const auto& [name, got, want, naive_want] : {std::tuple{"dq", &g.dq, &ref.dq, &naive.dq},
+                                                    {"dk", &g.dk, &ref.dk, &naive.dk},
+                                                    {"dv", &g.dv, &ref.dv, &naive.dv}}) {
+    const std::vector<double> got64(got->begin(), got->end());
+    ExpectWithinRule(name, MaxAbsError(got64, *want), MaxAbsError(*naive_want, *want),
+                     MaxAbs(*want), DType::kF32, kCudaKernelFloor);
+  }
 }
 
 }  // namespace hsap::testing
