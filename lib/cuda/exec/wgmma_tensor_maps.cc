@@ -1,6 +1,8 @@
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -50,23 +52,34 @@ absl::StatusOr<TensorMapBytes> EncodeOne(const CudaDriverApi& driver, const char
   return map;
 }
 
+// What both kernels' maps check first: 16-bit elements, a head dim the kernel takes
+// (`head_dims`, spelled `takes` in the message), and a tile (`tile`: "key" or "query") of
+// 16..256 rows (a TMA box dimension).
+absl::Status CheckMapInputs(const char* kernel, DType dtype, int head_dim,
+                            std::initializer_list<int> head_dims, const char* takes,
+                            const char* tile, int tile_rows) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kernel, ": dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));
+  }
+  if (std::find(head_dims.begin(), head_dims.end(), head_dim) == head_dims.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kernel, ": head dim ", head_dim, " (it takes ", takes, ")"));
+  }
+  if (tile_rows < 16 || tile_rows > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kernel, ": ", tile, " tile of ", tile_rows, " rows (must be in [16, 256])"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& driver,
                                                         const hsap_dev::FwdParams& p, DType dtype,
                                                         int head_dim, int key_tile_rows) {
-  if (dtype != DType::kBF16 && dtype != DType::kF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sm_90a forward: dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));
-  }
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sm_90a forward: head dim ", head_dim, " (it takes 64, 128 or 256)"));
-  }
-  if (key_tile_rows < 16 || key_tile_rows > 256) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sm_90a forward: key tile of ", key_tile_rows, " rows (must be in [16, 256])"));
-  }
+  HSAP_RETURN_IF_ERROR(CheckMapInputs(kFwd, dtype, head_dim, {64, 128, 256}, "64, 128 or 256",
+                                      "key", key_tile_rows));
   const TensorMapDataType type = TensorMapDataTypeOf(dtype);
   WgmmaForwardMaps maps;
   HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kFwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
@@ -81,18 +94,8 @@ absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& dri
 absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
                                                           const hsap_dev::BwdParams& p, DType dtype,
                                                           int head_dim, int query_tile_rows) {
-  if (dtype != DType::kBF16 && dtype != DType::kF16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sm_90a backward: dtype ", std::string(DTypeName(dtype)), " (it takes bf16 or f16)"));
-  }
-  if (head_dim != 64 && head_dim != 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sm_90a backward: head dim ", head_dim, " (it takes 64 or 128)"));
-  }
-  if (query_tile_rows < 16 || query_tile_rows > 256) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sm_90a backward: query tile of ", query_tile_rows, " rows (must be in [16, 256])"));
-  }
+  HSAP_RETURN_IF_ERROR(
+      CheckMapInputs(kBwd, dtype, head_dim, {64, 128}, "64 or 128", "query", query_tile_rows));
   const TensorMapDataType type = TensorMapDataTypeOf(dtype);
   WgmmaBackwardMaps maps;
   HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kBwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
