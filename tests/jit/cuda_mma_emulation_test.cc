@@ -164,66 +164,15 @@ TEST(CudaMmaEmulation, FusedForwardThreeSteps) {
   constexpr int kSteps = 3, kCopy = 1, kCompute = 3;
   const Problem p = MakeBitsProblem(EveryMaskKind(), DType::kBF16, 64, 2, 1, 9);
   const int64_t T = p.T();
-  const int HKV = p.dims.heads_kv, D = p.dims.head_dim;
   // Contiguous shards [0, 100), [100, 180), [180, T), attended in the order 2, 0, 1.
-  const std::vector<std::vector<TokenRun>> shards = {
-      {{180, 0, T - 180}}, {{0, 0, 100}}, {{100, 0, 80}}};
-  const std::vector<TokenRun> all = {{0, 0, T}};
-  std::vector<Bits> ks, vs;
-  std::vector<std::vector<hsap_dev::QueryBlock>> blocks;
-  std::vector<std::vector<hsap_dev::KeySegment>> segments;
-  std::vector<int64_t> rows;
-  for (const auto& runs : shards) {
-    const int64_t n = runs[0].length, row = int64_t{HKV} * D;
-    ks.emplace_back(DType::kBF16, n * row);
-    vs.emplace_back(DType::kBF16, n * row);
-    for (int64_t i = 0; i < n * row; ++i) {
-      ks.back().data()[i] = p.k.data()[runs[0].global_begin * row + i];
-      vs.back().data()[i] = p.v.data()[runs[0].global_begin * row + i];
-    }
-    absl::StatusOr<WorkList> w = BuildWorkList(p.layout.slices(), all, runs, 96);
-    ASSERT_TRUE(w.ok()) << w.status();
-    blocks.push_back(DeviceBlocks(*w));
-    segments.push_back(DeviceSegments(*w));
-    rows.push_back(n);
-  }
-  std::vector<Bits> stage;  // two K and two V staging buffers, each the largest shard
-  const int64_t max_rows = *std::max_element(rows.begin(), rows.end());
-  for (int b = 0; b < 4; ++b) stage.emplace_back(DType::kBF16, max_rows * HKV * D);
   Partial r(T, p.dims);
-  unsigned int counters[4] = {0, 0, 0, 0};
-  std::vector<unsigned int> consumed(kSteps, 0);
-  unsigned int error_flag = 0;
-  hsap_dev::FusedFwdParamsT<kSteps> fp{};
-  fp.head.q = p.q.data();
-  fp.head.out = r.out.data();
-  fp.head.lse = r.lse.data();
-  fp.head.error_flag = &error_flag;
-  for (int b = 0; b < 2; ++b) {
-    fp.head.stage_k[b] = stage[b].data();
-    fp.head.stage_v[b] = stage[2 + b].data();
-  }
-  fp.head.counters = counters;
-  fp.head.q_rows = T;
-  fp.head.heads_q = p.dims.heads_q;
-  fp.head.heads_kv = HKV;
-  fp.head.scale = p.dims.scale;
-  fp.head.num_steps = kSteps;
-  fp.head.num_copy_ctas = kCopy;
-  for (int s = 0; s < kSteps; ++s) {
-    hsap_dev::FusedStep& st = fp.steps[s];
-    st.k_src = ks[s].data();
-    st.v_src = vs[s].data();
-    st.consumed_flag = &consumed[s];
-    st.blocks = blocks[s].data();
-    st.segments = segments[s].data();
-    st.k_rows = rows[s];
-    st.num_blocks = static_cast<int>(blocks[s].size());
-  }
-  EXPECT_EQ(hsap_emu::Launch(kCopy + kCompute, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
-                             /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(fp); }),
-            absl::OkStatus());
-  EXPECT_EQ(error_flag, 0u);
+  testing::FusedForwardInputs<kSteps> f(p, {{180, 0, T - 180}, {0, 0, 100}, {100, 0, 80}}, 96,
+                                        kCopy, &r);
+  EXPECT_EQ(
+      hsap_emu::Launch(kCopy + kCompute, 1, Cfg::kThreads, Cfg::kFwdSmemBytes,
+                       /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(f.params); }),
+      absl::OkStatus());
+  EXPECT_EQ(f.error_flag, 0u);
   const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
   const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
   const ReferenceForwardResult naive = NaiveForward(p.layout, in);

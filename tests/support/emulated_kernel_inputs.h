@@ -121,6 +121,74 @@ inline hsap_dev::FwdParams ForwardParams(const BitsProblem& p,
   return fp;
 }
 
+// The fused forward's inputs over `p` (fused_fwd_kernel, fused_fwd_wgmma_kernel): the row's
+// keys cut into the contiguous `shards` (runs into the global row), step s attending shard s
+// through its own work list (blocks of `block_rows` query rows) and copying it from its own
+// buffer (a peer's export) into the two staging buffers, each the size of the largest shard;
+// the copy parts of each step, `copy_ctas`; results merged into `r`. No ready flags (every
+// shard is published). Built in place: params points into the object.
+template <int kSteps>
+struct FusedForwardInputs {
+  std::vector<Bits> ks, vs, stage;  // stage: K buffers 0 and 1, then V buffers 0 and 1
+  std::vector<std::vector<hsap_dev::QueryBlock>> blocks;
+  std::vector<std::vector<hsap_dev::KeySegment>> segments;
+  unsigned int counters[4] = {0, 0, 0, 0};
+  std::vector<unsigned int> consumed = std::vector<unsigned int>(kSteps, 0);
+  unsigned int error_flag = 0;
+  hsap_dev::FusedFwdParamsT<kSteps> params{};
+
+  FusedForwardInputs(const BitsProblem& p, const std::vector<TokenRun>& shards, int64_t block_rows,
+                     int copy_ctas, Partial* r) {
+    const int64_t row = int64_t{p.dims.heads_kv} * p.dims.head_dim;
+    const std::vector<TokenRun> all = {{0, 0, p.T()}};
+    int64_t max_rows = 0;
+    for (const TokenRun& shard : shards) {
+      ks.emplace_back(p.dtype, shard.length * row);
+      vs.emplace_back(p.dtype, shard.length * row);
+      for (int64_t i = 0; i < shard.length * row; ++i) {
+        ks.back().data()[i] = p.k.data()[shard.global_begin * row + i];
+        vs.back().data()[i] = p.v.data()[shard.global_begin * row + i];
+      }
+      absl::StatusOr<WorkList> w = BuildWorkList(
+          p.layout.slices(), all, {{shard.global_begin, 0, shard.length}}, block_rows);
+      EXPECT_TRUE(w.ok()) << w.status();
+      blocks.push_back(w.ok() ? DeviceBlocks(*w) : std::vector<hsap_dev::QueryBlock>{});
+      segments.push_back(w.ok() ? DeviceSegments(*w) : std::vector<hsap_dev::KeySegment>{});
+      max_rows = std::max(max_rows, shard.length);
+    }
+    for (int b = 0; b < 4; ++b) stage.emplace_back(p.dtype, max_rows * row);
+    hsap_dev::FusedFwdHead& h = params.head;
+    h.q = p.q.data();
+    h.out = r->out.data();
+    h.lse = r->lse.data();
+    h.error_flag = &error_flag;
+    for (int b = 0; b < 2; ++b) {
+      h.stage_k[b] = stage[b].data();
+      h.stage_v[b] = stage[2 + b].data();
+    }
+    h.counters = counters;
+    h.q_rows = p.T();
+    h.heads_q = p.dims.heads_q;
+    h.heads_kv = p.dims.heads_kv;
+    h.scale = p.dims.scale;
+    h.num_steps = static_cast<int>(shards.size());
+    h.num_copy_ctas = copy_ctas;
+    EXPECT_LE(shards.size(), static_cast<size_t>(kSteps));
+    for (size_t s = 0; s < shards.size() && s < static_cast<size_t>(kSteps); ++s) {
+      hsap_dev::FusedStep& st = params.steps[s];
+      st.k_src = ks[s].data();
+      st.v_src = vs[s].data();
+      st.consumed_flag = &consumed[s];
+      st.blocks = blocks[s].data();
+      st.segments = segments[s].data();
+      st.k_rows = shards[s].length;
+      st.num_blocks = static_cast<int>(blocks[s].size());
+    }
+  }
+  FusedForwardInputs(const FusedForwardInputs&) = delete;
+  FusedForwardInputs& operator=(const FusedForwardInputs&) = delete;
+};
+
 // max |got - ref| over the finite ref entries (a NaN in got is the error); an infinite ref
 // entry must be met exactly.
 inline double MaxKernelError(const std::vector<float>& got, const std::vector<double>& ref,
