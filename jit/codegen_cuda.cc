@@ -46,6 +46,10 @@ constexpr int kMaxPeers = 15;
 constexpr char kWgmmaFwdParams[] =
     "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
     "hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap";
+// The sm_90a fused forward's: the forward's Params, a FusedCopy, then the forward's maps.
+constexpr char kWgmmaFusedParams[] =
+    "hsap_dev::FwdParams, const hsap_dev::FusedCopy, const __grid_constant__ hsap_dev::TensorMap, "
+    "const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap";
 // The sm_90a backward's: Params, then the tensor maps of q, k, v and dout.
 constexpr char kWgmmaBwdParams[] =
     "hsap_dev::BwdParams, const __grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
@@ -502,7 +506,11 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
       {"add_entries", "add_entries_kernel", "hsap_dev::EntryAddParams", 256, 0},
   };
   std::string fused_params;
-  if (max_steps > 0) {
+  if (max_steps > 0 && t.wgmma_fwd) {
+    // The sm_90a core: one launch per step (hsap_params.cuh FusedCopy).
+    kernels.push_back({"fused_fwd", "fused_fwd_wgmma_kernel", kWgmmaFusedParams, 384,
+                       t.wgmma_smem_bytes, true, true});
+  } else if (max_steps > 0) {
     fused_params = absl::StrCat("hsap_dev::FusedFwdParamsT<", max_steps, ">");
     kernels.push_back(
         {"fused_fwd", "fused_fwd_kernel", fused_params.c_str(), t.threads, t.fwd_smem_bytes, tc});

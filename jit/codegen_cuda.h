@@ -82,8 +82,9 @@ struct CudaTiles {
   // "fwd" is the sm_90a forward (hsap_attention_wgmma_fwd.cuh, CudaWgmmaForwardApplies):
   // 128 query rows per CTA of 384 threads (a TMA producer warpgroup, two wgmma consumer
   // warpgroups of 64 rows each), wgmma_block_n keys per K/V tile, a ring of wgmma_stages
-  // K/V tiles, wgmma_smem_bytes of dynamic shared memory. The fields above (block_m,
-  // fwd_smem_bytes, ...) then describe the mma.sync core, which the fused forward keeps.
+  // K/V tiles, wgmma_smem_bytes of dynamic shared memory; "fused_fwd" (roles with peers) is
+  // then fused_fwd_wgmma_kernel, the same CTAs plus copy CTAs, one launch per step. The
+  // fields above (block_m, fwd_smem_bytes, ...) still describe the mma.sync core.
   bool wgmma_fwd = false;
   int wgmma_block_n = 0, wgmma_stages = 0, wgmma_smem_bytes = 0;
   // "bwd" is the sm_90a backward (hsap_attention_wgmma_bwd.cuh, CudaWgmmaBackwardApplies):

@@ -76,6 +76,7 @@
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__) || defined(HSAP_DEVICE_EMULATION)
 
+#include "hsap_attention.cuh"
 #include "hsap_attention_mma_fwd.cuh"
 #include "hsap_device.cuh"
 #include "hsap_params.cuh"
@@ -422,24 +423,21 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
   }
 }
 
-// attn_fwd_wgmma_kernel<Cfg>: FwdParams' contract (hsap_params.cuh, attn_fwd_kernel), on
-// 384 threads with Cfg::kWgmmaSmemBytes of dynamic shared memory, and the tensor maps of
-// p.q, p.k, p.v described above. The checks that skip a CTA are uniform over it and come
-// before any barrier is used.
+// CTA (block, blockIdx.y) of attn_fwd_wgmma_kernel<Cfg> (below): FwdParams' contract
+// (hsap_params.cuh, attn_fwd_kernel), on 384 threads with Cfg::kWgmmaSmemBytes of dynamic
+// shared memory, and the tensor maps of p.q, p.k, p.v described above. The checks that skip
+// a CTA are uniform over it and come before any barrier is used.
 template <class Cfg>
-__global__ void __launch_bounds__(384, 1)
-    attn_fwd_wgmma_kernel(const FwdParams p, const __grid_constant__ TensorMap tq,
-                          const __grid_constant__ TensorMap tk,
-                          const __grid_constant__ TensorMap tv) {
+HSAP_DEV void wgmma_fwd_block(const FwdParams& p, int block, const TensorMap* tq,
+                              const TensorMap* tk, const TensorMap* tv) {
   using S = WgmmaFwdShapeOf<Cfg>;
   static_assert(Cfg::kWgmmaFwd && Cfg::kWgmmaSmemBytes == S::kSmemBytes,
                 "hsap: generator and device disagree on the sm_90a forward's shared memory");
-  if (static_cast<int>(blockIdx.x) >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q)
-    return;
+  if (block >= p.num_blocks || static_cast<int>(blockIdx.y) >= p.heads_q) return;
   const int h = blockIdx.y;
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
-  const QueryBlock qb = p.blocks[blockIdx.x];
+  const QueryBlock qb = p.blocks[block];
   if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
     report(p.error_flag, kErrorRowsOutOfRange);
     return;
@@ -465,13 +463,61 @@ __global__ void __launch_bounds__(384, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<S::kProducerRegs>();
     if (threadIdx.x == 0) {
-      wgmma_fwd_produce<Cfg, S>(sm, &tq, &tk, &tv, p.k_rows, h, kvh, qb, p.segments,
-                                p.error_flag);
+      wgmma_fwd_produce<Cfg, S>(sm, tq, tk, tv, p.k_rows, h, kvh, qb, p.segments, p.error_flag);
     }
   } else {
     setmaxnreg_inc<S::kConsumerRegs>();
     wgmma_fwd_consume<Cfg, S>(sm, p.out, p.lse, p.q_rows, p.heads_q, h, p.scale, qb);
   }
+}
+
+// attn_fwd_wgmma_kernel<Cfg>: grid (num_blocks, heads_q), CTA (b, h) as wgmma_fwd_block.
+template <class Cfg>
+__global__ void __launch_bounds__(384, 1)
+    attn_fwd_wgmma_kernel(const FwdParams p, const __grid_constant__ TensorMap tq,
+                          const __grid_constant__ TensorMap tk,
+                          const __grid_constant__ TensorMap tv) {
+  wgmma_fwd_block<Cfg>(p, static_cast<int>(blockIdx.x), &tq, &tk, &tv);
+}
+
+// Part `part` of a FusedCopy (hsap_params.cuh) on the kThreads threads of a CTA; word: a
+// shared word for thread 0's verdict.
+template <int kThreads>
+HSAP_DEV void fused_copy_part(const FusedCopy& c, int part, unsigned int* error_flag,
+                              volatile unsigned int* word) {
+  if (threadIdx.x == 0) {
+    bool arrived = true;
+    if (c.ready_flag != nullptr) {
+      arrived = wait_geq_sys_until(c.ready_flag, c.ready_value, c.ready_timeout_ns);
+      if (!arrived) report(error_flag, kErrorPeerTimeout);
+    }
+    *word = arrived ? 1u : 0u;
+  }
+  __syncthreads();
+  if (*word != 0) {
+    copy_slice<kThreads>(c.k_dst, c.k_src, c.bytes, part, c.parts);
+    copy_slice<kThreads>(c.v_dst, c.v_src, c.bytes, part, c.parts);
+  }
+  if (c.consumed_flag != nullptr) cta_signal_add_sys(c.consumed_flag, 1);
+}
+
+// fused_fwd_wgmma_kernel<Cfg>: one launch of the sm_90a fused forward (FusedCopy,
+// hsap_params.cuh): copy CTAs first in the grid, so that they start before the attention's.
+template <class Cfg>
+__global__ void __launch_bounds__(384, 1)
+    fused_fwd_wgmma_kernel(const FwdParams p, const FusedCopy copy,
+                           const __grid_constant__ TensorMap tq,
+                           const __grid_constant__ TensorMap tk,
+                           const __grid_constant__ TensorMap tv) {
+  const int block = static_cast<int>(blockIdx.x) - copy.parts;
+  if (block < 0) {
+    if (blockIdx.y == 0) {
+      fused_copy_part<384>(copy, static_cast<int>(blockIdx.x), p.error_flag,
+                           reinterpret_cast<volatile unsigned int*>(dynamic_smem()));
+    }
+    return;
+  }
+  wgmma_fwd_block<Cfg>(p, block, &tq, &tk, &tv);
 }
 
 }  // namespace hsap_dev

@@ -288,6 +288,32 @@ struct FusedFwdParamsT {
   FusedStep steps[kMaxSteps];
 };
 
+// fused_fwd_wgmma_kernel<Cfg> (configurations with the sm_90a forward and peers): the fused
+// forward as one launch per step, in stream order. Launch s attends step s - 1 from its
+// staging buffer (FwdParams, as attn_fwd_wgmma_kernel, whose CTAs it runs unchanged) while
+// its `parts` copy CTAs stage step s into the other buffer (this FusedCopy); the first
+// launch only copies, the last only attends. No CTA waits for another CTA of its launch,
+// so any number of resident CTAs finishes it; the launch boundary orders each step's
+// copies before its attention (and the generic-proxy stores before the TMA reads).
+// Grid: x = parts + num_blocks, y = heads_q (1 without blocks); CTA (x < parts, 0) copies
+// part x, CTAs (x < parts, y > 0) leave, CTA (parts + b, h) is the forward's CTA (b, h).
+// A copy CTA waits until *ready_flag >= ready_value (system scope; nullptr: no wait) for at
+// most ready_timeout_ns (0: no limit), past which it reports kErrorPeerTimeout to the
+// FwdParams' error_flag and skips its copy; it copies its part of the k and v `bytes`
+// (16-byte vectors where the pointers allow) and adds 1 to *consumed_flag (nullptr: none).
+struct FusedCopy {
+  const void* k_src;
+  const void* v_src;
+  void* k_dst;
+  void* v_dst;
+  long long bytes;  // of k, and of v
+  const unsigned int* ready_flag;
+  unsigned int* consumed_flag;
+  unsigned long long ready_timeout_ns;
+  unsigned int ready_value;
+  int parts;  // copy CTAs; 0: the launch copies nothing
+};
+
 }  // namespace hsap_dev
 
 #endif  // HSAP_JIT_DEVICE_HSAP_PARAMS_CUH_

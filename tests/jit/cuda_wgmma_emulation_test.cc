@@ -26,12 +26,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/types/span.h"
 #include "attention/dtype.h"
 #include "attention/reference.h"
 #include "attention/tolerance.h"
 #include "attention/worklist.h"
 #include "gtest/gtest.h"
 #include "jit/codegen_cuda.h"
+#include "lib/cuda/exec/launch_grid.h"
 #include "lib/cuda/exec/wgmma_tensor_maps.h"
 #include "tests/support/attention_test_util.h"
 #include "tests/support/emulated_cuda_runtime.h"
@@ -229,6 +231,73 @@ TEST(CudaWgmmaEmulation, BadHeadsAreFlagged) {
   Partial r(p.T(), p.dims);
   EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), static_cast<unsigned int>(hsap_dev::kErrorHeads));
   for (float x : r.lse) EXPECT_EQ(x, -INFINITY);
+}
+
+// The fused forward on the sm_90a core: three uneven key shards of a packed row through the
+// launches the runtime makes (cuda::FusedWgmmaLaunches, each with the forward's tensor maps of
+// the buffer it attends), run in order; two copy CTAs stage step s while the forward's CTAs
+// attend step s - 1. Step 2 reuses buffer 0 after step 0's 200 rows, so its tiles read
+// step 0's stale rows past its own 150 (masked, V zeroed). The CTAs of a launch run one after
+// another, copy CTAs first: no CTA waits for another of its launch.
+TEST(CudaWgmmaEmulation, FusedForwardThreeUnevenSteps) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true, 3>;
+  constexpr int kSteps = 3, kCopy = 2;
+  const Problem p = MakeBitsProblem(MixedDocuments(), DType::kBF16, 64, 4, 2, 12);
+  Partial r(p.T(), p.dims);
+  testing::FusedForwardInputs<kSteps> f(p, {{400, 0, 200}, {0, 0, 250}, {250, 0, 150}}, 128, kCopy,
+                                        &r);
+  absl::StatusOr<std::vector<cuda::FusedWgmmaLaunch>> launches = cuda::FusedWgmmaLaunches(
+      f.params.head, absl::MakeConstSpan(f.params.steps, kSteps), kCopy, Cfg::kHeadDim, 2);
+  ASSERT_TRUE(launches.ok()) << launches.status();
+  ASSERT_EQ(launches->size(), static_cast<size_t>(kSteps + 1));
+  testing::EmulatedCudaRuntime emu;
+  for (const cuda::FusedWgmmaLaunch& l : *launches) {
+    absl::StatusOr<cuda::WgmmaForwardMaps> maps = cuda::EncodeWgmmaForwardMaps(
+        emu.driver(), l.fwd, p.dtype, Cfg::kHeadDim, Cfg::kWgmmaBlockN);
+    ASSERT_TRUE(maps.ok()) << maps.status();
+    hsap_dev::TensorMap tq, tk, tv;  // the kernel parameters, as cuLaunchKernel copies them
+    std::memcpy(&tq, &maps->q, sizeof(tq));
+    std::memcpy(&tk, &maps->k, sizeof(tk));
+    std::memcpy(&tv, &maps->v, sizeof(tv));
+    EXPECT_EQ(
+        hsap_emu::Launch(l.grid.x, l.grid.y, 384, Cfg::kWgmmaSmemBytes,
+                         /*all_concurrent=*/false,
+                         [&] { hsap_dev::fused_fwd_wgmma_kernel<Cfg>(l.fwd, l.copy, tq, tk, tv); }),
+        absl::OkStatus());
+  }
+  EXPECT_EQ(f.error_flag, 0u);
+  for (int s = 0; s < kSteps; ++s) EXPECT_EQ(f.consumed[s], static_cast<unsigned>(kCopy)) << s;
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule("fused out", r.out, naive.out, ref.out);
+  ExpectWithinRule("fused lse", r.lse, naive.lse, ref.lse);
+}
+
+// A peer that never publishes: the copy CTAs give up after the timeout, report it and still
+// count their part as consumed; the kernel ends.
+TEST(CudaWgmmaEmulation, FusedForwardPeerTimeoutIsReportedAndEnds) {
+  using Cfg = WgmmaFwdCfg<hsap_dev::bf16, 64, 2, true, 3>;
+  const Problem p = MakeBitsProblem(MixedDocuments(), DType::kBF16, 64, 2, 1, 13);
+  Partial r(p.T(), p.dims);
+  testing::FusedForwardInputs<3> f(p, {{0, 0, p.T()}}, 128, 1, &r);
+  const unsigned int never = 0;
+  f.params.steps[0].ready_flag = &never;
+  f.params.steps[0].ready_value = 1;
+  f.params.head.ready_timeout_ns = 1000000;  // 1 ms
+  absl::StatusOr<std::vector<cuda::FusedWgmmaLaunch>> launches = cuda::FusedWgmmaLaunches(
+      f.params.head, absl::MakeConstSpan(f.params.steps, 1), 1, Cfg::kHeadDim, 2);
+  ASSERT_TRUE(launches.ok()) << launches.status();
+  const cuda::FusedWgmmaLaunch& copy_only = launches->front();
+  hsap_dev::TensorMap unused{};
+  EXPECT_EQ(hsap_emu::Launch(copy_only.grid.x, copy_only.grid.y, 384, Cfg::kWgmmaSmemBytes, false,
+                             [&] {
+                               hsap_dev::fused_fwd_wgmma_kernel<Cfg>(copy_only.fwd, copy_only.copy,
+                                                                     unused, unused, unused);
+                             }),
+            absl::OkStatus());
+  EXPECT_EQ(f.error_flag, static_cast<unsigned int>(hsap_dev::kErrorPeerTimeout));
+  EXPECT_EQ(f.consumed[0], 1u);
 }
 
 // The generator's tiles and the device shape agree (shared memory, key tile, stages).

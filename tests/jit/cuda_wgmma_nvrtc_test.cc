@@ -2,21 +2,26 @@
 //   - the generator picks it for arch sm_90a (tensor-core math, head dims 64/128/256), the JIT
 //     picks sm_90a on compute capability 9.0 only (JitCudaArch), and the arch is in the
 //     variant's name, the NVRTC target and so the cache key;
-//   - NVRTC compiles the forward for sm_90a (bf16 and f16; d 64, 128, 256; banded and
-//     full-only), ptxas' report shows no spill, at most the 168 registers per thread that 384
+//   - NVRTC compiles the forward, and the fused forward of a rank with peers (the same CTAs
+//     plus copy CTAs), for sm_90a (bf16 and f16; d 64, 128, 256; banded and full-only),
+//     ptxas' report shows no spill, at most the 168 registers per thread that 384
 //     threads leave at one CTA per SM (the consumers then raise theirs to 240 by setmaxnreg),
 //     one CTA per SM fitting the shared memory the generator computed, no wgmma serialized by
 //     ptxas (warning C7514); and the SASS holds
 //     HGMMA (wgmma), UTMALDG (TMA) and SYNCS (mbarrier) instructions and no HMMA.
 // The compiles take a few seconds each: the sanitizer pass (HSAP_TEST_SWEEP=subset) compiles
 // the first and the last of the configurations.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "base/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -87,14 +92,17 @@ TEST(WgmmaForwardSelection, GeneratorEmitsTheWgmmaForward) {
   EXPECT_EQ(fwd.dynamic_smem_bytes, 1024 + 2 * (128 + 2 * 2 * 128) * 128 + 8 * 7 + 2 * 32 + 16);
   EXPECT_EQ(s->tiles.wgmma_block_n, 128);
   EXPECT_EQ(s->tiles.wgmma_stages, 2);
-  // The fused forward keeps the mma.sync core.
+  // The fused forward runs the same CTAs (plus copy CTAs), one launch per step.
   CudaKernelConfig fused = Config("sm_90a", DType::kBF16, 128, true);
   fused.role = {3};
   absl::StatusOr<CudaKernelSource> f = GenerateCudaKernels(fused);
   ASSERT_TRUE(f.ok()) << f.status();
   EXPECT_EQ(f->kernels.back().role, "fused_fwd");
-  EXPECT_FALSE(f->kernels.back().wgmma);
-  EXPECT_EQ(f->kernels.back().threads, 128);
+  EXPECT_EQ(f->kernels.back().name_expression, "hsap_dev::fused_fwd_wgmma_kernel<HsapCfg>");
+  EXPECT_TRUE(f->kernels.back().wgmma);
+  EXPECT_EQ(f->kernels.back().threads, 384);
+  EXPECT_EQ(f->kernels.back().dynamic_smem_bytes, fwd.dynamic_smem_bytes);
+  EXPECT_EQ(f->kernels.back().min_ctas_per_sm, 1);
   // Every shared-memory size fits sm_90's 227 KiB.
   for (int d : {64, 128, 256}) {
     absl::StatusOr<CudaTiles> t = ChooseCudaTiles(Config("sm_90a", DType::kF16, d, true));
@@ -119,19 +127,28 @@ TEST(WgmmaForwardSelection, ArchSuffixParses) {
   EXPECT_FALSE(ParseCudaArch("sm_90aa").ok());
 }
 
-// The forward alone (the program the runtime compiles also holds the backward and the helpers,
-// unchanged from sm_90), compiled with ptxas' report.
-absl::StatusOr<CudaBinary> CompileWgmmaForward(const CudaKernelConfig& c, CudaKernelEntry* entry) {
+// One kernel of the generated program (`role`: "fwd", or "fused_fwd" for a configuration with
+// peers) alone, compiled with ptxas' report: the program's headers and configuration, and its
+// explicit instantiation of that kernel (the program the runtime compiles also holds the
+// backward and the helpers, unchanged from sm_90).
+absl::StatusOr<CudaBinary> CompileWgmmaForward(const CudaKernelConfig& c, CudaKernelEntry* entry,
+                                               absl::string_view role = "fwd") {
   HSAP_ASSIGN_OR_RETURN(CudaKernelSource s, GenerateCudaKernels(c));
-  *entry = s.kernels.front();
+  const auto it = std::find_if(s.kernels.begin(), s.kernels.end(),
+                               [&](const CudaKernelEntry& k) { return k.role == role; });
+  if (it == s.kernels.end()) return absl::NotFoundError(absl::StrCat("no ", role, " kernel"));
+  *entry = *it;
+  std::string instantiation;
+  const std::string prefix = absl::StrCat("template __global__ void ", entry->name_expression, "(");
+  for (absl::string_view line : absl::StrSplit(s.source, '\n')) {
+    if (absl::StartsWith(line, prefix)) instantiation = absl::StrCat(line, "\n");
+  }
+  if (instantiation.empty()) return absl::NotFoundError(absl::StrCat("no ", prefix));
   CudaCompileRequest r;
-  r.program_name = absl::StrCat("hsap_", c.Name(), "_fwd.cu");
-  r.source = absl::StrCat("#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_fwd.cuh\"\n",
-                          CudaConfigStruct(c, s.tiles, "HsapCfg"),
-                          "template __global__ void hsap_dev::attn_fwd_wgmma_kernel<HsapCfg>(const ",
-                          "hsap_dev::FwdParams, const __grid_constant__ hsap_dev::TensorMap, const "
-                          "__grid_constant__ hsap_dev::TensorMap, const __grid_constant__ "
-                          "hsap_dev::TensorMap);\n");
+  r.program_name = absl::StrCat("hsap_", c.Name(), "_", role, ".cu");
+  r.source =
+      absl::StrCat("#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_fwd.cuh\"\n",
+                   CudaConfigStruct(c, s.tiles, "HsapCfg"), instantiation);
   r.headers = s.headers;
   r.arch = c.arch;
   r.extra_options = {"--ptxas-options=-v"};
@@ -148,41 +165,44 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
       2);
   const std::string cuobjdump = testing::FindCuobjdump();
   const std::string dir = testing::MakeTestTempDir("cuda_wgmma_nvrtc_test");
-  for (const CudaKernelConfig& c : configs) {
-    SCOPED_TRACE(c.Name());
-    CudaKernelEntry e;
-    absl::StatusOr<CudaBinary> b = CompileWgmmaForward(c, &e);
-    ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(b->target, "sm_90a");
-    absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
-    ASSERT_TRUE(res.ok()) << res.status();
-    ASSERT_EQ(res->size(), 1u) << b->log;
-    const CudaKernelResources& r = res->front();
-    EXPECT_EQ(r.spill_store_bytes, 0);
-    EXPECT_EQ(r.spill_load_bytes, 0);
-    EXPECT_LE(r.registers, 168);  // 65536 / 384, rounded down to a multiple of 8
-    // ptxas' C7514 ("wgmma.mma_async instructions are serialized due to ...") would mean a
-    // wait after every wgmma: the pipelining lost.
-    EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
-    std::string limiter;
-    const int ctas =
-        CudaCtasPerSm(90, e.threads, r.registers, e.dynamic_smem_bytes + r.static_smem_bytes,
-                      &limiter);
-    EXPECT_GE(ctas, 1) << limiter;
-    std::printf("[ resources ] %-34s fwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
-                "CTA/SM (%s)\n",
-                c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes,
-                r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas,
-                limiter.c_str());
-    if (cuobjdump.empty()) continue;
-    const std::map<std::string, std::string> sass =
-        testing::SassByFunction(cuobjdump, b->image, dir);
-    ASSERT_EQ(sass.size(), 1u);
-    const std::string& code = sass.begin()->second;
-    EXPECT_THAT(code, HasSubstr("HGMMA"));
-    EXPECT_THAT(code, HasSubstr("UTMALDG"));
-    EXPECT_THAT(code, HasSubstr("SYNCS"));
-    EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));
+  for (CudaKernelConfig c : configs) {
+    // The forward, and the fused forward of a rank with three peers.
+    for (const char* role : {"fwd", "fused_fwd"}) {
+      c.role = {std::string(role) == "fwd" ? 0 : 3};
+      SCOPED_TRACE(absl::StrCat(c.Name(), " ", role));
+      CudaKernelEntry e;
+      absl::StatusOr<CudaBinary> b = CompileWgmmaForward(c, &e, role);
+      ASSERT_TRUE(b.ok()) << b.status();
+      EXPECT_EQ(b->target, "sm_90a");
+      absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
+      ASSERT_TRUE(res.ok()) << res.status();
+      ASSERT_EQ(res->size(), 1u) << b->log;
+      const CudaKernelResources& r = res->front();
+      EXPECT_EQ(r.spill_store_bytes, 0) << b->log;
+      EXPECT_EQ(r.spill_load_bytes, 0);
+      EXPECT_LE(r.registers, 168);  // 65536 / 384, rounded down to a multiple of 8
+      // ptxas' C7514 ("wgmma.mma_async instructions are serialized due to ...") would mean a
+      // wait after every wgmma: the pipelining lost.
+      EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
+      std::string limiter;
+      const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
+                                     e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
+      EXPECT_GE(ctas, 1) << limiter;
+      std::printf(
+          "[ resources ] %-34s %-9s %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
+          "CTA/SM (%s)\n",
+          c.Name().c_str(), role, r.registers, r.spill_store_bytes, r.spill_load_bytes,
+          r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas, limiter.c_str());
+      if (cuobjdump.empty()) continue;
+      const std::map<std::string, std::string> sass =
+          testing::SassByFunction(cuobjdump, b->image, dir);
+      ASSERT_EQ(sass.size(), 1u);
+      const std::string& code = sass.begin()->second;
+      EXPECT_THAT(code, HasSubstr("HGMMA"));
+      EXPECT_THAT(code, HasSubstr("UTMALDG"));
+      EXPECT_THAT(code, HasSubstr("SYNCS"));
+      EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));
+    }
   }
   std::filesystem::remove_all(dir);
   if (cuobjdump.empty()) {

@@ -120,19 +120,27 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   return i;
 }
 
-// The sm_90a forward (hsap_attention_wgmma_fwd.cuh): arch sm_90a, tensor-core math, with the
-// tiles ChooseCudaTiles picks (128 query rows on a producer and two consumer warpgroups).
-Instance WgmmaForward(DType dtype, int head_dim, int gqa, bool band) {
+// Arch sm_90a and tensor-core math with the tiles ChooseCudaTiles picks: the sm_90a forward
+// (hsap_attention_wgmma_fwd.cuh: 128 query rows on a producer and two consumer warpgroups)
+// and, at head dims 64 and 128, the sm_90a backward (hsap_attention_wgmma_bwd.cuh).
+Instance WgmmaTile(DType dtype, int head_dim, int gqa, bool band) {
   Instance i = ChosenTile(dtype, head_dim, gqa, band);
   i.config.arch = "sm_90a";
   i.config.math = jit::CudaMath::kTensorCore;
   return i;
 }
 
-// The sm_90a backward (hsap_attention_wgmma_bwd.cuh): the same configurations (arch sm_90a,
-// tensor-core math, deterministic dq), whose "bwd" is the wgmma one at head dims 64 and 128.
+// The sm_90a forward; kSteps as in SmallTile (its fused forward: fused_fwd_wgmma_kernel).
+Instance WgmmaForward(DType dtype, int head_dim, int gqa, bool band, int steps = 0) {
+  Instance i = WgmmaTile(dtype, head_dim, gqa, band);
+  i.config.role.num_peers = steps > 0 ? steps - 1 : 0;
+  absl::StrAppend(&i.template_args, ", ", steps);
+  return i;
+}
+
+// The sm_90a backward (deterministic dq).
 Instance WgmmaBackward(DType dtype, int head_dim, int gqa, bool band) {
-  return WgmmaForward(dtype, head_dim, gqa, band);
+  return WgmmaTile(dtype, head_dim, gqa, band);
 }
 
 std::vector<Family> Families() {
@@ -168,12 +176,14 @@ std::vector<Family> Families() {
         MmaBackward(kF16, 256, 2, false), MmaBackward(kBF16, 144, 2, true),
         MmaBackward(kBF16, 144, 2, false), MmaBackward(kF16, 240, 2, true)}},
       {"// The sm_90a forward (hsap_attention_wgmma_fwd.cuh, arch sm_90a) with the tiles\n"
-       "// ChooseCudaTiles picks: 128 query rows per CTA, K/V tiles of kWgmmaBlockN keys.\n",
-       "typename StorageT, int kHeadDim, int kG, bool kBand",
+       "// ChooseCudaTiles picks: 128 query rows per CTA, K/V tiles of kWgmmaBlockN keys;\n"
+       "// kSteps > 0: with the fused forward of kSteps steps per launch.\n",
+       "typename StorageT, int kHeadDim, int kG, bool kBand, int kSteps = 0",
        "WgmmaFwdCfg",
        {WgmmaForward(kBF16, 64, 2, true), WgmmaForward(kF16, 64, 2, true),
         WgmmaForward(kBF16, 128, 2, true), WgmmaForward(kF16, 128, 2, true),
-        WgmmaForward(kBF16, 64, 2, false), WgmmaForward(kBF16, 256, 2, true)}},
+        WgmmaForward(kBF16, 64, 2, false), WgmmaForward(kBF16, 256, 2, true),
+        WgmmaForward(kBF16, 64, 2, true, 3)}},
       {"// The sm_90a backward (hsap_attention_wgmma_bwd.cuh, arch sm_90a, deterministic dq) with\n"
        "// the tiles ChooseCudaTiles picks: key items of 64 keys, query tiles of "
        "kWgmmaBwdBlockM.\n",

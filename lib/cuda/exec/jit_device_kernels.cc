@@ -186,6 +186,7 @@ class JitDeviceKernels : public DeviceKernels {
                                               "take at most ", max_fused_steps_));
     }
     if (steps == 0) return absl::OkStatus();
+    if (fused_.wgmma) return FusedForwardWgmma(launch, s);
     HSAP_ASSIGN_OR_RETURN(const LaunchGrid grid,
                           FusedForwardGrid(launch.steps, launch.head.heads_q, fused_resident_,
                                            launch.share, fused_copy_ctas_));
@@ -209,6 +210,23 @@ class JitDeviceKernels : public DeviceKernels {
                 "the fused parameters must be a head followed by the steps");
 
   JitDeviceKernels() = default;
+
+  // The sm_90a fused forward: one launch per step (FusedWgmmaLaunches), each with the
+  // forward's tensor maps of the buffer it attends.
+  absl::Status FusedForwardWgmma(const FusedForwardLaunch& launch, cudaStream s) const {
+    HSAP_ASSIGN_OR_RETURN(std::vector<FusedWgmmaLaunch> launches,
+                          FusedWgmmaLaunches(launch.head, launch.steps, fused_copy_ctas_, head_dim_,
+                                             static_cast<int>(DTypeSize(dtype_))));
+    for (FusedWgmmaLaunch& l : launches) {
+      if (l.grid.empty()) continue;  // the last step has no blocks
+      HSAP_ASSIGN_OR_RETURN(
+          WgmmaForwardMaps maps,
+          EncodeWgmmaForwardMaps(*driver_, l.fwd, dtype_, head_dim_, fused_.key_tile_rows));
+      void* args[] = {&l.fwd, &l.copy, &maps.q, &maps.k, &maps.v};
+      HSAP_RETURN_IF_ERROR(LaunchArgs(fused_, "fused forward (sm_90a)", l.grid, args, s));
+    }
+    return absl::OkStatus();
+  }
 
   // An empty grid launches nothing.
   template <typename Params>

@@ -4,6 +4,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace hsap::cuda {
 
@@ -76,6 +77,61 @@ absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep
                      resident_ctas, " resident, shared by ", share, " ranks"));
   }
   return LaunchGrid{static_cast<unsigned int>(copy_ctas + compute), 1};
+}
+
+absl::StatusOr<std::vector<FusedWgmmaLaunch>> FusedWgmmaLaunches(
+    const hsap_dev::FusedFwdHead& head, absl::Span<const hsap_dev::FusedStep> steps, int copy_ctas,
+    int head_dim, int element_bytes) {
+  if (copy_ctas < 1 || copy_ctas > kMaxGridX / 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the sm_90a fused forward with ", copy_ctas, " copy CTAs (at least 1)"));
+  }
+  std::vector<FusedWgmmaLaunch> launches;
+  if (steps.empty()) return launches;
+  const long long row_bytes = static_cast<long long>(head.heads_kv) * head_dim * element_bytes;
+  for (size_t s = 0; s <= steps.size(); ++s) {
+    FusedWgmmaLaunch l;
+    if (s < steps.size()) {
+      const hsap_dev::FusedStep& st = steps[s];
+      l.copy = hsap_dev::FusedCopy{st.k_src,
+                                   st.v_src,
+                                   head.stage_k[s % 2],
+                                   head.stage_v[s % 2],
+                                   st.k_rows * row_bytes,
+                                   st.ready_flag,
+                                   st.consumed_flag,
+                                   head.ready_timeout_ns,
+                                   st.ready_value,
+                                   copy_ctas};
+    }
+    hsap_dev::FwdParams& f = l.fwd;
+    f.q = head.q;
+    f.out = head.out;
+    f.lse = head.lse;
+    f.kv_head_of_q = head.kv_head_of_q;
+    f.error_flag = head.error_flag;
+    f.q_rows = head.q_rows;
+    f.heads_q = head.heads_q;
+    f.heads_kv = head.heads_kv;
+    f.scale = head.scale;
+    // The attended step's buffer, also in the first launch (the tensor maps need an address).
+    const size_t b = (s + 1) % 2;
+    f.k = head.stage_k[b];
+    f.v = head.stage_v[b];
+    if (s > 0) {
+      const hsap_dev::FusedStep& st = steps[s - 1];
+      f.blocks = st.blocks;
+      f.segments = st.segments;
+      f.k_rows = st.k_rows;
+      f.num_blocks = st.num_blocks;
+    }
+    HSAP_ASSIGN_OR_RETURN(const LaunchGrid attention,
+                          AttentionGrid(f.num_blocks + static_cast<long long>(l.copy.parts),
+                                        f.num_blocks > 0 ? head.heads_q : 1));
+    l.grid = attention;
+    launches.push_back(l);
+  }
+  return launches;
 }
 
 }  // namespace hsap::cuda

@@ -4,6 +4,8 @@
 #ifndef HSAP_LIB_CUDA_EXEC_LAUNCH_GRID_H_
 #define HSAP_LIB_CUDA_EXEC_LAUNCH_GRID_H_
 
+#include <vector>
+
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "jit/device/hsap_params.cuh"
@@ -61,6 +63,25 @@ LaunchGrid HelperGrid(const hsap_dev::EntryAddParams& p, long long max_ctas);
 absl::StatusOr<LaunchGrid> FusedForwardGrid(absl::Span<const hsap_dev::FusedStep> steps,
                                             int heads_q, long long resident_ctas, int share,
                                             int copy_ctas);
+
+// One launch of the sm_90a fused forward (fused_fwd_wgmma_kernel, hsap_params.cuh FusedCopy):
+// the attention of one step (fwd; no blocks in the first launch) and the copy of the next
+// (copy; parts 0 in the last launch), on `grid`.
+struct FusedWgmmaLaunch {
+  hsap_dev::FwdParams fwd{};
+  hsap_dev::FusedCopy copy{};
+  LaunchGrid grid;
+};
+
+// The sm_90a fused forward of `head` and `steps` as steps.size() + 1 launches, to run in this
+// order on one stream: launch s (s <= steps.size()) copies step s into staging buffer s % 2
+// in `copy_ctas` parts (none in the last) and attends step s - 1 from buffer (s - 1) % 2
+// (nothing in the first). Each K/V row is heads_kv * head_dim elements of `element_bytes`.
+// Empty without steps; InvalidArgument when copy_ctas < 1 or a launch's grid would exceed
+// the limits (AttentionGrid).
+absl::StatusOr<std::vector<FusedWgmmaLaunch>> FusedWgmmaLaunches(
+    const hsap_dev::FusedFwdHead& head, absl::Span<const hsap_dev::FusedStep> steps, int copy_ctas,
+    int head_dim, int element_bytes);
 
 }  // namespace hsap::cuda
 

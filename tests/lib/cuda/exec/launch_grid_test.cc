@@ -163,5 +163,55 @@ TEST(FusedForwardGrid, TooManyTasksIsResourceExhausted) {
   EXPECT_EQ(g.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// The sm_90a fused forward: launch s copies step s into buffer s % 2 and attends step s - 1
+// from the other buffer; copy CTAs come first in the grid, one row of them.
+TEST(FusedWgmmaLaunches, EachLaunchCopiesOneStepAndAttendsThePrevious) {
+  hsap_dev::FusedFwdHead head{};
+  char stage[4][64];
+  head.stage_k[0] = stage[0];
+  head.stage_k[1] = stage[1];
+  head.stage_v[0] = stage[2];
+  head.stage_v[1] = stage[3];
+  head.heads_q = 4;
+  head.heads_kv = 2;
+  head.ready_timeout_ns = 77;
+  std::vector<hsap_dev::FusedStep> steps = Steps({3, 0, 5});
+  unsigned int flags[3];
+  for (int s = 0; s < 3; ++s) {
+    steps[s].k_rows = 10 * (s + 1);
+    steps[s].k_src = &flags[s];
+    steps[s].ready_value = 100 + s;
+  }
+  absl::StatusOr<std::vector<FusedWgmmaLaunch>> l = FusedWgmmaLaunches(head, steps, 2, 64, 2);
+  ASSERT_TRUE(l.ok()) << l.status();
+  ASSERT_EQ(l->size(), 4u);
+  for (int s = 0; s < 4; ++s) {
+    SCOPED_TRACE(s);
+    const FusedWgmmaLaunch& x = (*l)[s];
+    const int copies = s < 3 ? 2 : 0, blocks = s > 0 ? steps[s - 1].num_blocks : 0;
+    EXPECT_EQ(x.copy.parts, copies);
+    EXPECT_EQ(x.fwd.num_blocks, blocks);
+    EXPECT_EQ(x.grid, (LaunchGrid{static_cast<unsigned>(copies + blocks), blocks > 0 ? 4u : 1u}));
+    if (s < 3) {
+      EXPECT_EQ(x.copy.k_src, &flags[s]);
+      EXPECT_EQ(x.copy.k_dst, head.stage_k[s % 2]);
+      EXPECT_EQ(x.copy.v_dst, head.stage_v[s % 2]);
+      EXPECT_EQ(x.copy.bytes, steps[s].k_rows * 2 * 64 * 2);
+      EXPECT_EQ(x.copy.ready_value, 100u + s);
+      EXPECT_EQ(x.copy.ready_timeout_ns, 77u);
+    }
+    if (s > 0) {
+      EXPECT_EQ(x.fwd.k, head.stage_k[(s - 1) % 2]);
+      EXPECT_EQ(x.fwd.v, head.stage_v[(s - 1) % 2]);
+      EXPECT_EQ(x.fwd.k_rows, steps[s - 1].k_rows);
+    }
+  }
+  // Step 1 has no blocks: launch 2 only copies (one row of CTAs).
+  EXPECT_EQ((*l)[2].grid, (LaunchGrid{2, 1}));
+  EXPECT_TRUE(FusedWgmmaLaunches(head, {}, 2, 64, 2)->empty());
+  EXPECT_EQ(FusedWgmmaLaunches(head, steps, 0, 64, 2).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace hsap::cuda
