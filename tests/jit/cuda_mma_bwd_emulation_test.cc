@@ -104,60 +104,14 @@ using testing::Gradients;
 template <class Cfg>
 Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x = 0,
                       const std::function<void(hsap_dev::BwdParams&)>& tweak = nullptr) {
-  const int HQ = p.dims.heads_q, HKV = p.dims.heads_kv, D = p.dims.head_dim;
-  const int64_t T = p.T();
-  const ReferenceForwardResult fwd = ReferenceForward(p.layout, p.Inputs());
-  std::vector<float> lse(fwd.lse.begin(), fwd.lse.end()), delta(T * HQ, 0.0f);
-  for (int64_t r = 0; r < T; ++r) {
-    for (int h = 0; h < HQ; ++h) {
-      double sum = 0;
-      for (int d = 0; d < D; ++d) {
-        const size_t i = (r * HQ + h) * D + d;
-        sum += double{LoadAsFloat(p.dtype, p.dout.data(), i)} * RoundTo(p.dtype, fwd.out[i]);
-      }
-      delta[h * T + r] = static_cast<float>(sum);
-    }
-  }
-  absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
-  EXPECT_TRUE(w.ok()) << w.status();
-  std::vector<hsap_dev::QueryBlock> blocks;
-  for (const QueryBlock& b : w->blocks)
-    blocks.push_back({b.q_begin, b.q_end, b.seg_begin, b.seg_end});
-  std::vector<hsap_dev::KeySegment> segments;
-  for (const KeySegment& s : w->segments) {
-    segments.push_back({s.k_begin, s.k_end, s.diag_lo, s.diag_hi});
-  }
-
-  Gradients g;
-  g.dq.assign(T * HQ * D, 0.0f);
-  g.dk.assign(T * HKV * D, 0.0f);
-  g.dv.assign(T * HKV * D, 0.0f);
-  hsap_dev::BwdParams bp{};
-  bp.q = p.q.data();
-  bp.k = p.k.data();
-  bp.v = p.v.data();
-  bp.dout = p.dout.data();
-  bp.lse = lse.data();
-  bp.delta = delta.data();
-  bp.dq = g.dq.data();
-  bp.dk = g.dk.data();
-  bp.dv = g.dv.data();
-  bp.blocks = blocks.data();
-  bp.segments = segments.data();
-  bp.kv_head_of_q = p.dims.kv_head_of_q.empty() ? nullptr : p.dims.kv_head_of_q.data();
-  bp.error_flag = &g.error_flag;
-  bp.q_rows = T;
-  bp.k_rows = T;
-  bp.num_blocks = static_cast<int>(blocks.size());
-  bp.heads_q = HQ;
-  bp.heads_kv = HKV;
-  bp.scale = p.dims.scale;
+  testing::BackwardInputs x(p.layout, p.Inputs(), p.dout.data(), block_rows);
+  hsap_dev::BwdParams& bp = x.params;
   if (tweak) tweak(bp);
-  EXPECT_EQ(
-      hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : HQ, Cfg::kBwdThreads,
-                       Cfg::kBwdSmemBytes, false, [&] { hsap_dev::attn_bwd_mma_kernel<Cfg>(bp); }),
-      absl::OkStatus());
-  return g;
+  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q,
+                             Cfg::kBwdThreads, Cfg::kBwdSmemBytes, false,
+                             [&] { hsap_dev::attn_bwd_mma_kernel<Cfg>(bp); }),
+            absl::OkStatus());
+  return std::move(x.gradients);
 }
 
 void ExpectGradientsWithinRule(const Problem& p, const Gradients& g) {

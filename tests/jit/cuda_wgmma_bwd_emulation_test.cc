@@ -77,65 +77,25 @@ using testing::Gradients;
 template <class Cfg>
 Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x = 0,
                       const std::function<void(hsap_dev::BwdParams&)>& tweak = nullptr) {
-  const AttentionDims& dims = p.in.dims;
-  const int HQ = dims.heads_q, HKV = dims.heads_kv, D = dims.head_dim;
-  const int64_t T = p.T();
-  const ReferenceForwardResult fwd = ReferenceForward(p.in.layout, p.Inputs());
-  std::vector<float> lse(fwd.lse.begin(), fwd.lse.end()), delta(T * HQ, 0.0f);
-  for (int64_t r = 0; r < T; ++r) {
-    for (int h = 0; h < HQ; ++h) {
-      double sum = 0;
-      for (int d = 0; d < D; ++d) {
-        const size_t i = (r * HQ + h) * D + d;
-        sum += double{p.dout.Get(i)} * RoundTo(p.in.dtype, fwd.out[i]);
-      }
-      delta[h * T + r] = static_cast<float>(sum);
-    }
-  }
-  absl::StatusOr<WorkList> w = BuildWorkList(p.in.layout, block_rows);
-  EXPECT_TRUE(w.ok()) << w.status();
-  const auto blocks = testing::DeviceBlocks(*w);
-  const auto segments = testing::DeviceSegments(*w);
-  Gradients g;
-  g.dq.assign(T * HQ * D, 0.0f);
-  g.dk.assign(T * HKV * D, 0.0f);
-  g.dv.assign(T * HKV * D, 0.0f);
-  hsap_dev::BwdParams bp{};
-  bp.q = p.in.q.data();
-  bp.k = p.in.k.data();
-  bp.v = p.in.v.data();
-  bp.dout = p.dout.data();
-  bp.lse = lse.data();
-  bp.delta = delta.data();
-  bp.dq = g.dq.data();
-  bp.dk = g.dk.data();
-  bp.dv = g.dv.data();
-  bp.blocks = blocks.data();
-  bp.segments = segments.data();
-  bp.kv_head_of_q = dims.kv_head_of_q.empty() ? nullptr : dims.kv_head_of_q.data();
-  bp.error_flag = &g.error_flag;
-  bp.q_rows = bp.k_rows = T;
-  bp.num_blocks = static_cast<int>(blocks.size());
-  bp.heads_q = HQ;
-  bp.heads_kv = HKV;
-  bp.scale = dims.scale;
+  testing::BackwardInputs x(p.in.layout, p.Inputs(), p.dout.data(), block_rows);
+  hsap_dev::BwdParams& bp = x.params;
   if (tweak) tweak(bp);
   testing::EmulatedCudaRuntime emu;
   absl::StatusOr<cuda::WgmmaBackwardMaps> maps = cuda::EncodeWgmmaBackwardMaps(
       emu.driver(), bp, p.in.dtype, Cfg::kHeadDim, Cfg::kWgmmaBwdBlockM);
   EXPECT_TRUE(maps.ok()) << maps.status();
-  if (!maps.ok()) return g;
+  if (!maps.ok()) return std::move(x.gradients);
   hsap_dev::TensorMap tq, tk, tv, tdo;  // the kernel parameters, as cuLaunchKernel copies them
   static_assert(sizeof(tq) == sizeof(maps->q));
   std::memcpy(&tq, &maps->q, sizeof(tq));
   std::memcpy(&tk, &maps->k, sizeof(tk));
   std::memcpy(&tv, &maps->v, sizeof(tv));
   std::memcpy(&tdo, &maps->dout, sizeof(tdo));
-  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : HQ, 128,
-                             Cfg::kWgmmaBwdSmemBytes, false,
+  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q,
+                             128, Cfg::kWgmmaBwdSmemBytes, false,
                              [&] { hsap_dev::attn_bwd_wgmma_kernel<Cfg>(bp, tq, tk, tv, tdo); }),
             absl::OkStatus());
-  return g;
+  return std::move(x.gradients);
 }
 
 void ExpectGradientsWithinRule(const Problem& p, const Gradients& g) {

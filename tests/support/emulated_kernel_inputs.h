@@ -226,6 +226,71 @@ struct Gradients {
   unsigned int error_flag = 0;
 };
 
+// What a backward kernel is launched over in the emulation tests: the reference forward's
+// lse and delta = rowsum(dO * O) ([heads_q][rows], O rounded to the storage type as the
+// runtime keeps it), the row's device work list (blocks of `block_rows`), zeroed gradients
+// and the BwdParams over all of them (q and k rows: the whole row; dout: 16-bit storage of
+// in.dtype). Built in place: params points into the object; take `gradients` after the run.
+struct BackwardInputs {
+  std::vector<float> lse, delta;
+  std::vector<hsap_dev::QueryBlock> blocks;
+  std::vector<hsap_dev::KeySegment> segments;
+  std::vector<int> kv_head_of_q;  // in.dims' (in may be a temporary)
+  Gradients gradients;
+  hsap_dev::BwdParams params{};
+
+  BackwardInputs(const Layout& layout, const ReferenceInputs& in, const void* dout,
+                 int64_t block_rows) {
+    const AttentionDims& dims = in.dims;
+    const int HQ = dims.heads_q, HKV = dims.heads_kv, D = dims.head_dim;
+    const int64_t T = layout.num_tokens();
+    const ReferenceForwardResult fwd = ReferenceForward(layout, in);
+    lse.assign(fwd.lse.begin(), fwd.lse.end());
+    delta.assign(T * HQ, 0.0f);
+    for (int64_t r = 0; r < T; ++r) {
+      for (int h = 0; h < HQ; ++h) {
+        double sum = 0;
+        for (int d = 0; d < D; ++d) {
+          const size_t i = (r * HQ + h) * D + d;
+          sum += double{LoadAsFloat(in.dtype, dout, i)} * RoundTo(in.dtype, fwd.out[i]);
+        }
+        delta[h * T + r] = static_cast<float>(sum);
+      }
+    }
+    absl::StatusOr<WorkList> w = BuildWorkList(layout, block_rows);
+    EXPECT_TRUE(w.ok()) << w.status();
+    if (w.ok()) {
+      blocks = DeviceBlocks(*w);
+      segments = DeviceSegments(*w);
+    }
+    gradients.dq.assign(T * HQ * D, 0.0f);
+    gradients.dk.assign(T * HKV * D, 0.0f);
+    gradients.dv.assign(T * HKV * D, 0.0f);
+    hsap_dev::BwdParams& bp = params;
+    bp.q = in.q;
+    bp.k = in.k;
+    bp.v = in.v;
+    bp.dout = dout;
+    bp.lse = lse.data();
+    bp.delta = delta.data();
+    bp.dq = gradients.dq.data();
+    bp.dk = gradients.dk.data();
+    bp.dv = gradients.dv.data();
+    bp.blocks = blocks.data();
+    bp.segments = segments.data();
+    kv_head_of_q = dims.kv_head_of_q;
+    bp.kv_head_of_q = kv_head_of_q.empty() ? nullptr : kv_head_of_q.data();
+    bp.error_flag = &gradients.error_flag;
+    bp.q_rows = bp.k_rows = T;
+    bp.num_blocks = static_cast<int>(blocks.size());
+    bp.heads_q = HQ;
+    bp.heads_kv = HKV;
+    bp.scale = dims.scale;
+  }
+  BackwardInputs(const BackwardInputs&) = delete;
+  BackwardInputs& operator=(const BackwardInputs&) = delete;
+};
+
 // `g` against the fp64 reference backward of (layout, in, dout) under the project's rule
 // (tests/support/tolerance.h), scaled by the same-precision naive backward's error; no error
 // bit set.
