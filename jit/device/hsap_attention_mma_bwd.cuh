@@ -264,6 +264,19 @@ struct MmaKeyWalk {
   int h, b;
 };
 
+// The lse and delta of a thread's two accumulator rows, r0 and r0 + 8 of the query chunk at
+// q0 (its first `rows` rows are real): -inf and 0 past them, so those rows' P is 0.
+HSAP_DEV void load_row_stats(const BwdParams& p, int h, long long q0, int rows, int r0,
+                             float (&lse)[2], float (&delta)[2]) {
+  HSAP_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const int r = r0 + 8 * i;
+    const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
+    lse[i] = r < rows ? p.lse[stat] : neg_inf();
+    delta[i] = r < rows ? p.delta[stat] : 0.0f;
+  }
+}
+
 template <class Cfg>
 HSAP_DEV void start_key_walk(MmaKeyWalk& w, const BwdParams& p) {
   w.h = -1;
@@ -628,13 +641,7 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
     const int rows = static_cast<int>(min64(kQM, qb.q_end - q0));
     // The two query rows of this thread's accumulator fragments: 16 rg + g (+ 8).
     float row_lse[2], row_delta[2];
-    HSAP_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const int r = 16 * rg + g + 8 * i;
-      const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
-      row_lse[i] = r < rows ? p.lse[stat] : neg_inf();
-      row_delta[i] = r < rows ? p.delta[stat] : 0.0f;
-    }
+    load_row_stats(p, h, q0, rows, 16 * rg + g, row_lse, row_delta);
     auto issue = [&](int st, const MmaTile& t) {
       T* k_tile = stages + st * kStage;
       cp_async_rows_pair<kBN, kD, kLd, kThreads, kBN * kLd>(k_tile, p.k, p.v, t.k0, t.key_hi,

@@ -483,13 +483,7 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += 64) {
     const int rows = static_cast<int>(min64(64, qb.q_end - q0));
     float row_lse[2], row_delta[2];
-    HSAP_UNROLL
-    for (int i = 0; i < 2; ++i) {
-      const int r = 16 * warp + g + 8 * i;
-      const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
-      row_lse[i] = r < rows ? p.lse[stat] : neg_inf();
-      row_delta[i] = r < rows ? p.delta[stat] : 0.0f;
-    }
+    load_row_stats(p, h, q0, rows, 16 * warp + g, row_lse, row_delta);
     if (threadIdx.x == 0) {
       walk->si = qb.seg_begin - 1;
       walk->k0 = walk->k_hi = 0;
