@@ -91,8 +91,8 @@ Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x 
   std::memcpy(&tk, &maps->k, sizeof(tk));
   std::memcpy(&tv, &maps->v, sizeof(tv));
   std::memcpy(&tdo, &maps->dout, sizeof(tdo));
-  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q,
-                             128, Cfg::kWgmmaBwdSmemBytes, false,
+  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q, 128,
+                             Cfg::kWgmmaBwdSmemBytes, false,
                              [&] { hsap_dev::attn_bwd_wgmma_kernel<Cfg>(bp, tq, tk, tv, tdo); }),
             absl::OkStatus());
   return std::move(x.gradients);
