@@ -127,33 +127,68 @@ TEST(WgmmaForwardSelection, ArchSuffixParses) {
   EXPECT_FALSE(ParseCudaArch("sm_90aa").ok());
 }
 
-// One kernel of the generated program (`role`: "fwd", or "fused_fwd" for a configuration with
-// peers) alone, compiled with ptxas' report: the program's headers and configuration, and its
-// explicit instantiation of that kernel (the program the runtime compiles also holds the
-// backward and the helpers, unchanged from sm_90).
-absl::StatusOr<CudaBinary> CompileWgmmaForward(const CudaKernelConfig& c, CudaKernelEntry* entry,
-                                               absl::string_view role = "fwd") {
+// One kernel of the generated program (`role`: "fwd", "bwd", or "fused_fwd" for a
+// configuration with peers) alone, compiled with ptxas' report: the program's includes and
+// configuration, and its explicit instantiation of that kernel (the program the runtime
+// compiles also holds the other kernels and the helpers, unchanged from sm_90).
+absl::StatusOr<CudaBinary> CompileWgmmaKernel(const CudaKernelConfig& c, absl::string_view role,
+                                              CudaKernelEntry* entry) {
   HSAP_ASSIGN_OR_RETURN(CudaKernelSource s, GenerateCudaKernels(c));
   const auto it = std::find_if(s.kernels.begin(), s.kernels.end(),
                                [&](const CudaKernelEntry& k) { return k.role == role; });
   if (it == s.kernels.end()) return absl::NotFoundError(absl::StrCat("no ", role, " kernel"));
   *entry = *it;
-  std::string instantiation;
+  std::string includes, instantiation;
   const std::string prefix = absl::StrCat("template __global__ void ", entry->name_expression, "(");
   for (absl::string_view line : absl::StrSplit(s.source, '\n')) {
+    if (absl::StartsWith(line, "#include ")) absl::StrAppend(&includes, line, "\n");
     if (absl::StartsWith(line, prefix)) instantiation = absl::StrCat(line, "\n");
   }
   if (instantiation.empty()) return absl::NotFoundError(absl::StrCat("no ", prefix));
   CudaCompileRequest r;
   r.program_name = absl::StrCat("hsap_", c.Name(), "_", role, ".cu");
-  r.source =
-      absl::StrCat("#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_fwd.cuh\"\n",
-                   CudaConfigStruct(c, s.tiles, "HsapCfg"), instantiation);
+  r.source = absl::StrCat(includes, CudaConfigStruct(c, s.tiles, "HsapCfg"), instantiation);
   r.headers = s.headers;
   r.arch = c.arch;
   r.extra_options = {"--ptxas-options=-v"};
   r.name_expressions = {entry->name_expression};
   return CompileCuda(r, nullptr);
+}
+
+// What every sm_90a kernel must show once compiled (`role` of `c`, entry `e`, binary `b`): no
+// spill, at most `max_registers`, no wgmma serialized by ptxas (its C7514, "wgmma.mma_async
+// instructions are serialized due to ...", would mean a wait after every wgmma: the
+// pipelining lost), at least one CTA per SM; and, where cuobjdump is found, HGMMA (wgmma),
+// UTMALDG (TMA) and SYNCS (mbarrier) in the SASS and no HMMA. Prints the resources.
+void ExpectWgmmaKernel(const CudaKernelConfig& c, absl::string_view role, const CudaKernelEntry& e,
+                       const CudaBinary& b, int max_registers, const std::string& cuobjdump,
+                       const std::string& dir) {
+  EXPECT_EQ(b.target, "sm_90a");
+  absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b.log);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_EQ(res->size(), 1u) << b.log;
+  const CudaKernelResources& r = res->front();
+  EXPECT_EQ(r.spill_store_bytes, 0) << b.log;
+  EXPECT_EQ(r.spill_load_bytes, 0);
+  EXPECT_LE(r.registers, max_registers);
+  EXPECT_THAT(b.log, ::testing::Not(HasSubstr("serialized")));
+  std::string limiter;
+  const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
+                                 e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
+  EXPECT_GE(ctas, 1) << limiter;
+  std::printf(
+      "[ resources ] %-34s %-9s %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d CTA/SM (%s)\n",
+      c.Name().c_str(), std::string(role).c_str(), r.registers, r.spill_store_bytes,
+      r.spill_load_bytes, r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas,
+      limiter.c_str());
+  if (cuobjdump.empty()) return;
+  const std::map<std::string, std::string> sass = testing::SassByFunction(cuobjdump, b.image, dir);
+  ASSERT_EQ(sass.size(), 1u);
+  const std::string& code = sass.begin()->second;
+  EXPECT_THAT(code, HasSubstr("HGMMA"));
+  EXPECT_THAT(code, HasSubstr("UTMALDG"));
+  EXPECT_THAT(code, HasSubstr("SYNCS"));
+  EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));  // the backward's dq items too
 }
 
 TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
@@ -171,37 +206,10 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
       c.role = {std::string(role) == "fwd" ? 0 : 3};
       SCOPED_TRACE(absl::StrCat(c.Name(), " ", role));
       CudaKernelEntry e;
-      absl::StatusOr<CudaBinary> b = CompileWgmmaForward(c, &e, role);
+      absl::StatusOr<CudaBinary> b = CompileWgmmaKernel(c, role, &e);
       ASSERT_TRUE(b.ok()) << b.status();
-      EXPECT_EQ(b->target, "sm_90a");
-      absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
-      ASSERT_TRUE(res.ok()) << res.status();
-      ASSERT_EQ(res->size(), 1u) << b->log;
-      const CudaKernelResources& r = res->front();
-      EXPECT_EQ(r.spill_store_bytes, 0) << b->log;
-      EXPECT_EQ(r.spill_load_bytes, 0);
-      EXPECT_LE(r.registers, 168);  // 65536 / 384, rounded down to a multiple of 8
-      // ptxas' C7514 ("wgmma.mma_async instructions are serialized due to ...") would mean a
-      // wait after every wgmma: the pipelining lost.
-      EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
-      std::string limiter;
-      const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
-                                     e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
-      EXPECT_GE(ctas, 1) << limiter;
-      std::printf(
-          "[ resources ] %-34s %-9s %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
-          "CTA/SM (%s)\n",
-          c.Name().c_str(), role, r.registers, r.spill_store_bytes, r.spill_load_bytes,
-          r.stack_frame_bytes, e.dynamic_smem_bytes + r.static_smem_bytes, ctas, limiter.c_str());
-      if (cuobjdump.empty()) continue;
-      const std::map<std::string, std::string> sass =
-          testing::SassByFunction(cuobjdump, b->image, dir);
-      ASSERT_EQ(sass.size(), 1u);
-      const std::string& code = sass.begin()->second;
-      EXPECT_THAT(code, HasSubstr("HGMMA"));
-      EXPECT_THAT(code, HasSubstr("UTMALDG"));
-      EXPECT_THAT(code, HasSubstr("SYNCS"));
-      EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));
+      // 65536 / 384, rounded down to a multiple of 8 (the consumers then take 240).
+      ExpectWgmmaKernel(c, role, e, *b, 168, cuobjdump, dir);
     }
   }
   std::filesystem::remove_all(dir);
@@ -264,52 +272,11 @@ TEST(WgmmaBackwardCompile, Sm90aResourcesAndSass) {
   const std::string dir = testing::MakeTestTempDir("cuda_wgmma_bwd_nvrtc_test");
   for (const CudaKernelConfig& c : configs) {
     SCOPED_TRACE(c.Name());
-    absl::StatusOr<CudaKernelSource> s = GenerateCudaKernels(c);
-    ASSERT_TRUE(s.ok()) << s.status();
-    const CudaKernelEntry e = s->kernels[1];
-    ASSERT_TRUE(e.wgmma);
-    CudaCompileRequest req;
-    req.program_name = absl::StrCat("hsap_", c.Name(), "_bwd.cu");
-    req.source = absl::StrCat(
-        "#include \"hsap_attention.cuh\"\n#include \"hsap_attention_wgmma_bwd.cuh\"\n",
-        CudaConfigStruct(c, s->tiles, "HsapCfg"),
-        "template __global__ void hsap_dev::attn_bwd_wgmma_kernel<HsapCfg>(const ",
-        "hsap_dev::BwdParams, const __grid_constant__ hsap_dev::TensorMap, const "
-        "__grid_constant__ hsap_dev::TensorMap, const __grid_constant__ hsap_dev::TensorMap, "
-        "const __grid_constant__ hsap_dev::TensorMap);\n");
-    req.headers = s->headers;
-    req.arch = c.arch;
-    req.extra_options = {"--ptxas-options=-v"};
-    req.name_expressions = {e.name_expression};
-    absl::StatusOr<CudaBinary> b = CompileCuda(req, nullptr);
+    CudaKernelEntry e;
+    absl::StatusOr<CudaBinary> b = CompileWgmmaKernel(c, "bwd", &e);
     ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(b->target, "sm_90a");
-    absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b->log);
-    ASSERT_TRUE(res.ok()) << res.status();
-    ASSERT_EQ(res->size(), 1u) << b->log;
-    const CudaKernelResources& r = res->front();
-    EXPECT_EQ(r.spill_store_bytes, 0);
-    EXPECT_EQ(r.spill_load_bytes, 0);
-    EXPECT_LE(r.registers, 255);
-    EXPECT_THAT(b->log, ::testing::Not(HasSubstr("serialized")));
-    std::string limiter;
-    const int ctas = CudaCtasPerSm(90, e.threads, r.registers,
-                                   e.dynamic_smem_bytes + r.static_smem_bytes, &limiter);
-    EXPECT_GE(ctas, 1) << limiter;
-    std::printf(
-        "[ resources ] %-34s bwd %3d regs, spill %d/%d B, stack %d B, smem %6d B, %d "
-        "CTA/SM (%s)\n",
-        c.Name().c_str(), r.registers, r.spill_store_bytes, r.spill_load_bytes, r.stack_frame_bytes,
-        e.dynamic_smem_bytes + r.static_smem_bytes, ctas, limiter.c_str());
-    if (cuobjdump.empty()) continue;
-    const std::map<std::string, std::string> sass =
-        testing::SassByFunction(cuobjdump, b->image, dir);
-    ASSERT_EQ(sass.size(), 1u);
-    const std::string& code = sass.begin()->second;
-    EXPECT_THAT(code, HasSubstr("HGMMA"));
-    EXPECT_THAT(code, HasSubstr("UTMALDG"));
-    EXPECT_THAT(code, HasSubstr("SYNCS"));
-    EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));  // the dq items are wgmma too
+    ASSERT_TRUE(e.wgmma);
+    ExpectWgmmaKernel(c, "bwd", e, *b, 255, cuobjdump, dir);
   }
   std::filesystem::remove_all(dir);
   if (cuobjdump.empty()) {
