@@ -70,11 +70,7 @@ void CheckForward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
   ASSERT_TRUE(w.ok()) << w.status();
   Partial r(p.T(), p.dims);
   EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r, kv_map.empty() ? nullptr : kv_map.data()), 0u);
-  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
-  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
-  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
-  ExpectWithinRule("out", r.out, naive.out, ref.out);
-  ExpectWithinRule("lse", r.lse, naive.lse, ref.lse);
+  testing::ExpectForwardWithinRule(p, r);
 }
 
 // Every mask kind, documents ending inside, at and across 64-row tiles: causal 70, full 64,
@@ -173,11 +169,7 @@ TEST(CudaMmaEmulation, FusedForwardThreeSteps) {
                        /*all_concurrent=*/true, [&] { hsap_dev::fused_fwd_kernel<Cfg>(f.params); }),
       absl::OkStatus());
   EXPECT_EQ(f.error_flag, 0u);
-  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
-  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
-  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
-  ExpectWithinRule("fused out", r.out, naive.out, ref.out);
-  ExpectWithinRule("fused lse", r.lse, naive.lse, ref.lse);
+  testing::ExpectForwardWithinRule(p, r, "fused ");
 }
 
 // cp.async moves 16-byte rows: a misaligned tensor is reported, nothing is computed.

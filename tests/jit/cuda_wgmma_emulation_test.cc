@@ -92,11 +92,7 @@ void CheckForward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
   ASSERT_TRUE(w.ok()) << w.status();
   Partial r(p.T(), p.dims);
   EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r, kv_map.empty() ? nullptr : kv_map.data()), 0u);
-  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
-  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
-  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
-  ExpectWithinRule("out", r.out, naive.out, ref.out);
-  ExpectWithinRule("lse", r.lse, naive.lse, ref.lse);
+  testing::ExpectForwardWithinRule(p, r);
 }
 
 // Three documents: causal 150 (ends inside the second 128-row tile), sliding window (40) 230,
@@ -267,11 +263,7 @@ TEST(CudaWgmmaEmulation, FusedForwardThreeUnevenSteps) {
   }
   EXPECT_EQ(f.error_flag, 0u);
   for (int s = 0; s < kSteps; ++s) EXPECT_EQ(f.consumed[s], static_cast<unsigned>(kCopy)) << s;
-  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
-  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
-  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
-  ExpectWithinRule("fused out", r.out, naive.out, ref.out);
-  ExpectWithinRule("fused lse", r.lse, naive.lse, ref.lse);
+  testing::ExpectForwardWithinRule(p, r, "fused ");
 }
 
 // A peer that never publishes: the copy CTAs give up after the timeout, report it and still

@@ -220,6 +220,17 @@ inline void ExpectWithinRule(const std::string& name, const std::vector<float>& 
   EXPECT_GT(err, 0.0) << name << ": bitwise equal to fp64 is not what bf16/f16 math gives";
 }
 
+// A forward kernel's out and lse in `r` for `p` (kv-head map: p.dims'), against the fp64
+// reference under ExpectWithinRule's rule; `name` prefixes the messages.
+inline void ExpectForwardWithinRule(const BitsProblem& p, const Partial& r,
+                                    const std::string& name = "") {
+  const ReferenceInputs in{p.dims, p.dtype, p.q.data(), p.k.data(), p.v.data()};
+  const ReferenceForwardResult ref = ReferenceForward(p.layout, in);
+  const ReferenceForwardResult naive = NaiveForward(p.layout, in);
+  ExpectWithinRule(name + "out", r.out, naive.out, ref.out);
+  ExpectWithinRule(name + "lse", r.lse, naive.lse, ref.lse);
+}
+
 // What a backward kernel wrote: dq, dk, dv in fp32, and its error word.
 struct Gradients {
   std::vector<float> dq, dk, dv;
