@@ -122,35 +122,9 @@ TEST(CudaMmaEmulation, ForwardFullOnlyVariant) {
 // the same rows are NaN, rows that see no planted key stay finite.
 TEST(CudaMmaEmulation, NaNAndInfinityPropagateLikeANaiveSoftmax) {
   using Cfg = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
-  for (testing::Plant plant : testing::kAllPlants) {
-    SCOPED_TRACE(testing::PlantName(plant));
-    Problem p = MakeBitsProblem(testing::NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
-    const int64_t T = p.T();
-    std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
-    for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
-    for (size_t i = 0; i < k.size(); ++i) k[i] = p.k.Get(i), v[i] = p.v.Get(i);
-    testing::PlantNonFinite(plant, p.dims, &q, &k);
-    for (size_t i = 0; i < q.size(); ++i) p.q.Set(i, q[i]);
-    for (size_t i = 0; i < k.size(); ++i) p.k.Set(i, k[i]);
-    absl::StatusOr<WorkList> w = BuildWorkList(p.layout, 96);
-    ASSERT_TRUE(w.ok()) << w.status();
-    Partial r(T, p.dims);
-    EXPECT_EQ(LaunchForward<Cfg>(p, *w, &r), 0u);
-    const testing::NaiveOutputs ref = testing::NaiveFp64Forward(p.layout, p.dims, q, k, v);
-    int64_t nan_rows = 0;
-    for (size_t i = 0; i < r.lse.size(); ++i) {
-      ASSERT_EQ(std::isnan(r.lse[i]), std::isnan(ref.lse[i])) << "lse[" << i << "]";
-      nan_rows += std::isnan(ref.lse[i]);
-      if (std::isinf(ref.lse[i])) {
-        EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
-      }
-    }
-    for (size_t i = 0; i < r.out.size(); ++i) {
-      ASSERT_EQ(std::isnan(r.out[i]), std::isnan(ref.out[i])) << "out[" << i << "]";
-    }
-    EXPECT_GT(nan_rows, 0);
-    EXPECT_LT(nan_rows, static_cast<int64_t>(r.lse.size()));
-  }
+  testing::ExpectNonFiniteLikeANaiveSoftmax(
+      96,
+      [](const Problem& p, const WorkList& w, Partial* r) { return LaunchForward<Cfg>(p, w, r); });
 }
 
 // The fused forward (copy CTAs staging K/V shards, compute CTAs attending) on the same

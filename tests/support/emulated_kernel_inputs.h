@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -21,6 +22,7 @@
 #include "attention/tolerance.h"
 #include "attention/worklist.h"
 #include "gtest/gtest.h"
+#include "tests/support/nonfinite.h"
 #include "tests/support/tolerance.h"
 
 namespace hsap::testing {
@@ -229,6 +231,44 @@ inline void ExpectForwardWithinRule(const BitsProblem& p, const Partial& r,
   const ReferenceForwardResult naive = NaiveForward(p.layout, in);
   ExpectWithinRule(name + "out", r.out, naive.out, ref.out);
   ExpectWithinRule(name + "lse", r.lse, naive.lse, ref.lse);
+}
+
+// NaN and infinity through a 16-bit forward kernel as a naive softmax has them
+// (tests/support/nonfinite.h): for every plant, a bf16 row of NonFiniteLayout (d 64, GQA
+// 2:1) with the NaN or inf planted in q or k, run by `launch` (the kernel over the work list
+// of `block_rows`-row blocks into the partial; returns the error word, which must be 0);
+// out and lse must be NaN exactly where the fp64 naive ones are, and infinite lse equal.
+inline void ExpectNonFiniteLikeANaiveSoftmax(
+    int64_t block_rows,
+    const std::function<unsigned int(const BitsProblem&, const WorkList&, Partial*)>& launch) {
+  for (Plant plant : kAllPlants) {
+    SCOPED_TRACE(PlantName(plant));
+    BitsProblem p = MakeBitsProblem(NonFiniteLayout(), DType::kBF16, 64, 2, 1, 8);
+    std::vector<float> q(p.q.v.size() - 8), k(p.k.v.size() - 8), v(p.v.v.size() - 8);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = p.q.Get(i);
+    for (size_t i = 0; i < k.size(); ++i) k[i] = p.k.Get(i), v[i] = p.v.Get(i);
+    PlantNonFinite(plant, p.dims, &q, &k);
+    for (size_t i = 0; i < q.size(); ++i) p.q.Set(i, q[i]);
+    for (size_t i = 0; i < k.size(); ++i) p.k.Set(i, k[i]);
+    absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
+    ASSERT_TRUE(w.ok()) << w.status();
+    Partial r(p.T(), p.dims);
+    EXPECT_EQ(launch(p, *w, &r), 0u);
+    const NaiveOutputs ref = NaiveFp64Forward(p.layout, p.dims, q, k, v);
+    int64_t nan_rows = 0;
+    for (size_t i = 0; i < r.lse.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.lse[i]), std::isnan(ref.lse[i])) << "lse[" << i << "]";
+      nan_rows += std::isnan(ref.lse[i]);
+      if (std::isinf(ref.lse[i])) {
+        EXPECT_EQ(double{r.lse[i]}, ref.lse[i]) << i;
+      }
+    }
+    for (size_t i = 0; i < r.out.size(); ++i) {
+      ASSERT_EQ(std::isnan(r.out[i]), std::isnan(ref.out[i])) << "out[" << i << "]";
+    }
+    EXPECT_GT(nan_rows, 0);
+    EXPECT_LT(nan_rows, static_cast<int64_t>(r.lse.size()));
+  }
 }
 
 // What a backward kernel wrote: dq, dk, dv in fp32, and its error word.
