@@ -184,10 +184,7 @@ __device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, 
   const int tc = threadIdx.x % kTPR;
   const float scale_log2 = scale * 1.4426950408889634f;
 
-  if (qb.q_begin < 0 || qb.q_end > q_rows || qb.q_begin > qb.q_end) {
-    report(error_flag, kErrorRowsOutOfRange);
-    return;  // uniform over the CTA
-  }
+  if (!block_rows_in_range(qb, q_rows, error_flag)) return;  // uniform over the CTA
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {
     const int rows = static_cast<int>(min64(kBM, qb.q_end - q0));
     __syncthreads();  // the previous chunk is done with Qs
@@ -295,10 +292,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads) attn_bwd_kernel(const BwdPar
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
   const QueryBlock qb = p.blocks[blockIdx.x];
-  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
-    report(p.error_flag, kErrorRowsOutOfRange);
-    return;
-  }
+  if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
   const int r = threadIdx.x / kTPR;
   const int tc = threadIdx.x % kTPR;
 

@@ -318,10 +318,7 @@ HSAP_DEV void next_key_tile(MmaKeyWalk& w, const BwdParams& p, int kvh, long lon
         }
         const QueryBlock qb = p.blocks[w.b];
         w.si = w.seg_end = 0;
-        if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
-          report(p.error_flag, kErrorRowsOutOfRange);
-          continue;
-        }
+        if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) continue;
         w.q_begin = qb.q_begin;
         w.q_end = qb.q_end;
         w.si = qb.seg_begin - 1;
@@ -622,10 +619,7 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
   const QueryBlock qb = p.blocks[b];
-  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
-    report(p.error_flag, kErrorRowsOutOfRange);
-    return;
-  }
+  if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
   MmaQueryWalk* walk = reinterpret_cast<MmaQueryWalk*>(smem);
   MmaTile* shared_tile = reinterpret_cast<MmaTile*>(smem + sizeof(MmaKeyWalk));
   T* Qs = reinterpret_cast<T*>(smem + S::kCtrlBytes);

@@ -304,10 +304,7 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
   const int g = lane / 4, t = lane % 4;  // quad (row pair g, g + 8) and lane in the quad
   const float scale_log2 = scale * 1.4426950408889634f;
 
-  if (qb.q_begin < 0 || qb.q_end > q_rows || qb.q_begin > qb.q_end) {
-    report(error_flag, kErrorRowsOutOfRange);
-    return;  // uniform over the CTA
-  }
+  if (!block_rows_in_range(qb, q_rows, error_flag)) return;  // uniform over the CTA
   if (((reinterpret_cast<unsigned long long>(q) | reinterpret_cast<unsigned long long>(k) |
         reinterpret_cast<unsigned long long>(v)) &
        15ull) != 0) {

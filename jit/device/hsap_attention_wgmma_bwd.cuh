@@ -473,10 +473,7 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
   const QueryBlock qb = p.blocks[b];
-  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
-    report(p.error_flag, kErrorRowsOutOfRange);
-    return;
-  }
+  if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
   MmaQueryWalk* walk = reinterpret_cast<MmaQueryWalk*>(sm.walk);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   unsigned n = *tiles;

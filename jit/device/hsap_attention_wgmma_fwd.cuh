@@ -438,10 +438,7 @@ HSAP_DEV void wgmma_fwd_block(const FwdParams& p, int block, const TensorMap* tq
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
   const QueryBlock qb = p.blocks[block];
-  if (qb.q_begin < 0 || qb.q_end > p.q_rows || qb.q_begin > qb.q_end) {
-    report(p.error_flag, kErrorRowsOutOfRange);
-    return;
-  }
+  if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
   if (((reinterpret_cast<unsigned long long>(p.q) | reinterpret_cast<unsigned long long>(p.k) |
         reinterpret_cast<unsigned long long>(p.v)) &
        15ull) != 0) {

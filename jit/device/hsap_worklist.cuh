@@ -38,6 +38,15 @@ HSAP_DEV bool tile_inside_band(const KeySegment& seg, long long q0, int rows, lo
   return k0 - (q0 + rows - 1) >= seg.diag_lo && (k0 + cols - 1) - q0 <= seg.diag_hi;
 }
 
+// Whether block qb lies within [0, q_rows) (a well-formed work list's blocks do); else it
+// reports kErrorRowsOutOfRange and the caller skips the block.
+HSAP_DEV bool block_rows_in_range(const QueryBlock& qb, long long q_rows,
+                                  unsigned int* error_flag) {
+  if (qb.q_begin >= 0 && qb.q_end <= q_rows && qb.q_begin <= qb.q_end) return true;
+  report(error_flag, kErrorRowsOutOfRange);
+  return false;
+}
+
 // The kv head of query head h, or -1 (reported) when the head geometry breaks the contract.
 template <class Cfg>
 HSAP_DEV int kv_head(const int* kv_head_of_q, int heads_q, int heads_kv, int h,
