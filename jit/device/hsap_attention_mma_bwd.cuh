@@ -728,13 +728,7 @@ __global__ void __launch_bounds__(Cfg::kBwdThreads, 2) attn_bwd_mma_kernel(const
                     sizeof(MmaQueryWalk) <= sizeof(MmaKeyWalk),
                 "hsap: the shared walk state outgrew its shared memory");
   unsigned char* smem = reinterpret_cast<unsigned char*>(dynamic_smem());
-  const unsigned long long addresses =
-      reinterpret_cast<unsigned long long>(p.q) | reinterpret_cast<unsigned long long>(p.k) |
-      reinterpret_cast<unsigned long long>(p.v) | reinterpret_cast<unsigned long long>(p.dout);
-  if ((addresses & 15ull) != 0) {
-    report(p.error_flag, kErrorMisaligned);
-    return;  // uniform over the grid
-  }
+  if (!tensors_aligned16(p.error_flag, p.q, p.k, p.v, p.dout)) return;  // uniform
   const long long key_tiles = (p.k_rows + S::kBN - 1) / S::kBN;
   const long long key_items = key_tiles * p.heads_kv;
   const long long query_items =

@@ -305,12 +305,7 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
   const float scale_log2 = scale * 1.4426950408889634f;
 
   if (!block_rows_in_range(qb, q_rows, error_flag)) return;  // uniform over the CTA
-  if (((reinterpret_cast<unsigned long long>(q) | reinterpret_cast<unsigned long long>(k) |
-        reinterpret_cast<unsigned long long>(v)) &
-       15ull) != 0) {
-    report(error_flag, kErrorMisaligned);
-    return;
-  }
+  if (!tensors_aligned16(error_flag, q, k, v)) return;
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {
     const int rows = static_cast<int>(min64(kBM, qb.q_end - q0));
     __syncthreads();  // the previous chunk is done with every shared tile

@@ -551,13 +551,7 @@ __global__ void __launch_bounds__(128, 1)
                 "hsap: generator and device disagree on the sm_90a backward's shared memory");
   static_assert(sizeof(MmaKeyWalk) + sizeof(MmaTile) <= 256,
                 "hsap: the key walk's state outgrew its shared memory");
-  const unsigned long long addresses =
-      reinterpret_cast<unsigned long long>(p.q) | reinterpret_cast<unsigned long long>(p.k) |
-      reinterpret_cast<unsigned long long>(p.v) | reinterpret_cast<unsigned long long>(p.dout);
-  if ((addresses & 15ull) != 0) {
-    report(p.error_flag, kErrorMisaligned);
-    return;  // uniform over the grid
-  }
+  if (!tensors_aligned16(p.error_flag, p.q, p.k, p.v, p.dout)) return;  // uniform
   const WgmmaBwdSmem<S> sm(dynamic_smem());
   const WgmmaBwdMaps maps{&tq, &tk, &tv, &tdo};
   if (threadIdx.x == 0) {

@@ -439,12 +439,7 @@ HSAP_DEV void wgmma_fwd_block(const FwdParams& p, int block, const TensorMap* tq
   if (kvh < 0) return;
   const QueryBlock qb = p.blocks[block];
   if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
-  if (((reinterpret_cast<unsigned long long>(p.q) | reinterpret_cast<unsigned long long>(p.k) |
-        reinterpret_cast<unsigned long long>(p.v)) &
-       15ull) != 0) {
-    report(p.error_flag, kErrorMisaligned);
-    return;
-  }
+  if (!tensors_aligned16(p.error_flag, p.q, p.k, p.v)) return;
   const WgmmaFwdSmem<S> sm(dynamic_smem());
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {

@@ -47,6 +47,16 @@ HSAP_DEV bool block_rows_in_range(const QueryBlock& qb, long long q_rows,
   return false;
 }
 
+// Whether every tensor is 16-byte aligned, as cp.async and TMA, which move 16-byte rows,
+// need; else it reports kErrorMisaligned and the caller computes nothing.
+template <class... Tensors>
+HSAP_DEV bool tensors_aligned16(unsigned int* error_flag, const Tensors*... tensors) {
+  const unsigned long long bits = (0ull | ... | reinterpret_cast<unsigned long long>(tensors));
+  if ((bits & 15ull) == 0) return true;
+  report(error_flag, kErrorMisaligned);
+  return false;
+}
+
 // The kv head of query head h, or -1 (reported) when the head geometry breaks the contract.
 template <class Cfg>
 HSAP_DEV int kv_head(const int* kv_head_of_q, int heads_q, int heads_kv, int h,
