@@ -92,7 +92,9 @@ void PrintIssueModel(const jit::CudaKernelConfig& c, int fwd_regs, int bwd_regs)
       PredictIssue({ForwardWarpTileMix(c, *t)}, {1}, 1, t->threads, fwd_regs, t->fwd_smem_bytes,
                    gpu)
           .warps_per_scheduler);
-  PrintTerms("fwd (16 x 64 keys)", ForwardWarpTileMix(c, *t), gpu);
+  const std::string fwd_tile =
+      absl::StrCat("fwd (", t->block_m / (t->threads / 32), " x ", t->block_n, " keys)");
+  PrintTerms(fwd_tile.c_str(), ForwardWarpTileMix(c, *t), gpu);
   PrintTerms("bwd key (16 x 16 q)", BackwardKeyWarpTileMix(c, *t), gpu);
   PrintTerms("bwd dq (16 x 32 keys)", BackwardQueryWarpTileMix(c, *t), gpu);
   const std::vector<std::pair<const char*, std::vector<int64_t>>> rows = {

@@ -40,6 +40,20 @@ constexpr double kFwdImadPerScore = 1.3, kFwdMaskImadPerScore = 0.75;
 // per-tile and copy terms below (the loop: 919 instructions, against 1,408 on cut tiles).
 constexpr double kFwdWholeAluPerScore = 5.8, kFwdWholeImadPerScore = 0.53;
 constexpr double kFwdFp32PerScore = 5.5;  // FMUL scale, FADD, 2 FMUL (exp2f), FADD sum, F2FP/2
+// The current code: the folded softmax (FoldedOnlineSoftmax: FFMA + ex2.approx per score,
+// NaN/+inf from the row's l at the end, no per-score flag), the band test in 32-bit
+// (TileMask) and the key-tile walk by thread 0 from shared memory. Its tile loop (same
+// kernel, 64 x 64) holds 630 instructions on a whole tile (ALU 117, IMAD 69, FP32 154, other
+// 56; the softmax block 182: FMNMX, FFMA, MUFU.EX2 and FADD per score) and 1,015 on a cut one
+// (ALU 485, IMAD 87). Per score, with the per-tile and copy terms below:
+constexpr double kFoldedWholeAluPerScore = 1.16, kFoldedWholeImadPerScore = 0.97;
+constexpr double kFoldedCutAluPerScore = 12.66, kFoldedCutImadPerScore = 1.53;
+constexpr double kFoldedFp32PerScore = 2.44;  // FFMA, FADD sum, F2FP/2, the row terms
+// Thread 0's step of the walk per tile (walk_to on the walk in shared memory, the path that
+// stays in its segment: the fields it touches loaded and k0 stored back, the band test, the
+// tile's descriptor stored): 70 instructions, which warp 0 executes while the others wait
+// at the next barrier, so every warp-tile of the CTA pays them.
+constexpr double kFwdWalkAlu = 32, kFwdWalkImad = 14, kFwdWalkOther = 24;
 constexpr double kFwdAluPerTile = 36, kFwdImadPerTile = 13, kFwdFp32PerTile = 12;
 constexpr double kFwdOtherPerTile = 41;  // 8 SHFL, 2 BAR, branches, walk, cp.async commit/wait
 // Backward key pass, per element of S^T (kBM / 2 per thread): visibility, accurate expf
@@ -103,16 +117,33 @@ WarpTileTime TimeOf(const WarpTileMix& m, const PipeCycles& p) {
 
 KernelCode MeasuredKernelCode() { return KernelCode{}; }
 
+jit::CudaTiles ForwardTilesOf(const jit::CudaKernelConfig& c, jit::CudaTiles t,
+                              const KernelCode& code) {
+  if (code.row_blocks == 0) return t;
+  const int warps = t.threads / 32;
+  if (code.row_blocks == 1 && t.block_m != 16 * warps) t.block_n = c.head_dim <= 128 ? 64 : 32;
+  t.block_m = 16 * code.row_blocks * warps;
+  // MmaFwdShape::kSmemBytes: the Q tile and the stages of K and V, rows padded by 8
+  // elements, the tile descriptors and the walk.
+  t.fwd_smem_bytes = 2 * (t.block_m + 2 * t.fwd_stages * t.block_n) * (c.head_dim + 8) +
+                     32 * (t.fwd_stages + 1) + 128;
+  return t;
+}
+
 KernelCode CurrentKernelCode() {
   KernelCode k;
   k.generic_copy = false;     // cp_async_rows: addresses computed once per tile
   k.mask_every_tile = false;  // mma_fwd_softmax<S, kWhole>: the test only on cut tiles
+  k.accurate_exp2 = false;    // FoldedOnlineSoftmax: FFMA + ex2.approx per score
+  k.per_score_flags = false;  // NaN/+inf from the row's l at the end
+  k.row_blocks = 0;           // the shipped tiles: 128 x 64 / 128 x 32 up to head dim 128
   return k;
 }
 
-WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                                const KernelCode& v, bool cut) {
-  const double bn = t.block_n, d = c.head_dim, rb = v.row_blocks;
+  const jit::CudaTiles t = ForwardTilesOf(c, shipped, v);
+  const double bn = t.block_n, d = c.head_dim, rb = t.block_m / (t.threads / 32) / 16;
   const double scores = rb * 16 * bn / 32;             // per thread
   const double chunks = 2 * bn * (d / 8) / t.threads;  // K and V copies per thread
   const bool general = v.mask_every_tile || cut;       // the per-score test runs
@@ -124,8 +155,16 @@ WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTi
     alu = kFwdWholeAluPerScore;
     imad = kFwdWholeImadPerScore;
   }
-  if (!v.accurate_exp2) alu -= 1, fp32 -= 3;  // FFMA + ex2.approx: no FSETP, no FMULs
-  if (!v.per_score_flags) alu -= 4;
+  if (!v.accurate_exp2 && !v.per_score_flags) {  // the folded softmax, as counted
+    alu = general ? kFoldedCutAluPerScore : kFoldedWholeAluPerScore;
+    imad = general ? kFoldedCutImadPerScore : kFoldedWholeImadPerScore;
+    fp32 = kFoldedFp32PerScore;
+    if (general && !mask) alu -= kFwdMaskAluPerScore, imad -= kFwdMaskImadPerScore;
+  } else {
+    // One of the two alone: the plan's estimate.
+    if (!v.accurate_exp2) alu -= 1, fp32 -= 3;  // FFMA + ex2.approx: no FSETP, no FMULs
+    if (!v.per_score_flags) alu -= 4;
+  }
   WarpTileMix m;
   m.name = "fwd";
   m.hmma = rb * bn * d / 64;  // S (bn/8 x d/16), PV (bn/16 x d/8) per row block
@@ -135,6 +174,11 @@ WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTi
   m.imad = imad * scores + kFwdImadPerTile;
   m.fp32 = fp32 * scores + rb * d / 2 + kFwdFp32PerTile;  // + O rescale
   m.other = kFwdOtherPerTile + 8 * (rb - 1);
+  if (!v.accurate_exp2 && !v.per_score_flags) {  // the current code's walk by thread 0
+    m.alu += kFwdWalkAlu;
+    m.imad += kFwdWalkImad;
+    m.other += kFwdWalkOther;
+  }
   AddCopies(m, chunks, v.generic_copy);
   m.exposed = 2 * kBarrierCycles + 4 * kShuffleCycles;
   m.useful_flops = rb * 4 * 16 * bn * d;
@@ -240,13 +284,15 @@ WarpTileCounts CountWarpTiles(const WorkList& work, const jit::CudaKernelConfig&
         const int64_t rows = std::min(bm, b.q_end - q0), warps = t.threads / 32;
         n.fwd += warps * CeilDiv(hi - lo, bn);
         // As the kernel decides (hsap_attention_mma_fwd.cuh): per CTA tile the band test, per
-        // warp its rows, per tile its keys.
-        const int64_t full_warps = std::min<int64_t>(warps, rows / 16);
+        // m16 row block its rows, per tile its keys; a warp-tile of rb row blocks counts as
+        // cut by the share of its blocks that are.
+        const int64_t rb = bm / (16 * warps), blocks = warps * rb;
+        const int64_t full_blocks = std::min<int64_t>(blocks, rows / 16);
         for (int64_t k0 = lo; k0 < hi; k0 += bn) {
           const int64_t cols = std::min(bn, hi - k0);
           const bool inside = k0 - (q0 + rows - 1) >= s.diag_lo && (k0 + cols - 1) - q0 <= s.diag_hi;
           const bool whole = cols == bn && (!c.has_band || inside);
-          n.fwd_cut += whole ? warps - full_warps : warps;
+          n.fwd_cut += static_cast<double>(whole ? blocks - full_blocks : blocks) / rb;
         }
       }
       for (int64_t q0 = b.q_begin; q0 < b.q_end; q0 += qm) {  // dq chunks
@@ -302,8 +348,9 @@ IssuePrediction PredictIssue(const std::vector<WarpTileMix>& mixes,
   return r;
 }
 
-double ForwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+double ForwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                               int registers, const GpuSpec& gpu, const KernelCode& code) {
+  const jit::CudaTiles t = ForwardTilesOf(c, shipped, code);
   const WarpTileMix m = ForwardWarpTileMix(c, t, code);
   return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t.threads, registers, t.fwd_smem_bytes,
                       gpu)
@@ -330,11 +377,15 @@ struct DocumentWork {
   WarpTileCounts counts;
 };
 
+// The work list the GPU runner builds for the code's forward: blocks of its tile's rows
+// (DeviceKernels::forward_block_rows), the backward walking the same list.
 absl::StatusOr<DocumentWork> WorkOnDocuments(const jit::CudaKernelConfig& c,
-                                             const std::vector<int64_t>& cu_seqlens) {
-  HSAP_ASSIGN_OR_RETURN(jit::CudaTiles tiles, jit::ChooseCudaTiles(c));
+                                             const std::vector<int64_t>& cu_seqlens,
+                                             const KernelCode& code) {
+  HSAP_ASSIGN_OR_RETURN(jit::CudaTiles shipped, jit::ChooseCudaTiles(c));
+  const jit::CudaTiles tiles = ForwardTilesOf(c, shipped, code);
   HSAP_ASSIGN_OR_RETURN(Layout layout, Layout::FromDocuments(cu_seqlens));
-  HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(layout, kKernelBlockQ));
+  HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(layout, tiles.block_m));
   return DocumentWork{tiles, CountWarpTiles(work, c, tiles, layout.num_tokens())};
 }
 
@@ -345,7 +396,7 @@ absl::StatusOr<IssuePrediction> PredictForwardOnDocuments(const jit::CudaKernelC
                                                           const std::vector<int64_t>& cu_seqlens,
                                                           int heads, const GpuSpec& gpu,
                                                           const KernelCode& code) {
-  HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens));
+  HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens, code));
   const double flops = 4.0 * w.counts.pairs * c.head_dim * heads;
   if (code.mask_every_tile) {
     return PredictIssue({ForwardWarpTileMix(c, w.tiles, code)}, {w.counts.fwd * heads}, flops,
@@ -362,7 +413,7 @@ absl::StatusOr<IssuePrediction> PredictBackwardOnDocuments(const jit::CudaKernel
                                                            const std::vector<int64_t>& cu_seqlens,
                                                            int heads, const GpuSpec& gpu,
                                                            const KernelCode& code) {
-  HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens));
+  HSAP_ASSIGN_OR_RETURN(DocumentWork w, WorkOnDocuments(c, cu_seqlens, code));
   if (!w.tiles.bwd_tensor_core || !c.deterministic_dq) {
     return absl::UnimplementedError(
         "the issue model covers the tensor-core backward with deterministic dq");
@@ -405,12 +456,13 @@ std::vector<ChangedMix> ForwardChanges(const jit::CudaKernelConfig& c, const jit
       [](KernelCode& k) { k.per_score_flags = false; });
   if (out.size() > 1) out.push_back({{"all of the above", "the changes above together"},
                                      ForwardWarpTileMix(c, t, all)});
+  if (ForwardTilesOf(c, t, now).block_m == 32 * (t.threads / 32)) return out;  // done
   all.row_blocks = 2;
   out.push_back({{"all + 32 rows per warp",
                   "and two m16 row blocks per warp (128x64 tiles on 4 warps, FlashAttention-2's "
                   "forward shape): each K/V fragment and copy serves twice the rows (registers: "
-                  "O 128 + S 64 floats per thread; needs the per-score state above gone to fit "
-                  "255)"},
+                  "O 128 + S 64 floats per thread; shipped at head dim 64, it spills under "
+                  "ptxas at 128, docs/gpu_backend.md)"},
                  ForwardWarpTileMix(c, t, all)});
   return out;
 }

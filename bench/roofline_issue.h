@@ -70,11 +70,18 @@ struct KernelCode {
   bool per_score_flags = true;  // forward: NaN/+inf and saw-key flags per score
   bool bwd_accurate_exp = true;  // backward key pass: expf per element, branched
   bool bwd_walk_in_loop = true;   // backward key pass: thread 0 walks between barriers
-  int row_blocks = 1;            // forward: m16 row blocks per warp
+  // Forward: m16 row blocks per warp. 1: the 64-row tiles the H200 figures ran (64 keys up to
+  // head dim 128, 32 above); 2: 128-row tiles (FlashAttention-2's shape) with the key tile of
+  // the shipped tiles; 0: the tiles ChooseCudaTiles picks (the current code).
+  int row_blocks = 1;
 };
 KernelCode MeasuredKernelCode();
 KernelCode CurrentKernelCode();
 
+// The forward's tiles under `code` (row_blocks above): `shipped` (ChooseCudaTiles) with the
+// forward's block_m, block_n and shared memory set to the code's.
+jit::CudaTiles ForwardTilesOf(const jit::CudaKernelConfig& config, jit::CudaTiles shipped,
+                              const KernelCode& code);
 // Scheduler cycles per instruction of each pipe (see the top of this file).
 struct PipeCycles {
   double hmma = 6, alu = 2, imad = 2, fp32 = 1, mufu = 8, other = 1;

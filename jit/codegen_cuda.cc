@@ -75,21 +75,28 @@ int BwdSmemBytes(int d, int bm, int bn) {
 }
 
 // The tensor-core forward (hsap_attention_mma_fwd.cuh, MmaFwdShape): the Q tile and kStages
-// K and V tiles of 16-bit elements, rows padded by 8 elements (16 bytes).
+// K and V tiles of 16-bit elements, rows padded by 8 elements (16 bytes), a 32-byte
+// KeyTileInfo per stage and one more, and 128 bytes of key-tile walk.
 int MmaFwdSmemBytes(int d, int bm, int bn, int stages) {
-  return 2 * (bm + 2 * stages * bn) * (d + 8);
+  return 2 * (bm + 2 * stages * bn) * (d + 8) + 32 * (stages + 1) + 128;
 }
 
-// The tensor-core forward's tiles. One m16 row block per warp and 4 warps: 64 query rows.
-// Per thread the O accumulator takes D/2 fp32 registers and S kBN/2; Q's A fragments D/4.
+// The tensor-core forward's tiles, 4 warps. Per thread the O accumulator takes D/2 fp32
+// registers per m16 row block and S kBN/2; Q's A fragments D/4 per row block.
+//   D = 64:   128 x 64, two row blocks per warp (FlashAttention-2's shape): each K/V fragment
+//             and copy serves 32 rows (issue model: x1.11); 238-240 registers, Q's fragments
+//             in registers.
+//   D = 128:  64 x 64, one row block per warp. Two row blocks spill under ptxas (CUDA 13) at
+//             64 keys (80-104 bytes on sm_90, 16 on sm_80) and at 48 (16 / 40), however the
+//             walk and the row state are trimmed; at 32 keys they fit (254 registers) but the
+//             per-tile row work (max, O rescale) doubles per pair and the model gives no gain.
+//   D > 128:  64 x 32, one row block (O alone is up to 128 registers).
 // Q's fragments stay in registers only at D = 64: at D = 128 holding them (32 registers)
 // took the forward to 255 registers and the fused forward, whose step loop keeps more state
 // live, to spills on sm_80, so from D = 128 on they are re-read with ldmatrix per k-step
-// (1/8 more shared-memory traffic than the K and V tiles). Keys: 64 per tile, 32 above
-// D = 128 (S = 16 registers next to an accumulator of up to 128). Two stages of K/V: enough
-// to cover an L2 latency behind one tile's math at these sizes, and the most that keeps two
-// CTAs of D = 128 within an sm_90 SM. 128-row tiles (two row blocks per warp) double the
-// per-thread arrays; see docs/gpu_backend.md.
+// (1/8 more shared-memory traffic than the K and V tiles). Two stages of K/V: enough to cover
+// an L2 latency behind one tile's math at these sizes, and the most that keeps two CTAs of
+// D = 128 within an sm_90 SM. See docs/gpu_backend.md.
 absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTiles* t) {
   t->fwd_stages = 2;
   t->q_in_registers = c.head_dim <= 64;
@@ -98,21 +105,23 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
       return absl::InvalidArgumentError(
           "CudaKernelConfig: block_m, block_n and threads must be set together");
     }
-    if (c.threads % 32 != 0 || c.block_m != 16 * (c.threads / 32) || c.block_n % 16 != 0) {
+    if (c.threads % 32 != 0 ||
+        (c.block_m != 16 * (c.threads / 32) && c.block_m != 32 * (c.threads / 32)) ||
+        c.block_n % 16 != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("CudaKernelConfig tiles ", c.block_m, "x", c.block_n, " on ", c.threads,
-                       " threads: the tensor-core forward needs block_m = 16 * warps and block_n a "
-                       "multiple of 16"));
+                       " threads: the tensor-core forward needs block_m = 16 or 32 * warps and "
+                       "block_n a multiple of 16"));
     }
     t->block_m = c.block_m;
     t->block_n = c.block_n;
     t->threads = c.threads;
   } else {
-    t->block_m = 64;
+    t->block_m = c.head_dim <= 64 ? 128 : 64;
     t->threads = 128;
     for (int bn : {c.head_dim <= 128 ? 64 : 32, 16}) {
       t->block_n = bn;
-      if (MmaFwdSmemBytes(c.head_dim, 64, bn, t->fwd_stages) <= limit) break;
+      if (MmaFwdSmemBytes(c.head_dim, t->block_m, bn, t->fwd_stages) <= limit) break;
     }
   }
   t->fwd_smem_bytes = MmaFwdSmemBytes(c.head_dim, t->block_m, t->block_n, t->fwd_stages);
@@ -123,7 +132,7 @@ absl::Status ChooseMmaForwardTiles(const CudaKernelConfig& c, int limit, CudaTil
 // slack to align the tiles to the 1024-byte atoms of the 128-byte swizzle, the Q tile of 128
 // rows and `stages` K and V tiles of `bn` rows, 16-bit elements without padding (the swizzle
 // spreads the rows over the banks), then 2 * stages + 3 mbarriers, a 32-byte descriptor per
-// stage (WgmmaTileInfo) and 16 bytes for the chunk's tile count.
+// stage (KeyTileInfo) and 16 bytes for the chunk's tile count.
 int WgmmaFwdSmemBytes(int d, int bn, int stages) {
   return 1024 + 2 * (128 + 2 * stages * bn) * d + 8 * (2 * stages + 3) + 32 * stages + 16;
 }

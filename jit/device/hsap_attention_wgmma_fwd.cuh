@@ -13,7 +13,7 @@
 //     walks the chunks and their key tiles in work-list order (KeyTileWalk) and issues the TMA
 //     loads: the chunk's Q tile once into q_full (with the chunk's tile count), then each K/V
 //     tile of kBN keys into stage n % kStages after waiting for that stage's `empty` barrier,
-//     writing the tile's descriptor (WgmmaTileInfo: first key, band, valid keys, masked) into
+//     writing the tile's descriptor (KeyTileInfo: first key, band, valid keys, masked) into
 //     the stage's slot and arming `full[stage]` with the tile's bytes
 //     (mbarrier.arrive.expect_tx; the loads complete the transaction);
 //   - warpgroups 1 and 2, the consumers (setmaxnreg.inc to 240), own query rows [0, 64) and
@@ -100,7 +100,7 @@ struct WgmmaFwdShape {
   static constexpr int kVOffset = kKOffset + kStages * kTileBytes;
   static constexpr int kBarOffset = kVOffset + kStages * kTileBytes;
   static constexpr int kNumBars = 2 * kStages + 3;
-  static constexpr int kInfoOffset = kBarOffset + 8 * kNumBars;  // WgmmaTileInfo[kStages]
+  static constexpr int kInfoOffset = kBarOffset + 8 * kNumBars;    // KeyTileInfo[kStages]
   static constexpr int kChunkOffset = kInfoOffset + 32 * kStages;  // the chunk's tile count
   // 1 KiB of alignment slack first (jit/codegen_cuda.cc WgmmaFwdSmemBytes: same formula).
   static constexpr int kSmemBytes = 1024 + kChunkOffset + 16;
@@ -138,18 +138,6 @@ HSAP_DEV unsigned shared_window_offset(const void* p) {
 #endif
 }
 
-// What the consumers need of a K/V tile, written by the producer into its stage's slot before
-// it arms the stage's `full` barrier (mbarrier.arrive has release semantics and the
-// consumers' try_wait acquire semantics, so they read it after their wait), so that the
-// consumers hold no work-list walk in registers.
-struct WgmmaTileInfo {
-  long long k0;                // first key row of the tile
-  long long diag_lo, diag_hi;  // the segment's band
-  int cols;                    // valid keys, <= kBN
-  int masked;                  // 1: some score of the tile is outside the band
-};
-static_assert(sizeof(WgmmaTileInfo) == 32, "WgmmaFwdShape::kChunkOffset assumes 32 bytes");
-
 // The shared-memory tiles and barriers of one CTA.
 template <class S>
 struct WgmmaFwdSmem {
@@ -161,7 +149,7 @@ struct WgmmaFwdSmem {
   unsigned long long* q_full;
   unsigned long long* q_empty;
   unsigned long long* fix;  // the consumers zeroed a tile's V rows past its valid keys
-  WgmmaTileInfo* info;      // [kStages]
+  KeyTileInfo* info;        // [kStages]
   int* chunk_tiles;         // the tiles of the chunk whose Q is in q (written with Q)
 
   HSAP_DEV explicit WgmmaFwdSmem(void* raw) {
@@ -175,7 +163,7 @@ struct WgmmaFwdSmem {
     q_full = empty + S::kStages;
     q_empty = q_full + 1;
     fix = q_empty + 1;
-    info = reinterpret_cast<WgmmaTileInfo*>(base + S::kInfoOffset);
+    info = reinterpret_cast<KeyTileInfo*>(base + S::kInfoOffset);
     chunk_tiles = reinterpret_cast<int*>(base + S::kChunkOffset);
   }
   HSAP_DEV unsigned char* k_stage(int s) const { return k + s * S::kTileBytes; }
@@ -213,11 +201,7 @@ HSAP_DEV void wgmma_fwd_produce(const WgmmaFwdSmem<S>& sm, const TensorMap* tq,
     for (walk.enter(); walk.valid(); walk.next(), ++n) {
       const int stage = static_cast<int>(n % S::kStages);
       mbarrier_wait_parity(&sm.empty[stage], ((n / S::kStages) & 1u) ^ 1u);
-      const int cols = walk.cols();
-      const bool masked =
-          Cfg::kHasBand && !walk.full && !tile_inside_band(walk.seg, q0, rows, walk.k0, cols);
-      sm.info[stage] = WgmmaTileInfo{walk.k0, walk.seg.diag_lo, walk.seg.diag_hi, cols,
-                                     masked ? 1 : 0};
+      sm.info[stage] = walk.info();
       mbarrier_arrive_expect_tx(&sm.full[stage], 2 * S::kTileBytes);
       const int k0 = static_cast<int>(walk.k0);
       HSAP_UNROLL
@@ -309,8 +293,8 @@ HSAP_DEV void wgmma_fwd_pack_p(unsigned (&p)[S::kBN / 16][4], const float (&s)[S
 // accumulator, the scores of the tile in hand and P of the tile whose P V is next.
 template <class S>
 struct WgmmaFwdRows {
-  OnlineSoftmax smx[2];
-  bool saw_key[2], non_finite[2];
+  FoldedOnlineSoftmax smx[2];
+  bool saw_key[2];
   float o[S::kD / 2];
   float s[S::kBN / 2];
   unsigned p[S::kBN / 16][4];
@@ -319,7 +303,7 @@ struct WgmmaFwdRows {
   HSAP_DEV void init() {
     smx[0].init();
     smx[1].init();
-    saw_key[0] = saw_key[1] = non_finite[0] = non_finite[1] = false;
+    saw_key[0] = saw_key[1] = false;
     HSAP_UNROLL
     for (int i = 0; i < S::kD / 2; ++i) o[i] = 0.0f;
   }
@@ -327,17 +311,14 @@ struct WgmmaFwdRows {
   // becomes P (fp32), rescale the factor o needs before this tile's P V.
   // warp_rows_valid: all 16 rows of the calling warp are rows of the chunk. Warp-uniform: the
   // per-score test runs only where the band or the tile's edges cut the warp's 16 x kBN scores.
-  HSAP_DEV void softmax(const WgmmaTileInfo& info, long long q0, int rows, int row0, int t,
+  HSAP_DEV void softmax(const KeyTileInfo& info, long long q0, int rows, int row0, int t,
                         float scale_log2, bool warp_rows_valid) {
-    const KeySegment seg{0, 0, info.diag_lo, info.diag_hi};
+    const TileMask mask = tile_mask(info, q0, rows);
     auto& s4 = reinterpret_cast<float(&)[S::kNTiles][4]>(s);
-    if (!info.masked && info.cols == S::kBN && warp_rows_valid) {
-      mma_fwd_softmax_scores<S, true>(s4, rescale, smx, saw_key, non_finite, seg, false, q0, rows,
-                                      info.k0, info.cols, row0, t, scale_log2);
+    if (!mask.masked && mask.cols == S::kBN && warp_rows_valid) {
+      mma_fwd_softmax_scores<S, true>(s4, rescale, smx, saw_key, mask, row0, t, scale_log2);
     } else {
-      mma_fwd_softmax_scores<S, false>(s4, rescale, smx, saw_key, non_finite, seg,
-                                       info.masked != 0, q0, rows, info.k0, info.cols, row0, t,
-                                       scale_log2);
+      mma_fwd_softmax_scores<S, false>(s4, rescale, smx, saw_key, mask, row0, t, scale_log2);
     }
   }
 };
@@ -345,11 +326,11 @@ struct WgmmaFwdRows {
 // Waits for tile n's K and V (stage n % kStages) and returns what the producer said of it;
 // when the tile holds fewer than kBN valid keys, zeroes its V rows past them first.
 template <class S>
-HSAP_DEV WgmmaTileInfo wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int ct,
-                                         unsigned* fixes) {
+HSAP_DEV KeyTileInfo wgmma_fwd_acquire(const WgmmaFwdSmem<S>& sm, unsigned n, int ct,
+                                       unsigned* fixes) {
   const int stage = static_cast<int>(n % S::kStages);
   mbarrier_wait_parity(&sm.full[stage], (n / S::kStages) & 1u);
-  const WgmmaTileInfo info = sm.info[stage];
+  const KeyTileInfo info = sm.info[stage];
   if (info.cols < S::kBN) {
     wgmma_fwd_zero_v_tail<S>(sm.v_stage(stage), info.cols, ct, sm.fix, (*fixes)++ & 1u);
   }
@@ -384,7 +365,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     mbarrier_wait_parity(sm.q_full, chunk & 1u);
     const int tiles = *sm.chunk_tiles;
     if (tiles > 0) {  // prologue: S of the first tile, softmaxed, as P
-      const WgmmaTileInfo info = wgmma_fwd_acquire<S>(sm, n, ct, &fixes);
+      const KeyTileInfo info = wgmma_fwd_acquire<S>(sm, n, ct, &fixes);
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage(n % S::kStages));
       wgmma_wait_group<0>();
       wgmma_fence_operand(r.s);
@@ -396,7 +377,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     // wait_group<1> leaves pending, or it serializes every wgmma), then the last tile.
     for (int i = 0; i + 1 < tiles; ++i, ++n) {
       const int stage = static_cast<int>(n % S::kStages);
-      const WgmmaTileInfo info = wgmma_fwd_acquire<S>(sm, n + 1, ct, &fixes);
+      const KeyTileInfo info = wgmma_fwd_acquire<S>(sm, n + 1, ct, &fixes);
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage((n + 1) % S::kStages));
       wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(stage));
       wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
@@ -419,7 +400,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     }
     mbarrier_arrive(sm.q_empty);  // every S of the chunk has completed
     mma_fwd_merge<S>(reinterpret_cast<const float(&)[S::kDTiles][4]>(r.o), r.smx, r.saw_key,
-                     r.non_finite, out, lse, q_rows, heads_q, h, q0, rows, row0, t);
+                     scale_log2, out, lse, q_rows, heads_q, h, q0, rows, row0, t);
   }
 }
 

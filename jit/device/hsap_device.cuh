@@ -196,6 +196,62 @@ struct OnlineSoftmax {
   HSAP_DEV float inv_l() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
 
+// ex2.approx.ftz.f32 (PTX ISA, "Floating Point Instructions: ex2"): 2^x with a maximum
+// relative error of 2 ulp, subnormal inputs and results flushed to zero; -inf gives +0,
+// +inf gives +inf, NaN gives NaN. One MUFU.EX2, without exp2f's handling of subnormal
+// results (two FMULs and a compare around it).
+HSAP_DEV float ex2_approx(float x) {
+#ifdef HSAP_DEVICE_EMULATION
+  return hsap_emu_ex2_approx_ftz(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+// The online softmax of the tensor-core forward kernels, on unscaled scores: the row max is
+// taken over the raw scores s and the weight is 2^(s * scale_log2 - m * scale_log2), one FFMA
+// and one ex2.approx per score (FlashAttention-2's form). scale_log2 = scale * log2(e) > 0
+// (the C ABI refuses a negative scale), so the max of the raw scores is that of the scaled
+// ones. NaN and +inf need no per-score test: a NaN score makes its weight NaN, a +inf score
+// makes m +inf and its weight 2^(inf - inf) = NaN, and a NaN l stays NaN through every later
+// rescale, so the row's l is NaN exactly when the FMA core's per-score flag would be set
+// (row_is_nan below). A row whose visible scores are all -inf keeps l = 0.
+struct FoldedOnlineSoftmax {
+  float m;  // max of the raw scores, -inf before any visible key
+  float l;
+
+  HSAP_DEV void init() {
+    m = neg_inf();
+    l = 0.0f;
+  }
+  // m * scale_log2, or 0 while m is -inf (so that 2^(-inf - 0) is 0). Not kept: two registers
+  // per row are worth more to the accumulators than the FMUL per tile that recomputes it (the
+  // compiler computes it once for the tile's weights).
+  HSAP_DEV float m_scaled(float scale_log2) const { return m == neg_inf() ? 0.0f : m * scale_log2; }
+  // tile_max: the max of the tile's raw scores (-inf where none is visible).
+  HSAP_DEV float begin_tile(float tile_max, float scale_log2) {
+    const float m_old = m;
+    m = fmaxf(m, tile_max);
+    const float rescale = ex2_approx(m_old * scale_log2 - m_scaled(scale_log2));  // 0: m_old -inf
+    l *= rescale;
+    return rescale;
+  }
+  HSAP_DEV float weight(float s, float scale_log2) const {
+    return ex2_approx(fmaf(s, scale_log2, -m_scaled(scale_log2)));  // 0 for s = -inf
+  }
+  HSAP_DEV void end_tile(float tile_sum) { l += tile_sum; }
+  // The row's result is NaN: a NaN or +inf score (l NaN), or visible keys whose scores are
+  // all -inf (the naive softmax's 0 / 0); saw_key says whether any key was visible.
+  HSAP_DEV bool row_is_nan(bool saw_key) const { return !(l == l) || (saw_key && l == 0.0f); }
+  // Natural-log lse of the row, -inf when no key was visible (l = 0).
+  HSAP_DEV float lse(float scale_log2) const {
+    return l == 0.0f ? neg_inf() : (m_scaled(scale_log2) + log2f(l)) * 0.6931471805599453f;
+  }
+  HSAP_DEV float inv_l() const { return l > 0.0f ? 1.0f / l : 0.0f; }
+};
+
 // ---- merge of partial results (attention/merge.h) ----
 //
 // Given lse1 (existing) and lse2 (new), returns the merged lse and the weights w1, w2 with

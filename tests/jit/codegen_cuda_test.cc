@@ -164,15 +164,16 @@ TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
   EXPECT_THAT(s->source, HasSubstr("kFwdStages = 2;"));
   EXPECT_THAT(s->source, HasSubstr("kQInRegisters = false;"));  // D = 128
   // The forward, the fused forward and the backward run on tensor cores, the forwards sized
-  // for two CTAs per SM on sm_90 (2 x 87040 B of shared memory), the backward's 16x64 tiles
-  // too; the other roles are FMA kernels.
+  // for two CTAs per SM on sm_90 (2 x 87264 B of shared memory: the tiles, three tile
+  // descriptors and the walk), the backward's 16x64 tiles too; the other roles are FMA
+  // kernels.
   for (const CudaKernelEntry& k : s->kernels) {
     const bool forward = k.role == "fwd" || k.role == "fused_fwd";
     const bool mma = forward || k.role == "bwd";
     EXPECT_EQ(k.tensor_core, mma) << k.role;
     EXPECT_EQ(k.min_ctas_per_sm, mma ? 2 : 1) << k.role;
     if (forward) {
-      EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8)) << k.role;
+      EXPECT_EQ(k.dynamic_smem_bytes, 2 * (64 + 2 * 2 * 64) * (128 + 8) + 3 * 32 + 128) << k.role;
     }
   }
   // On sm_80 two of them do not fit an SM's 164 KiB: one CTA is what the tiles promise.
@@ -187,11 +188,19 @@ TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
   EXPECT_EQ(t->block_m, 64);
   EXPECT_EQ(t->block_n, 32);
   EXPECT_FALSE(t->q_in_registers);
-  // Explicit tiles must keep one m16 row block per warp.
+  // Head dim 64: 128 query rows on 4 warps, two m16 row blocks each.
+  c.head_dim = 64;
+  t = ChooseCudaTiles(c);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->block_m, 128);
+  EXPECT_EQ(t->threads, 128);
+  // Explicit tiles must keep one or two m16 row blocks per warp.
   c.head_dim = 128;
   c.block_m = 64;
   c.block_n = 64;
-  c.threads = 64;
+  c.threads = 64;  // two row blocks per warp
+  EXPECT_TRUE(ChooseCudaTiles(c).ok());
+  c.threads = 32;  // four
   EXPECT_EQ(ChooseCudaTiles(c).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
@@ -361,9 +370,10 @@ TEST(ChooseCudaTiles, FitSharedMemoryOfEachArchitecture) {
         EXPECT_EQ(tiles->threads % 32, 0);
         EXPECT_LE(tiles->threads, 1024);
         if (ResolveCudaMath(c) == CudaMath::kTensorCore) {
-          // One m16 row block per warp; the O fragment is D/2 floats per thread, and Q is
-          // held in registers only at D = 64 (ChooseMmaForwardTiles).
-          EXPECT_EQ(tiles->block_m, 16 * (tiles->threads / 32)) << d;
+          // Two m16 row blocks per warp at D = 64, one above; the O fragment is D/2 floats per
+          // thread and row block, and Q is held in registers only at D = 64
+          // (ChooseMmaForwardTiles).
+          EXPECT_EQ(tiles->block_m, (d <= 64 ? 32 : 16) * (tiles->threads / 32)) << d;
           EXPECT_EQ(tiles->block_n % 16, 0) << d;
           EXPECT_GE(tiles->fwd_stages, 2) << d;
           EXPECT_EQ(tiles->q_in_registers, d <= 64) << d;

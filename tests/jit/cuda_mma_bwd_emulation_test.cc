@@ -146,10 +146,11 @@ TEST(CudaMmaBackward, F16HeadDim128Slices) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 128, 2, true>>(
       MakeProblem(SliceLayout(), DType::kF16, 128, 2, 1, 22), 64);
 }
-// A query-head to kv-head map given at run time (HexiSeq head ranges), here crossed.
+// A query-head to kv-head map given at run time (HexiSeq head ranges), here crossed; in
+// blocks of 128 rows, the work list the runtime builds at head dim 64 (the forward's tile).
 TEST(CudaMmaBackward, KvHeadMap) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 64, 2, true>>(
-      MakeProblem(DocumentLayout(), DType::kF16, 64, 2, 2, 23, {1, 0}), 64);
+      MakeProblem(DocumentLayout(), DType::kF16, 64, 2, 2, 23, {1, 0}), 128);
 }
 // Head dim 256: 16-query x 32-key tiles, two warps per 16 keys each holding dK/dV of half of
 // D, and two warps per 16 query rows each holding dQ of half of D (32-row dq chunks); bf16,

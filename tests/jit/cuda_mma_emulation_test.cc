@@ -63,7 +63,8 @@ unsigned int LaunchForward(const Problem& p, const WorkList& w, Partial* r,
 // The forward of `p` (work-list blocks of `block_rows` rows) against the reference.
 template <class Cfg>
 void CheckForward(Problem p, int64_t block_rows, std::vector<int> kv_map = {}) {
-  static_assert(Cfg::kTensorCore && Cfg::kThreads == 128 && Cfg::kBlockM == 64);
+  static_assert(Cfg::kTensorCore && Cfg::kThreads == 128 &&
+                (Cfg::kBlockM == 64 || Cfg::kBlockM == 128));
   ASSERT_EQ(p.dims.head_dim, Cfg::kHeadDim);
   p.dims.kv_head_of_q = kv_map;
   absl::StatusOr<WorkList> w = BuildWorkList(p.layout, block_rows);
@@ -177,23 +178,31 @@ TEST(CudaMmaEmulation, MisalignedTensorIsFlagged) {
   for (float x : r.lse) EXPECT_EQ(x, -INFINITY);
 }
 
-// The generator's tiles for these configurations: 64 x 64 on 4 warps, 2 stages; Q's fragments
-// held in registers at head dim 64 and re-read from shared memory at 128 (so the tests above
-// run both paths); the device shape agrees with the generator's byte count.
+// The generator's tiles for these configurations: on 4 warps with 2 stages, 128 x 64 at head
+// dim 64 (two m16 row blocks per warp, Q's fragments held in registers) and 64 x 64 at 128
+// (one row block, Q re-read from shared memory), so the tests above run both shapes and both
+// Q paths; the device shape agrees with the generator's byte count.
 TEST(CudaMmaEmulation, ConfigurationsAreTheGenerators) {
-  using Cfg = MmaTileCfg<hsap_dev::bf16, 128, 2, true>;
-  static_assert(Cfg::kBlockM == 64 && Cfg::kBlockN == 64 && Cfg::kThreads == 128);
-  static_assert(Cfg::kFwdStages == 2 && !Cfg::kQInRegisters);
-  static_assert(MmaTileCfg<hsap_dev::bf16, 64, 2, true>::kQInRegisters);
-  EXPECT_EQ(hsap_dev::MmaFwdShapeOf<Cfg>::kSmemBytes, Cfg::kFwdSmemBytes);
-  jit::CudaKernelConfig c;
-  c.arch = "sm_90";
-  c.dtype = DType::kBF16;
-  c.head_dim = 128;
-  c.gqa = 2;
-  absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
-  ASSERT_TRUE(t.ok()) << t.status();
-  EXPECT_EQ(t->fwd_smem_bytes, Cfg::kFwdSmemBytes);
+  using Cfg128 = MmaTileCfg<hsap_dev::bf16, 128, 2, true>;
+  using Cfg64 = MmaTileCfg<hsap_dev::bf16, 64, 2, true>;
+  static_assert(Cfg128::kBlockM == 64 && Cfg128::kBlockN == 64 && Cfg128::kThreads == 128);
+  static_assert(Cfg128::kFwdStages == 2 && !Cfg128::kQInRegisters);
+  static_assert(hsap_dev::MmaFwdShapeOf<Cfg128>::kRowBlocks == 1);
+  static_assert(Cfg64::kBlockM == 128 && Cfg64::kBlockN == 64 && Cfg64::kThreads == 128);
+  static_assert(Cfg64::kQInRegisters && hsap_dev::MmaFwdShapeOf<Cfg64>::kRowBlocks == 2);
+  EXPECT_EQ(hsap_dev::MmaFwdShapeOf<Cfg128>::kSmemBytes, Cfg128::kFwdSmemBytes);
+  EXPECT_EQ(hsap_dev::MmaFwdShapeOf<Cfg64>::kSmemBytes, Cfg64::kFwdSmemBytes);
+  for (int head_dim : {64, 128}) {
+    jit::CudaKernelConfig c;
+    c.arch = "sm_90";
+    c.dtype = DType::kBF16;
+    c.head_dim = head_dim;
+    c.gqa = 2;
+    absl::StatusOr<jit::CudaTiles> t = jit::ChooseCudaTiles(c);
+    ASSERT_TRUE(t.ok()) << t.status();
+    EXPECT_EQ(t->fwd_smem_bytes, head_dim == 64 ? Cfg64::kFwdSmemBytes : Cfg128::kFwdSmemBytes);
+    EXPECT_EQ(t->block_m, head_dim == 64 ? 128 : 64);
+  }
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -490,6 +491,32 @@ TEST(PackTest, RoundsToNearestEvenWithLoInTheLowHalf) {
       EXPECT_EQ(hsap_dev::pack_f16x2(lo, hi), Pair(FloatToF16(lo).bits, FloatToF16(hi).bits))
           << lo << " " << hi;
     }
+  }
+}
+
+// ---- ex2.approx.ftz.f32 ----
+
+// The ISA's table of special values, the flush of subnormal inputs and results, and 2^a
+// within the instruction's 2 ulp of the fp64 value over the range the softmax uses.
+TEST(Ex2ApproxTest, FollowsTheIsaOnSpecialValuesAndIsWithinTwoUlp) {
+  const float kDenormMin = std::numeric_limits<float>::denorm_min();
+  EXPECT_EQ(hsap_dev::ex2_approx(-INFINITY), 0.0f);
+  EXPECT_FALSE(std::signbit(hsap_dev::ex2_approx(-INFINITY)));
+  EXPECT_EQ(hsap_dev::ex2_approx(INFINITY), INFINITY);
+  EXPECT_TRUE(std::isnan(hsap_dev::ex2_approx(NAN)));
+  for (float one : {-kDenormMin, -0.0f, 0.0f, kDenormMin, 1e-39f}) {
+    EXPECT_EQ(hsap_dev::ex2_approx(one), 1.0f) << one;
+  }
+  EXPECT_EQ(hsap_dev::ex2_approx(-127.5f), 0.0f);  // 2^-127.5 is subnormal: flushed
+  EXPECT_EQ(hsap_dev::ex2_approx(-126.0f), std::numeric_limits<float>::min());
+  EXPECT_EQ(hsap_dev::ex2_approx(128.0f), INFINITY);
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> a(-126.0f, 127.0f);
+  for (int i = 0; i < 10000; ++i) {
+    const float x = a(rng);
+    const double want = std::exp2(static_cast<double>(x));
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    EXPECT_LE(std::abs(hsap_dev::ex2_approx(x) - want), 2 * ulp) << x;
   }
 }
 

@@ -402,6 +402,8 @@ class EmulatedKernels : public cuda::DeviceKernels {
                            int fused_copy_ctas = kFusedCopyCtas)
       : device_(device), claimed_resident_(fused_resident_ctas), copy_ctas_(fused_copy_ctas) {}
 
+  // As the GPU's kernels (JitDeviceKernels): the tensor-core forward's tile rows.
+  int64_t forward_block_rows() const override { return Cfg::kTensorCore ? Cfg::kBlockM : 0; }
   absl::Status Forward(const hsap_dev::FwdParams& p, cuda::cudaStream s) const override {
     HSAP_ASSIGN_OR_RETURN(const cuda::LaunchGrid grid,
                           cuda::AttentionGrid(p.num_blocks, p.heads_q));

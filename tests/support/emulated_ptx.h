@@ -1,5 +1,6 @@
 // The CUDA emulator's tensor-core instructions (jit/device/hsap_mma.cuh under
-// HSAP_DEVICE_EMULATION): mma.sync m16n8k16, ldmatrix and cp.async, written from the
+// HSAP_DEVICE_EMULATION): mma.sync m16n8k16, ldmatrix and cp.async (and ex2.approx, the
+// softmax's exponent, for hsap_device.cuh), written from the
 // fragment-layout tables of NVIDIA's PTX ISA (the sections are cited in hsap_mma.cuh, whose
 // comment states the same layouts), separately from any kernel.
 //
@@ -40,9 +41,11 @@
 #define HSAP_TESTS_SUPPORT_EMULATED_PTX_H_
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -262,6 +265,17 @@ inline void CpAsyncWait(int pending) {
   }
 }
 
+// ex2.approx.ftz.f32 (PTX ISA, "Floating Point Instructions: ex2"): 2^a within 2 ulp, a
+// subnormal input read as +-0 (result 1) and a subnormal result flushed to +0; -inf gives +0,
+// +inf gives +inf, NaN gives NaN. The emulator returns the correctly rounded value, one of
+// those the ISA allows.
+inline float Ex2ApproxFtz(float a) {
+  if (std::isnan(a)) return std::numeric_limits<float>::quiet_NaN();
+  if (std::fpclassify(a) == FP_SUBNORMAL) a = 0.0f;
+  const float r = static_cast<float>(std::exp2(static_cast<double>(a)));
+  return std::fpclassify(r) == FP_SUBNORMAL ? 0.0f : r;
+}
+
 }  // namespace ptx
 }  // namespace hsap_emu
 
@@ -277,6 +291,7 @@ inline void hsap_emu_cp_async_16(void* smem, const void* gmem, bool valid) {
   hsap_emu::ptx::CpAsync16(smem, gmem, valid);
 }
 inline void hsap_emu_cp_async_commit() { hsap_emu::ptx::CpAsyncCommit(); }
+inline float hsap_emu_ex2_approx_ftz(float a) { return hsap_emu::ptx::Ex2ApproxFtz(a); }
 inline void hsap_emu_cp_async_wait(int pending) { hsap_emu::ptx::CpAsyncWait(pending); }
 
 #endif  // HSAP_TESTS_SUPPORT_EMULATED_PTX_H_

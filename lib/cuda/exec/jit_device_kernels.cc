@@ -106,6 +106,14 @@ class JitDeviceKernels : public DeviceKernels {
                          " B shared memory)")));
       }
     }
+    // The tensor-core forwards compute a whole tile of query rows per CTA chunk: the sm_90a
+    // one 128 (WgmmaFwdShape::kBM), the mma.sync one its block_m (128 where each warp holds
+    // two row blocks); work-list blocks of that size leave no warp idle.
+    if (k->fwd_.wgmma) {
+      k->forward_block_rows_ = 128;
+    } else if (k->fwd_.tensor_core) {
+      k->forward_block_rows_ = c.source.tiles.block_m;
+    }
     if (max_steps > 0) {
       int per_sm = 0;
       HSAP_RETURN_IF_ERROR(d.Check(
@@ -174,8 +182,7 @@ class JitDeviceKernels : public DeviceKernels {
     return Launch(add_entries_, "add entries", HelperGrid(p, helper_ctas_), &p, s);
   }
 
-  // The sm_90a forward computes 128 query rows per CTA (WgmmaFwdShape::kBM).
-  int64_t forward_block_rows() const override { return fwd_.wgmma ? 128 : 0; }
+  int64_t forward_block_rows() const override { return forward_block_rows_; }
   int max_fused_steps() const override { return max_fused_steps_; }
   int fused_copy_ctas() const override { return fused_copy_ctas_; }
   int fused_resident_ctas() const override { return fused_resident_; }
@@ -256,6 +263,7 @@ class JitDeviceKernels : public DeviceKernels {
   Kernel fwd_, bwd_, delta_, init_, convert_, accumulate_, copy_chunks_, add_chunks_, fused_,
       merge_entries_, gather_stats_, add_entries_;
   int max_fused_steps_ = 0, fused_copy_ctas_ = 1, fused_resident_ = 0;
+  int64_t forward_block_rows_ = 0;  // 0: the default block (kKernelBlockQ)
 };
 
 }  // namespace
