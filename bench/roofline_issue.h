@@ -68,7 +68,7 @@ struct KernelCode {
   bool mask_every_tile = true;  // forward: per-score band test on every tile
   bool accurate_exp2 = true;    // forward: exp2f with its range check, the scale apart
   bool per_score_flags = true;  // forward: NaN/+inf and saw-key flags per score
-  bool bwd_accurate_exp = true;  // backward key pass: expf per element, branched
+  bool bwd_accurate_exp = true;   // backward (both passes): expf per element
   bool bwd_walk_in_loop = true;   // backward key pass: thread 0 walks between barriers
   // Forward: m16 row blocks per warp. 1: the 64-row tiles the H200 figures ran (64 keys up to
   // head dim 128, 32 above); 2: 128-row tiles (FlashAttention-2's shape) with the key tile of

@@ -182,7 +182,7 @@ __device__ void attend_block_fwd_fma(float* smem, const void* q, const void* k, 
   float* Ps = Vs + kBN * kLd;
   const int r = threadIdx.x / kTPR;
   const int tc = threadIdx.x % kTPR;
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = scale * kLog2E;
 
   if (!block_rows_in_range(qb, q_rows, error_flag)) return;  // uniform over the CTA
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += kBM) {

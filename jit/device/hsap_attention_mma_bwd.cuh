@@ -10,6 +10,8 @@
 //      whose visible rows meet its keys, in kBM-row query tiles, and per tile recomputes
 //        S^T = K Q^T, P^T = exp(scale S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //        dV += P^T dO, dK += dS^T Q
+//      (the exponential as prob_from_log2 of hsap_device.cuh: an FFMA and an ex2.approx on
+//      the rows' lse kept in log2 units, no branch)
 //      then adds dK * scale and dV to dk/dv once: one CTA per (key rows, kv head), so dk/dv
 //      are bitwise deterministic (the plain kernel's are not).
 //   2. dq. kDeterministicDq (default): query items (query block, head), exactly the plain
@@ -264,15 +266,16 @@ struct MmaKeyWalk {
   int h, b;
 };
 
-// The lse and delta of a thread's two accumulator rows, r0 and r0 + 8 of the query chunk at
-// q0 (its first `rows` rows are real): -inf and 0 past them, so those rows' P is 0.
+// The lse (in log2 units: lse * log2(e), for prob_from_log2) and delta of a thread's two
+// accumulator rows, r0 and r0 + 8 of the query chunk at q0 (its first `rows` rows are real):
+// -inf and 0 past them, so those rows' P is 0.
 HSAP_DEV void load_row_stats(const BwdParams& p, int h, long long q0, int rows, int r0,
                              float (&lse)[2], float (&delta)[2]) {
   HSAP_UNROLL
   for (int i = 0; i < 2; ++i) {
     const int r = r0 + 8 * i;
     const long long stat = static_cast<long long>(h) * p.q_rows + (q0 + r);
-    lse[i] = r < rows ? p.lse[stat] : neg_inf();
+    lse[i] = r < rows ? p.lse[stat] * kLog2E : neg_inf();
     delta[i] = r < rows ? p.delta[stat] : 0.0f;
   }
 }
@@ -376,7 +379,7 @@ HSAP_DEV void mma_bwd_issue_stage(const BwdParams& p, typename Cfg::T* stages, f
   float* st_stats = stats + st * 2 * kBM;
   for (int r = threadIdx.x; r < kBM; r += kThreads) {
     const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
-    st_stats[r] = r < t.rows ? p.lse[stat] : neg_inf();
+    st_stats[r] = r < t.rows ? p.lse[stat] * kLog2E : neg_inf();  // log2 units
     st_stats[kBM + r] = r < t.rows ? p.delta[stat] : 0.0f;
   }
 }
@@ -399,7 +402,7 @@ HSAP_DEV void mma_bwd_probs_t(float (&s)[S::kBM / 8][4], float (&dp)[S::kBM / 8]
       const float row_lse = lse_s[qc];
       const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
                            kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
-      const float prob = visible ? expf(s[j][e] * p.scale - row_lse) : 0.0f;
+      const float prob = visible ? prob_from_log2(s[j][e], p.scale * kLog2E, row_lse) : 0.0f;
       dp[j][e] = visible ? prob * (dp[j][e] - delta_s[qc]) : 0.0f;
       s[j][e] = prob;
     }
@@ -687,7 +690,7 @@ __device__ void mma_bwd_query_item(const BwdParams& p, int b, int h, unsigned ch
           const float lse_r = row_lse[e >> 1];
           const bool visible = r < rows && c < cur.key_hi && c - r >= cur.rel_lo &&
                                c - r <= cur.rel_hi && lse_r != neg_inf();
-          const float prob = visible ? expf(s[j][e] * p.scale - lse_r) : 0.0f;
+          const float prob = visible ? prob_from_log2(s[j][e], p.scale * kLog2E, lse_r) : 0.0f;
           dp[j][e] = visible ? prob * (dp[j][e] - row_delta[e >> 1]) : 0.0f;
         }
       }

@@ -369,7 +369,7 @@ __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k
   Walk* walk = reinterpret_cast<Walk*>(smem_b + S::kWalkOffset);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // quad (row pair g, g + 8) and lane in the quad
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = scale * kLog2E;
 
   if (!block_rows_in_range(qb, q_rows, error_flag)) return;  // uniform over the CTA
   if (!tensors_aligned16(error_flag, q, k, v)) return;

@@ -155,7 +155,7 @@ HSAP_DEV void wgmma_bwd_issue_stage(const WgmmaBwdSmem<S>& sm, const WgmmaBwdMap
   float* stats = sm.lse_stage(st);
   for (int r = threadIdx.x; r < S::kBM; r += S::kThreads) {
     const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
-    stats[r] = r < t.rows ? p.lse[stat] : neg_inf();
+    stats[r] = r < t.rows ? p.lse[stat] * kLog2E : neg_inf();  // log2 units
     stats[S::kBM + r] = r < t.rows ? p.delta[stat] : 0.0f;
   }
 }
@@ -205,7 +205,7 @@ HSAP_DEV unsigned wgmma_bwd_probs(float (&s)[S::kBM / 2], const float* lse_s, co
     const float row_lse = lse_s[qc];
     const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
                          kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
-    s[i] = visible ? expf(s[i] * scale - row_lse) : 0.0f;
+    s[i] = visible ? prob_from_log2(s[i], scale * kLog2E, row_lse) : 0.0f;
     visible_bits |= (visible ? 1u : 0u) << i;
   }
   return visible_bits;
@@ -407,7 +407,7 @@ HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& s
     const float lse_r = row_lse[(i % 4) >> 1];
     const bool visible = r < cur.rows && c < cur.key_hi && c - r >= cur.rel_lo &&
                          c - r <= cur.rel_hi && lse_r != neg_inf();
-    s[i] = visible ? expf(s[i] * scale - lse_r) : 0.0f;
+    s[i] = visible ? prob_from_log2(s[i], scale * kLog2E, lse_r) : 0.0f;
     visible_bits |= (visible ? 1u : 0u) << i;
   }
   wgmma_wait_group<0>();

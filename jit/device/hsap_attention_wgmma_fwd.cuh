@@ -354,7 +354,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
   const int wg = ct / 128, warp = (ct % 128) / 32, lane = ct % 32;
   const int g = lane / 4, t = lane % 4;
   const int row0 = wg * 64 + warp * 16 + g;  // this lane's row g in the chunk
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = scale * kLog2E;
   const unsigned char* q_wg = sm.q + wg * 64 * 128;
   unsigned n = 0, chunk = 0, fixes = 0;  // tiles and chunks consumed, V fixes
   WgmmaFwdRows<S> r;

@@ -196,6 +196,8 @@ struct OnlineSoftmax {
   HSAP_DEV float inv_l() const { return l > 0.0f ? 1.0f / l : 0.0f; }
 };
 
+constexpr float kLog2E = 1.4426950408889634f;  // log2(e): e^x = 2^(x log2(e))
+
 // ex2.approx.ftz.f32 (PTX ISA, "Floating Point Instructions: ex2"): 2^x with a maximum
 // relative error of 2 ulp, subnormal inputs and results flushed to zero; -inf gives +0,
 // +inf gives +inf, NaN gives NaN. One MUFU.EX2, without exp2f's handling of subnormal
@@ -208,6 +210,13 @@ HSAP_DEV float ex2_approx(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #endif
+}
+
+// The backward's probability e^(s * scale - lse) as 2^(s * scale_log2 - lse_log2), with
+// scale_log2 = scale * log2(e) and lse_log2 = lse * log2(e) (the tensor-core backwards keep
+// their rows' lse so): one FFMA and one ex2.approx, no branch (expf has a slow path).
+HSAP_DEV float prob_from_log2(float s, float scale_log2, float lse_log2) {
+  return ex2_approx(fmaf(s, scale_log2, -lse_log2));
 }
 
 // The online softmax of the tensor-core forward kernels, on unscaled scores: the row max is
