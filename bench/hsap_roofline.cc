@@ -95,7 +95,8 @@ void PrintIssueModel(const jit::CudaKernelConfig& c, int fwd_regs, int bwd_regs)
   const std::string fwd_tile =
       absl::StrCat("fwd (", t->block_m / (t->threads / 32), " x ", t->block_n, " keys)");
   PrintTerms(fwd_tile.c_str(), ForwardWarpTileMix(c, *t), gpu);
-  PrintTerms("bwd key (16 x 16 q)", BackwardKeyWarpTileMix(c, *t), gpu);
+  const std::string key_tile = absl::StrCat("bwd key (16 x ", t->bwd_block_m, " q)");
+  PrintTerms(key_tile.c_str(), BackwardKeyWarpTileMix(c, *t), gpu);
   PrintTerms("bwd dq (16 x 32 keys)", BackwardQueryWarpTileMix(c, *t), gpu);
   const std::vector<std::pair<const char*, std::vector<int64_t>>> rows = {
       {"32K causal", {0, 32768}}, {"128K causal", {0, 131072}}};

@@ -42,18 +42,19 @@ constexpr double kFwdWholeAluPerScore = 5.8, kFwdWholeImadPerScore = 0.53;
 constexpr double kFwdFp32PerScore = 5.5;  // FMUL scale, FADD, 2 FMUL (exp2f), FADD sum, F2FP/2
 // The current code: the folded softmax (FoldedOnlineSoftmax: FFMA + ex2.approx per score,
 // NaN/+inf from the row's l at the end, no per-score flag), the band test in 32-bit
-// (TileMask) and the key-tile walk by thread 0 from shared memory. Its tile loop (same
-// kernel, 64 x 64) holds 630 instructions on a whole tile (ALU 117, IMAD 69, FP32 154, other
-// 56; the softmax block 182: FMNMX, FFMA, MUFU.EX2 and FADD per score) and 1,015 on a cut one
-// (ALU 485, IMAD 87). Per score, with the per-tile and copy terms below:
-constexpr double kFoldedWholeAluPerScore = 1.16, kFoldedWholeImadPerScore = 0.97;
-constexpr double kFoldedCutAluPerScore = 12.66, kFoldedCutImadPerScore = 1.53;
+// (TileMask), the key-tile walk by thread 0 from shared memory and the 2 CTAs per SM
+// declared (206 registers). Its tile loop (same kernel, 64 x 64) holds 620 instructions on a
+// whole tile (ALU 109, IMAD 67, FP32 154, other 56; the softmax block: FMNMX, FFMA, MUFU.EX2
+// and FADD per score) and 1,014 on a cut one (ALU 475, IMAD 96). Per score, with the
+// per-tile and copy terms below:
+constexpr double kFoldedWholeAluPerScore = 0.91, kFoldedWholeImadPerScore = 0.91;
+constexpr double kFoldedCutAluPerScore = 12.34, kFoldedCutImadPerScore = 1.81;
 constexpr double kFoldedFp32PerScore = 2.44;  // FFMA, FADD sum, F2FP/2, the row terms
 // Thread 0's step of the walk per tile (walk_to on the walk in shared memory, the path that
 // stays in its segment: the fields it touches loaded and k0 stored back, the band test, the
 // tile's descriptor stored): 70 instructions, which warp 0 executes while the others wait
 // at the next barrier, so every warp-tile of the CTA pays them.
-constexpr double kFwdWalkAlu = 32, kFwdWalkImad = 14, kFwdWalkOther = 24;
+constexpr double kFwdWalkAlu = 32, kFwdWalkImad = 15, kFwdWalkOther = 23;
 constexpr double kFwdAluPerTile = 36, kFwdImadPerTile = 13, kFwdFp32PerTile = 12;
 constexpr double kFwdOtherPerTile = 41;  // 8 SHFL, 2 BAR, branches, walk, cp.async commit/wait
 // Backward key pass, per element of S^T (kBM / 2 per thread): visibility, accurate expf
@@ -128,8 +129,17 @@ WarpTileTime TimeOf(const WarpTileMix& m, const PipeCycles& p) {
 
 KernelCode MeasuredKernelCode() { return KernelCode{}; }
 
-jit::CudaTiles ForwardTilesOf(const jit::CudaKernelConfig& c, jit::CudaTiles t,
-                              const KernelCode& code) {
+jit::CudaTiles TilesOf(const jit::CudaKernelConfig& c, jit::CudaTiles t, const KernelCode& code) {
+  if (code.bwd_block_m > 0 && t.bwd_tensor_core && code.bwd_block_m != t.bwd_block_m) {
+    jit::CudaKernelConfig e = c;  // explicit backward tiles: the generator sizes them
+    e.bwd_block_m = code.bwd_block_m;
+    e.bwd_block_n = t.bwd_block_n;
+    e.bwd_threads = t.bwd_threads;
+    if (absl::StatusOr<jit::CudaTiles> r = jit::ChooseCudaTiles(e); r.ok()) {
+      t.bwd_block_m = r->bwd_block_m;
+      t.bwd_smem_bytes = r->bwd_smem_bytes;
+    }
+  }
   if (code.row_blocks == 0) return t;
   const int warps = t.threads / 32;
   if (code.row_blocks == 1 && t.block_m != 16 * warps) t.block_n = c.head_dim <= 128 ? 64 : 32;
@@ -149,12 +159,13 @@ KernelCode CurrentKernelCode() {
   k.per_score_flags = false;  // NaN/+inf from the row's l at the end
   k.row_blocks = 0;           // the shipped tiles (128 x 64 at head dim 64)
   k.bwd_accurate_exp = false;  // prob_from_log2: FFMA + ex2.approx, both passes
+  k.bwd_block_m = 0;           // the shipped backward tiles (32 x 64 at head dim 128)
   return k;
 }
 
 WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                                const KernelCode& v, bool cut) {
-  const jit::CudaTiles t = ForwardTilesOf(c, shipped, v);
+  const jit::CudaTiles t = TilesOf(c, shipped, v);
   const double bn = t.block_n, d = c.head_dim, rb = t.block_m / (t.threads / 32) / 16;
   const double scores = rb * 16 * bn / 32;             // per thread
   const double chunks = 2 * bn * (d / 8) / t.threads;  // K and V copies per thread
@@ -197,8 +208,9 @@ WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTi
   return m;
 }
 
-WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                                    const KernelCode& code) {
+  const jit::CudaTiles t = TilesOf(c, shipped, code);
   const double bm = t.bwd_block_m, bn = t.bwd_block_n, d = c.head_dim;
   const double warps = t.bwd_threads / 32, key_groups = bn / 16, split = warps / key_groups;
   const double dw = d / split, qt = bm / 8, dt = dw / 8, ksteps = d / 16;
@@ -358,15 +370,16 @@ IssuePrediction PredictIssue(const std::vector<WarpTileMix>& mixes,
 
 double ForwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                               int registers, const GpuSpec& gpu, const KernelCode& code) {
-  const jit::CudaTiles t = ForwardTilesOf(c, shipped, code);
+  const jit::CudaTiles t = TilesOf(c, shipped, code);
   const WarpTileMix m = ForwardWarpTileMix(c, t, code);
   return PredictIssue({m}, {1e6}, 1e6 * m.useful_flops, t.threads, registers, t.fwd_smem_bytes,
                       gpu)
       .tflops;
 }
 
-double BackwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
+double BackwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTiles& shipped,
                                int registers, const GpuSpec& gpu, const KernelCode& code) {
+  const jit::CudaTiles t = TilesOf(c, shipped, code);
   if (!t.bwd_tensor_core || !c.deterministic_dq) return 0;
   const double pairs = 1e9, dq_bn = t.bwd_block_n < 32 || c.head_dim == 240 ? 16 : 32;
   const double split = c.head_dim > 128 ? 2 : 1;  // warps sharing keys or query rows
@@ -391,7 +404,7 @@ absl::StatusOr<DocumentWork> WorkOnDocuments(const jit::CudaKernelConfig& c,
                                              const std::vector<int64_t>& cu_seqlens,
                                              const KernelCode& code) {
   HSAP_ASSIGN_OR_RETURN(jit::CudaTiles shipped, jit::ChooseCudaTiles(c));
-  const jit::CudaTiles tiles = ForwardTilesOf(c, shipped, code);
+  const jit::CudaTiles tiles = TilesOf(c, shipped, code);
   HSAP_ASSIGN_OR_RETURN(Layout layout, Layout::FromDocuments(cu_seqlens));
   HSAP_ASSIGN_OR_RETURN(WorkList work, BuildWorkList(layout, tiles.block_m));
   return DocumentWork{tiles, CountWarpTiles(work, c, tiles, layout.num_tokens())};
@@ -464,7 +477,7 @@ std::vector<ChangedMix> ForwardChanges(const jit::CudaKernelConfig& c, const jit
       [](KernelCode& k) { k.per_score_flags = false; });
   if (out.size() > 1) out.push_back({{"all of the above", "the changes above together"},
                                      ForwardWarpTileMix(c, t, all)});
-  if (ForwardTilesOf(c, t, now).block_m == 32 * (t.threads / 32)) return out;  // done
+  if (TilesOf(c, t, now).block_m == 32 * (t.threads / 32)) return out;  // done
   all.row_blocks = 2;
   out.push_back({{"all + 32 rows per warp",
                   "and two m16 row blocks per warp (128x64 tiles on 4 warps, FlashAttention-2's "

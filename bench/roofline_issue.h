@@ -74,14 +74,17 @@ struct KernelCode {
   // head dim 128, 32 above); 2: 128-row tiles (FlashAttention-2's shape) with the key tile of
   // the shipped tiles; 0: the tiles ChooseCudaTiles picks (the current code).
   int row_blocks = 1;
+  // Backward: query rows of the key pass's tiles (16: what the H200 figures ran at head dim
+  // 128; 0: the tiles ChooseCudaTiles picks, 32 there now).
+  int bwd_block_m = 16;
 };
 KernelCode MeasuredKernelCode();
 KernelCode CurrentKernelCode();
 
-// The forward's tiles under `code` (row_blocks above): `shipped` (ChooseCudaTiles) with the
-// forward's block_m, block_n and shared memory set to the code's.
-jit::CudaTiles ForwardTilesOf(const jit::CudaKernelConfig& config, jit::CudaTiles shipped,
-                              const KernelCode& code);
+// The tiles under `code` (row_blocks, bwd_block_m above): `shipped` (ChooseCudaTiles) with the
+// forward's and the backward's tiles and shared memory set to the code's.
+jit::CudaTiles TilesOf(const jit::CudaKernelConfig& config, jit::CudaTiles shipped,
+                       const KernelCode& code);
 // Scheduler cycles per instruction of each pipe (see the top of this file).
 struct PipeCycles {
   double hmma = 6, alu = 2, imad = 2, fp32 = 1, mufu = 8, other = 1;

@@ -153,12 +153,15 @@ void ChooseWgmmaForwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
 
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
 // behind them), 4 warps each:
-//   D = 64:        32 queries x 64 keys; a warp owns 16 keys x all of D of dK/dV.
-//   64 < D <= 128: 16 x 64 (dK/dV of 16 keys x all of D is 2 * 64 floats per thread at D = 128;
-//                  32-query tiles spilled on sm_90).
-//   D > 128:       16 x 32; two warps split D for dK/dV (and for dQ in the dq pass).
-// Every one is spill-free under ptxas (CUDA 13) for bf16/f16, deterministic and atomic dq, on
-// sm_80 and sm_90 (the variant compile test holds the shipped ones to zero spills). Not
+//   D <= 128: 32 queries x 64 keys; a warp owns 16 keys x all of D of dK/dV (2 * 64 floats
+//             per thread at D = 128). 16 x 64 at D = 112, where 32 spills 16 bytes on sm_80.
+//   D > 128:  32 x 32; two warps split D for dK/dV (and for dQ in the dq pass). 16 x 32 at
+//             D = 240, where 32 spills 172-248 bytes.
+// 32-query tiles halve the key pass's per-tile work (barriers, lse/delta, the walk) per pair;
+// they fit since the exponential became an FFMA and an ex2.approx (before, 32 x 64 spilled
+// at D = 128 on sm_90). Every one is spill-free under ptxas (CUDA 13) for bf16/f16,
+// deterministic and atomic dq, GQA 1 and 8, band and full, on sm_80 and sm_90 at every head
+// dim (the variant compile test holds the shipped ones to zero spills). Not
 // 16 x 64 at D = 64: ptxas caps that kernel at 168 registers (3 CTAs per SM) on sm_80 and
 // spills to get there. At D = 240 the deterministic dq pass takes 16-key tiles (with 32 it
 // spilled 16-48 bytes at 255 registers). Explicit bwd tiles still select the tensor-core
@@ -168,9 +171,9 @@ struct MmaBwdTile {
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
   if (head_dim < 64) return {};
-  if (head_dim <= 64) return {32, 64, 128};
-  if (head_dim <= 128) return {16, 64, 128};
-  return {16, 32, 128};
+  // 32-query tiles where ptxas keeps them spill-free (not at 112 and 240: 16-248 bytes).
+  if (head_dim <= 128) return {head_dim == 112 ? 16 : 32, 64, 128};
+  return {head_dim == 240 ? 16 : 32, 32, 128};
 }
 
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with

@@ -254,8 +254,12 @@ struct FwdSmem<Cfg, true> {
   static constexpr int kBytes = MmaFwdShapeOf<Cfg>::kSmemBytes;
 };
 
+// The tensor-core forward declares the 2 CTAs per SM its tiles are sized for: without it
+// ptxas squeezed some head dims' kernels to 128 or 168 registers for 3-4 CTAs and spilled
+// (8-84 bytes at D = 80, 176, 192, plain and fused).
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) attn_fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTensorCore ? 2 : 1)
+    attn_fwd_kernel(const FwdParams p) {
   static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,
                 "hsap: generator and device disagree on the forward shared memory size");
   float* smem = dynamic_smem();
@@ -642,7 +646,7 @@ HSAP_DEV void fused_wait(const unsigned int* flag, unsigned int value, const uns
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kTensorCore ? 2 : 1)  // as attn_fwd_kernel
     fused_fwd_kernel(const FusedFwdParamsT<(Cfg::kMaxSteps > 0 ? Cfg::kMaxSteps : 1)> p) {
   static_assert(Cfg::kMaxSteps >= 1, "hsap: fused kernel generated without steps");
   static_assert(Cfg::kFwdSmemBytes == FwdSmem<Cfg>::kBytes,

@@ -72,9 +72,13 @@ struct MmaFwdShape {
   static_assert(kStages >= 2, "hsap: the cp.async pipeline needs at least two stages");
 };
 
-template <class Cfg>
-using MmaFwdShapeOf = MmaFwdShape<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kThreads,
-                                  Cfg::kFwdStages, Cfg::kQInRegisters>;
+// kOneRowBlock: the fused forward's shape, one m16 row block per warp whatever Cfg::kBlockM
+// (its step loop keeps more state live: with two row blocks at head dim 64 ptxas spilled
+// 84-108 bytes); it fits in the shared memory Cfg sizes for two.
+template <class Cfg, bool kOneRowBlock = false>
+using MmaFwdShapeOf =
+    MmaFwdShape<Cfg::kHeadDim, kOneRowBlock ? 16 * (Cfg::kThreads / 32) : Cfg::kBlockM,
+                Cfg::kBlockN, Cfg::kThreads, Cfg::kFwdStages, Cfg::kQInRegisters>;
 
 // What the math of a K/V tile needs of the work list, written into shared memory by the
 // thread that walks it when the tile's copy is issued (the mma.sync forward) or by the TMA
@@ -347,14 +351,16 @@ HSAP_DEV void mma_fwd_merge(const float (&o)[S::kDTiles][4], const FoldedOnlineS
 
 // Forward over one query block of one head with tensor cores; the contract of
 // attend_block_fwd_fma (hsap_attention.cuh). kStaged: K/V were written by other CTAs of this
-// kernel (fused path); cp.async.cg reads through L2 like ld.global.cg, so it sees them.
+// kernel (fused path); cp.async.cg reads through L2 like ld.global.cg, so it sees them. The
+// fused path runs one row block per warp (MmaFwdShapeOf's kOneRowBlock).
 template <class Cfg, bool kStaged>
 __device__ void attend_block_fwd_mma(float* smem_f, const void* q, const void* k, const void* v,
                                      float* out, float* lse, long long q_rows, long long k_rows,
                                      int heads_q, int heads_kv, int h, int kvh, float scale,
                                      const QueryBlock qb, const KeySegment* segments,
                                      unsigned int* error_flag) {
-  using S = MmaFwdShapeOf<Cfg>;
+  using S = MmaFwdShapeOf<Cfg, /*kOneRowBlock=*/kStaged>;
+  static_assert(S::kSmemBytes <= MmaFwdShapeOf<Cfg>::kSmemBytes, "hsap: the fused shape fits");
   using T = typename Cfg::T;
   using Ops = MmaOps<T>;
   constexpr int kD = S::kD, kBM = S::kBM, kBN = S::kBN, kLdh = S::kLdh, kStages = S::kStages;

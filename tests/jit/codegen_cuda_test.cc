@@ -165,7 +165,7 @@ TEST(ResolveCudaMath, TensorCoresWhereTheyApply) {
   EXPECT_THAT(s->source, HasSubstr("kQInRegisters = false;"));  // D = 128
   // The forward, the fused forward and the backward run on tensor cores, the forwards sized
   // for two CTAs per SM on sm_90 (2 x 87264 B of shared memory: the tiles, three tile
-  // descriptors and the walk), the backward's 16x64 tiles too; the other roles are FMA
+  // descriptors and the walk), the backward's 32x64 tiles too; the other roles are FMA
   // kernels.
   for (const CudaKernelEntry& k : s->kernels) {
     const bool forward = k.role == "fwd" || k.role == "fused_fwd";
@@ -282,16 +282,16 @@ TEST(GenerateCudaKernels, TensorCoreBackwardWhereItApplies) {
   }
 }
 
-// The tensor-core backward's tiles per head dim (MmaBwdTileFor): 32x64 at 64, 16x64 up to
-// 128, 16x32 above (two warps split D), on 4 warps; the FMA backward where the tiles exceed
-// the shared memory.
+// The tensor-core backward's tiles per head dim (MmaBwdTileFor): 32x64 up to 128 (16x64 at
+// 112), 32x32 above (two warps split D; 16x32 at 240), on 4 warps; the FMA backward where the
+// tiles exceed the shared memory.
 TEST(ChooseCudaTiles, TensorCoreBackwardTilesPerHeadDim) {
   struct Expected {
     int head_dim, bm, bn;
   };
-  for (const Expected& e : {Expected{64, 32, 64}, Expected{96, 16, 64}, Expected{128, 16, 64},
-                            Expected{144, 16, 32}, Expected{192, 16, 32}, Expected{224, 16, 32},
-                            Expected{240, 16, 32}, Expected{256, 16, 32}}) {
+  for (const Expected& e : {Expected{64, 32, 64}, Expected{96, 32, 64}, Expected{112, 16, 64},
+                            Expected{128, 32, 64}, Expected{144, 32, 32}, Expected{192, 32, 32},
+                            Expected{224, 32, 32}, Expected{240, 16, 32}, Expected{256, 32, 32}}) {
     for (const char* arch : {"sm_80", "sm_90"}) {
       for (bool deterministic_dq : {true, false}) {
         CudaKernelConfig c;

@@ -1,8 +1,8 @@
 // The tensor-core backward (jit/device/hsap_attention_mma_bwd.cuh) run by the CPU emulator
 // (tests/support/cuda_emulator.h with the warp-collective mma / ldmatrix / cp.async of
 // tests/support/emulated_ptx.h) at the tiles and CTA size a GPU runs (the shipped tiles of
-// MmaBwdTileFor, 4 warps: 32x64 at head dim 64, 16x64 at 128, 16x32 with two warps splitting
-// D at 144, 240 and 256), every mask kind and arbitrary slices, GQA and a kv-head map, bf16 and
+// MmaBwdTileFor, 4 warps: 32x64 at head dims 64 and 128, 32x32 with two warps splitting D at
+// 144 and 256, 16x32 at 240), every mask kind and arbitrary slices, GQA and a kv-head map, bf16 and
 // f16: dq, dk, dv against the fp64 reference backward under the
 // project's rule (attention/tolerance.h), with lse and delta from the reference forward.
 // The deterministic dq mode run twice is bitwise equal; the atomic mode is within the rule.
@@ -140,7 +140,7 @@ TEST(CudaMmaBackward, Bf16HeadDim64Documents) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::bf16, 64, 2, true>>(
       MakeProblem(DocumentLayout(), DType::kBF16, 64, 2, 1, 21), 96);
 }
-// Head dim 128: 16-query x 64-key tiles for dK/dV (registers), 64-row dq chunks; f16 and
+// Head dim 128: 32-query x 64-key tiles for dK/dV (registers), 64-row dq chunks; f16 and
 // arbitrary slices, one kv head for two query heads.
 TEST(CudaMmaBackward, F16HeadDim128Slices) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 128, 2, true>>(
@@ -152,7 +152,7 @@ TEST(CudaMmaBackward, KvHeadMap) {
   CheckDeterministic<MmaBwdCfg<hsap_dev::f16, 64, 2, true>>(
       MakeProblem(DocumentLayout(), DType::kF16, 64, 2, 2, 23, {1, 0}), 128);
 }
-// Head dim 256: 16-query x 32-key tiles, two warps per 16 keys each holding dK/dV of half of
+// Head dim 256: 32-query x 32-key tiles, two warps per 16 keys each holding dK/dV of half of
 // D, and two warps per 16 query rows each holding dQ of half of D (32-row dq chunks); bf16,
 // GQA 2, documents of every kind in blocks of 96 rows.
 TEST(CudaMmaBackward, Bf16HeadDim256Documents) {

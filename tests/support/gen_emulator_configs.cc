@@ -113,8 +113,8 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   c.has_band = true;
   c.math = jit::CudaMath::kTensorCore;
   c.deterministic_dq = deterministic_dq;
-  // The shipped tiles (MmaBwdTileFor): 32x64 at head dim 64, 16x64 up to 128, 16x32 above
-  // (two warps splitting D), 4 warps.
+  // The shipped tiles (MmaBwdTileFor): 32x64 up to head dim 128 (16x64 at 112), 32x32 above
+  // (two warps splitting D; 16x32 at 240), 4 warps.
   i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
                                  deterministic_dq ? "true" : "false");
   return i;
