@@ -3,7 +3,12 @@
 // GPU. Registers come from ptxas' report of an NVRTC compile (through the JIT cache); without
 // NVRTC the occupancy assumes 128 registers per thread and says so.
 //
-//   hsap_roofline [sm_90|sm_80 ...]     (default: sm_90)
+//   hsap_roofline [sm_90|sm_80 ...]          (default: sm_90)
+//   hsap_roofline --sweep [sm_90|sm_80 ...]  registers and spills of every kernel of every
+//                                            tensor-core configuration the generator makes
+//                                            (head dims 64..256, bf16/f16, GQA 1/8, band or
+//                                            full, deterministic or atomic dq; the fused
+//                                            forward for bf16, GQA 1, deterministic dq)
 #include <algorithm>
 #include <cstdio>
 #include <utility>
@@ -138,10 +143,69 @@ void PrintIssueModel(const jit::CudaKernelConfig& c, int fwd_regs, int bwd_regs)
   });
 }
 
+// The --sweep mode: one line per kernel, then the count of kernels that spill. Returns 1 when
+// one does or a configuration does not compile.
+int Sweep(const std::vector<std::string>& archs) {
+  int spilling = 0, failed = 0, kernels = 0;
+  for (const std::string& arch : archs) {
+    for (int peers : {0, 3}) {
+      for (DType dtype : {DType::kBF16, DType::kF16}) {
+        for (int d = 64; d <= 256; d += 16) {
+          for (bool deterministic_dq : {true, false}) {
+            for (int gqa : {1, 8}) {
+              for (bool band : {true, false}) {
+                if (peers > 0 && (dtype != DType::kBF16 || !deterministic_dq || gqa != 1)) continue;
+                jit::CudaKernelConfig c;
+                c.arch = arch;
+                c.dtype = dtype;
+                c.head_dim = d;
+                c.deterministic_dq = deterministic_dq;
+                c.gqa = gqa;
+                c.has_band = band;
+                if (peers > 0) c.role = {peers};
+                absl::StatusOr<jit::CompiledCudaKernels> k =
+                    jit::CompileCudaKernels(c, &jit::CompileCache::Global());
+                absl::StatusOr<std::vector<jit::CudaKernelResources>> res =
+                    k.ok() ? k->Resources()
+                           : absl::StatusOr<std::vector<jit::CudaKernelResources>>(k.status());
+                if (!res.ok()) {
+                  std::printf("%-40s FAILED %s\n", c.Name().c_str(),
+                              std::string(res.status().message()).c_str());
+                  ++failed;
+                  continue;
+                }
+                for (size_t i = 0; i < res->size(); ++i) {
+                  const jit::CudaKernelResources& r = (*res)[i];
+                  const int spill = r.spill_store_bytes + r.spill_load_bytes;
+                  std::printf("%-40s %-14s regs %3d spill %d\n", c.Name().c_str(),
+                              k->source.kernels[i].role.c_str(), r.registers, spill);
+                  spilling += spill > 0;
+                  ++kernels;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("# %d kernels, %d spill, %d configurations did not compile\n", kernels, spilling,
+              failed);
+  return spilling > 0 || failed > 0 ? 1 : 0;
+}
+
 int Main(int argc, char** argv) {
   std::vector<std::string> archs;
-  for (int i = 1; i < argc; ++i) archs.push_back(argv[i]);
+  bool sweep = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--sweep") {
+      sweep = true;
+    } else {
+      archs.push_back(argv[i]);
+    }
+  }
   if (archs.empty()) archs.push_back("sm_90");
+  if (sweep) return Sweep(archs);
   const std::vector<GpuSpec> gpus = {H100Sxm(), H200()};
   std::printf(
       "# Analytic roofline of the shipped CUDA variants (bench/roofline.h; docs/gpu_backend.md).\n"

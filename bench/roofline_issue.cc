@@ -129,9 +129,10 @@ WarpTileTime TimeOf(const WarpTileMix& m, const PipeCycles& p) {
 
 KernelCode MeasuredKernelCode() { return KernelCode{}; }
 
+// Explicit tiles in the config: the generator sizes them (shared memory) as it would ship them.
 jit::CudaTiles TilesOf(const jit::CudaKernelConfig& c, jit::CudaTiles t, const KernelCode& code) {
   if (code.bwd_block_m > 0 && t.bwd_tensor_core && code.bwd_block_m != t.bwd_block_m) {
-    jit::CudaKernelConfig e = c;  // explicit backward tiles: the generator sizes them
+    jit::CudaKernelConfig e = c;
     e.bwd_block_m = code.bwd_block_m;
     e.bwd_block_n = t.bwd_block_n;
     e.bwd_threads = t.bwd_threads;
@@ -140,14 +141,18 @@ jit::CudaTiles TilesOf(const jit::CudaKernelConfig& c, jit::CudaTiles t, const K
       t.bwd_smem_bytes = r->bwd_smem_bytes;
     }
   }
-  if (code.row_blocks == 0) return t;
   const int warps = t.threads / 32;
-  if (code.row_blocks == 1 && t.block_m != 16 * warps) t.block_n = c.head_dim <= 128 ? 64 : 32;
-  t.block_m = 16 * code.row_blocks * warps;
-  // MmaFwdShape::kSmemBytes: the Q tile and the stages of K and V, rows padded by 8
-  // elements, the tile descriptors and the walk.
-  t.fwd_smem_bytes = 2 * (t.block_m + 2 * t.fwd_stages * t.block_n) * (c.head_dim + 8) +
-                     32 * (t.fwd_stages + 1) + 128;
+  if (code.row_blocks == 0 || t.block_m == 16 * code.row_blocks * warps) return t;
+  jit::CudaKernelConfig e = c;
+  e.block_m = 16 * code.row_blocks * warps;
+  // One row block: the 64-row tiles' keys (64 up to head dim 128, 32 above).
+  e.block_n = code.row_blocks == 1 ? (c.head_dim <= 128 ? 64 : 32) : t.block_n;
+  e.threads = t.threads;
+  if (absl::StatusOr<jit::CudaTiles> r = jit::ChooseCudaTiles(e); r.ok()) {
+    t.block_m = r->block_m;
+    t.block_n = r->block_n;
+    t.fwd_smem_bytes = r->fwd_smem_bytes;
+  }
   return t;
 }
 
@@ -155,8 +160,7 @@ KernelCode CurrentKernelCode() {
   KernelCode k;
   k.generic_copy = false;     // cp_async_rows: addresses computed once per tile
   k.mask_every_tile = false;  // mma_fwd_softmax<S, kWhole>: the test only on cut tiles
-  k.accurate_exp2 = false;    // FoldedOnlineSoftmax: FFMA + ex2.approx per score
-  k.per_score_flags = false;  // NaN/+inf from the row's l at the end
+  k.per_score_softmax = false;  // FoldedOnlineSoftmax, TileMask, thread 0's walk
   k.row_blocks = 0;           // the shipped tiles (128 x 64 at head dim 64)
   k.bwd_accurate_exp = false;  // prob_from_log2: FFMA + ex2.approx, both passes
   k.bwd_block_m = 0;           // the shipped backward tiles (32 x 64 at head dim 128)
@@ -178,15 +182,11 @@ WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTi
     alu = kFwdWholeAluPerScore;
     imad = kFwdWholeImadPerScore;
   }
-  if (!v.accurate_exp2 && !v.per_score_flags) {  // the folded softmax, as counted
+  if (!v.per_score_softmax) {  // the current core, as counted
     alu = general ? kFoldedCutAluPerScore : kFoldedWholeAluPerScore;
     imad = general ? kFoldedCutImadPerScore : kFoldedWholeImadPerScore;
     fp32 = kFoldedFp32PerScore;
     if (general && !mask) alu -= kFwdMaskAluPerScore, imad -= kFwdMaskImadPerScore;
-  } else {
-    // One of the two alone: the plan's estimate.
-    if (!v.accurate_exp2) alu -= 1, fp32 -= 3;  // FFMA + ex2.approx: no FSETP, no FMULs
-    if (!v.per_score_flags) alu -= 4;
   }
   WarpTileMix m;
   m.name = "fwd";
@@ -197,7 +197,7 @@ WarpTileMix ForwardWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTi
   m.imad = imad * scores + kFwdImadPerTile;
   m.fp32 = fp32 * scores + rb * d / 2 + kFwdFp32PerTile;  // + O rescale
   m.other = kFwdOtherPerTile + 8 * (rb - 1);
-  if (!v.accurate_exp2 && !v.per_score_flags) {  // the current code's walk by thread 0
+  if (!v.per_score_softmax) {  // the current core's walk by thread 0
     m.alu += kFwdWalkAlu;
     m.imad += kFwdWalkImad;
     m.other += kFwdWalkOther;
@@ -468,13 +468,10 @@ std::vector<ChangedMix> ForwardChanges(const jit::CudaKernelConfig& c, const jit
       "cp.async from per-thread source/destination addresses computed once per tile (one "
       "64-bit add per 16-byte copy instead of the generic 64-bit row walk)",
       [](KernelCode& k) { k.generic_copy = false; });
-  add(now.accurate_exp2, "exp2 with the scale folded",
-      "p = ex2.approx(fma(s, scale*log2e, -m)): one FFMA and one MUFU per score",
-      [](KernelCode& k) { k.accurate_exp2 = false; });
-  add(now.per_score_flags, "NaN/inf flags per row",
-      "no per-score NaN/+inf and saw-key flags: a NaN or +inf score makes the row's l NaN, no "
-      "visible key leaves m = -inf; test them once at the end",
-      [](KernelCode& k) { k.per_score_flags = false; });
+  add(now.per_score_softmax, "folded softmax core",
+      "p = ex2.approx(fma(s, scale*log2e, -m)), NaN/+inf from the row's l, the band test in "
+      "32 bits, the key tiles walked by thread 0",
+      [](KernelCode& k) { k.per_score_softmax = false; });
   if (out.size() > 1) out.push_back({{"all of the above", "the changes above together"},
                                      ForwardWarpTileMix(c, t, all)});
   if (TilesOf(c, t, now).block_m == 32 * (t.threads / 32)) return out;  // done

@@ -66,8 +66,10 @@ struct WarpTileMix {
 struct KernelCode {
   bool generic_copy = true;     // the 64-bit row walk per 16-byte cp.async (fwd and bwd)
   bool mask_every_tile = true;  // forward: per-score band test on every tile
-  bool accurate_exp2 = true;    // forward: exp2f with its range check, the scale apart
-  bool per_score_flags = true;  // forward: NaN/+inf and saw-key flags per score
+  // Forward: the per-score exp2f with its range check, the scale apart, NaN/+inf and saw-key
+  // flags per score, 64-bit band test and every thread walking the key tiles (true), or the
+  // current core counted together (false): FoldedOnlineSoftmax, TileMask, thread 0's walk.
+  bool per_score_softmax = true;
   bool bwd_accurate_exp = true;   // backward (both passes): expf per element
   bool bwd_walk_in_loop = true;   // backward key pass: thread 0 walks between barriers
   // Forward: m16 row blocks per warp. 1: the 64-row tiles the H200 figures ran (64 keys up to
