@@ -26,10 +26,11 @@
 // Overlap: while the consumers compute tile n the producer has the next kStages - 1 tiles in
 // flight; within a consumer warpgroup, FlashAttention-3's two-stage pipelining (S of tile
 // n + 1 and P V of tile n issued together, the softmax of tile n + 1 running while P V of
-// tile n is on the tensor cores; wgmma_fwd_consume). Not done: ping-pong scheduling of the
-// two consumer warpgroups (they run the same loop side by side on their own rows). Written
-// with an mbarrier pair (the emulator has no named barriers) it cost 16-112 bytes of spills
-// at d 128 and 256 (the try_wait loops inside the pipelined region), so it was left out.
+// tile n is on the tensor cores; wgmma_fwd_consume); across the two consumer warpgroups, at
+// head dims 64 and 128, FlashAttention-3's ping-pong (wgmma_fwd_take_turn: they take turns at
+// issuing their GEMMs on two named barriers, so that one's softmax overlaps the other's
+// GEMMs). An mbarrier pair instead of the named barriers spilled 16-112 bytes at d 128 and
+// 256 (the try_wait loops inside the pipelined region).
 //
 // Shared memory (the base aligned up to 1024 bytes of the CTA's shared window, so that every
 // tile starts on a 1024-byte atom of the 128-byte swizzle with the descriptors' base offset 0):
@@ -106,6 +107,9 @@ struct WgmmaFwdShape {
   static constexpr int kSmemBytes = 1024 + kChunkOffset + 16;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128*24 + 256*240 <= 65536
+  // The consumers take turns at issuing their GEMMs (wgmma_fwd_take_turn) at head dims up to
+  // 128, where FlashAttention-3 does; at 256 they run side by side until a GPU compares both.
+  static constexpr bool kPingPong = kD <= 128;
   static_assert(kD == 64 || kD == 128 || kD == 256,
                 "hsap: the sm_90a forward takes head dims 64, 128 and 256 (64-element panels)");
   static_assert(kBN % 16 == 0 && kBN >= 16 && kBN <= 256,
@@ -323,6 +327,42 @@ struct WgmmaFwdRows {
   }
 };
 
+// FlashAttention-3's ping-pong of the two consumer warpgroups (S::kPingPong): they take
+// turns at issuing their GEMMs, so that one's softmax runs while the other's GEMMs hold the
+// tensor cores. Warpgroup wg waits for its turn at named barrier 1 + wg (its own 128 threads
+// and the other warpgroup's 128 arrivals) and, once its GEMMs are issued, gives the turn to
+// the other at the other's barrier; warpgroup 1 gives warpgroup 0 the first turn. Both take
+// as many turns (the same chunks and tiles), so the turns alternate to the end, and the
+// last arrival is left pending when the CTA exits. The mbarriers in between (full, fix,
+// q_full) are waited for before a turn is taken, so no turn waits on a warpgroup that
+// waits for it.
+template <class S>
+HSAP_DEV void wgmma_fwd_first_turn(int wg) {
+  if constexpr (S::kPingPong) {
+    if (wg == 1) named_barrier_arrive<1, S::kConsumerThreads>();
+  }
+}
+template <class S>
+HSAP_DEV void wgmma_fwd_take_turn(int wg) {
+  if constexpr (S::kPingPong) {
+    if (wg == 0) {
+      named_barrier_sync<1, S::kConsumerThreads>();
+    } else {
+      named_barrier_sync<2, S::kConsumerThreads>();
+    }
+  }
+}
+template <class S>
+HSAP_DEV void wgmma_fwd_pass_turn(int wg) {
+  if constexpr (S::kPingPong) {
+    if (wg == 0) {
+      named_barrier_arrive<2, S::kConsumerThreads>();
+    } else {
+      named_barrier_arrive<1, S::kConsumerThreads>();
+    }
+  }
+}
+
 // Waits for tile n's K and V (stage n % kStages) and returns what the producer said of it;
 // when the tile holds fewer than kBN valid keys, zeroes its V rows past them first.
 template <class S>
@@ -358,6 +398,7 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
   const unsigned char* q_wg = sm.q + wg * 64 * 128;
   unsigned n = 0, chunk = 0, fixes = 0;  // tiles and chunks consumed, V fixes
   WgmmaFwdRows<S> r;
+  wgmma_fwd_first_turn<S>(wg);
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += S::kBM, ++chunk) {
     const int rows = static_cast<int>(min64(S::kBM, qb.q_end - q0));
     const bool warp_rows_valid = wg * 64 + warp * 16 + 16 <= rows;
@@ -366,7 +407,9 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     const int tiles = *sm.chunk_tiles;
     if (tiles > 0) {  // prologue: S of the first tile, softmaxed, as P
       const KeyTileInfo info = wgmma_fwd_acquire<S>(sm, n, ct, &fixes);
+      wgmma_fwd_take_turn<S>(wg);
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage(n % S::kStages));
+      wgmma_fwd_pass_turn<S>(wg);
       wgmma_wait_group<0>();
       wgmma_fence_operand(r.s);
       r.softmax(info, q0, rows, row0, t, scale_log2, warp_rows_valid);
@@ -378,8 +421,10 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
     for (int i = 0; i + 1 < tiles; ++i, ++n) {
       const int stage = static_cast<int>(n % S::kStages);
       const KeyTileInfo info = wgmma_fwd_acquire<S>(sm, n + 1, ct, &fixes);
+      wgmma_fwd_take_turn<S>(wg);
       wgmma_fwd_issue_scores<S, kBf16>(r.s, q_wg, sm.k_stage((n + 1) % S::kStages));
       wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(stage));
+      wgmma_fwd_pass_turn<S>(wg);
       wgmma_wait_group<1>();  // S of tile n + 1; P V of tile n may still run
       wgmma_fence_operand(r.s);
       r.softmax(info, q0, rows, row0, t, scale_log2, warp_rows_valid);
@@ -392,7 +437,9 @@ HSAP_DEV void wgmma_fwd_consume(const WgmmaFwdSmem<S>& sm, float* out, float* ls
       wgmma_fwd_pack_p<S, Ops>(r.p, r.s);
     }
     if (tiles > 0) {
+      wgmma_fwd_take_turn<S>(wg);
       wgmma_fwd_issue_pv<S, kBf16>(r.o, r.p, sm.v_stage(n % S::kStages));
+      wgmma_fwd_pass_turn<S>(wg);
       wgmma_wait_group<0>();
       wgmma_fence_operand(r.o);
       mbarrier_arrive(&sm.empty[n % S::kStages]);

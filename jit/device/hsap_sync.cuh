@@ -74,6 +74,41 @@ __device__ __forceinline__ unsigned int add_release_sys(unsigned int* p, unsigne
 }
 #endif
 
+// Named barriers (PTX ISA, "Parallel Synchronization and Communication Instructions: bar,
+// barrier"): each CTA has sixteen, ids 0..15 (0 is __syncthreads'). bar.sync a, b makes the
+// calling warp arrive at barrier a and wait until b threads have arrived; bar.arrive a, b
+// arrives without waiting. b is a multiple of the warp size (not 0 for arrive); a warp
+// arrives as a whole (.aligned: every thread of the warp executes the same instruction);
+// when b threads have arrived the waiters go on and the barrier is ready for its next
+// phase. Threads that exited do not arrive. The ids a kernel uses are compile-time
+// constants, checked here; under HSAP_DEVICE_EMULATION each call goes to the emulator
+// (tests/support/cuda_emulator.h), which faults on the misuses the ISA leaves undefined.
+template <int kId, int kThreads>
+struct NamedBarrierCheck {
+  static_assert(kId >= 1 && kId <= 15, "named barrier: ids 1..15 (0 is __syncthreads' barrier)");
+  static_assert(kThreads > 0 && kThreads % 32 == 0,
+                "named barrier: the thread count is a non-zero multiple of the warp size");
+  static constexpr bool ok = true;
+};
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  static_assert(NamedBarrierCheck<kId, kThreads>::ok, "");
+#ifdef HSAP_DEVICE_EMULATION
+  hsap_emu_named_barrier(kId, kThreads, /*wait=*/true);
+#else
+  asm volatile("bar.sync %0, %1;" : : "n"(kId), "n"(kThreads) : "memory");
+#endif
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  static_assert(NamedBarrierCheck<kId, kThreads>::ok, "");
+#ifdef HSAP_DEVICE_EMULATION
+  hsap_emu_named_barrier(kId, kThreads, /*wait=*/false);
+#else
+  asm volatile("bar.arrive %0, %1;" : : "n"(kId), "n"(kThreads) : "memory");
+#endif
+}
+
 // a >= b for counters that may wrap around 2^32.
 __device__ __forceinline__ bool counter_reached(unsigned int a, unsigned int b) {
   return static_cast<int>(a - b) >= 0;

@@ -709,6 +709,89 @@ TEST(CudaEmulation, ThreadsWaitingAtDifferentBarriersStopTheLaunch) {
             absl::OkStatus());
 }
 
+// ---- named barriers (bar.sync / bar.arrive a, b) ----
+
+// Two warpgroups take turns as the sm_90a forward's consumers do (hsap_attention_wgmma_fwd.cuh):
+// group g waits at barrier 1 + g for its turn and passes it at the other's barrier; group 1
+// gives the first turn. Without the barriers the fibers would run group 0's rounds first.
+TEST(CudaEmulation, NamedBarriersMakeTwoGroupsTakeTurns) {
+  constexpr int kRounds = 5;
+  std::vector<int> turns;  // the group of each turn, in order
+  const absl::Status launched = hsap_emu::Launch(1, 1, 256, 0, /*all_concurrent=*/false, [&] {
+    const int group = static_cast<int>(threadIdx.x) / 128;
+    if (group == 1) hsap_dev::named_barrier_arrive<1, 256>();
+    for (int round = 0; round < kRounds; ++round) {
+      if (group == 0) {
+        hsap_dev::named_barrier_sync<1, 256>();
+      } else {
+        hsap_dev::named_barrier_sync<2, 256>();
+      }
+      if (threadIdx.x % 128 == 0) turns.push_back(group);
+      if (group == 0) {
+        hsap_dev::named_barrier_arrive<2, 256>();
+      } else {
+        hsap_dev::named_barrier_arrive<1, 256>();
+      }
+    }
+  });
+  ASSERT_EQ(launched, absl::OkStatus());
+  ASSERT_EQ(turns.size(), 2u * kRounds);
+  for (size_t i = 0; i < turns.size(); ++i) EXPECT_EQ(turns[i], static_cast<int>(i % 2)) << i;
+}
+
+// bar.arrive does not wait: warp 0 arrives at barrier 4 and goes on to barrier 5, where warp 1
+// waits before it arrives at barrier 4. Were the arrive a wait, neither warp could go on.
+TEST(CudaEmulation, NamedBarrierArriveDoesNotWait) {
+  int seen = -1, value = 0;
+  const absl::Status launched = hsap_emu::Launch(1, 1, 64, 0, /*all_concurrent=*/false, [&] {
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) value = 7;
+      hsap_dev::named_barrier_arrive<4, 64>();
+      hsap_dev::named_barrier_sync<5, 64>();
+    } else {
+      hsap_dev::named_barrier_sync<5, 64>();
+      if (threadIdx.x == 32) seen = value;
+      hsap_dev::named_barrier_sync<4, 64>();
+    }
+  });
+  ASSERT_EQ(launched, absl::OkStatus());
+  EXPECT_EQ(seen, 7);
+}
+
+// What the ISA leaves undefined, or a GPU would hang on, stops the launch with the reason;
+// the emulator is usable afterwards.
+TEST(CudaEmulation, NamedBarrierMisuseStopsTheLaunch) {
+  struct Case {
+    int id, threads;
+    bool wait;
+    const char* says;
+  };
+  for (const Case& c :
+       {Case{0, 64, true, "named barriers are 1..15"},
+        Case{16, 64, false, "named barriers are 1..15"},
+        Case{3, 48, true, "non-zero multiple of 32"}, Case{3, 0, false, "non-zero multiple of 32"},
+        Case{3, 96, true, "at most the CTA's 64 threads"}}) {
+    const absl::Status launched = hsap_emu::Launch(
+        1, 1, 64, 0, false, [&] { hsap_emu_named_barrier(c.id, c.threads, c.wait); });
+    EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << c.id << " " << c.threads;
+    EXPECT_THAT(launched.message(), ::testing::HasSubstr(c.says));
+  }
+  // One phase, two thread counts.
+  absl::Status launched = hsap_emu::Launch(1, 1, 128, 0, false, [&] {
+    hsap_emu_named_barrier(2, threadIdx.x < 64 ? 128 : 96, /*wait=*/false);
+  });
+  EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
+  EXPECT_THAT(launched.message(), ::testing::HasSubstr("one phase, one thread count"));
+  // Exited threads never arrive: half the CTA waits for the other half for ever.
+  launched = hsap_emu::Launch(1, 1, 128, 0, false, [&] {
+    if (threadIdx.x < 64) hsap_dev::named_barrier_sync<1, 128>();
+  });
+  EXPECT_EQ(launched.code(), absl::StatusCode::kInternal) << launched;
+  EXPECT_THAT(launched.message(), ::testing::HasSubstr("deadlock in CTA ("));
+  EXPECT_EQ(hsap_emu::Launch(1, 1, 128, 0, false, [&] { hsap_dev::named_barrier_sync<1, 128>(); }),
+            absl::OkStatus());
+}
+
 // The device code's own vector copy takes the 4-byte path when a pointer or the size is
 // not 16-byte aligned, so it never faults.
 TEST(CudaEmulation, CopySliceAvoidsMisalignedVectors) {

@@ -159,10 +159,12 @@ absl::StatusOr<CudaBinary> CompileWgmmaKernel(const CudaKernelConfig& c, absl::s
 // spill, at most `max_registers`, no wgmma serialized by ptxas (its C7514, "wgmma.mma_async
 // instructions are serialized due to ...", would mean a wait after every wgmma: the
 // pipelining lost), at least one CTA per SM; and, where cuobjdump is found, HGMMA (wgmma),
-// UTMALDG (TMA) and SYNCS (mbarrier) in the SASS and no HMMA. Prints the resources.
+// UTMALDG (TMA) and SYNCS (mbarrier) in the SASS and no HMMA, and BAR.ARV (a named
+// barrier's arrive: the forward's consumers passing the turn) exactly when `turns`. Prints the
+// resources.
 void ExpectWgmmaKernel(const CudaKernelConfig& c, absl::string_view role, const CudaKernelEntry& e,
-                       const CudaBinary& b, int max_registers, const std::string& cuobjdump,
-                       const std::string& dir) {
+                       const CudaBinary& b, int max_registers, bool turns,
+                       const std::string& cuobjdump, const std::string& dir) {
   EXPECT_EQ(b.target, "sm_90a");
   absl::StatusOr<std::vector<CudaKernelResources>> res = ParsePtxasResources(b.log);
   ASSERT_TRUE(res.ok()) << res.status();
@@ -189,6 +191,7 @@ void ExpectWgmmaKernel(const CudaKernelConfig& c, absl::string_view role, const 
   EXPECT_THAT(code, HasSubstr("UTMALDG"));
   EXPECT_THAT(code, HasSubstr("SYNCS"));
   EXPECT_THAT(code, ::testing::Not(HasSubstr("HMMA")));  // the backward's dq items too
+  EXPECT_EQ(code.find("BAR.ARV") != std::string::npos, turns);
 }
 
 TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
@@ -208,8 +211,9 @@ TEST(WgmmaForwardCompile, Sm90aResourcesAndSass) {
       CudaKernelEntry e;
       absl::StatusOr<CudaBinary> b = CompileWgmmaKernel(c, role, &e);
       ASSERT_TRUE(b.ok()) << b.status();
-      // 65536 / 384, rounded down to a multiple of 8 (the consumers then take 240).
-      ExpectWgmmaKernel(c, role, e, *b, 168, cuobjdump, dir);
+      // 65536 / 384, rounded down to a multiple of 8 (the consumers then take 240). The
+      // consumers take turns (ping-pong) at head dims up to 128.
+      ExpectWgmmaKernel(c, role, e, *b, 168, /*turns=*/c.head_dim <= 128, cuobjdump, dir);
     }
   }
   std::filesystem::remove_all(dir);
@@ -276,7 +280,7 @@ TEST(WgmmaBackwardCompile, Sm90aResourcesAndSass) {
     absl::StatusOr<CudaBinary> b = CompileWgmmaKernel(c, "bwd", &e);
     ASSERT_TRUE(b.ok()) << b.status();
     ASSERT_TRUE(e.wgmma);
-    ExpectWgmmaKernel(c, "bwd", e, *b, 255, cuobjdump, dir);
+    ExpectWgmmaKernel(c, "bwd", e, *b, 255, /*turns=*/false, cuobjdump, dir);
   }
   std::filesystem::remove_all(dir);
   if (cuobjdump.empty()) {

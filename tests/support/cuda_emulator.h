@@ -6,14 +6,14 @@
 // (__nanosleep) let the CTA's other threads run; CTAs, launches and streams run concurrently.
 //
 // What is emulated: threadIdx/blockIdx/blockDim/gridDim, __syncthreads (a barrier of the
-// CTA), __syncwarp and __shfl_xor_sync (a barrier of the warp and an exchange slot per
-// lane), the tensor-core instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h), the
-// sm_90a warpgroup instructions wgmma / setmaxnreg (emulated_wgmma.h: a barrier per
-// warpgroup), mbarrier and the TMA bulk tensor copies (emulated_tma.h), dynamic shared
-// memory (one buffer per CTA, 1024-byte aligned), atomics (std::atomic_ref), the
-// acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the same orders).
-// A thread that leaves the kernel drops out of its barriers, like an exited CUDA thread.
-// Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
+// CTA), named barriers (bar.sync / bar.arrive with an id and a thread count), __syncwarp and
+// __shfl_xor_sync (a barrier of the warp and an exchange slot per lane), the tensor-core
+// instructions mma.sync / ldmatrix / cp.async (emulated_ptx.h), the sm_90a warpgroup instructions
+// wgmma / setmaxnreg (emulated_wgmma.h: a barrier per warpgroup), mbarrier and the TMA bulk tensor
+// copies (emulated_tma.h), dynamic shared memory (one buffer per CTA, 1024-byte aligned), atomics
+// (std::atomic_ref), the acquire/release flag helpers of hsap_sync.cuh (std::atomic_ref with the
+// same orders). A thread that leaves the kernel drops out of its barriers, like an exited CUDA
+// thread. Faults: a 16-byte vector (uint4) load or store at an address that is not 16-byte aligned
 // stops the launch as the GPU's "misaligned address" error does: the faulting thread leaves,
 // the others leave at their next barrier or spin, no further CTA starts, and Launch returns
 // the error (the process carries on). Threads of a CTA that wait at barriers that cannot
@@ -295,6 +295,44 @@ class Barrier {
   Residency* const residency_;
 };
 
+// A named barrier (bar.sync a, b / bar.arrive a, b; PTX ISA "Parallel Synchronization and
+// Communication Instructions: bar, barrier"): a phase completes when b threads have arrived
+// (the emulator counts threads; the ISA counts warps of 32, which is the same for the whole
+// warps that .aligned requires); bar.sync's thread waits for that, bar.arrive's does not;
+// the waiters go on and the barrier is ready for the next phase at once. Unlike
+// __syncthreads', an exited thread never arrives: a phase short of arrivals waits for ever,
+// so a waiter there ends as a deadlock of the CTA. Faults: ids outside 1..15 (0 is
+// __syncthreads', which the emulator keeps apart), b not a non-zero multiple of 32 or above
+// the CTA's threads (a phase that can never complete), arrivals of one phase with different
+// b (the ISA gives no meaning to them).
+class NamedBarrier {
+ public:
+  void Arrive(int id, int threads, bool wait, Residency* residency) {
+    if (threads_ != 0 && threads != threads_) {
+      Fault(absl::StrCat("named barrier ", id, ": ", wait ? "bar.sync" : "bar.arrive", " with ",
+                         threads, " threads in a phase that ", threads_,
+                         "-thread arrivals began (one phase, one thread count)"));
+    }
+    threads_ = threads;
+    if (++arrived_ == threads_) {
+      arrived_ = 0;
+      threads_ = 0;
+      if (residency != nullptr) residency->Progress();
+      for (int fiber : waiters_) tl_fibers->Wake(fiber);
+      waiters_.clear();
+      return;
+    }
+    if (!wait) return;
+    waiters_.push_back(tl_fibers->current());
+    tl_fibers->Block();
+  }
+
+ private:
+  int threads_ = 0;  // this phase's thread count (0: no arrival yet)
+  int arrived_ = 0;
+  std::vector<int> waiters_;
+};
+
 // The CTA's shared window: on the GPU its base is aligned far beyond any pattern of the
 // shared-memory address (the TMA / wgmma swizzles repeat every 1024 bytes at most), so that
 // a kernel may align a generic pointer into it; the emulator's buffer is aligned to 1024.
@@ -320,7 +358,8 @@ struct SharedWindowAllocator {
 // A completed __syncthreads counts as progress of the CTA's device (when it has a residency).
 struct Cta {
   explicit Cta(int threads, size_t smem_floats, Residency* residency = nullptr)
-      : bar(threads, residency),
+      : residency(residency),
+        bar(threads, residency),
         smem(smem_floats, 0.0f),
         shfl(threads, 0.0f),
         ptx(threads / 32) {
@@ -329,7 +368,9 @@ struct Cta {
       warpgroup_bars.push_back(std::make_unique<Barrier>(std::min(128, threads - g)));
     }
   }
+  Residency* const residency;  // null: none
   Barrier bar;
+  NamedBarrier named_bars[16];  // bar.sync / bar.arrive a, b (0 unused: __syncthreads' is bar)
   std::vector<std::unique_ptr<Barrier>> warp_bars;
   std::vector<std::unique_ptr<Barrier>> warpgroup_bars;  // threads 128g .. 128g + 127
   std::vector<float, SharedWindowAllocator<float>> smem;
@@ -371,6 +412,22 @@ inline unsigned char* SharedWindow() {
 inline std::size_t SharedWindowBytes() { return tl_cta->smem.size() * sizeof(float); }
 inline void SyncWarpgroup() {
   tl_cta->warpgroup_bars[threadIdx.x / 128]->arrive_and_wait();
+  StopIfFaulted();
+}
+
+// bar.sync (wait) or bar.arrive of the calling thread at named barrier `id` of `threads`.
+inline void NamedBarrierArrive(int id, int threads, bool wait) {
+  const char* op = wait ? "bar.sync" : "bar.arrive";
+  if (id < 1 || id > 15) {
+    Fault(absl::StrCat(op, " on barrier ", id, ": named barriers are 1..15 (0 is __syncthreads')"));
+  }
+  if (threads <= 0 || threads % 32 != 0 || threads > static_cast<int>(blockDim.x)) {
+    Fault(absl::StrCat(op, " on barrier ", id, " with ", threads,
+                       " threads: the count must be a non-zero multiple of 32 and at most the "
+                       "CTA's ",
+                       blockDim.x, " threads"));
+  }
+  tl_cta->named_bars[id].Arrive(id, threads, wait, tl_cta->residency);
   StopIfFaulted();
 }
 
@@ -420,8 +477,8 @@ inline void RunCtaThreads(Cta& cta, int threads, const std::function<void()>& ke
     StopLaunch(tl_launch,
                absl::StrCat("deadlock in CTA (", blockIdx.x, ", ", blockIdx.y,
                             "): its threads wait at barriers that cannot complete (__syncthreads, "
-                            "__syncwarp or warp-collective instructions reached by only some "
-                            "of the threads that take part)"));
+                            "named barriers, __syncwarp or warp-collective instructions reached "
+                            "by only some of the threads that take part)"));
   });
 }
 
@@ -546,6 +603,9 @@ inline void __syncthreads() {
   hsap_emu::StopIfFaulted();
 }
 inline void __syncwarp(unsigned int = 0xffffffffu) { hsap_emu::SyncWarp(); }
+inline void hsap_emu_named_barrier(int id, int threads, bool wait) {
+  hsap_emu::NamedBarrierArrive(id, threads, wait);
+}
 inline float __shfl_xor_sync(unsigned int, float v, int offset) {
   return hsap_emu::ShflXor(v, offset);
 }
