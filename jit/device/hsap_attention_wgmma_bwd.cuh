@@ -33,12 +33,15 @@
 // as 0 * inf; elsewhere the per-element select masks them.
 // Overlap: within a tile the GEMMs are separate wgmma groups and the elementwise work runs
 // while the next group is on the tensor cores (wgmma_bwd_tile, wgmma_bwd_dq_tile); the next
-// tile's TMA loads run during the whole tile.
+// tile's TMA loads run during the whole tile; while the tile's last GEMM (dK, or dQ) runs,
+// the warpgroup loads the next tile's lse and delta into shared memory and thread 0 walks to
+// the tile after it (two tile descriptors in shared memory, by parity), so that neither the
+// stats' global loads nor the walk's scan wait between tiles (one barrier per tile).
 // Simplified against FlashAttention-3 (correctness first): one warpgroup of 64 keys (or 64
 // query rows) per CTA, no producer warpgroup or setmaxnreg (thread 0 issues the next tile's
-// loads between tiles), no overlap across tiles, and dq recomputing S and dP in its own items (7
-// tile products instead of 5, like the mma.sync backward's deterministic mode) rather than a dS^T
-// round trip through shared memory.
+// loads between tiles), no overlap of GEMMs across tiles, and dq recomputing S and dP in its
+// own items (7 tile products instead of 5, like the mma.sync backward's deterministic mode)
+// rather than a dS^T round trip through shared memory.
 //
 // Layouts (as the forward, hsap_attention_wgmma_fwd.cuh, whose header states them): every tile
 // is kD / 64 panels of [64 rows][64 elements], 128-byte rows written by TMA with the 128-byte
@@ -112,7 +115,7 @@ struct WgmmaBwdSmem {
   unsigned char* q;  // stage s at q + s * 2 * kQBytes, its dO kQBytes further
   float* stats;
   MmaKeyWalk* walk;
-  MmaTile* tile;
+  MmaTile* tile;  // [2]: the walked tiles, slot i % 2 for an item's tile i
   unsigned long long* kv_full;
   unsigned long long* full;  // [2]
 
@@ -138,20 +141,25 @@ struct WgmmaBwdMaps {
   const TensorMap *q, *k, *v, *dout;
 };
 
-// Query tile t into stage st: thread 0 arms full[st] and issues the TMA loads of its Q and dO;
-// every thread writes lse and delta of its rows (rows past t.rows: -inf and 0).
+// Query tile t into stage st: thread 0 arms full[st] and issues the TMA loads of its Q and dO.
 template <class S>
-HSAP_DEV void wgmma_bwd_issue_stage(const WgmmaBwdSmem<S>& sm, const WgmmaBwdMaps& maps,
-                                    const BwdParams& p, int st, const MmaTile& t) {
-  if (threadIdx.x == 0) {
-    mbarrier_arrive_expect_tx(&sm.full[st], 2 * S::kQBytes);
-    const int q0 = static_cast<int>(t.q0);
-    HSAP_UNROLL
-    for (int pn = 0; pn < S::kPanels; ++pn) {
-      tma_load_3d(sm.q_stage(st) + pn * S::kBM * 128, maps.q, pn * 64, t.h, q0, &sm.full[st]);
-      tma_load_3d(sm.do_stage(st) + pn * S::kBM * 128, maps.dout, pn * 64, t.h, q0, &sm.full[st]);
-    }
+HSAP_DEV void wgmma_bwd_issue_stage(const WgmmaBwdSmem<S>& sm, const WgmmaBwdMaps& maps, int st,
+                                    const MmaTile& t) {
+  if (threadIdx.x != 0) return;
+  mbarrier_arrive_expect_tx(&sm.full[st], 2 * S::kQBytes);
+  const int q0 = static_cast<int>(t.q0);
+  HSAP_UNROLL
+  for (int pn = 0; pn < S::kPanels; ++pn) {
+    tma_load_3d(sm.q_stage(st) + pn * S::kBM * 128, maps.q, pn * 64, t.h, q0, &sm.full[st]);
+    tma_load_3d(sm.do_stage(st) + pn * S::kBM * 128, maps.dout, pn * 64, t.h, q0, &sm.full[st]);
   }
+}
+
+// lse and delta of query tile t's rows into stage st (rows past t.rows: -inf and 0); every
+// thread writes its rows.
+template <class S>
+HSAP_DEV void wgmma_bwd_stage_stats(const WgmmaBwdSmem<S>& sm, const BwdParams& p, int st,
+                                    const MmaTile& t) {
   float* stats = sm.lse_stage(st);
   for (int r = threadIdx.x; r < S::kBM; r += S::kThreads) {
     const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
@@ -224,11 +232,13 @@ HSAP_DEV void wgmma_bwd_dsoft(float (&dp)[S::kBM / 2], const float (&s)[S::kBM /
 
 // One query tile of a key item, pipelined within the warpgroup: S^T and dP^T issued as two
 // wgmma groups; P^T computed once S^T is in (dP^T still running), dV += P^T dO issued; dS^T
-// computed once dP^T is in (dV still running), dK += dS^T Q issued; then all waited for.
-template <class Cfg, class S>
+// computed once dP^T is in (dV still running), dK += dS^T Q issued; then meanwhile() (work
+// for the next tiles that touches none of the tile's operands: it runs while dK is on the
+// tensor cores), and all waited for.
+template <class Cfg, class S, class Meanwhile>
 HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
                              const WgmmaBwdSmem<S>& sm, int st, const MmaTile& cur,
-                             const BwdParams& p, int warp, int g, int t) {
+                             const BwdParams& p, int warp, int g, int t, Meanwhile&& meanwhile) {
   using Ops = MmaOps<typename Cfg::T>;
   constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
   constexpr int kBM = S::kBM;
@@ -282,6 +292,7 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
         dk, da[kc], wgmma_desc(qt + kc * 16 * 128, kBM * 128, 1024, kSwizzle128B), true);
   }
   wgmma_commit_group();
+  meanwhile();
   wgmma_wait_group<0>();
   wgmma_fence_operand(dv);
   wgmma_fence_operand(dk);
@@ -302,13 +313,13 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
   using WalkCfg = WgmmaBwdWalkCfg<Cfg>;
   if (threadIdx.x == 0) {
     start_key_walk<WalkCfg>(*sm.walk, p);
-    next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, sm.tile);
+    next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, &sm.tile[0]);
   }
   // The walk's tile is read after this barrier; a query item's generic stores to this memory
   // are ordered before the TMA loads that overwrite it.
   fence_proxy_async_shared();
   __syncthreads();
-  MmaTile cur = *sm.tile;
+  MmaTile cur = sm.tile[0];
   if (!cur.valid) {
     __syncthreads();  // everyone has read the tile before thread 0 starts the next item
     return;           // no query sees these keys
@@ -325,22 +336,31 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
     }
   }
   unsigned n = *tiles;
-  wgmma_bwd_issue_stage<S>(sm, maps, p, static_cast<int>(n & 1u), cur);
+  wgmma_bwd_issue_stage<S>(sm, maps, static_cast<int>(n & 1u), cur);
+  wgmma_bwd_stage_stats<S>(sm, p, static_cast<int>(n & 1u), cur);
+  if (threadIdx.x == 0) next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, &sm.tile[1]);
   float dk[S::kD / 2], dv[S::kD / 2];
   HSAP_UNROLL
   for (int i = 0; i < S::kD / 2; ++i) dk[i] = dv[i] = 0.0f;
   mbarrier_wait_parity(sm.kv_full, (*kv_loads)++ & 1u);
-  for (;; ++n) {
+  // Tile i of the item (stage n % 2) in hand, tile i + 1 described in slot (i + 1) % 2. The
+  // next tile's stats and the walk to tile i + 2 (into slot i % 2, whose tile every thread
+  // read before this iteration's barrier) run while tile i's dK is on the tensor cores, so
+  // that their global loads and the walk's scan are off the warpgroup's critical path.
+  for (unsigned i = 0;; ++i, ++n) {
     const int st = static_cast<int>(n & 1u);
-    // Every thread is done with stage st ^ 1 (its wgmma waited) and wrote stage st's stats.
+    // Every thread is done with stage st ^ 1 (its wgmma waited) and wrote stage st's stats;
+    // thread 0 described tile i + 1.
     __syncthreads();
-    if (threadIdx.x == 0) next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, sm.tile);
-    __syncthreads();
-    const MmaTile nxt = *sm.tile;
-    if (nxt.valid) wgmma_bwd_issue_stage<S>(sm, maps, p, st ^ 1, nxt);
+    const MmaTile nxt = sm.tile[(i + 1) & 1u];
+    if (nxt.valid) wgmma_bwd_issue_stage<S>(sm, maps, st ^ 1, nxt);
     mbarrier_wait_parity(&sm.full[st], (n >> 1) & 1u);
     if (cur.rows < S::kBM) wgmma_bwd_zero_tail<S>(sm, st, cur.rows);
-    wgmma_bwd_tile<Cfg, S>(dk, dv, sm, st, cur, p, warp, g, t);
+    wgmma_bwd_tile<Cfg, S>(dk, dv, sm, st, cur, p, warp, g, t, [&] {
+      if (!nxt.valid) return;  // uniform
+      wgmma_bwd_stage_stats<S>(sm, p, st ^ 1, nxt);
+      if (threadIdx.x == 0) next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, &sm.tile[i & 1u]);
+    });
     if (!nxt.valid) break;
     cur = nxt;
   }
@@ -368,10 +388,11 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
 // mma_bwd_query_item, then dQ += dS K (K through the MN-major descriptor: K = keys, N = head
 // dim). Q and dO are in sm.k and sm.v,
 // the key tile's K and V in stage st's Q and dO places.
-template <class Cfg, class S>
+template <class Cfg, class S, class Meanwhile>
 HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& sm, int st,
                                 const MmaTile& cur, const float (&row_lse)[2],
-                                const float (&row_delta)[2], float scale, int warp, int g, int t) {
+                                const float (&row_delta)[2], float scale, int warp, int g, int t,
+                                Meanwhile&& meanwhile) {
   using Ops = MmaOps<typename Cfg::T>;
   constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
   constexpr int kBN = S::kBN;
@@ -426,6 +447,7 @@ HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& s
         dq, da[kc], wgmma_desc(kt + kc * 16 * 128, 64 * 128, 1024, kSwizzle128B), true);
   }
   wgmma_commit_group();
+  meanwhile();
   wgmma_wait_group<0>();
   wgmma_fence_operand(dq);
   HSAP_UNROLL
@@ -484,11 +506,11 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
     if (threadIdx.x == 0) {
       walk->si = qb.seg_begin - 1;
       walk->k0 = walk->k_hi = 0;
-      next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, sm.tile);
+      next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, &sm.tile[0]);
     }
     fence_proxy_async_shared();  // earlier generic stores, before the TMA loads below
     __syncthreads();
-    MmaTile cur = *sm.tile;
+    MmaTile cur = sm.tile[0];
     if (!cur.valid) {
       __syncthreads();  // no key is visible to the chunk: its dq is unchanged
       continue;
@@ -502,20 +524,25 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
       }
     }
     wgmma_bwd_issue_keys<S>(sm, maps, kvh, static_cast<int>(n & 1u), cur);
+    if (threadIdx.x == 0) next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, &sm.tile[1]);
     float dq[S::kD / 2];
     HSAP_UNROLL
     for (int i = 0; i < S::kD / 2; ++i) dq[i] = 0.0f;
     mbarrier_wait_parity(sm.kv_full, (*qd_loads)++ & 1u);
-    for (;; ++n) {
+    // As the key items: tile i in hand, tile i + 1 in slot (i + 1) % 2, the walk to tile
+    // i + 2 while tile i's dQ is on the tensor cores.
+    for (unsigned i = 0;; ++i, ++n) {
       const int st = static_cast<int>(n & 1u);
-      __syncthreads();  // every thread is done with stage st ^ 1
-      if (threadIdx.x == 0) next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, sm.tile);
-      __syncthreads();
-      const MmaTile nxt = *sm.tile;
+      __syncthreads();  // every thread is done with stage st ^ 1; tile i + 1 is described
+      const MmaTile nxt = sm.tile[(i + 1) & 1u];
       if (nxt.valid) wgmma_bwd_issue_keys<S>(sm, maps, kvh, st ^ 1, nxt);
       mbarrier_wait_parity(&sm.full[st], (n >> 1) & 1u);
       if (cur.key_hi < 64) wgmma_bwd_zero_key_tail<S>(sm, st, cur.key_hi);
-      wgmma_bwd_dq_tile<Cfg, S>(dq, sm, st, cur, row_lse, row_delta, p.scale, warp, g, t);
+      wgmma_bwd_dq_tile<Cfg, S>(dq, sm, st, cur, row_lse, row_delta, p.scale, warp, g, t, [&] {
+        if (threadIdx.x == 0 && nxt.valid) {
+          next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, &sm.tile[i & 1u]);
+        }
+      });
       if (!nxt.valid) break;
       cur = nxt;
     }
@@ -549,8 +576,9 @@ __global__ void __launch_bounds__(128, 1)
   using S = WgmmaBwdShape<Cfg>;
   static_assert(Cfg::kWgmmaBwd && Cfg::kWgmmaBwdSmemBytes == S::kSmemBytes,
                 "hsap: generator and device disagree on the sm_90a backward's shared memory");
-  static_assert(sizeof(MmaKeyWalk) + sizeof(MmaTile) <= 256,
-                "hsap: the key walk's state outgrew its shared memory");
+  static_assert(sizeof(MmaKeyWalk) + 2 * sizeof(MmaTile) <= 256 &&
+                    sizeof(MmaQueryWalk) <= sizeof(MmaKeyWalk) && sizeof(MmaKeyWalk) % 8 == 0,
+                "hsap: the walk's state and two tiles outgrew their shared memory");
   if (!tensors_aligned16(p.error_flag, p.q, p.k, p.v, p.dout)) return;  // uniform
   const WgmmaBwdSmem<S> sm(dynamic_smem());
   const WgmmaBwdMaps maps{&tq, &tk, &tv, &tdo};
