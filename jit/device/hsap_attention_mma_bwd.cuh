@@ -364,8 +364,8 @@ HSAP_DEV void next_key_tile(MmaKeyWalk& w, const BwdParams& p, int kvh, long lon
   t->valid = 1;
 }
 
-// A key item's query tile t into stage st: its Q and dO rows (cp.async, not committed) and
-// the rows' lse and delta ([stage][lse, delta][kBM]; rows past t.rows: -inf and 0).
+// A key item's query tile t into stage st: its Q and dO rows and the rows' lse and delta
+// ([stage][lse, delta][kBM]; rows past t.rows: 0), all by cp.async, not committed.
 template <class Cfg>
 HSAP_DEV void mma_bwd_issue_stage(const BwdParams& p, typename Cfg::T* stages, float* stats, int st,
                                   const MmaTile& t) {
@@ -376,11 +376,15 @@ HSAP_DEV void mma_bwd_issue_stage(const BwdParams& p, typename Cfg::T* stages, f
   T* q_tile = stages + st * kStage;
   cp_async_rows_pair<kBM, kD, kLd, kThreads, kBM * kLd>(q_tile, p.q, p.dout, t.q0, t.rows,
                                                        p.heads_q, t.h);
+  // lse (natural units: mma_bwd_probs_t converts) and delta of the tile's rows, copied with
+  // the stage's group rather than loaded and stored: no thread waits for them here. Rows past
+  // t.rows are zero-filled; mma_bwd_probs_t masks them (qc < rows).
   float* st_stats = stats + st * 2 * kBM;
   for (int r = threadIdx.x; r < kBM; r += kThreads) {
-    const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + r);
-    st_stats[r] = r < t.rows ? p.lse[stat] * kLog2E : neg_inf();  // log2 units
-    st_stats[kBM + r] = r < t.rows ? p.delta[stat] : 0.0f;
+    const bool valid = r < t.rows;
+    const long long stat = static_cast<long long>(t.h) * p.q_rows + (t.q0 + (valid ? r : 0));
+    cp_async_4_zfill(st_stats + r, p.lse + stat, valid);
+    cp_async_4_zfill(st_stats + kBM + r, p.delta + stat, valid);
   }
 }
 
@@ -399,7 +403,7 @@ HSAP_DEV void mma_bwd_probs_t(float (&s)[S::kBM / 8][4], float (&dp)[S::kBM / 8]
     for (int e = 0; e < 4; ++e) {
       const int kc = 16 * kg + g + 8 * (e >> 1);
       const int qc = 8 * j + 2 * t4 + (e & 1);
-      const float row_lse = lse_s[qc];
+      const float row_lse = lse_s[qc] * kLog2E;  // log2 units
       const bool visible = kc >= cur.key_lo && kc < cur.key_hi && qc < cur.rows &&
                            kc - qc >= cur.rel_lo && kc - qc <= cur.rel_hi && row_lse != neg_inf();
       const float prob = visible ? prob_from_log2(s[j][e], p.scale * kLog2E, row_lse) : 0.0f;

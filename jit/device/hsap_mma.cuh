@@ -51,7 +51,9 @@
 //  "cp.async.wait_group"):
 //   Copies 16 bytes (both addresses 16-byte aligned) asynchronously, bypassing L1. With
 //   src_size 0 (cp_async_16_zfill with valid = false) nothing is read and the 16 bytes of
-//   smem are zero-filled. The copies a thread issued since its last commit form one group
+//   smem are zero-filled. cp.async.ca.shared.global [smem], [gmem], 4{, src_size}
+//   (cp_async_4_zfill): the same for 4 bytes (both addresses 4-byte aligned), through L1
+//   (.cg takes 16 bytes only). The copies a thread issued since its last commit form one group
 //   at cp_async_commit(); cp_async_wait<N>() waits until at most the N most recent groups of
 //   THIS thread are pending. Nothing else (not __syncthreads) completes a copy: the usual
 //   pattern is cp_async_wait<N>() then __syncthreads() before other threads read the tile.
@@ -93,9 +95,12 @@ HSAP_DEV void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) {
 HSAP_DEV void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) {
   hsap_emu_ldmatrix(4, true, r, row);
 }
-HSAP_DEV void cp_async_16(void* smem, const void* gmem) { hsap_emu_cp_async_16(smem, gmem, true); }
+HSAP_DEV void cp_async_16(void* smem, const void* gmem) { hsap_emu_cp_async(smem, gmem, 16, true); }
 HSAP_DEV void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
-  hsap_emu_cp_async_16(smem, gmem, valid);
+  hsap_emu_cp_async(smem, gmem, 16, valid);
+}
+HSAP_DEV void cp_async_4_zfill(void* smem, const void* gmem, bool valid) {
+  hsap_emu_cp_async(smem, gmem, 4, valid);
 }
 HSAP_DEV void cp_async_commit() { hsap_emu_cp_async_commit(); }
 template <int N>
@@ -178,6 +183,12 @@ HSAP_DEV void cp_async_16_zfill(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :
                : "r"(shared_address(smem)), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+HSAP_DEV void cp_async_4_zfill(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :
+               : "r"(shared_address(smem)), "l"(gmem), "r"(valid ? 4 : 0)
                : "memory");
 }
 HSAP_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -374,6 +374,27 @@ TEST(CpAsyncTest, ZfillWritesZerosWithoutReading) {
   }
 }
 
+// The 4-byte form (cp.async.ca, cp-size 4): a word per copy, or zeros without reading.
+TEST(CpAsyncTest, FourByteCopiesAndZfill) {
+  float src[kWarp];
+  for (int i = 0; i < kWarp; ++i) src[i] = 0.5f + static_cast<float>(i);
+  std::vector<float> got(kWarp, -1.0f);
+  absl::Status s = LaunchWarps(1, kWarp * 4, [&] {
+    const int lane = threadIdx.x;
+    float* slot = reinterpret_cast<float*>(hsap_dev::dynamic_smem()) + lane;
+    *slot = 99.0f;
+    const bool valid = lane % 4 != 1;
+    hsap_dev::cp_async_4_zfill(slot, valid ? src + lane : nullptr, valid);
+    hsap_dev::cp_async_commit();
+    hsap_dev::cp_async_wait<0>();
+    got[lane] = *slot;
+  });
+  ASSERT_TRUE(s.ok()) << s;
+  for (int lane = 0; lane < kWarp; ++lane) {
+    EXPECT_EQ(got[lane], lane % 4 != 1 ? src[lane] : 0.0f) << "lane " << lane;
+  }
+}
+
 // ---- faults ----
 
 absl::Status RunWithBadAddress(const std::function<void(unsigned char* smem, int lane)>& body) {
@@ -423,6 +444,18 @@ TEST(EmulatedPtxFaults, MisalignedOrNonSharedAddressesStopTheLaunch) {
          hsap_dev::cp_async_16_zfill(smem + lane * 16 + (lane == 2 ? 8 : 0), global.v, false);
        },
        "misaligned address: cp.async"},
+      {"cp.async 4 bytes misaligned source",
+       [&](unsigned char* smem, int lane) {
+         hsap_dev::cp_async_4_zfill(
+             smem + lane * 4, reinterpret_cast<unsigned char*>(global.v) + (lane == 3 ? 2 : 0),
+             true);
+       },
+       "misaligned address: cp.async 4 bytes"},
+      {"cp.async of 12 bytes",
+       [&](unsigned char* smem, int lane) {
+         hsap_emu_cp_async(smem + lane * 16, global.v, 12, true);
+       },
+       "the copy size is 4, 8 or 16"},
       {"cp.async into global memory",
        [&](unsigned char* smem, int lane) { hsap_dev::cp_async_16(global.v, global.v + 8); },
        "is not in shared memory"},

@@ -25,10 +25,10 @@
 // computation that rounds every partial sum to bf16 / f16 (2^-9 / 2^-12 relative), so any
 // fp32 order the hardware uses is within it, and a kernel tested here is not tuned to one.
 //
-// cp.async is per thread and really asynchronous: a copy is only recorded when issued (its
-// addresses checked), and is carried out (global read, shared write, or zero fill) by the
-// cp.async.wait_group of the same thread that requires its group; __syncthreads does not
-// complete it. A kernel that reads its tile before the matching wait sees stale shared
+// cp.async (16 bytes, .cg; 4, 8 or 16, .ca) is per thread and really asynchronous: a copy is only
+// recorded when issued (its addresses checked), and is carried out (global read, shared write, or
+// zero fill) by the cp.async.wait_group of the same thread that requires its group; __syncthreads
+// does not complete it. A kernel that reads its tile before the matching wait sees stale shared
 // memory here, as it may on the GPU. Copies still pending when the thread exits are dropped.
 //
 // Faults (stopping the launch like the GPU's errors): misaligned or non-shared ldmatrix row
@@ -228,6 +228,7 @@ inline void Ldmatrix(int num, bool trans, std::uint32_t* r, const void* row_addr
 struct PendingCopy {
   void* smem;
   const void* gmem;  // nullptr: zero fill
+  int bytes;
 };
 struct CpAsyncQueue {
   std::vector<PendingCopy> uncommitted;
@@ -235,17 +236,23 @@ struct CpAsyncQueue {
 };
 inline thread_local CpAsyncQueue tl_cp_async;
 
-inline void CpAsync16(void* smem, const void* gmem, bool valid) {
+// cp.async of `bytes` (cp-size: 16 for .cg, 4, 8 or 16 for .ca), both addresses aligned to
+// it; src-size 0 when !valid (nothing read, the bytes zero-filled).
+inline void CpAsync(void* smem, const void* gmem, int bytes, bool valid) {
   const auto dst = reinterpret_cast<std::uintptr_t>(smem);
   const auto src = reinterpret_cast<std::uintptr_t>(gmem);
-  if ((dst & 15u) != 0 || (valid && (src & 15u) != 0)) {
-    Fault(absl::StrCat("misaligned address: cp.async 16 bytes from 0x", absl::Hex(src), " to 0x",
-                       absl::Hex(dst)));
+  if (bytes != 4 && bytes != 8 && bytes != 16) {
+    Fault(absl::StrCat("cp.async of ", bytes, " bytes: the copy size is 4, 8 or 16"));
   }
-  if (!InSharedMemory(smem, 16)) {
+  const auto mask = static_cast<std::uintptr_t>(bytes - 1);
+  if ((dst & mask) != 0 || (valid && (src & mask) != 0)) {
+    Fault(absl::StrCat("misaligned address: cp.async ", bytes, " bytes from 0x", absl::Hex(src),
+                       " to 0x", absl::Hex(dst)));
+  }
+  if (!InSharedMemory(smem, static_cast<std::size_t>(bytes))) {
     Fault(absl::StrCat("cp.async destination 0x", absl::Hex(dst), " is not in shared memory"));
   }
-  tl_cp_async.uncommitted.push_back({smem, valid ? gmem : nullptr});
+  tl_cp_async.uncommitted.push_back({smem, valid ? gmem : nullptr, bytes});
 }
 inline void CpAsyncCommit() {
   tl_cp_async.groups.push_back(std::move(tl_cp_async.uncommitted));
@@ -256,9 +263,9 @@ inline void CpAsyncWait(int pending) {
   while (tl_cp_async.groups.size() > static_cast<std::size_t>(pending)) {
     for (const PendingCopy& c : tl_cp_async.groups.front()) {
       if (c.gmem != nullptr) {
-        std::memcpy(c.smem, c.gmem, 16);
+        std::memcpy(c.smem, c.gmem, static_cast<std::size_t>(c.bytes));
       } else {
-        std::memset(c.smem, 0, 16);
+        std::memset(c.smem, 0, static_cast<std::size_t>(c.bytes));
       }
     }
     tl_cp_async.groups.pop_front();
@@ -287,8 +294,8 @@ inline void hsap_emu_mma_m16n8k16(bool bf16, float* d, const unsigned* a, const 
 inline void hsap_emu_ldmatrix(int num, bool trans, unsigned* r, const void* row) {
   hsap_emu::ptx::Ldmatrix(num, trans, r, row);
 }
-inline void hsap_emu_cp_async_16(void* smem, const void* gmem, bool valid) {
-  hsap_emu::ptx::CpAsync16(smem, gmem, valid);
+inline void hsap_emu_cp_async(void* smem, const void* gmem, int bytes, bool valid) {
+  hsap_emu::ptx::CpAsync(smem, gmem, bytes, valid);
 }
 inline void hsap_emu_cp_async_commit() { hsap_emu::ptx::CpAsyncCommit(); }
 inline float hsap_emu_ex2_approx_ftz(float a) { return hsap_emu::ptx::Ex2ApproxFtz(a); }
