@@ -243,7 +243,7 @@ WarpTileMix BackwardKeyWarpTileMix(const jit::CudaKernelConfig& c, const jit::Cu
 WarpTileMix BackwardQueryWarpTileMix(const jit::CudaKernelConfig& c, const jit::CudaTiles& t,
                                      const KernelCode& code) {
   const double bn = t.bwd_block_n, d = c.head_dim;
-  const double dq_bn = bn < 32 || c.head_dim == 240 ? 16 : 32;
+  const double dq_bn = jit::MmaDqBlockN(t.bwd_block_n);
   const double dq_split = d > 128 ? 2 : 1, dqw = d / dq_split;
   const double kt = dq_bn / 8, dt = dqw / 8, ksteps = d / 16;
   const double elems = 16 * dq_bn / 32;
@@ -284,7 +284,7 @@ WarpTileCounts CountWarpTiles(const WorkList& work, const jit::CudaKernelConfig&
   const int64_t kbm = t.bwd_block_m, kbn = t.bwd_block_n;
   const int64_t bwd_warps = t.bwd_threads / 32;
   const int64_t qm = 16 * bwd_warps / (c.head_dim > 128 ? 2 : 1);
-  const int64_t dq_bn = kbn < 32 || c.head_dim == 240 ? 16 : 32;
+  const int64_t dq_bn = jit::MmaDqBlockN(t.bwd_block_n);
   // Keys of segment s seen by rows [q0, q0 + rows): [lo, hi).
   auto visible = [](const KeySegment& s, int64_t q0, int64_t rows, int64_t* lo, int64_t* hi) {
     *lo = s.k_begin;
@@ -381,7 +381,7 @@ double BackwardSchedulerTflops(const jit::CudaKernelConfig& c, const jit::CudaTi
                                int registers, const GpuSpec& gpu, const KernelCode& code) {
   const jit::CudaTiles t = TilesOf(c, shipped, code);
   if (!t.bwd_tensor_core || !c.deterministic_dq) return 0;
-  const double pairs = 1e9, dq_bn = t.bwd_block_n < 32 || c.head_dim == 240 ? 16 : 32;
+  const double pairs = 1e9, dq_bn = jit::MmaDqBlockN(t.bwd_block_n);
   const double split = c.head_dim > 128 ? 2 : 1;  // warps sharing keys or query rows
   const double warps = t.bwd_threads / 32.0, key_groups = t.bwd_block_n / 16.0;
   const double key_split = warps / key_groups;

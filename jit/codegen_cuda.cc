@@ -154,37 +154,36 @@ void ChooseWgmmaForwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
 // The tensor-core backward's tiles (hsap_attention_mma_bwd.cuh states the register budget
 // behind them), 4 warps each:
 //   D <= 128: 32 queries x 64 keys; a warp owns 16 keys x all of D of dK/dV (2 * 64 floats
-//             per thread at D = 128). 16 x 64 at D = 112, where 32 spills 16 bytes on sm_80.
-//   D > 128:  32 x 32; two warps split D for dK/dV (and for dQ in the dq pass). 16 x 32 at
-//             D = 240, where 32 spills 172-248 bytes.
+//             per thread at D = 128).
+//   D > 128:  32 x 32; two warps split D for dK/dV (and for dQ in the dq pass).
 // 32-query tiles halve the key pass's per-tile work (barriers, lse/delta, the walk) per pair;
 // they fit since the exponential became an FFMA and an ex2.approx (before, 32 x 64 spilled
-// at D = 128 on sm_90). Every one is spill-free under ptxas (CUDA 13) for bf16/f16,
-// deterministic and atomic dq, GQA 1 and 8, band and full, on sm_80 and sm_90 at every head
-// dim (the variant compile test holds the shipped ones to zero spills). Not
-// 16 x 64 at D = 64: ptxas caps that kernel at 168 registers (3 CTAs per SM) on sm_80 and
-// spills to get there. At D = 240 the deterministic dq pass takes 16-key tiles (with 32 it
-// spilled 16-48 bytes at 255 registers). Explicit bwd tiles still select the tensor-core
+// at D = 128 on sm_90), and at D = 112 and 240 since every head dim copies by chunk columns
+// (hsap_mma.cuh cp_async_rows; before, 32 spilled 16-248 bytes there and those took 16, and
+// the D = 240 dq pass 16-key tiles). Every one is spill-free under ptxas (CUDA 13) for
+// bf16/f16, deterministic and atomic dq, GQA 1 and 8, band and full, on sm_80 and sm_90 at
+// every head dim (`hsap_roofline --sweep`; the variant compile test holds the shipped ones
+// to zero spills). Not 16 x 64 at D = 64: ptxas caps that kernel at 168 registers (3 CTAs
+// per SM) on sm_80 and spills to get there. Explicit bwd tiles still select the tensor-core
 // kernel (tests).
 struct MmaBwdTile {
   int bm = 0, bn = 0, threads = 0;  // bm == 0: no tensor-core backward
 };
 MmaBwdTile MmaBwdTileFor(int head_dim) {
   if (head_dim < 64) return {};
-  // 32-query tiles where ptxas keeps them spill-free (not at 112 and 240: 16-248 bytes).
-  if (head_dim <= 128) return {head_dim == 112 ? 16 : 32, 64, 128};
-  return {head_dim == 240 ? 16 : 32, 32, 128};
+  if (head_dim <= 128) return {32, 64, 128};
+  return {32, 32, 128};
 }
 
 // MmaBwdShape<Cfg>::kSmemBytes: the larger of the key pass (K, V, two stages of Q, dO with
 // lse and delta, dS^T for atomic dq) and the dq pass (Q, dO of 16 rows per warp, or per two
-// warps above head dim 128, two stages of 32-key K, V tiles, 16-key at head dim 240), rows
+// warps above head dim 128, two stages of MmaDqBlockN-key K, V tiles), rows
 // padded by 8 elements, after 256 bytes of shared walk state.
 int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
   const int row = 2 * (d + 8), ctrl = 256, qm = 16 * (threads / 32) / (d > 128 ? 2 : 1);
   const int key_pass = ctrl + 2 * bn * row + 2 * 2 * bm * row + 2 * 2 * bm * 4 +
                        (deterministic_dq ? 0 : bn * (bm + 8) * 2);
-  const int dq_bn = bn < 32 || d == 240 ? 16 : 32;
+  const int dq_bn = MmaDqBlockN(bn);
   const int dq_pass = ctrl + 2 * qm * row + 2 * 2 * dq_bn * row;
   return std::max(key_pass, dq_pass);
 }
@@ -220,6 +219,8 @@ const char* CudaTypeName(DType t) {
 }
 
 }  // namespace
+
+int MmaDqBlockN(int bwd_block_n) { return bwd_block_n < 32 ? 16 : 32; }
 
 std::string CudaKernelConfig::Name() const {
   std::string arch_digits = arch;

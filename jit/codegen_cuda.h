@@ -137,6 +137,10 @@ absl::Status ValidateCudaKernelConfig(const CudaKernelConfig& config);
 // codegen_cuda.cc for why they are what they are).
 absl::StatusOr<CudaTiles> ChooseCudaTiles(const CudaKernelConfig& config);
 
+// The key tile of the tensor-core backward's deterministic dq pass, given the key pass's
+// (CudaTiles::bwd_block_n): 32 keys, 16 below 32 (hsap_attention_mma_bwd.cuh, kDqBN).
+int MmaDqBlockN(int bwd_block_n);
+
 // One kernel of a generated program.
 struct CudaKernelEntry {
   // "fwd", "bwd", "delta", "merge", "init", "convert", "accumulate", "copy_chunks",

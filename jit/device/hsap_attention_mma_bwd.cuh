@@ -54,7 +54,7 @@
 // ldmatrix reads fall into distinct bank groups): key items K, V tiles [kBN][kLd], two stages
 // of Q, dO [kBM][kLd] with their lse and delta, and dS^T [kBN][kBM + 8] (atomic dq only);
 // query items Q, dO [kQM = 16 kWarps / kDqSplit][kLd] (lse, delta in registers) and two
-// stages of K, V [kDqBN = 32 (16 at D = 240)][kLd]. Both start after 256 bytes of walk state that
+// stages of K, V [kDqBN = 32][kLd]. Both start after 256 bytes of walk state that
 // thread 0 advances and shares (a uniform walk in every thread's registers would cost ~20 of them
 // in the compute loop); they reuse the same memory (MmaBwdShape::kSmemBytes = the larger).
 //
@@ -126,9 +126,9 @@ struct MmaBwdShape {
   static constexpr int kDQChunkTiles = MmaLargestDivisor<kDQW / 8, 8>::value;
 
   // The dq pass's key tile: 32 keys (S and dP of 32 keys next to dQ; half the shared memory
-  // of 64-key stages, so that head dim 128 fits the 99 KB of sm_86/89); 16 at head dim 240,
-  // where ptxas spilled the 32-key pass at 255 registers (144..224 and 256 do not).
-  static constexpr int kDqBN = kBN < 32 || kD == 240 ? 16 : 32;
+  // of 64-key stages, so that head dim 128 fits the 99 KB of sm_86/89); 16 under explicit
+  // key tiles of 16 (jit/codegen_cuda.cc MmaDqBlockN: the same rule).
+  static constexpr int kDqBN = kBN < 32 ? 16 : 32;
   // The walk and tile descriptors that thread 0 shares (MmaKeyWalk / MmaQueryWalk, MmaTile).
   static constexpr int kCtrlBytes = 256;
   static constexpr int kRowBytes = kLd * 2;

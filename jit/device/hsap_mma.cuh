@@ -246,22 +246,26 @@ struct MmaOps<f16> {
 // Rows [0, kRows) of head `head` of a [rows, heads, kD] 16-bit tensor, starting at row
 // `row0`, into dst (kLd elements per row) by 16-byte cp.async; rows [valid, kRows) are
 // zero-filled without reading global memory. The caller commits the group.
-// When the kD / 8 chunks of a row divide kThreads (head dims 64, 128 and 256 on 128 or 256
-// threads), each thread copies one fixed chunk column of rows r, r + kRowStep, ...: its
+// The first kRowStep * kChunks threads (kRowStep = kThreads / kChunks rows at a time, kChunks
+// = kD / 8 16-byte chunks per row: all 128 threads at head dims 64, 128 and 256, 120 of them
+// at 80 or 240, ...) each copy one fixed chunk column of rows r, r + kRowStep, ...: the
 // source address is computed once per call (one 64-bit multiply-add) and bumped by a constant
-// stride per copy, its shared address is the same register plus a compile-time offset, and
-// the zero-fill is one compare with an immediate. The generic walk (other head dims)
-// recomputes the 64-bit row address and selects per 16-byte copy: ~29 instructions per copy
-// against ~4 (docs/gpu_backend.md, "Why 137 and 93"). Addresses are computed as integers:
-// those of zero-filled rows may lie past the tensor and are never read.
+// stride per copy, the shared address is the same register plus a compile-time offset, and
+// the zero-fill is one compare with an immediate; the other threads (fewer than kChunks)
+// copy nothing. A walk over every (row, chunk) pair that recomputes the 64-bit row address
+// and selects per copy took ~29 instructions per copy against ~4 (docs/gpu_backend.md, "Why
+// 137 and 93"); it is what head dims whose chunks do not divide the threads ran until
+// 2026-12-05. Addresses are computed as integers: those of zero-filled rows may lie past the
+// tensor and are never read.
 template <int kRows, int kD, int kLd, int kThreads>
 HSAP_DEV void cp_async_rows(void* dst, const void* src, long long row0, int valid, int heads,
                             int head) {
   constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  static_assert(kChunks <= kThreads, "hsap: a row's chunks outnumber the threads");
+  constexpr int kRowStep = kThreads / kChunks;  // rows between two copies of a thread
+  constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
   unsigned short* const to = static_cast<unsigned short*>(dst);
-  if constexpr (kThreads % kChunks == 0) {
-    constexpr int kRowStep = kThreads / kChunks;  // rows between two copies of a thread
-    constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
+  if (kThreads % kChunks == 0 || static_cast<int>(threadIdx.x) < kRowStep * kChunks) {
     const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     const long long row_elems = static_cast<long long>(heads) * kD;
     unsigned long long at =
@@ -278,15 +282,6 @@ HSAP_DEV void cp_async_rows(void* dst, const void* src, long long row0, int vali
       }
       at += step;
     }
-  } else {
-    const unsigned short* base = static_cast<const unsigned short*>(src);
-    for (int i = threadIdx.x; i < kRows * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      const bool ok = r < valid;
-      const long long at =
-          ok ? ((row0 + r) * heads + head) * static_cast<long long>(kD) + c * 8 : 0;
-      cp_async_16_zfill(to + r * kLd + c * 8, base + at, ok);
-    }
   }
 }
 
@@ -296,10 +291,11 @@ template <int kRows, int kD, int kLd, int kThreads, int kGap>
 HSAP_DEV void cp_async_rows_pair(void* dst, const void* a, const void* b, long long row0,
                                  int valid, int heads, int head) {
   constexpr int kChunks = kD / 8;
+  static_assert(kChunks <= kThreads, "hsap: a row's chunks outnumber the threads");
+  constexpr int kRowStep = kThreads / kChunks;
+  constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
   unsigned short* const to = static_cast<unsigned short*>(dst);
-  if constexpr (kThreads % kChunks == 0) {
-    constexpr int kRowStep = kThreads / kChunks;
-    constexpr int kCopies = (kRows + kRowStep - 1) / kRowStep;
+  if (kThreads % kChunks == 0 || static_cast<int>(threadIdx.x) < kRowStep * kChunks) {
     const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks;
     const long long row_elems = static_cast<long long>(heads) * kD;
     const unsigned long long off =
@@ -320,9 +316,6 @@ HSAP_DEV void cp_async_rows_pair(void* dst, const void* a, const void* b, long l
       at_a += step;
       at_b += step;
     }
-  } else {
-    cp_async_rows<kRows, kD, kLd, kThreads>(to, a, row0, valid, heads, head);
-    cp_async_rows<kRows, kD, kLd, kThreads>(to + kGap, b, row0, valid, heads, head);
   }
 }
 

@@ -100,6 +100,16 @@ TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim128Gqa2) {
   CheckForward<MmaTileCfg<hsap_dev::f16, 128, 2, true>>(
       MakeBitsProblem(EveryMaskKind(), DType::kF16, 128, 2, 1, 4), 96);
 }
+// Head dims above 128 (64 x 32 tiles) whose 16-byte chunks per row (18, 30) do not divide
+// the 128 threads: the copies leave the last threads idle (cp_async_rows).
+TEST(CudaMmaEmulation, ForwardEveryMaskKindBf16HeadDim144Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::bf16, 144, 2, true>>(
+      MakeBitsProblem(EveryMaskKind(), DType::kBF16, 144, 2, 1, 8), 128);
+}
+TEST(CudaMmaEmulation, ForwardEveryMaskKindFp16HeadDim240Gqa2) {
+  CheckForward<MmaTileCfg<hsap_dev::f16, 240, 2, true>>(
+      MakeBitsProblem(EveryMaskKind(), DType::kF16, 240, 2, 1, 9), 96);
+}
 // User slices: causal blocks, some with a window, and full rectangles onto earlier blocks.
 TEST(CudaMmaEmulation, ForwardArbitrarySlices) {
   CheckForward<MmaTileCfg<hsap_dev::bf16, 64, 2, true>>(

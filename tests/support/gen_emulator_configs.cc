@@ -113,8 +113,8 @@ Instance MmaBackward(DType dtype, int head_dim, int gqa, bool deterministic_dq) 
   c.has_band = true;
   c.math = jit::CudaMath::kTensorCore;
   c.deterministic_dq = deterministic_dq;
-  // The shipped tiles (MmaBwdTileFor): 32x64 up to head dim 128 (16x64 at 112), 32x32 above
-  // (two warps splitting D; 16x32 at 240), 4 warps.
+  // The shipped tiles (MmaBwdTileFor): 32x64 up to head dim 128, 32x32 above (two warps
+  // splitting D), 4 warps.
   i.template_args = absl::StrCat(StorageTypeName(dtype), ", ", head_dim, ", ", gqa, ", ",
                                  deterministic_dq ? "true" : "false");
   return i;
@@ -165,7 +165,8 @@ std::vector<Family> Families() {
        "MmaTileCfg",
        {MmaTile(kBF16, 64, 2, true, 0), MmaTile(kF16, 64, 2, true, 0),
         MmaTile(kBF16, 128, 2, true, 0), MmaTile(kF16, 128, 2, true, 0),
-        MmaTile(kBF16, 64, 2, false, 0), MmaTile(kBF16, 64, 2, true, 3)}},
+        MmaTile(kBF16, 64, 2, false, 0), MmaTile(kBF16, 64, 2, true, 3),
+        MmaTile(kBF16, 144, 2, true, 0), MmaTile(kF16, 240, 2, true, 0)}},
       {"// The tensor-core backward (hsap_attention_mma_bwd.cuh) with the tiles ChooseCudaTiles\n"
        "// picks on sm_90; kDeterministicDq: dq in a fixed order, else fp32 atomics.\n",
        "typename StorageT, int kHeadDim, int kG, bool kDeterministicDq",
