@@ -360,6 +360,7 @@ HSAP_DEV void wgmma_bwd_key_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwd
       if (!nxt.valid) return;  // uniform
       wgmma_bwd_stage_stats<S>(sm, p, st ^ 1, nxt);
       if (threadIdx.x == 0) next_key_tile<WalkCfg>(*sm.walk, p, kvh, kt0, kt1, &sm.tile[i & 1u]);
+      __syncwarp();  // warp 0 reconverges before the .aligned wait_group
     });
     if (!nxt.valid) break;
     cur = nxt;
@@ -542,6 +543,7 @@ HSAP_DEV void wgmma_bwd_query_item(const BwdParams& p, const WgmmaBwdSmem<WgmmaB
         if (threadIdx.x == 0 && nxt.valid) {
           next_query_tile<Cfg, 64>(*walk, p, qb, q0, rows, &sm.tile[i & 1u]);
         }
+        __syncwarp();  // warp 0 reconverges before the .aligned wait_group
       });
       if (!nxt.valid) break;
       cur = nxt;
