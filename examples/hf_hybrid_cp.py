@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_llama_cp import main  # noqa: E402
+from hf_llama_cp import exit_now, main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(default_model="qwen2-hybrid"))
+    exit_now(main(default_model="qwen2-hybrid"))
