@@ -1,6 +1,7 @@
 #include "jit/codegen_cuda.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -14,6 +15,7 @@
 #include "jit/device/hsap_attention_mma_bwd.cuh"
 #include "jit/device/hsap_attention_mma_fwd.cuh"
 #include "jit/device/hsap_attention_wgmma_bwd.cuh"
+#include "jit/device/hsap_attention_wgmma_bwd_tile.cuh"
 #include "jit/device/hsap_attention_wgmma_fwd.cuh"
 #include "jit/device/hsap_device.cuh"
 #include "jit/device/hsap_mma.cuh"
@@ -35,6 +37,8 @@ HSAP_EMBED_FILE(hsap_embedded_attention_mma_bwd_cuh, "jit/device/hsap_attention_
 HSAP_EMBED_FILE(hsap_embedded_tma_cuh, "jit/device/hsap_tma.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_fwd_cuh, "jit/device/hsap_attention_wgmma_fwd.cuh");
 HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_bwd_cuh, "jit/device/hsap_attention_wgmma_bwd.cuh");
+HSAP_EMBED_FILE(hsap_embedded_attention_wgmma_bwd_tile_cuh,
+                "jit/device/hsap_attention_wgmma_bwd_tile.cuh");
 
 namespace hsap::jit {
 namespace {
@@ -189,20 +193,24 @@ int MmaBwdSmemBytes(int d, int bm, int bn, int threads, bool deterministic_dq) {
 }
 
 // The sm_90a backward (hsap_attention_wgmma_bwd.cuh, WgmmaBwdShape::kSmemBytes): 1 KiB of
-// alignment slack, K and V of 64 keys, two stages of Q and dO of bm rows (16-bit elements
-// without padding; the dq items use the same tiles the other way round), lse and delta
-// [2][2][bm] floats, 256 bytes of walk state, then 3 mbarriers.
+// alignment slack, K and V of a key item's 128 keys (64 per consumer warpgroup), two stages
+// of Q and dO of bm rows (16-bit elements without padding; the dq items use the same tiles
+// the other way round), P^T and dS^T of each consumer warpgroup (64 rows of 128 bytes), lse
+// and delta [2][2][bm] floats, 256 bytes of walk state and stage slots, then 6 mbarriers.
 int WgmmaBwdSmemBytes(int d, int bm) {
-  return 1024 + 2 * 64 * d * 2 + 4 * bm * d * 2 + 16 * bm + 256 + 8 * 3;
+  return 1024 + 2 * 128 * d * 2 + 4 * bm * d * 2 + 4 * 64 * 128 + 16 * bm + 256 + 8 * 6;
 }
 
-// The sm_90a backward's query tile: 64 rows (wgmma N of S^T and dP^T; the dq items' M, the
-// key items' 64 keys being their N). Per thread of its one warpgroup dK and dV of 64 keys take
-// D fp32 registers (128 at D = 128), S^T and dP^T 64, their packed A fragments 32 (the compile
-// test holds it to zero spills).
+// The sm_90a backward's stage tile: block_m rows (a key item's query rows: wgmma N of S^T and
+// dP^T; a dq chunk's keys: N of S and dP). Per thread of a consumer warpgroup (240 registers
+// after setmaxnreg) dK and dV of its 64 keys take D fp32 registers (128 at D = 128) and S^T
+// and dP^T block_m: 64 rows at D = 64; at D = 128, 64 rows (224 registers with the rest)
+// left ptxas spilling 16-40 bytes whatever the code's arrangement, 48 rows (16 registers
+// fewer) none (the compile test holds it to zero spills).
 void ChooseWgmmaBackwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
   t->wgmma_bwd = true;
-  t->wgmma_bwd_block_m = 64;
+  t->wgmma_bwd_block_m = c.head_dim == 128 ? 48 : 64;
+  t->wgmma_bwd_box_rows = WgmmaBwdBoxRows(t->wgmma_bwd_block_m);
   t->wgmma_bwd_smem_bytes = WgmmaBwdSmemBytes(c.head_dim, t->wgmma_bwd_block_m);
 }
 
@@ -221,6 +229,8 @@ const char* CudaTypeName(DType t) {
 }  // namespace
 
 int MmaDqBlockN(int bwd_block_n) { return bwd_block_n < 32 ? 16 : 32; }
+
+int WgmmaBwdBoxRows(int block_m) { return std::gcd(64, block_m); }
 
 std::string CudaKernelConfig::Name() const {
   std::string arch_digits = arch;
@@ -456,6 +466,7 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& t,
   absl::StrAppend(&s, "  static constexpr bool kWgmmaBwd = ", t.wgmma_bwd ? "true" : "false",
                   ";\n");
   absl::StrAppend(&s, "  static constexpr int kWgmmaBwdBlockM = ", t.wgmma_bwd_block_m,
+                  ", kWgmmaBwdBoxRows = ", t.wgmma_bwd_box_rows,
                   ", kWgmmaBwdSmemBytes = ", t.wgmma_bwd_smem_bytes, ";\n");
   absl::StrAppend(&s, "};\n");
   return s;
@@ -503,7 +514,7 @@ absl::StatusOr<CudaKernelSource> GenerateCudaKernels(const CudaKernelConfig& con
                            true, true}
                   : Kernel{"fwd", "attn_fwd_kernel", "hsap_dev::FwdParams", t.threads,
                            t.fwd_smem_bytes, tc},
-      t.wgmma_bwd ? Kernel{"bwd", "attn_bwd_wgmma_kernel", kWgmmaBwdParams, 128,
+      t.wgmma_bwd ? Kernel{"bwd", "attn_bwd_wgmma_kernel", kWgmmaBwdParams, 384,
                            t.wgmma_bwd_smem_bytes, true, true}
                   : Kernel{"bwd", tc_bwd ? "attn_bwd_mma_kernel" : "attn_bwd_kernel",
                            "hsap_dev::BwdParams", t.bwd_threads, t.bwd_smem_bytes, tc_bwd},
@@ -566,6 +577,9 @@ const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders() {
                                                    hsap_embedded_attention_wgmma_fwd_cuh_end)},
       {"hsap_attention_wgmma_bwd.cuh", std::string(hsap_embedded_attention_wgmma_bwd_cuh,
                                                    hsap_embedded_attention_wgmma_bwd_cuh_end)},
+      {"hsap_attention_wgmma_bwd_tile.cuh",
+       std::string(hsap_embedded_attention_wgmma_bwd_tile_cuh,
+                   hsap_embedded_attention_wgmma_bwd_tile_cuh_end)},
   };
   return *headers;
 }

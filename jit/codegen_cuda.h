@@ -87,12 +87,13 @@ struct CudaTiles {
   // fields above (block_m, fwd_smem_bytes, ...) still describe the mma.sync core.
   bool wgmma_fwd = false;
   int wgmma_block_n = 0, wgmma_stages = 0, wgmma_smem_bytes = 0;
-  // "bwd" is the sm_90a backward (hsap_attention_wgmma_bwd.cuh, CudaWgmmaBackwardApplies):
-  // key items of 64 keys on one wgmma warpgroup over query tiles of wgmma_bwd_block_m rows
-  // loaded by TMA, wgmma_bwd_smem_bytes of dynamic shared memory; its dq items are the
-  // mma.sync backward's, on the bwd_* tiles above.
+  // "bwd" is the sm_90a backward (hsap_attention_wgmma_bwd.cuh, CudaWgmmaBackwardApplies): a
+  // producer and two consumer warpgroups; key items of 128 keys (64 per consumer) over query
+  // tiles of wgmma_bwd_block_m rows, dq chunks of 128 rows over key tiles of as many keys,
+  // loaded by TMA in boxes of wgmma_bwd_box_rows rows (WgmmaBwdBoxRows);
+  // wgmma_bwd_smem_bytes of dynamic shared memory.
   bool wgmma_bwd = false;
-  int wgmma_bwd_block_m = 0, wgmma_bwd_smem_bytes = 0;
+  int wgmma_bwd_block_m = 0, wgmma_bwd_box_rows = 0, wgmma_bwd_smem_bytes = 0;
 };
 
 // Whether `config` can use the tensor-core kernels: bf16 or f16, head dim a multiple of 16 in
@@ -115,6 +116,11 @@ bool CudaWgmmaForwardApplies(const CudaKernelConfig& config);
 // deterministic dq, and no explicit backward tiles. Other configurations on sm_90a keep the
 // mma.sync backward.
 bool CudaWgmmaBackwardApplies(const CudaKernelConfig& config);
+
+// The rows of the sm_90a backward's TMA boxes (all four tensors) for its stage tile of
+// `block_m` rows: gcd(64, block_m), so that boxes tile both the stage tiles and the 64-row
+// halves a consumer warpgroup reads (hsap_attention_wgmma_bwd.cuh WgmmaBwdShape::kBoxRows).
+int WgmmaBwdBoxRows(int block_m);
 
 // The architecture the JIT compiles `config` for on a device of `device_arch` (e.g. "sm_90"
 // from CurrentCudaArch): "sm_90a" on compute capability 9.0 when the sm_90a forward applies
@@ -183,7 +189,8 @@ std::string CudaConfigStruct(const CudaKernelConfig& config, const CudaTiles& ti
 // Our device headers, (include name, content), embedded in the library at build time from
 // jit/device/*.cuh: hsap_params.cuh, hsap_device.cuh, hsap_sync.cuh, hsap_worklist.cuh,
 // hsap_mma.cuh, hsap_attention_mma_fwd.cuh, hsap_attention.cuh, hsap_attention_mma_bwd.cuh,
-// hsap_wgmma.cuh, hsap_tma.cuh, hsap_attention_wgmma_fwd.cuh, hsap_attention_wgmma_bwd.cuh.
+// hsap_wgmma.cuh, hsap_tma.cuh, hsap_attention_wgmma_fwd.cuh, hsap_attention_wgmma_bwd.cuh,
+// hsap_attention_wgmma_bwd_tile.cuh.
 const std::vector<std::pair<std::string, std::string>>& CudaDeviceHeaders();
 
 }  // namespace hsap::jit

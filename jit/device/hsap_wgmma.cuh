@@ -94,6 +94,26 @@ HSAP_DEV unsigned long long wgmma_desc_bits(unsigned shared_address, unsigned le
          (static_cast<unsigned long long>(swizzle & 3) << 62);
 }
 
+// The descriptor of the address `bytes` (a multiple of 16) past desc's start, other fields
+// kept: the start-address field (bits 0-13, address >> 4) advanced. Shared addresses are below
+// 2^18, so it cannot carry into the leading byte offset. One descriptor per tile and an add per
+// k-step, rather than a descriptor per k-step that ptxas may hoist out of the tile loop and
+// keep in registers; the add is on the low word, so the high one (stride byte offset and
+// swizzle: compile-time constants) stays a constant.
+HSAP_DEV unsigned long long wgmma_desc_advance(unsigned long long desc, unsigned bytes) {
+  const unsigned lo = static_cast<unsigned>(desc) + (bytes >> 4);
+  return (desc & 0xffffffff00000000ull) | lo;
+}
+
+// desc with its leading byte offset (bits 16-29, bytes >> 4) replaced: the same tile read
+// MN-major instead of K-major, one instruction from the descriptor already formed.
+HSAP_DEV unsigned long long wgmma_desc_with_lbo(unsigned long long desc,
+                                                unsigned leading_byte_offset) {
+  const unsigned lo =
+      (static_cast<unsigned>(desc) & 0xc000ffffu) | (((leading_byte_offset >> 4) & 0x3fffu) << 16);
+  return (desc & 0xffffffff00000000ull) | lo;
+}
+
 template <int N>
 struct WgmmaShapeCheck {
   static_assert(N >= 16 && N <= 256 && N % 16 == 0,
@@ -134,6 +154,8 @@ HSAP_DEV void wgmma_m64k16_rs(float (&d)[N / 2], const unsigned (&a)[4],
   static_assert(WgmmaShapeCheck<N>::ok, "");
   hsap_emu_wgmma_mma_async(N, kBf16, kTransB, d, a, 0, b_desc, accumulate);
 }
+HSAP_DEV void wgmma_opaque(int&) {}
+HSAP_DEV void wgmma_opaque(long long&) {}
 template <int kRegs>
 HSAP_DEV void wgmma_fence_operand(float (&)[kRegs]) {}
 template <int kRegs>
@@ -365,6 +387,13 @@ HSAP_DEV void wgmma_m64k16_rs(float (&d)[N / 2], const unsigned (&a)[4],
   const unsigned scale_d = accumulate ? 1u : 0u;
   HSAP_WGMMA_ALL_N(HSAP_WGMMA_RS_CASE)
 }
+
+// Makes x opaque at this point: what the code after it derives from x (addresses, indices)
+// is computed here, in the enclosing loop, rather than hoisted out of it by the compiler and
+// held in registers across the loop (which, next to wgmma accumulators, spilled). A no-op in
+// the emulator.
+HSAP_DEV void wgmma_opaque(int& x) { asm volatile("" : "+r"(x)); }
+HSAP_DEV void wgmma_opaque(long long& x) { asm volatile("" : "+l"(x)); }
 
 // Pins the accumulators (float) or an A fragment (unsigned) in place around the
 // asynchronous window (see the top of the file).

@@ -82,7 +82,7 @@ Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x 
   if (tweak) tweak(bp);
   testing::EmulatedCudaRuntime emu;
   absl::StatusOr<cuda::WgmmaBackwardMaps> maps = cuda::EncodeWgmmaBackwardMaps(
-      emu.driver(), bp, p.in.dtype, Cfg::kHeadDim, Cfg::kWgmmaBwdBlockM);
+      emu.driver(), bp, p.in.dtype, Cfg::kHeadDim, Cfg::kWgmmaBwdBoxRows);
   EXPECT_TRUE(maps.ok()) << maps.status();
   if (!maps.ok()) return std::move(x.gradients);
   hsap_dev::TensorMap tq, tk, tv, tdo;  // the kernel parameters, as cuLaunchKernel copies them
@@ -91,8 +91,8 @@ Gradients RunBackward(const Problem& p, int64_t block_rows, unsigned int grid_x 
   std::memcpy(&tk, &maps->k, sizeof(tk));
   std::memcpy(&tv, &maps->v, sizeof(tv));
   std::memcpy(&tdo, &maps->dout, sizeof(tdo));
-  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q, 128,
-                             Cfg::kWgmmaBwdSmemBytes, false,
+  EXPECT_EQ(hsap_emu::Launch(grid_x > 0 ? grid_x : bp.num_blocks, grid_x > 0 ? 1 : bp.heads_q,
+                             hsap_dev::WgmmaBwdShape<Cfg>::kThreads, Cfg::kWgmmaBwdSmemBytes, false,
                              [&] { hsap_dev::attn_bwd_wgmma_kernel<Cfg>(bp, tq, tk, tv, tdo); }),
             absl::OkStatus());
   return std::move(x.gradients);
@@ -268,12 +268,16 @@ TEST(CudaWgmmaBackward, ContractViolations) {
   EXPECT_FALSE(cuda::EncodeWgmmaBackwardMaps(emu.driver(), bp, DType::kF32, 64, 64).ok());
 }
 
-// The generator's tiles and the device shape agree.
+// The generator's tiles and the device shape agree: 48-row stage tiles in 16-row boxes at
+// head dim 128, 64-row tiles and boxes at 64; a producer and two consumer warpgroups.
 TEST(CudaWgmmaBackward, ConfigurationsAreTheGenerators) {
   using Cfg = WgmmaBwdCfg<hsap_dev::bf16, 128, 2, true>;
-  static_assert(Cfg::kWgmmaBwd && Cfg::kWgmmaBwdBlockM == 64 && Cfg::kBwdThreads == 128);
+  static_assert(Cfg::kWgmmaBwd && Cfg::kWgmmaBwdBlockM == 48 && Cfg::kWgmmaBwdBoxRows == 16);
+  static_assert(hsap_dev::WgmmaBwdShape<Cfg>::kThreads == 384);
   EXPECT_EQ(hsap_dev::WgmmaBwdShape<Cfg>::kSmemBytes, Cfg::kWgmmaBwdSmemBytes);
+  EXPECT_EQ(jit::WgmmaBwdBoxRows(Cfg::kWgmmaBwdBlockM), Cfg::kWgmmaBwdBoxRows);
   using Full = WgmmaBwdCfg<hsap_dev::bf16, 64, 2, false>;
+  static_assert(Full::kWgmmaBwdBlockM == 64 && Full::kWgmmaBwdBoxRows == 64);
   EXPECT_EQ(hsap_dev::WgmmaBwdShape<Full>::kSmemBytes, Full::kWgmmaBwdSmemBytes);
 }
 

@@ -635,6 +635,25 @@ TEST(WgmmaDescTest, FieldsAsTheIsaTableStates) {
   EXPECT_EQ(d & 0x3ffe0000c000c000ull, 0u);  // the reserved bits
 }
 
+// A descriptor advanced by a byte offset, or given another leading byte offset, equals the one
+// formed from the moved address or the other offset: the other fields are kept, and no carry
+// leaves the start-address field anywhere in the 228 KiB window.
+TEST(WgmmaDescTest, AdvanceAndLeadingOffsetKeepTheOtherFields) {
+  for (unsigned address = 0; address < 228 * 1024; address += 4096 + 16) {
+    for (unsigned bytes : {0u, 16u, 32u, 96u, 1024u, 8192u, 40960u}) {
+      if (address + bytes >= 228 * 1024) continue;
+      for (int swizzle : {hsap_dev::kSwizzleNone, hsap_dev::kSwizzle128B}) {
+        const uint64_t d = hsap_dev::wgmma_desc_bits(address, 16, 1024, swizzle);
+        EXPECT_EQ(hsap_dev::wgmma_desc_advance(d, bytes),
+                  hsap_dev::wgmma_desc_bits(address + bytes, 16, 1024, swizzle))
+            << address << " + " << bytes;
+        EXPECT_EQ(hsap_dev::wgmma_desc_with_lbo(d, 48 * 128),
+                  hsap_dev::wgmma_desc_bits(address, 48 * 128, 1024, swizzle));
+      }
+    }
+  }
+}
+
 TEST(SetmaxnregTest, UniformIncAndDecPass) {
   absl::Status s = RunWarpgroups(256, 0, [] {
     if (threadIdx.x < 128) {

@@ -27,7 +27,7 @@ struct Kernel {
   bool tensor_core = false;  // cp.async rows or TMA: q, k, v must be 16-byte aligned
   bool wgmma = false;        // sm_90a forward / backward: tensor maps follow the Params
   int key_tile_rows = 0;     // the forward's K/V box rows (CudaTiles::wgmma_block_n)
-  int query_tile_rows = 0;   // the backward's Q/dO box rows (CudaTiles::wgmma_bwd_block_m)
+  int bwd_box_rows = 0;      // the sm_90a backward's TMA box rows (CudaTiles::wgmma_bwd_box_rows)
 };
 
 // The tensor-core kernels move 16-byte rows with cp.async; the kernel would only flag a
@@ -96,7 +96,7 @@ class JitDeviceKernels : public DeviceKernels {
       kernel.tensor_core = entry.tensor_core;
       kernel.wgmma = entry.wgmma;
       kernel.key_tile_rows = c.source.tiles.wgmma_block_n;
-      kernel.query_tile_rows = c.source.tiles.wgmma_bwd_block_m;
+      kernel.bwd_box_rows = c.source.tiles.wgmma_bwd_box_rows;
       HSAP_RETURN_IF_ERROR(d.Check(d.ModuleGetFunction(&kernel.function, k->module_, name.c_str()),
                                    absl::StrCat("cuModuleGetFunction(", name, ")")));
       if (kernel.smem > 48 * 1024) {
@@ -148,7 +148,7 @@ class JitDeviceKernels : public DeviceKernels {
     // The sm_90a backward: its Params, then the tensor maps of q, k, v and dout by value.
     HSAP_ASSIGN_OR_RETURN(
         const WgmmaBackwardMaps maps,
-        EncodeWgmmaBackwardMaps(*driver_, p, dtype_, head_dim_, bwd_.query_tile_rows));
+        EncodeWgmmaBackwardMaps(*driver_, p, dtype_, head_dim_, bwd_.bwd_box_rows));
     void* args[] = {const_cast<hsap_dev::BwdParams*>(&p), const_cast<TensorMapBytes*>(&maps.q),
                     const_cast<TensorMapBytes*>(&maps.k), const_cast<TensorMapBytes*>(&maps.v),
                     const_cast<TensorMapBytes*>(&maps.dout)};

@@ -12,7 +12,6 @@ namespace hsap::cuda {
 namespace {
 
 constexpr int kQueryTileRows = 128;  // WgmmaFwdShape::kBM
-constexpr int kBwdKeyTileRows = 64;  // WgmmaBwdShape::kBN
 constexpr char kFwd[] = "sm_90a forward";
 constexpr char kBwd[] = "sm_90a backward";
 
@@ -93,19 +92,19 @@ absl::StatusOr<WgmmaForwardMaps> EncodeWgmmaForwardMaps(const CudaDriverApi& dri
 
 absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
                                                           const hsap_dev::BwdParams& p, DType dtype,
-                                                          int head_dim, int query_tile_rows) {
+                                                          int head_dim, int box_rows) {
   HSAP_RETURN_IF_ERROR(
-      CheckMapInputs(kBwd, dtype, head_dim, {64, 128}, "64 or 128", "query", query_tile_rows));
+      CheckMapInputs(kBwd, dtype, head_dim, {64, 128}, "64 or 128", "TMA box", box_rows));
   const TensorMapDataType type = TensorMapDataTypeOf(dtype);
   WgmmaBackwardMaps maps;
-  HSAP_ASSIGN_OR_RETURN(maps.q, EncodeOne(driver, kBwd, "q", p.q, p.q_rows, p.heads_q, head_dim,
-                                          type, query_tile_rows));
-  HSAP_ASSIGN_OR_RETURN(maps.k, EncodeOne(driver, kBwd, "k", p.k, p.k_rows, p.heads_kv, head_dim,
-                                          type, kBwdKeyTileRows));
-  HSAP_ASSIGN_OR_RETURN(maps.v, EncodeOne(driver, kBwd, "v", p.v, p.k_rows, p.heads_kv, head_dim,
-                                          type, kBwdKeyTileRows));
+  HSAP_ASSIGN_OR_RETURN(
+      maps.q, EncodeOne(driver, kBwd, "q", p.q, p.q_rows, p.heads_q, head_dim, type, box_rows));
+  HSAP_ASSIGN_OR_RETURN(
+      maps.k, EncodeOne(driver, kBwd, "k", p.k, p.k_rows, p.heads_kv, head_dim, type, box_rows));
+  HSAP_ASSIGN_OR_RETURN(
+      maps.v, EncodeOne(driver, kBwd, "v", p.v, p.k_rows, p.heads_kv, head_dim, type, box_rows));
   HSAP_ASSIGN_OR_RETURN(maps.dout, EncodeOne(driver, kBwd, "dout", p.dout, p.q_rows, p.heads_q,
-                                             head_dim, type, query_tile_rows));
+                                             head_dim, type, box_rows));
   return maps;
 }
 

@@ -34,13 +34,13 @@ struct WgmmaBackwardMaps {
 };
 
 // The maps of the sm_90a backward (jit/device/hsap_attention_wgmma_bwd.cuh) for `p`: q and
-// dout ([q_rows, heads_q, D]) in boxes of `query_tile_rows` rows, k and v ([k_rows, heads_kv,
-// D]) in boxes of 64 rows, otherwise as the forward's; the kernel takes them after its Params
-// in that order. InvalidArgument, naming the argument, as EncodeWgmmaForwardMaps (head_dim 64
-// or 128, query_tile_rows in [16, 256]).
+// dout ([q_rows, heads_q, D]), k and v ([k_rows, heads_kv, D]), all in boxes of `box_rows`
+// rows (jit::WgmmaBwdBoxRows of the kernel's stage tile), otherwise as the forward's; the
+// kernel takes them after its Params in that order. InvalidArgument, naming the argument, as
+// EncodeWgmmaForwardMaps (head_dim 64 or 128, box_rows in [16, 256]).
 absl::StatusOr<WgmmaBackwardMaps> EncodeWgmmaBackwardMaps(const CudaDriverApi& driver,
                                                           const hsap_dev::BwdParams& p, DType dtype,
-                                                          int head_dim, int query_tile_rows);
+                                                          int head_dim, int box_rows);
 
 }  // namespace hsap::cuda
 

@@ -100,8 +100,9 @@ TEST(WgmmaTensorMaps, RefusalsNameTheArgument) {
   EXPECT_THAT(s.message(), HasSubstr("q has 2147483648 rows"));
 }
 
-// The sm_90a backward's maps (hsap_attention_wgmma_bwd.cuh): q and dout in boxes of the query
-// tile's rows, k and v in boxes of 64 keys; its refusals name the argument too.
+// The sm_90a backward's maps (hsap_attention_wgmma_bwd.cuh): all four in boxes of the rows
+// given (the kernel's WgmmaBwdBoxRows: 16 for its 48-row tiles at head dim 128); its refusals
+// name the argument too.
 TEST(WgmmaTensorMaps, BackwardGeometryIsTheKernels) {
   testing::EmulatedCudaRuntime emu;
   auto t = std::make_unique<Tensors>();
@@ -117,15 +118,15 @@ TEST(WgmmaTensorMaps, BackwardGeometryIsTheKernels) {
   p.heads_q = f.heads_q;
   p.heads_kv = f.heads_kv;
   absl::StatusOr<WgmmaBackwardMaps> maps =
-      EncodeWgmmaBackwardMaps(emu.driver(), p, DType::kF16, 128, 64);
+      EncodeWgmmaBackwardMaps(emu.driver(), p, DType::kF16, 128, 16);
   ASSERT_TRUE(maps.ok()) << maps.status();
   struct Want {
     const TensorMapBytes* map;
     const void* base;
     uint64_t heads, rows, box_rows;
   };
-  for (const Want& w : {Want{&maps->q, t->q, 4, 300, 64}, Want{&maps->k, t->k, 2, 200, 64},
-                        Want{&maps->v, t->v, 2, 200, 64}, Want{&maps->dout, dout->q, 4, 300, 64}}) {
+  for (const Want& w : {Want{&maps->q, t->q, 4, 300, 16}, Want{&maps->k, t->k, 2, 200, 16},
+                        Want{&maps->v, t->v, 2, 200, 16}, Want{&maps->dout, dout->q, 4, 300, 16}}) {
     hsap_emu::EmuTensorMap m;
     ASSERT_TRUE(hsap_emu::EmuDecodeTensorMap(w.map, m));
     EXPECT_EQ(m.dtype, static_cast<int>(TensorMapDataType::kFloat16));
@@ -141,7 +142,7 @@ TEST(WgmmaTensorMaps, BackwardGeometryIsTheKernels) {
   };
   EXPECT_THAT(encode(p, DType::kF32, 128, 64).message(), HasSubstr("dtype"));
   EXPECT_THAT(encode(p, DType::kBF16, 256, 64).message(), HasSubstr("head dim 256"));
-  EXPECT_THAT(encode(p, DType::kBF16, 128, 8).message(), HasSubstr("query tile"));
+  EXPECT_THAT(encode(p, DType::kBF16, 128, 8).message(), HasSubstr("TMA box tile of 8 rows"));
   hsap_dev::BwdParams bad = p;
   bad.dout = reinterpret_cast<const char*>(dout->q) + 2;
   const absl::Status s = encode(bad, DType::kBF16, 128, 64);
