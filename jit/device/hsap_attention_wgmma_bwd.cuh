@@ -243,32 +243,48 @@ HSAP_DEV WgmmaBwdSlot* wgmma_bwd_next_query_tile(const BwdParams& p,
   return slot;
 }
 
+// One item's (or dq chunk's) stages: lane 0 walks to the first tile (walk_first; nothing is
+// published when there is none), loads the fixed tiles (load_fixed), then every tile is
+// published (publish: the whole warp) and the next walked (walk_next, lane 0) until the end
+// marker, which is published. (The first tile is walked apart from the others, so that no
+// flag is held across the loop: the producer has 32 registers.)
+template <class S, class WalkFirst, class WalkNext, class LoadFixed, class Publish>
+HSAP_DEV void wgmma_bwd_produce_tiles(const WgmmaBwdSmem<S>& sm, WgmmaBwdPipe* pipe,
+                                      WalkFirst&& walk_first, WalkNext&& walk_next,
+                                      LoadFixed&& load_fixed, Publish&& publish) {
+  const bool lane0 = threadIdx.x == 0;
+  if (lane0) walk_first();
+  __syncwarp();
+  if (!sm.slot(pipe->stage())->tile.valid) return;
+  if (lane0) load_fixed();
+  pipe->next_fixed();
+  publish();
+  for (;;) {
+    if (lane0) walk_next();
+    __syncwarp();
+    if (!sm.slot(pipe->stage())->tile.valid) break;
+    publish();
+  }
+  wgmma_bwd_publish_marker<S>(sm, pipe);
+}
+
 // Key item: keys [kt0, kt1) of kv head kvh; its K and V and query tiles, then its end
-// marker; nothing when no query sees the keys. (The first tile is walked apart from the
-// others, so that no flag is held across the loop: the producer has 32 registers.)
+// marker; nothing when no query sees the keys.
 template <class Cfg>
 HSAP_DEV void wgmma_bwd_produce_key_item(const BwdParams& p,
                                          const WgmmaBwdSmem<WgmmaBwdShape<Cfg>>& sm,
                                          const WgmmaBwdMaps& maps, int kvh, long long kt0,
                                          long long kt1, WgmmaBwdPipe* pipe) {
   using S = WgmmaBwdShape<Cfg>;
-  const bool lane0 = threadIdx.x == 0;
-  if (lane0) {
-    start_key_walk<WgmmaBwdWalkCfg<Cfg>>(*sm.walk(), p);
-    wgmma_bwd_next_query_tile<Cfg>(p, sm, kvh, kt0, kt1, *pipe);
-  }
-  __syncwarp();
-  if (!sm.slot(pipe->stage())->tile.valid) return;
-  if (lane0) wgmma_bwd_load_fixed<S>(sm, maps.k, maps.v, kvh, kt0, *pipe);
-  pipe->next_fixed();
-  wgmma_bwd_publish_query_tile<Cfg>(p, sm, maps, pipe);
-  for (;;) {
-    if (lane0) wgmma_bwd_next_query_tile<Cfg>(p, sm, kvh, kt0, kt1, *pipe);
-    __syncwarp();
-    if (!sm.slot(pipe->stage())->tile.valid) break;
-    wgmma_bwd_publish_query_tile<Cfg>(p, sm, maps, pipe);
-  }
-  wgmma_bwd_publish_marker<S>(sm, pipe);
+  wgmma_bwd_produce_tiles<S>(
+      sm, pipe,
+      [&] {
+        start_key_walk<WgmmaBwdWalkCfg<Cfg>>(*sm.walk(), p);
+        wgmma_bwd_next_query_tile<Cfg>(p, sm, kvh, kt0, kt1, *pipe);
+      },
+      [&] { wgmma_bwd_next_query_tile<Cfg>(p, sm, kvh, kt0, kt1, *pipe); },
+      [&] { wgmma_bwd_load_fixed<S>(sm, maps.k, maps.v, kvh, kt0, *pipe); },
+      [&] { wgmma_bwd_publish_query_tile<Cfg>(p, sm, maps, pipe); });
 }
 
 // Lane 0: claims the pipe's stage and walks the dq chunk at q0 of block qb to its next key
@@ -318,26 +334,18 @@ HSAP_DEV void wgmma_bwd_produce_query_item(const BwdParams& p,
   // mbarrier waits are memory clobbers, so each use reloads it (from L1).
   const QueryBlock& qb = p.blocks[b];
   if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;
-  const bool lane0 = threadIdx.x == 0;
   for (long long q0 = qb.q_begin; q0 < qb.q_end; q0 += S::kChunkRows) {
-    if (lane0) {
-      MmaQueryWalk* walk = reinterpret_cast<MmaQueryWalk*>(sm.walk());
-      walk->si = qb.seg_begin - 1;
-      walk->k0 = walk->k_hi = 0;
-      wgmma_bwd_next_key_tile<Cfg>(p, sm, qb, h, q0, *pipe);
-    }
-    __syncwarp();
-    if (!sm.slot(pipe->stage())->tile.valid) continue;
-    if (lane0) wgmma_bwd_load_fixed<S>(sm, maps.q, maps.dout, h, q0, *pipe);
-    pipe->next_fixed();
-    wgmma_bwd_publish_key_tile<S>(sm, maps, kvh, pipe);
-    for (;;) {
-      if (lane0) wgmma_bwd_next_key_tile<Cfg>(p, sm, qb, h, q0, *pipe);
-      __syncwarp();
-      if (!sm.slot(pipe->stage())->tile.valid) break;
-      wgmma_bwd_publish_key_tile<S>(sm, maps, kvh, pipe);
-    }
-    wgmma_bwd_publish_marker<S>(sm, pipe);
+    wgmma_bwd_produce_tiles<S>(
+        sm, pipe,
+        [&] {
+          MmaQueryWalk* walk = reinterpret_cast<MmaQueryWalk*>(sm.walk());
+          walk->si = qb.seg_begin - 1;
+          walk->k0 = walk->k_hi = 0;
+          wgmma_bwd_next_key_tile<Cfg>(p, sm, qb, h, q0, *pipe);
+        },
+        [&] { wgmma_bwd_next_key_tile<Cfg>(p, sm, qb, h, q0, *pipe); },
+        [&] { wgmma_bwd_load_fixed<S>(sm, maps.q, maps.dout, h, q0, *pipe); },
+        [&] { wgmma_bwd_publish_key_tile<S>(sm, maps, kvh, pipe); });
   }
 }
 
@@ -429,7 +437,7 @@ HSAP_DEV void wgmma_bwd_consume_key_item(const BwdParams& p,
 
 // dq chunk (deterministic dq, mma_bwd_query_item's organisation on wgmma), from its first
 // tile (acquired) to its end marker (released): warpgroup wg's rows q0 + 64 wg .. + 63 of
-// query head h over the block's segments and their 64-key tiles in order; dQ in registers,
+// query head h over the block's segments and their kBM-key tiles in order; dQ in registers,
 // added once: a fixed reduction order, bitwise reproducible.
 template <class Cfg>
 HSAP_DEV void wgmma_bwd_consume_query_chunk(const BwdParams& p,

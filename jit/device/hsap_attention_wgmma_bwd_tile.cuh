@@ -234,6 +234,32 @@ HSAP_DEV void wgmma_bwd_publish_a(int wg) {
   }
 }
 
+// A tile's two score products, each its own wgmma group, from zero: s = A B^T, then
+// dp = A' B'^T (m64nNk16 over the head dim, both operands K-major in shared memory). A (a
+// consumer warpgroup's K, or a dq chunk's Q: kBN rows per panel) has A' kVOffset after it
+// (V, or dO); B (the stage's Q, or K: N = kBM rows per panel) has B' kQBytes after it (dO,
+// or V). The key tiles' S^T, dP^T and the dq tiles' S, dP.
+template <class S, int N, bool kBf16>
+HSAP_DEV void wgmma_bwd_issue_scores(float (&s)[N / 2], float (&dp)[N / 2],
+                                     unsigned long long a_desc, unsigned long long b_desc) {
+  HSAP_UNROLL
+  for (int i = 0; i < N / 2; ++i) s[i] = dp[i] = 0.0f;
+  wgmma_fence_operand(s);
+  wgmma_fence_operand(dp);
+  wgmma_fence();
+  HSAP_UNROLL
+  for (int product = 0; product < 2; ++product) {
+    HSAP_UNROLL
+    for (int kk = 0; kk < S::kD / 16; ++kk) {  // k-step kk: panel kk / 4, byte (kk % 4) * 32
+      const unsigned off_a = product * S::kVOffset + (kk / 4) * S::kBN * 128 + (kk % 4) * 32;
+      const unsigned off_b = product * S::kQBytes + (kk / 4) * N * 128 + (kk % 4) * 32;
+      wgmma_m64k16_ss<N, kBf16, false>(product == 0 ? s : dp, wgmma_desc_advance(a_desc, off_a),
+                                       wgmma_desc_advance(b_desc, off_b), kk > 0);
+    }
+    wgmma_commit_group();
+  }
+}
+
 // One query tile of a key item for the warpgroup's 64 keys (from key_off of the item),
 // pipelined within the warpgroup: S^T and dP^T issued as two wgmma groups; P^T computed once
 // S^T is in (dP^T still running), stored to shared memory, dV += P^T dO issued; dS^T computed
@@ -249,35 +275,13 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
   constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
   constexpr int kBM = S::kBM;
   const int wg = key_off / 64;
-  // K-major descriptors of the four tiles (k-step kk: panel kk / 4, byte (kk % 4) * 32), all
-  // from two: V lies kVOffset after K, dO kQBytes after Q (ptxas then holds two descriptors,
-  // not six, across the GEMMs).
+  // Every operand's descriptor derives from two: the warpgroup's K (V kVOffset after it) and
+  // the stage's Q (dO kQBytes after it), so that ptxas holds two, not six, across the GEMMs.
   const unsigned long long k_desc = wgmma_desc(sm.k_half(wg), 16, 1024, kSwizzle128B);
-  const unsigned long long v_desc = wgmma_desc_advance(k_desc, S::kVOffset);
   const unsigned long long q_desc = wgmma_desc(sm.q_stage(st), 16, 1024, kSwizzle128B);
   const unsigned long long do_desc = wgmma_desc_advance(q_desc, S::kQBytes);
   float s[kBM / 2], dp[kBM / 2];
-  HSAP_UNROLL
-  for (int i = 0; i < kBM / 2; ++i) s[i] = dp[i] = 0.0f;
-  wgmma_fence_operand(s);
-  wgmma_fence_operand(dp);
-  wgmma_fence();
-  HSAP_UNROLL
-  for (int kk = 0; kk < S::kD / 16; ++kk) {
-    const unsigned off_k = (kk / 4) * S::kBN * 128 + (kk % 4) * 32;
-    const unsigned off_q = (kk / 4) * kBM * 128 + (kk % 4) * 32;
-    wgmma_m64k16_ss<kBM, kBf16, false>(s, wgmma_desc_advance(k_desc, off_k),
-                                       wgmma_desc_advance(q_desc, off_q), kk > 0);
-  }
-  wgmma_commit_group();
-  HSAP_UNROLL
-  for (int kk = 0; kk < S::kD / 16; ++kk) {
-    const unsigned off_k = (kk / 4) * S::kBN * 128 + (kk % 4) * 32;
-    const unsigned off_q = (kk / 4) * kBM * 128 + (kk % 4) * 32;
-    wgmma_m64k16_ss<kBM, kBf16, false>(dp, wgmma_desc_advance(v_desc, off_k),
-                                       wgmma_desc_advance(do_desc, off_q), kk > 0);
-  }
-  wgmma_commit_group();
+  wgmma_bwd_issue_scores<S, kBM, kBf16>(s, dp, k_desc, q_desc);  // S^T = K Q^T, dP^T = V dO^T
   wgmma_wait_group<1>();  // S^T; dP^T may still run
   wgmma_fence_operand(s);
   // The masks' indices and the stores' addresses are derived from these here, in the tile,
@@ -329,7 +333,7 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
 }
 
 // One key tile of a dq item for the warpgroup's 64 query rows (from row_off of the chunk):
-// S = Q K^T and dP = dO V^T (64 query rows x 64 keys; two wgmma groups, P computed while dP
+// S = Q K^T and dP = dO V^T (64 query rows x kBM keys; two wgmma groups, P computed while dP
 // runs), then dS = P (dP - delta) masked per element exactly as mma_bwd_query_item, then
 // dQ += dS K (K through the MN-major descriptor: K = keys, N = head dim). The rows' Q and dO
 // are in the warpgroup's halves of sm.k and sm.v, the key tile's K and V in stage st's Q and
@@ -341,36 +345,10 @@ HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& s
   using Ops = MmaOps<typename Cfg::T>;
   constexpr bool kBf16 = WgmmaIsBf16<typename Cfg::T>::kValue;
   constexpr int kKeys = S::kBM;  // the key tile's
-  const unsigned char* qw = sm.k_half(row_off / 64);
-  const unsigned char* dow = sm.v_half(row_off / 64);
-  const unsigned char* kt = sm.q_stage(st);
-  const unsigned char* vt = sm.do_stage(st);
-  const unsigned long long q_desc = wgmma_desc(qw, 16, 1024, kSwizzle128B);
-  const unsigned long long do_desc = wgmma_desc(dow, 16, 1024, kSwizzle128B);
-  const unsigned long long k_desc = wgmma_desc(kt, 16, 1024, kSwizzle128B);
-  const unsigned long long v_desc = wgmma_desc(vt, 16, 1024, kSwizzle128B);
+  const unsigned long long q_desc = wgmma_desc(sm.k_half(row_off / 64), 16, 1024, kSwizzle128B);
+  const unsigned long long k_desc = wgmma_desc(sm.q_stage(st), 16, 1024, kSwizzle128B);
   float s[kKeys / 2], dp[kKeys / 2];
-  HSAP_UNROLL
-  for (int i = 0; i < kKeys / 2; ++i) s[i] = dp[i] = 0.0f;
-  wgmma_fence_operand(s);
-  wgmma_fence_operand(dp);
-  wgmma_fence();
-  HSAP_UNROLL
-  for (int kk = 0; kk < S::kD / 16; ++kk) {
-    const unsigned off_q = (kk / 4) * S::kBN * 128 + (kk % 4) * 32;  // 64 rows per panel
-    const unsigned off_k = (kk / 4) * kKeys * 128 + (kk % 4) * 32;   // kBM rows per panel
-    wgmma_m64k16_ss<kKeys, kBf16, false>(s, wgmma_desc_advance(q_desc, off_q),
-                                         wgmma_desc_advance(k_desc, off_k), kk > 0);
-  }
-  wgmma_commit_group();
-  HSAP_UNROLL
-  for (int kk = 0; kk < S::kD / 16; ++kk) {
-    const unsigned off_q = (kk / 4) * S::kBN * 128 + (kk % 4) * 32;
-    const unsigned off_k = (kk / 4) * kKeys * 128 + (kk % 4) * 32;
-    wgmma_m64k16_ss<kKeys, kBf16, false>(dp, wgmma_desc_advance(do_desc, off_q),
-                                         wgmma_desc_advance(v_desc, off_k), kk > 0);
-  }
-  wgmma_commit_group();
+  wgmma_bwd_issue_scores<S, kKeys, kBf16>(s, dp, q_desc, k_desc);  // S = Q K^T, dP = dO V^T
   wgmma_wait_group<1>();  // S; dP may still run: P meanwhile
   wgmma_fence_operand(s);
   wgmma_opaque(warp);  // as wgmma_bwd_tile
@@ -396,7 +374,7 @@ HSAP_DEV void wgmma_bwd_dq_tile(float (&dq)[S::kD / 2], const WgmmaBwdSmem<S>& s
   }
   unsigned da[kKeys / 16][4];
   wgmma_bwd_pack<kKeys, Ops>(da, dp);
-  const unsigned long long k_mn_desc = wgmma_desc(kt, kKeys * 128, 1024, kSwizzle128B);
+  const unsigned long long k_mn_desc = wgmma_desc_with_lbo(k_desc, kKeys * 128);
   wgmma_fence_operand(dq);
   wgmma_fence();
   HSAP_UNROLL
