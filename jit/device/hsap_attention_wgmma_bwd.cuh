@@ -503,7 +503,8 @@ HSAP_DEV void wgmma_bwd_consume(const BwdParams& p, const WgmmaBwdSmem<WgmmaBwdS
 // attn_bwd_wgmma_kernel<Cfg>: BwdParams' contract (attn_bwd_mma_kernel) on 384 threads with
 // Cfg::kWgmmaBwdSmemBytes of dynamic shared memory and the tensor maps of p.q, p.k, p.v and
 // p.dout (lib/cuda/exec/wgmma_tensor_maps.h EncodeWgmmaBackwardMaps: boxes of 64 elements x 1
-// head x kWgmmaBwdBlockM rows for q and dout, 64 rows for k and v, 128-byte swizzle).
+// head x kWgmmaBwdBoxRows rows, 128-byte swizzle). Any grid: the CTAs take the items
+// grid-stride.
 template <class Cfg>
 __global__ void __launch_bounds__(384, 1)
     attn_bwd_wgmma_kernel(const BwdParams p, const __grid_constant__ TensorMap tq,
