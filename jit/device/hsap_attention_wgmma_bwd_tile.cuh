@@ -104,8 +104,8 @@ struct WgmmaBwdSmem {
   // Stage s: Q, then dO kQBytes further (dq: K, V); its lse and delta [lse, delta][kBM].
   HSAP_DEV unsigned char* q_stage(int s) const { return base + S::kQOffset + s * 2 * S::kQBytes; }
   HSAP_DEV unsigned char* do_stage(int s) const { return q_stage(s) + S::kQBytes; }
-  // Warpgroup w's P^T (i = 0) or dS^T (i = 1): [64 keys][kBM queries], K-major, 128-byte
-  // swizzle (the A operand of dV += P^T dO, dK += dS^T Q).
+  // Warpgroup w's P^T (i = 0) or dS^T (i = 1): [64 keys][kBM queries] in rows of 128 bytes,
+  // K-major, 128-byte swizzle (the A operand of dV += P^T dO, dK += dS^T Q).
   HSAP_DEV unsigned char* p_tile(int w, int i) const {
     return base + S::kPOffset + (2 * w + i) * S::kPBytes;
   }
