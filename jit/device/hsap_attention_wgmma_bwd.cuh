@@ -3,8 +3,8 @@
 // 128). Same contract as attn_bwd_mma_kernel (BwdParams of hsap_params.cuh; dq, dk, dv fp32
 // and added into; any grid), whose work items, walks, masks and NaN/inf rules it keeps
 // (hsap_attention_mma_bwd.cuh), all on wgmma, in the manner of FlashAttention-3's backward:
-// CTAs of 384 threads, a producer warpgroup and two consumer warpgroups (setmaxnreg: 32 and
-// 240 registers), walking grid-stride over
+// CTAs of 384 threads, a producer warpgroup and two consumer warpgroups (setmaxnreg: 40 and
+// 232 registers of the launch's 168 per thread), walking grid-stride over
 //   1. key items (kItemKeys = 128 key rows kt0..kt1 of kv head kvh): consumer warpgroup wg
 //      keeps dK and dV of keys kt0 + 64 wg .. + 63 in registers (wgmma accumulators: warp w
 //      holds keys 16w..16w+15 of them); both read every query tile that sees the item's keys
@@ -247,7 +247,7 @@ HSAP_DEV WgmmaBwdSlot* wgmma_bwd_next_query_tile(const BwdParams& p,
 // published when there is none), loads the fixed tiles (load_fixed), then every tile is
 // published (publish: the whole warp) and the next walked (walk_next, lane 0) until the end
 // marker, which is published. (The first tile is walked apart from the others, so that no
-// flag is held across the loop: the producer has 32 registers.)
+// flag is held across the loop: the producer has 40 registers.)
 template <class S, class WalkFirst, class WalkNext, class LoadFixed, class Publish>
 HSAP_DEV void wgmma_bwd_produce_tiles(const WgmmaBwdSmem<S>& sm, WgmmaBwdPipe* pipe,
                                       WalkFirst&& walk_first, WalkNext&& walk_next,
@@ -330,7 +330,7 @@ HSAP_DEV void wgmma_bwd_produce_query_item(const BwdParams& p,
   using S = WgmmaBwdShape<Cfg>;
   const int kvh = kv_head<Cfg>(p.kv_head_of_q, p.heads_q, p.heads_kv, h, p.error_flag);
   if (kvh < 0) return;
-  // Read where it lies (not copied into registers, of which the producer has 32): the
+  // Read where it lies (not copied into registers, of which the producer has 40): the
   // mbarrier waits are memory clobbers, so each use reloads it (from L1).
   const QueryBlock& qb = p.blocks[b];
   if (!block_rows_in_range(qb, p.q_rows, p.error_flag)) return;

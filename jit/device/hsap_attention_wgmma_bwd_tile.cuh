@@ -33,9 +33,13 @@ struct WgmmaBwdShape {
   static constexpr int kStages = 2;                       // WgmmaBwdPipe counts them in two bits
   static constexpr int kThreads = 384;                    // producer + 2 consumer warpgroups
   static constexpr int kConsumerThreads = 256;
-  // 128 * 32 + 256 * 240 = 65536: the producer's walk needs its 32 (at 24 it spilled), and
-  // the consumers' 240 hold dK, dV (2 D / 2), S^T, dP^T (kBM) and the rest.
-  static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
+  // setmaxnreg's counts. They share the registers the launch gave the CTA, kLaunchRegs per
+  // thread (ptxas' count under __launch_bounds__(384, 1); the compile test holds the kernel
+  // to it): a .inc waits for registers a .dec released, so counts summing to more would hang
+  // (the emulator faults). 40 + 2 x 232 = 3 x 168. The producer's walk spills at 24 and 32,
+  // and the consumers' dK, dV (D), S^T, dP^T (kBM) and the rest fit 232 at the tiles chosen.
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static constexpr int kPanels = kD / 64;
   static constexpr int kHalfBytes = kBN * kD * 2;  // one warpgroup's K or V (dq: Q or dO)
   static constexpr int kKBytes = 2 * kHalfBytes;   // K or V of the item
@@ -63,8 +67,9 @@ struct WgmmaBwdShape {
                 "hsap: the sm_90a backward computes dq in a fixed order only (kDeterministicDq)");
   static_assert(kQBytes % 1024 == 0 && kHalfBytes % 1024 == 0 && kPBytes % 1024 == 0,
                 "hsap: every tile must start on a 1024-byte swizzle atom");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536,
-                "hsap: the register split exceeds the SM's file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+                "hsap: setmaxnreg's counts take more registers than the launch gave the CTA (the "
+                "consumers' .inc would wait forever)");
   static_assert(kStages == 2, "hsap: WgmmaBwdPipe counts the stages in two bits");
 };
 
@@ -118,7 +123,7 @@ struct WgmmaBwdSmem {
   HSAP_DEV WgmmaBwdSlot* slot(int s) const {  // what the producer says of stage s
     return reinterpret_cast<WgmmaBwdSlot*>(base + S::kCtrlOffset + sizeof(MmaKeyWalk)) + s;
   }
-  // The producer's item counter (its `step`), kept here like the walk: the producer has 32
+  // The producer's item counter (its `step`), kept here like the walk: the producer has 40
   // registers, and the walk needs them.
   HSAP_DEV unsigned* producer_step() const {
     return reinterpret_cast<unsigned*>(base + S::kCtrlOffset + 252);
@@ -266,7 +271,7 @@ HSAP_DEV void wgmma_bwd_issue_scores(float (&s)[N / 2], float (&dp)[N / 2],
 // once dP^T is in (dV still running), stored, dK += dS^T Q issued; then all waited for. P^T
 // and dS^T go through shared memory (FlashAttention-3's way) rather than as register A
 // fragments: next to dK and dV of 64 keys (D registers) and S^T and dP^T (kBM), the
-// fragments' kBM / 2 more left ptxas spilling in the consumers' 240 at head dim 128.
+// fragments' kBM / 2 more left ptxas spilling at head dim 128, even with 240 registers.
 template <class Cfg, class S>
 HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
                              const WgmmaBwdSmem<S>& sm, int st, int key_off, const BwdParams& p,

@@ -654,8 +654,10 @@ TEST(WgmmaDescTest, AdvanceAndLeadingOffsetKeepTheOtherFields) {
   }
 }
 
+// 384 threads start at 168 registers each (65536 / 384, rounded down to 8): a producer at 24
+// releases what two consumers at 240 take, the sm_90a forward's split; in two steps too.
 TEST(SetmaxnregTest, UniformIncAndDecPass) {
-  absl::Status s = RunWarpgroups(256, 0, [] {
+  absl::Status s = RunWarpgroups(384, 0, [] {
     if (threadIdx.x < 128) {
       hsap_dev::setmaxnreg_dec<40>();
       hsap_dev::setmaxnreg_dec<24>();
@@ -665,6 +667,37 @@ TEST(SetmaxnregTest, UniformIncAndDecPass) {
     }
   });
   EXPECT_TRUE(s.ok()) << s;
+  // An .inc waits for the .dec that covers it: here the producer would release only after a
+  // __syncthreads the waiting consumers never reach (a GPU hangs).
+  s = RunWarpgroups(384, 0, [] {
+    if (threadIdx.x >= 128) hsap_dev::setmaxnreg_inc<232>();
+    __syncthreads();
+    if (threadIdx.x < 128) hsap_dev::setmaxnreg_dec<40>();
+  });
+  EXPECT_THAT(s.message(), HasSubstr("no warpgroup releases more"));
+}
+
+// Counts that sum past the launch's: a producer at 32 and two consumers at 240 would take
+// 512 registers per thread of three warpgroups that have 3 x 168 (the sm_90a backward's
+// first split, which would have hung on a GPU).
+TEST(SetmaxnregTest, IncBeyondTheCtaPoolFaults) {
+  absl::Status s = RunWarpgroups(384, 0, [] {
+    if (threadIdx.x < 128) {
+      hsap_dev::setmaxnreg_dec<32>();
+    } else {
+      hsap_dev::setmaxnreg_inc<240>();
+    }
+  });
+  EXPECT_THAT(s.message(), HasSubstr("no warpgroup releases more"));
+  EXPECT_THAT(s.message(), HasSubstr("3 warpgroups x 168 registers per thread"));
+  s = RunWarpgroups(384, 0, [] {
+    if (threadIdx.x < 128) {
+      hsap_dev::setmaxnreg_dec<40>();
+    } else {
+      hsap_dev::setmaxnreg_inc<232>();
+    }
+  });
+  EXPECT_TRUE(s.ok()) << s;  // the sm_90a backward's split: 40 + 2 x 232 = 3 x 168
 }
 
 TEST(SetmaxnregTest, Faults) {

@@ -48,9 +48,15 @@
 // products of two bf16 or f16 values are exact in fp32. The tolerance rule covers any order.
 //
 // setmaxnreg.{inc,dec}.sync.aligned.u32 N: N a multiple of 8 in [24, 256] (hsap_wgmma.cuh also
-// checks it at compile time), the same N across the warpgroup, and after a first one, .inc
-// never below and .dec never above the warpgroup's current count. The CTA's register pool
-// (an .inc that waits for registers no warp releases) is not modelled.
+// checks it at compile time), the same N across the warpgroup, .inc never below and .dec never
+// above the warpgroup's current count, which starts at the launch's (LaunchRegisters: what
+// ptxas gives a kernel of blockDim threads under __launch_bounds__(blockDim, 1), all of the
+// SM's 65536 / blockDim rounded down to 8, at most 256; the compile tests hold the sm_90a
+// kernels to it). The CTA's pool: a .dec releases 128 x (current - N) registers to it, an .inc
+// takes 128 x (N - current) from it and waits until the other warpgroups' .dec have released
+// them; an .inc the releases never cover (the warpgroups' counts summing to more than the
+// launch gave the CTA) would wait forever on a GPU, and faults here once the CTA's other
+// threads have run kPoolSpins times without covering it.
 //
 // Included by tests/support/cuda_emulator.h (before its per-CTA state, which holds one
 // WgmmaCtaState); the hooks declared below are defined there.
@@ -78,6 +84,7 @@ struct WgmmaCtaState;
 [[noreturn]] inline void Fault(const std::string& what);
 inline WgmmaCtaState& ThisCtaWgmma();
 inline void SyncWarpgroup();                    // the calling thread's warpgroup barrier
+inline void YieldThread();                      // lets the CTA's other threads run
 inline int ThisThreadIndex();                   // threadIdx.x
 inline int CtaThreads();                        // blockDim.x
 inline unsigned char* SharedWindow();           // the CTA's shared memory, offset 0
@@ -161,6 +168,7 @@ struct WgmmaCtaState {
   std::vector<wgmma::ThreadState> threads;
   std::vector<wgmma::Exchange> exchanges;  // per warpgroup
   std::vector<int> regs;                   // per warpgroup: setmaxnreg's count (0: none yet)
+  long pool = 0;                           // registers released by .dec, not yet taken
 
   void EnsureFor(int cta_threads) {
     if (!threads.empty()) return;
@@ -509,6 +517,13 @@ inline void WaitGroup(int pending) {
   me.last_wait = ++me.events;
 }
 
+// Registers per thread at launch (see the top of the file).
+inline int LaunchRegisters(int threads) { return std::min(256, 65536 / threads / 8 * 8); }
+
+// Rounds of the CTA's other threads an .inc waits through before it faults: the kernels
+// release at their start (their producer's .dec), a few rounds.
+inline constexpr long kPoolSpins = 1024;
+
 inline void Setmaxnreg(bool inc, int count) {
   const char* name = inc ? "setmaxnreg.inc" : "setmaxnreg.dec";
   if (count < 24 || count > 256 || count % 8 != 0) {
@@ -519,14 +534,34 @@ inline void Setmaxnreg(bool inc, int count) {
   mine.n = count;
   std::uint64_t ticket = 0;
   Gather(mine, ticket);
-  int& current = ThisCtaWgmma().regs[static_cast<std::size_t>(ThisThreadIndex() / 128)];
-  if (current != 0 && (inc ? count < current : count > current)) {
+  WgmmaCtaState& cta = ThisCtaWgmma();
+  int& regs = cta.regs[static_cast<std::size_t>(ThisThreadIndex() / 128)];
+  const int current = regs != 0 ? regs : LaunchRegisters(CtaThreads());
+  if (inc ? count < current : count > current) {
     Fault(absl::StrCat(name, " ", count, " with the warpgroup at ", current,
                        " registers per thread: .inc must not lower the count and .dec must not "
                        "raise it"));
   }
-  // Every thread of the warpgroup passes here with the same count.
-  current = count;
+  SyncWarpgroup();  // every thread has read the count before the first thread changes it
+  if (ThisThreadIndex() % 128 == 0) {
+    const long delta = 128L * (count - current);
+    for (long spins = 0; delta > 0 && cta.pool < delta; ++spins) {
+      if (spins == kPoolSpins) {
+        Fault(
+            absl::StrCat(name, " ", count, ": warpgroup ", ThisThreadIndex() / 128, " at ", current,
+                         " registers per thread waits for ", delta,
+                         " registers and the CTA's pool holds ", cta.pool,
+                         "; no warpgroup releases more. The warpgroups' counts must sum to at most "
+                         "what the launch gave the CTA: ",
+                         CtaThreads() / 128, " warpgroups x ", LaunchRegisters(CtaThreads()),
+                         " registers per thread"));
+      }
+      YieldThread();
+    }
+    cta.pool -= delta;
+    regs = count;
+  }
+  SyncWarpgroup();  // the warpgroup goes on with its new count, as the instruction returns
 }
 
 }  // namespace wgmma
