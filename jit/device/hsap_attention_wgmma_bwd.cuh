@@ -391,6 +391,13 @@ HSAP_DEV const WgmmaBwdSlot* wgmma_bwd_advance(const WgmmaBwdSmem<S>& sm, WgmmaB
   return wgmma_bwd_acquire<S>(sm, *pipe);
 }
 
+// A consumer thread's place: ct in [0, 256) of the consumers, its warpgroup wg (0 or 1), warp
+// in the warpgroup, and g, t of its lane as the accumulator fragments use them.
+struct WgmmaBwdThread {
+  int ct = static_cast<int>(threadIdx.x) - 128;
+  int wg = ct / 128, warp = (ct % 128) / 32, g = (ct % 32) / 4, t = ct % 4;
+};
+
 // Key item, from its first tile (acquired) to its end marker (released): warpgroup wg's keys
 // kt0 + 64 wg .. + 63, dK and dV in registers, added to dk and dv once.
 template <class Cfg>
@@ -398,8 +405,8 @@ HSAP_DEV void wgmma_bwd_consume_key_item(const BwdParams& p,
                                          const WgmmaBwdSmem<WgmmaBwdShape<Cfg>>& sm,
                                          WgmmaBwdPipe* pipe) {
   using S = WgmmaBwdShape<Cfg>;
-  const int ct = static_cast<int>(threadIdx.x) - 128;
-  const int wg = ct / 128, warp = (ct % 128) / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const WgmmaBwdThread th;
+  const int ct = th.ct, wg = th.wg, warp = th.warp, g = th.g, t = th.t;
   float dk[S::kD / 2], dv[S::kD / 2];
   HSAP_UNROLL
   for (int i = 0; i < S::kD / 2; ++i) dk[i] = dv[i] = 0.0f;
@@ -444,8 +451,8 @@ HSAP_DEV void wgmma_bwd_consume_query_chunk(const BwdParams& p,
                                             const WgmmaBwdSmem<WgmmaBwdShape<Cfg>>& sm,
                                             WgmmaBwdPipe* pipe) {
   using S = WgmmaBwdShape<Cfg>;
-  const int ct = static_cast<int>(threadIdx.x) - 128;
-  const int wg = ct / 128, warp = (ct % 128) / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const WgmmaBwdThread th;
+  const int ct = th.ct, wg = th.wg, warp = th.warp, g = th.g, t = th.t;
   const WgmmaBwdSlot* slot = sm.slot(pipe->stage());
   float row_lse[2], row_delta[2];
   {

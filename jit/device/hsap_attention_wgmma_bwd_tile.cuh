@@ -265,6 +265,22 @@ HSAP_DEV void wgmma_bwd_issue_scores(float (&s)[N / 2], float (&dp)[N / 2],
   }
 }
 
+// acc += A B, one wgmma group (m64nDk16, K = the tile's kBM query rows): A the warpgroup's
+// P^T or dS^T in shared memory (K-major, k-step kc at byte kc * 32), B the stage's dO or Q
+// read MN-major (k-step kc: rows 16 kc..). A key tile's dV and dK.
+template <class S, bool kBf16>
+HSAP_DEV void wgmma_bwd_issue_grad(float (&acc)[S::kD / 2], unsigned long long a_desc,
+                                   unsigned long long b_mn_desc) {
+  wgmma_fence_operand(acc);
+  wgmma_fence();
+  HSAP_UNROLL
+  for (int kc = 0; kc < S::kBM / 16; ++kc) {
+    wgmma_m64k16_ss<S::kD, kBf16, true>(acc, wgmma_desc_advance(a_desc, kc * 32),
+                                        wgmma_desc_advance(b_mn_desc, kc * 16 * 128), true);
+  }
+  wgmma_commit_group();
+}
+
 // One query tile of a key item for the warpgroup's 64 keys (from key_off of the item),
 // pipelined within the warpgroup: S^T and dP^T issued as two wgmma groups; P^T computed once
 // S^T is in (dP^T still running), stored to shared memory, dV += P^T dO issued; dS^T computed
@@ -306,14 +322,7 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
   // A = P^T (K-major, k-step kc: byte kc * 32), B = dO MN-major (k-step kc: rows 16 kc..).
   const unsigned long long pt_desc = wgmma_desc(pt, 16, 1024, kSwizzle128B);
   const unsigned long long do_mn_desc = wgmma_desc_with_lbo(do_desc, kBM * 128);
-  wgmma_fence_operand(dv);
-  wgmma_fence();
-  HSAP_UNROLL
-  for (int kc = 0; kc < kBM / 16; ++kc) {
-    wgmma_m64k16_ss<S::kD, kBf16, true>(dv, wgmma_desc_advance(pt_desc, kc * 32),
-                                        wgmma_desc_advance(do_mn_desc, kc * 16 * 128), true);
-  }
-  wgmma_commit_group();
+  wgmma_bwd_issue_grad<S, kBf16>(dv, pt_desc, do_mn_desc);  // dV += P^T dO
   wgmma_wait_group<1>();  // dP^T; dV may still run
   wgmma_fence_operand(dp);
   wgmma_opaque(warp);
@@ -324,14 +333,7 @@ HSAP_DEV void wgmma_bwd_tile(float (&dk)[S::kD / 2], float (&dv)[S::kD / 2],
   wgmma_bwd_publish_a(wg);
   const unsigned long long dst_desc = wgmma_desc_advance(pt_desc, S::kPBytes);  // dS^T
   const unsigned long long q_mn_desc = wgmma_desc_with_lbo(q_desc, kBM * 128);
-  wgmma_fence_operand(dk);
-  wgmma_fence();
-  HSAP_UNROLL
-  for (int kc = 0; kc < kBM / 16; ++kc) {
-    wgmma_m64k16_ss<S::kD, kBf16, true>(dk, wgmma_desc_advance(dst_desc, kc * 32),
-                                        wgmma_desc_advance(q_mn_desc, kc * 16 * 128), true);
-  }
-  wgmma_commit_group();
+  wgmma_bwd_issue_grad<S, kBf16>(dk, dst_desc, q_mn_desc);  // dK += dS^T Q
   wgmma_wait_group<0>();  // before the next tile's stores overwrite P^T and dS^T
   wgmma_fence_operand(dv);
   wgmma_fence_operand(dk);
