@@ -205,8 +205,9 @@ int WgmmaBwdSmemBytes(int d, int bm) {
 // dP^T; a dq chunk's keys: N of S and dP). Per thread of a consumer warpgroup (232 registers
 // after setmaxnreg) dK and dV of its 64 keys take D fp32 registers (128 at D = 128) and S^T
 // and dP^T block_m: 64 rows at D = 64; at D = 128, 64 rows left ptxas spilling 12-68 bytes
-// whatever the code's arrangement, even at 240 registers; 48 rows (16 registers fewer) none
-// (the compile test holds it to zero spills).
+// whatever the code's arrangement, even at 240 registers (2026-12-05: set 64 here and run
+// jit_cuda_wgmma_nvrtc_test); 48 rows (16 registers fewer) none (the compile test holds it
+// to zero spills).
 void ChooseWgmmaBackwardTiles(const CudaKernelConfig& c, CudaTiles* t) {
   t->wgmma_bwd = true;
   t->wgmma_bwd_block_m = c.head_dim == 128 ? 48 : 64;
